@@ -1,0 +1,45 @@
+// SPDX-License-Identifier: Apache-2.0
+// kvc/backend/cpu/scorers/knorm.hpp: CPU reference kernel for KnormScorer.
+#pragma once
+
+#include <kvc/backend/cpu/detail/rows.hpp>
+#include <kvc/scorers/knorm.hpp>
+
+#include <algorithm>
+#include <cmath>
+#include <cstddef>
+#include <limits>
+
+namespace kvc {
+
+/// One pass over K; fp32 sums of squares (vectorised by Eigen).
+template <>
+struct ScoreKernel<KnormScorer, Cpu> {
+  static std::size_t workspace_bytes(KnormScorer const&, KVExtents const& keys) {
+    return workspace_round(static_cast<std::size_t>(keys.dim) * sizeof(float));
+  }
+
+  template <KVCacheView C, class Obs>
+  static Status run(Cpu const&, KnormScorer const&, C const& cache, Obs const&, ScoreSpan<HostSpace> out,
+                    Workspace ws) {
+    auto const& keys = cache.keys;
+    KVExtents const e = keys.extents();
+    float* scratch = WorkspaceCarver(ws).take<float>(e.dim);
+    if (scratch == nullptr && e.dim > 0)
+      return {Errc::out_of_capacity, "kvc::score(knorm): workspace smaller than score_workspace_bytes()"};
+    for (Index b = 0; b < e.batch; ++b) {
+      Index const n = out.length(b);
+      if (n < 0 || n > e.tokens)
+        return {Errc::invalid_argument, "kvc::score: `lengths[b]` must be in [0, tokens]"};
+      for (Index h = 0; h < e.heads; ++h) {
+        float* score = &out(b, h, 0);
+        for (Index t = 0; t < n; ++t)
+          score[t] = -std::sqrt(detail::float_row(keys.row(b, h, t), e.dim, scratch).squaredNorm());
+        std::fill(score + n, score + e.tokens, -std::numeric_limits<float>::infinity());
+      }
+    }
+    return {};
+  }
+};
+
+}  // namespace kvc

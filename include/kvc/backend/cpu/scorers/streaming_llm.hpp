@@ -1,0 +1,40 @@
+// SPDX-License-Identifier: Apache-2.0
+// kvc/backend/cpu/scorers/streaming_llm.hpp: CPU kernel for StreamingLLMScorer (positions only; reads no K/V).
+#pragma once
+
+#include <kvc/scorers/streaming_llm.hpp>
+
+#include <algorithm>
+#include <cstddef>
+#include <limits>
+
+namespace kvc {
+
+template <>
+struct ScoreKernel<StreamingLLMScorer, Cpu> {
+  static std::size_t workspace_bytes(StreamingLLMScorer const&, KVExtents const&) { return 0; }
+
+  template <KVCacheView C, class Obs>
+  static Status run(Cpu const&, StreamingLLMScorer const& s, C const&, Obs const&, ScoreSpan<HostSpace> out,
+                    Workspace) {
+    if (s.n_sink < 0)
+      return {Errc::invalid_argument, "StreamingLLMScorer: `n_sink` must be >= 0"};
+    if (out.tokens > streaming_llm_max_tokens)
+      return {Errc::invalid_argument, "StreamingLLMScorer: more than 2^24 tokens cannot be ranked exactly in fp32"};
+    auto const top = static_cast<float>(out.tokens);  // above every position: sinks rank first
+    for (Index b = 0; b < out.batch; ++b) {
+      Index const n = out.length(b);
+      if (n < 0 || n > out.tokens)
+        return {Errc::invalid_argument, "kvc::score: `lengths[b]` must be in [0, tokens]"};
+      for (Index h = 0; h < out.heads; ++h) {
+        float* score = &out(b, h, 0);
+        for (Index t = 0; t < n; ++t)
+          score[t] = t < s.n_sink ? top : static_cast<float>(t);
+        std::fill(score + n, score + out.tokens, -std::numeric_limits<float>::infinity());
+      }
+    }
+    return {};
+  }
+};
+
+}  // namespace kvc

@@ -1,0 +1,96 @@
+// SPDX-License-Identifier: Apache-2.0
+// kvc/core/layout.hpp: token layouts, mdspan-style mappings from (batch, head, token) to an element offset.
+//
+// A layout says where the row of `dim` contiguous elements for (b, h, t) starts. Scorers, selectors and
+// compaction only ever call `offset`, so they never see strides or block tables.
+#pragma once
+
+#include <kvc/core/extents.hpp>
+
+#include <concepts>
+#include <cstdint>
+#include <type_traits>
+
+namespace kvc {
+
+/// Dense rows at arbitrary strides (in elements). Covers BHTD (Hugging Face), BTHD (flash-attn, llama.cpp and
+/// SGLang token-major) and slices of larger buffers (e.g. a packed K||V innermost layout).
+struct StridedLayout {
+  KVExtents ext;
+  Index stride_b = 0;
+  Index stride_h = 0;
+  Index stride_t = 0;
+
+  KVC_HOST_DEVICE constexpr Index offset(Index b, Index h, Index t) const noexcept {
+    return b * stride_b + h * stride_h + t * stride_t;
+  }
+};
+
+/// Contiguous [batch, heads, tokens, dim] (the Hugging Face cache layout).
+constexpr StridedLayout bhtd_layout(KVExtents e) noexcept {
+  return {e, e.heads * e.tokens * e.dim, e.tokens * e.dim, e.dim};
+}
+
+/// Contiguous [batch, tokens, heads, dim] (flash-attn, token-major engines).
+constexpr StridedLayout bthd_layout(KVExtents e) noexcept {
+  return {e, e.tokens * e.heads * e.dim, e.dim, e.heads * e.dim};
+}
+
+/// Where a token's row sits inside one page.
+enum class PageOrder : std::uint8_t {
+  nhd,  ///< page = [page_size, heads, dim] (vLLM flash-attn, FlashInfer default)
+  hnd,  ///< page = [heads, page_size, dim] (TRT-LLM, MLC/TVM, FlashInfer option)
+};
+
+/// Fixed-size pages of one sequence found through a page list: either a padded block table
+/// (`block_table[b * max_pages + p]`, vLLM) or CSR (`page_indices[page_indptr[b] + p]`, FlashInfer/MLC).
+/// Page ids are int32 as every engine stores them. Tables live in the same memory space as the data.
+/// `ext.tokens` is the largest sequence length the tables can address.
+struct PagedLayout {
+  KVExtents ext;
+  Index page_size = 0;
+  Index stride_page = 0;                      ///< elements between consecutive pages in the pool
+  Index stride_h = 0;                         ///< inside a page
+  Index stride_t = 0;                         ///< inside a page
+  std::int32_t const* block_table = nullptr;  ///< [batch, max_pages], used when page_indptr is null
+  Index max_pages = 0;
+  std::int32_t const* page_indptr = nullptr;   ///< [batch + 1] (CSR mode)
+  std::int32_t const* page_indices = nullptr;  ///< [page_indptr[batch]] (CSR mode)
+
+  KVC_HOST_DEVICE constexpr Index page_of(Index b, Index t) const noexcept {
+    Index const p = t / page_size;
+    return page_indptr ? Index{page_indices[page_indptr[b] + p]} : Index{block_table[b * max_pages + p]};
+  }
+  KVC_HOST_DEVICE constexpr Index offset(Index b, Index h, Index t) const noexcept {
+    return page_of(b, t) * stride_page + h * stride_h + (t % page_size) * stride_t;
+  }
+};
+
+/// A paged layout over a pool of [num_pages, page] blocks with a padded block table.
+constexpr PagedLayout paged_layout(KVExtents e, Index page_size, PageOrder order, std::int32_t const* block_table,
+                                   Index max_pages) noexcept {
+  PagedLayout l{e, page_size, page_size * e.heads * e.dim, 0, 0, block_table, max_pages, nullptr, nullptr};
+  l.stride_h = order == PageOrder::nhd ? e.dim : page_size * e.dim;
+  l.stride_t = order == PageOrder::nhd ? e.heads * e.dim : e.dim;
+  return l;
+}
+
+/// A paged layout with CSR page lists (indptr [batch + 1], indices).
+constexpr PagedLayout paged_layout_csr(KVExtents e, Index page_size, PageOrder order, std::int32_t const* indptr,
+                                       std::int32_t const* indices) noexcept {
+  PagedLayout l = paged_layout(e, page_size, order, nullptr, 0);
+  l.page_indptr = indptr;
+  l.page_indices = indices;
+  return l;
+}
+
+/// A token layout is a small copyable mapping with extents and an element offset for (b, h, t).
+template <class L>
+concept TokenLayout = std::is_trivially_copyable_v<L> && requires(L const& l, Index i) {
+  { l.ext } -> std::convertible_to<KVExtents>;
+  { l.offset(i, i, i) } -> std::same_as<Index>;
+};
+
+static_assert(TokenLayout<StridedLayout> && TokenLayout<PagedLayout>);
+
+}  // namespace kvc

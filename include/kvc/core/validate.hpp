@@ -1,0 +1,136 @@
+// SPDX-License-Identifier: Apache-2.0
+// kvc/core/validate.hpp: opt-in checks of a cache view before it is handed to kernels.
+#pragma once
+
+#include <kvc/core/element.hpp>
+#include <kvc/core/kv_view.hpp>
+#include <kvc/core/layout.hpp>
+#include <kvc/core/status.hpp>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <type_traits>
+
+namespace kvc {
+
+struct ValidateOptions {
+  bool check_finite = false;  ///< scan every valid element for NaN/Inf (host memory only; O(cache size))
+};
+
+namespace detail {
+
+/// Whether a*b overflows int64 for non-negative operands.
+constexpr bool mul_overflows(Index a, Index b) noexcept {
+  Index r = 0;
+  return __builtin_mul_overflow(a, b, &r);
+}
+
+/// Elements spanned by a strided view: max offset + dim. Also checks that rows never overlap each other.
+inline Status strided_span(StridedLayout const& l, Index& span) noexcept {
+  KVExtents const e = l.ext;
+  if (l.stride_b < 0 || l.stride_h < 0 || l.stride_t < 0)
+    return {Errc::invalid_argument, "StridedLayout: strides must be >= 0"};
+  struct Axis {
+    Index stride, extent;
+  } axes[3] = {{l.stride_b, e.batch}, {l.stride_h, e.heads}, {l.stride_t, e.tokens}};
+  std::sort(axes, axes + 3, [](Axis a, Axis b) { return a.stride < b.stride; });
+  Index inner = e.dim;  // rows never overlap iff each stride (of an extent > 1) covers everything inside it
+  span = e.dim;
+  for (Axis const& a : axes) {
+    if (a.extent <= 1)
+      continue;
+    if (a.stride < inner)
+      return {Errc::invalid_argument, "StridedLayout: rows overlap (a stride is smaller than the block inside it)"};
+    if (mul_overflows(a.stride, a.extent - 1) || mul_overflows(a.stride, a.extent))
+      return {Errc::invalid_argument, "StridedLayout: offsets overflow 64 bits"};
+    span += a.stride * (a.extent - 1);
+    inner = a.stride * a.extent;
+  }
+  return {};
+}
+
+template <class L>
+Status layout_status(L const& l) noexcept {
+  KVExtents const e = l.ext;
+  if (e.batch < 0 || e.heads < 0 || e.tokens < 0 || e.dim <= 0)
+    return {Errc::invalid_argument, "KVExtents: batch, heads, tokens must be >= 0 and dim > 0"};
+  if (mul_overflows(e.batch, e.heads) || mul_overflows(e.batch * e.heads, e.tokens) ||
+      mul_overflows(e.batch * e.heads * e.tokens, e.dim))
+    return {Errc::invalid_argument, "KVExtents: batch * heads * tokens * dim overflows 64 bits"};
+  if constexpr (std::is_same_v<L, StridedLayout>) {
+    Index span = 0;
+    return strided_span(l, span);
+  } else if constexpr (std::is_same_v<L, PagedLayout>) {
+    if (l.page_size <= 0)
+      return {Errc::invalid_argument, "PagedLayout: `page_size` must be > 0"};
+    if (l.page_indptr == nullptr && (l.block_table == nullptr || l.max_pages * l.page_size < e.tokens))
+      return {Errc::invalid_argument, "PagedLayout: need a block table with max_pages * page_size >= tokens, or CSR"};
+    if (l.page_indptr != nullptr && l.page_indices == nullptr)
+      return {Errc::invalid_argument, "PagedLayout: CSR mode needs `page_indices`"};
+    bool const nhd = l.stride_t >= l.stride_h;
+    Index const inner = nhd ? l.stride_t * l.page_size : l.stride_h * e.heads;
+    if (l.stride_h < (nhd ? e.dim : e.dim * l.page_size) || l.stride_t < (nhd ? e.dim * e.heads : e.dim) ||
+        l.stride_page < inner)
+      return {Errc::invalid_argument, "PagedLayout: in-page strides overlap rows or pages"};
+    return {};
+  } else {
+    return {};
+  }
+}
+
+template <class R>
+Status rows_finite(R const& rows, Index const* lengths) noexcept {
+  KVExtents const e = rows.extents();
+  for (Index b = 0; b < e.batch; ++b)
+    for (Index h = 0; h < e.heads; ++h)
+      for (Index t = 0; t < (lengths ? lengths[b] : e.tokens); ++t) {
+        auto const* r = rows.row(b, h, t);
+        for (Index i = 0; i < e.dim; ++i)
+          if (!std::isfinite(to_float(r[i])))
+            return {Errc::non_finite, "kvc::validate: K or V holds NaN or Inf"};
+      }
+  return {};
+}
+
+}  // namespace detail
+
+/// Checks a host or device cache's shapes and layouts (and, for host caches, optionally finiteness):
+/// extents non-negative with dim > 0; K and V agree on batch, heads and tokens; element offsets fit in 64 bits;
+/// strided rows do not overlap; paged tables cover `tokens`; lengths in [0, tokens] (host only).
+template <KVCacheView C>
+Status validate(C const& cache, ValidateOptions opts = {}) noexcept {
+  KVExtents const k = cache.keys.extents(), v = cache.values.extents();
+  KVC_RETURN_IF_ERROR(detail::layout_status(cache.keys.layout()));
+  KVC_RETURN_IF_ERROR(detail::layout_status(cache.values.layout()));
+  if (k.batch != v.batch || k.heads != v.heads || k.tokens != v.tokens)
+    return {Errc::invalid_argument, "kvc::validate: keys and values must agree on batch, heads and tokens"};
+  if (cache.keys.data() == nullptr || cache.values.data() == nullptr)
+    if (k.rows() > 0)
+      return {Errc::invalid_argument, "kvc::validate: K or V data pointer is null"};
+  if constexpr (std::is_same_v<typename decltype(cache.keys)::layout_type, StridedLayout> &&
+                std::is_same_v<typename decltype(cache.values)::layout_type, StridedLayout>) {
+    Index ks = 0, vs = 0;  // K and V must not share memory, or compaction would corrupt one with the other
+    (void)detail::strided_span(cache.keys.layout(), ks);
+    (void)detail::strided_span(cache.values.layout(), vs);
+    auto const k0 = reinterpret_cast<std::uintptr_t>(cache.keys.data());
+    auto const v0 = reinterpret_cast<std::uintptr_t>(cache.values.data());
+    auto const k1 = k0 + static_cast<std::uintptr_t>(ks) * sizeof(*cache.keys.data());
+    auto const v1 = v0 + static_cast<std::uintptr_t>(vs) * sizeof(*cache.values.data());
+    if (k.rows() > 0 && k0 < v1 && v0 < k1)
+      return {Errc::invalid_argument, "kvc::validate: K and V memory overlap"};
+  }
+  if constexpr (std::is_same_v<typename C::memory_space, HostSpace>) {
+    if (cache.lengths)
+      for (Index b = 0; b < k.batch; ++b)
+        if (cache.lengths[b] < 0 || cache.lengths[b] > k.tokens)
+          return {Errc::invalid_argument, "kvc::validate: `lengths[b]` must be in [0, tokens]"};
+    if (opts.check_finite) {
+      KVC_RETURN_IF_ERROR(detail::rows_finite(cache.keys, cache.lengths));
+      KVC_RETURN_IF_ERROR(detail::rows_finite(cache.values, cache.lengths));
+    }
+  }
+  return {};
+}
+
+}  // namespace kvc

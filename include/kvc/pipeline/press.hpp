@@ -1,0 +1,60 @@
+// SPDX-License-Identifier: Apache-2.0
+// kvc/pipeline/press.hpp: a Press is a scorer plus a selector; kvc::compress runs score then select.
+#pragma once
+
+#include <kvc/core/scorer.hpp>
+#include <kvc/core/selector.hpp>
+#include <kvc/core/workspace.hpp>
+
+#include <cstddef>
+
+namespace kvc {
+
+/// The composition users hold, e.g. Press{KeyDiffScorer{}, TopKSelector<RatioBudget>{{0.5}}}.
+template <Scorer S, Selector Sel>
+struct Press {
+  S scorer;
+  Sel selector;
+};
+
+template <Scorer S, Selector Sel>
+Press(S, Sel) -> Press<S, Sel>;
+
+/// Bytes of workspace kvc::compress needs: the fp32 score tensor, then the scorer's and the selector's scratch.
+template <Backend B, Scorer S, Selector Sel>
+std::size_t compress_workspace_bytes(B const& backend, Press<S, Sel> const& press, KVExtents const& keys) {
+  return workspace_round(static_cast<std::size_t>(keys.rows()) * sizeof(float)) +
+         workspace_round(score_workspace_bytes(backend, press.scorer, keys)) +
+         workspace_round(select_workspace_bytes(backend, press.selector, keys.batch, keys.heads, keys.tokens));
+}
+
+/// One-shot compression decision: scores every token, then selects into `plan` (nothing is moved; follow with
+/// kvc::compact or hand the plan to the engine's allocator). `obs` carries the scorer's observations.
+template <Backend B, Scorer S, Selector Sel, KVCacheView C, class Obs>
+Status compress(B const& backend, Press<S, Sel> const& press, C const& cache, Obs const& obs,
+                KeepPlan<typename B::memory_space> plan, Workspace ws) {
+  KVExtents const e = cache.keys.extents();
+  WorkspaceCarver carve(ws);
+  float* scores = carve.take<float>(e.rows());
+  std::size_t const score_bytes = workspace_round(score_workspace_bytes(backend, press.scorer, e));
+  std::size_t const select_bytes =
+      workspace_round(select_workspace_bytes(backend, press.selector, e.batch, e.heads, e.tokens));
+  void* score_ws = carve.take<std::byte>(static_cast<Index>(score_bytes));
+  void* select_ws = carve.take<std::byte>(static_cast<Index>(select_bytes));
+  if ((scores == nullptr && e.rows() > 0) || (score_ws == nullptr && score_bytes > 0) ||
+      (select_ws == nullptr && select_bytes > 0))
+    return {Errc::out_of_capacity, "kvc::compress: workspace smaller than compress_workspace_bytes()"};
+  ScoreSpan<typename B::memory_space> span{scores, e.batch, e.heads, e.tokens, cache.lengths};
+  KVC_RETURN_IF_ERROR(score(backend, press.scorer, cache, obs, span, Workspace{score_ws, score_bytes}));
+  return select(backend, press.selector, span, plan, Workspace{select_ws, select_bytes});
+}
+
+/// kvc::compress for scorers that read only keys and values.
+template <Backend B, Scorer S, Selector Sel, KVCacheView C>
+Status compress(B const& backend, Press<S, Sel> const& press, C const& cache, KeepPlan<typename B::memory_space> plan,
+                Workspace ws) {
+  static_assert(needs_only_kv(S::needs), "kvc::compress: this scorer needs observations; pass them as `obs`");
+  return compress(backend, press, cache, NoObservations{}, plan, ws);
+}
+
+}  // namespace kvc

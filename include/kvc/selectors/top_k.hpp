@@ -1,0 +1,59 @@
+// SPDX-License-Identifier: Apache-2.0
+// kvc/selectors/top_k.hpp: keep the highest-scoring tokens of each (batch, KV head), plus protected tokens.
+#pragma once
+
+#include <kvc/core/budget.hpp>
+#include <kvc/core/extents.hpp>
+#include <kvc/core/selector.hpp>
+
+namespace kvc {
+
+/// Top-k selection per (batch, KV head) under a budget, as kvpress's ScorerPress does, with optional protected
+/// windows (KeyDiff+Recent, SnapKV's observation window, StreamingLLM-style sinks).
+///
+/// For a head with n valid tokens: the first `n_sink` and the last `n_recent` tokens are protected; the head
+/// keeps k = min(n, max(budget.keep(b, h, n), protected)) tokens: every protected token, then the best
+/// unprotected ones by (score descending, index ascending). Output indices are ascending. See kvc::Selector.
+template <Budget B = RatioBudget>
+struct TopKSelector {
+  using budget_type = B;
+
+  B budget{};
+  Index n_sink = 0;    ///< first tokens always kept
+  Index n_recent = 0;  ///< last valid tokens always kept
+
+  constexpr Status check() const noexcept {
+    if (n_sink < 0 || n_recent < 0)
+      return {Errc::invalid_argument, "TopKSelector: `n_sink` and `n_recent` must be >= 0"};
+    return budget.check();
+  }
+};
+
+template <Budget B>
+TopKSelector(B) -> TopKSelector<B>;
+template <Budget B>
+TopKSelector(B, Index) -> TopKSelector<B>;
+template <Budget B>
+TopKSelector(B, Index, Index) -> TopKSelector<B>;
+
+namespace detail {
+
+/// How many tokens head (b, h) keeps and where its protected windows lie; shared by every backend.
+struct TopKCounts {
+  Index sink_end;      ///< tokens [0, sink_end) are protected sinks
+  Index recent_begin;  ///< tokens [recent_begin, n) are protected recent tokens
+  Index keep;          ///< total kept, protected included
+};
+
+template <Budget B>
+KVC_HOST_DEVICE constexpr TopKCounts top_k_counts(TopKSelector<B> const& sel, Index b, Index h, Index n) noexcept {
+  Index const sink_end = sel.n_sink < n ? sel.n_sink : n;
+  Index const recent_begin = n - sel.n_recent > sink_end ? n - sel.n_recent : sink_end;
+  Index const protected_count = sink_end + (n - recent_begin);
+  Index k = sel.budget.keep(b, h, n);
+  k = k < 0 ? 0 : (k > n ? n : k);
+  return {sink_end, recent_begin, k > protected_count ? k : protected_count};
+}
+
+}  // namespace detail
+}  // namespace kvc
