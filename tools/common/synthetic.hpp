@@ -49,13 +49,15 @@ struct HostCache {
         dim_v(dv < 0 ? e.dim : dv),
         k(static_cast<std::size_t>(e.rows() * e.dim)),
         v(static_cast<std::size_t>(e.rows() * dim_v)) {}
-  /// Fills K and V with standard normal values.
-  HostCache(KVExtents e, std::uint64_t seed, Index dv = -1) : HostCache(e, dv) {
+  /// A cache with K and V filled with standard normal values.
+  static HostCache random(KVExtents e, std::uint64_t seed, Index dv = -1) {
+    HostCache c(e, dv);
     Rng rng(seed);
-    for (T& x : k)
+    for (T& x : c.k)
       x = from_float<T>(rng.normal());
-    for (T& x : v)
+    for (T& x : c.v)
       x = from_float<T>(rng.normal());
+    return c;
   }
 
   KVExtents value_extents() const { return {ext.batch, ext.heads, ext.tokens, dim_v}; }

@@ -44,6 +44,18 @@ constexpr bool needs_only_kv(Needs set) noexcept {
 /// The observation bundle for scorers that read only keys and values.
 struct NoObservations {};
 
+namespace detail {
+template <class T>
+inline constexpr bool is_score_span = false;
+template <class Space>
+inline constexpr bool is_score_span<ScoreSpan<Space>> = true;
+}  // namespace detail
+
+/// Observations are any bundle of views a scorer's `needs` names (window queries, statistics, attention rows);
+/// the only requirement here is that they cannot be confused with the output argument.
+template <class O>
+concept ObservationSet = !detail::is_score_span<std::remove_cvref_t<O>>;
+
 /// A scorer: trivially copyable parameters plus `needs` and a snake_case `name` (the CLI's policy name).
 template <class S>
 concept Scorer = std::is_trivially_copyable_v<S> && requires {
@@ -79,7 +91,7 @@ std::size_t score_workspace_bytes(B const&, S const& scorer, KVExtents const& ke
 /// Scores every token of every (batch, KV head): out is [batch, heads, tokens] fp32, higher = keep; padding
 /// (t >= cache.lengths[b]) gets -inf. `obs` carries the observations the scorer's `needs` names.
 /// Errors: out's shape differs from the keys' (invalid_argument), workspace too small (out_of_capacity).
-template <Backend B, Scorer S, KVCacheView C, class Obs>
+template <Backend B, Scorer S, KVCacheView C, ObservationSet Obs>
 Status score(B const& backend, S const& scorer, C const& cache, Obs const& obs, ScoreSpan<typename B::memory_space> out,
              Workspace ws = {}) {
   static_assert(AccessibleFrom<C, B>, "kvc::score: the cache lives in a memory space this backend cannot read");

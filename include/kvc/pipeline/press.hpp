@@ -30,7 +30,7 @@ std::size_t compress_workspace_bytes(B const& backend, Press<S, Sel> const& pres
 
 /// One-shot compression decision: scores every token, then selects into `plan` (nothing is moved; follow with
 /// kvc::compact or hand the plan to the engine's allocator). `obs` carries the scorer's observations.
-template <Backend B, Scorer S, Selector Sel, KVCacheView C, class Obs>
+template <Backend B, Scorer S, Selector Sel, KVCacheView C, ObservationSet Obs>
 Status compress(B const& backend, Press<S, Sel> const& press, C const& cache, Obs const& obs,
                 KeepPlan<typename B::memory_space> plan, Workspace ws) {
   KVExtents const e = cache.keys.extents();

@@ -1,0 +1,134 @@
+// SPDX-License-Identifier: Apache-2.0
+// tests/selectors/top_k_test.cpp mirrors include/kvc/selectors/top_k.hpp: the selector contract (kvc::Selector).
+#include <kvc/backend/cpu/selectors/top_k.hpp>
+
+#include "common/synthetic.hpp"
+#include "support/catch.hpp"
+#include "support/helpers.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <numeric>
+#include <vector>
+
+namespace {
+
+using kvc::Index;
+float const inf = std::numeric_limits<float>::infinity();
+
+template <class Sel>
+std::vector<Index> run(Sel sel, std::vector<float> scores, Index capacity = -1) {
+  Index const n = static_cast<Index>(scores.size());
+  kvc::test::OwnedPlan plan(1, 1, capacity < 0 ? n : capacity);
+  kvc::test::OwnedWorkspace ws(kvc::select_workspace_bytes(kvc::Cpu{}, sel, 1, 1, n));
+  REQUIRE(kvc::select(kvc::Cpu{}, sel, kvc::ScoreSpan<>{scores.data(), 1, 1, n}, plan.plan, ws.get()).ok());
+  return plan.kept(0, 0);
+}
+
+/// Brute-force reference: sort all (score, index) by the library order, take k, sort ascending.
+std::vector<Index> reference(std::vector<float> const& s, Index k) {
+  std::vector<Index> idx(s.size());
+  std::iota(idx.begin(), idx.end(), 0);
+  auto rank = [](float x) { return std::isnan(x) ? -inf : x; };
+  std::stable_sort(idx.begin(), idx.end(), [&](Index a, Index b) { return rank(s[a]) > rank(s[b]); });
+  idx.resize(static_cast<std::size_t>(k));
+  std::sort(idx.begin(), idx.end());
+  return idx;
+}
+
+}  // namespace
+
+TEST_CASE("top_k: hand-computed selection, ascending output", "[selectors][top_k]") {
+  std::vector<float> const s = {0.1f, 0.9f, 0.5f, 0.7f, 0.3f};
+  CHECK(run(kvc::TopKSelector{kvc::FixedBudget{2}}, s) == std::vector<Index>{1, 3});
+  CHECK(run(kvc::TopKSelector{kvc::FixedBudget{3}}, s) == std::vector<Index>{1, 2, 3});
+}
+
+TEST_CASE("top_k: RatioBudget keeps floor(n * (1 - r)) like kvpress", "[selectors][top_k]") {
+  std::vector<float> s(10);
+  std::iota(s.begin(), s.end(), 0.0f);
+  CHECK(run(kvc::TopKSelector{kvc::RatioBudget{0.25}}, s).size() == 7);  // 7.5 -> 7
+  CHECK(run(kvc::TopKSelector{kvc::RatioBudget{0.0}}, s).size() == 10);
+  CHECK(run(kvc::TopKSelector{kvc::RatioBudget{1.0}}, s).empty());
+  CHECK(run(kvc::TopKSelector{kvc::RatioBudget{0.7}}, s) == std::vector<Index>{7, 8, 9});  // 3.0000000000000004 -> 3
+}
+
+TEST_CASE("top_k: budget 0 keeps nothing, n <= budget keeps everything", "[selectors][top_k]") {
+  std::vector<float> const s = {3, 1, 2};
+  CHECK(run(kvc::TopKSelector{kvc::FixedBudget{0}}, s).empty());
+  CHECK(run(kvc::TopKSelector{kvc::FixedBudget{3}}, s) == std::vector<Index>{0, 1, 2});
+  CHECK(run(kvc::TopKSelector{kvc::FixedBudget{100}}, s) == std::vector<Index>{0, 1, 2});
+}
+
+TEST_CASE("top_k: ties keep the lower index; NaN ranks as -inf", "[selectors][top_k]") {
+  std::vector<float> const ties = {0.145f, 0.145f, 0.05f, 0.7f, 0.7f, 0.7f};
+  CHECK(run(kvc::TopKSelector{kvc::FixedBudget{4}}, ties) == std::vector<Index>{0, 3, 4, 5});
+  CHECK(run(kvc::TopKSelector{kvc::FixedBudget{2}}, ties) == std::vector<Index>{3, 4});
+  float const nan = std::numeric_limits<float>::quiet_NaN();
+  std::vector<float> const with_nan = {nan, -inf, 1.0f, nan, 0.0f};
+  CHECK(run(kvc::TopKSelector{kvc::FixedBudget{2}}, with_nan) == std::vector<Index>{2, 4});
+  CHECK(run(kvc::TopKSelector{kvc::FixedBudget{3}}, with_nan) == std::vector<Index>{0, 2, 4});  // NaN ties -inf
+}
+
+TEST_CASE("top_k: protected sinks and recent tokens are always kept, even past the budget", "[selectors][top_k]") {
+  std::vector<float> const s = {0, 0, 9, 8, 7, 0, 0, 0};
+  CHECK(run(kvc::TopKSelector{kvc::FixedBudget{4}, 1, 1}, s) == std::vector<Index>{0, 2, 3, 7});
+  CHECK(run(kvc::TopKSelector{kvc::FixedBudget{0}, 2, 1}, s) == std::vector<Index>{0, 1, 7});  // budget 0
+  CHECK(run(kvc::TopKSelector{kvc::FixedBudget{3}, 5, 5}, s).size() == 8);  // windows cover everything
+}
+
+TEST_CASE("top_k: agrees with a brute-force sort on random scores with many ties", "[selectors][top_k]") {
+  kvc::tools::Rng rng(5);
+  for (int trial = 0; trial < 200; ++trial) {
+    Index const n = 1 + static_cast<Index>(rng.next() % 60);
+    std::vector<float> s(static_cast<std::size_t>(n));
+    for (float& x : s)
+      x = static_cast<float>(rng.next() % 7);  // many ties
+    Index const k = static_cast<Index>(rng.next() % static_cast<std::uint64_t>(n + 2));
+    CHECK(run(kvc::TopKSelector{kvc::FixedBudget{k}}, s) == reference(s, std::min(k, n)));
+  }
+}
+
+TEST_CASE("top_k: ragged lengths never keep padding; per-head budgets", "[selectors][top_k]") {
+  std::vector<float> s = {5, 4, 3, 2, 1, 0, /* row 1 */ 0, 1, 2, 9, 9, 9};
+  std::vector<Index> lengths = {6, 3};
+  kvc::ScoreSpan<> span{s.data(), 2, 1, 6, lengths.data()};
+  kvc::test::OwnedPlan plan(2, 1, 6);
+  kvc::test::OwnedWorkspace ws(64 * sizeof(Index));
+  REQUIRE(kvc::select(kvc::Cpu{}, kvc::TopKSelector{kvc::FixedBudget{2}}, span, plan.plan, ws.get()).ok());
+  CHECK(plan.kept(0, 0) == std::vector<Index>{0, 1});
+  CHECK(plan.kept(1, 0) == std::vector<Index>{1, 2});
+  std::vector<Index> table = {1, 3};  // [batch, heads]
+  REQUIRE(
+      kvc::select(kvc::Cpu{}, kvc::TopKSelector{kvc::PerHeadBudget{table.data(), 1}}, span, plan.plan, ws.get()).ok());
+  CHECK(plan.kept(0, 0) == std::vector<Index>{0});
+  CHECK(plan.kept(1, 0) == std::vector<Index>{0, 1, 2});
+}
+
+TEST_CASE("top_k: bad budgets, small plans and missing workspace are errors", "[selectors][top_k]") {
+  std::vector<float> s = {1, 2, 3};
+  kvc::ScoreSpan<> span{s.data(), 1, 1, 3};
+  kvc::test::OwnedPlan plan(1, 1, 3), small(1, 1, 1), wrong(2, 1, 3);
+  kvc::test::OwnedWorkspace ws(64);
+  CHECK(kvc::select(kvc::Cpu{}, kvc::TopKSelector{kvc::RatioBudget{1.5}}, span, plan.plan, ws.get()).code() ==
+        kvc::Errc::invalid_argument);
+  CHECK(kvc::select(kvc::Cpu{}, kvc::TopKSelector{kvc::RatioBudget{std::nan("")}}, span, plan.plan, ws.get()).code() ==
+        kvc::Errc::invalid_argument);
+  CHECK(kvc::select(kvc::Cpu{}, kvc::TopKSelector{kvc::FixedBudget{-1}}, span, plan.plan, ws.get()).code() ==
+        kvc::Errc::invalid_argument);
+  CHECK(kvc::select(kvc::Cpu{}, kvc::TopKSelector{kvc::FixedBudget{2}, -1}, span, plan.plan, ws.get()).code() ==
+        kvc::Errc::invalid_argument);
+  CHECK(kvc::select(kvc::Cpu{}, kvc::TopKSelector{kvc::FixedBudget{2}}, span, small.plan, ws.get()).code() ==
+        kvc::Errc::out_of_capacity);
+  CHECK(kvc::select(kvc::Cpu{}, kvc::TopKSelector{kvc::FixedBudget{2}}, span, wrong.plan, ws.get()).code() ==
+        kvc::Errc::invalid_argument);
+  CHECK(kvc::select(kvc::Cpu{}, kvc::TopKSelector{kvc::FixedBudget{2}}, span, plan.plan, {}).code() ==
+        kvc::Errc::out_of_capacity);
+}
+
+TEST_CASE("top_k: 64-bit budgets and counts", "[selectors][top_k]") {
+  // A budget past 2^32 behaves as "keep everything" without overflow.
+  CHECK(run(kvc::TopKSelector{kvc::FixedBudget{Index{1} << 40}}, {1, 2}) == std::vector<Index>{0, 1});
+  CHECK(kvc::RatioBudget{0.5}.keep(0, 0, Index{1} << 40) == Index{1} << 39);
+}

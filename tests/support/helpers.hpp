@@ -1,0 +1,44 @@
+// SPDX-License-Identifier: Apache-2.0
+// tests/support/helpers.hpp: small helpers shared by the tests (owned buffers for scores, plans, workspaces).
+#pragma once
+
+#include <kvc/core/keep_plan.hpp>
+#include <kvc/core/scores.hpp>
+#include <kvc/core/workspace.hpp>
+
+#include <cstddef>
+#include <vector>
+
+namespace kvc::test {
+
+/// Owned workspace of at least `bytes` (plus alignment slack).
+struct OwnedWorkspace {
+  std::vector<std::byte> bytes;
+  explicit OwnedWorkspace(std::size_t n) : bytes(n + workspace_alignment) {}
+  Workspace get() { return {bytes.data(), bytes.size()}; }
+};
+
+/// Owned [batch, heads, tokens] scores.
+struct OwnedScores {
+  std::vector<float> data;
+  ScoreSpan<> span;
+  OwnedScores(Index b, Index h, Index n)
+      : data(static_cast<std::size_t>(b * h * n)), span{data.data(), b, h, n, nullptr} {}
+};
+
+/// Owned plan of capacity `capacity`.
+struct OwnedPlan {
+  std::vector<Index> index, count;
+  KeepPlan<> plan;
+  OwnedPlan(Index b, Index h, Index capacity)
+      : index(static_cast<std::size_t>(b * h * capacity), -7),
+        count(static_cast<std::size_t>(b * h), -7),
+        plan{index.data(), count.data(), b, h, capacity} {}
+  /// Kept indices of head (b, h) as a vector.
+  std::vector<Index> kept(Index b, Index h) const {
+    Index const* p = plan.indices(b, h);
+    return {p, p + plan.kept(b, h)};
+  }
+};
+
+}  // namespace kvc::test
