@@ -1,0 +1,120 @@
+// SPDX-License-Identifier: Apache-2.0
+// tests/pipeline/compact_test.cpp mirrors include/kvc/pipeline/compact.hpp (CPU kernels in backend/cpu/pipeline).
+#include <kvc/backend/cpu/pipeline/compact.hpp>
+
+#include "common/synthetic.hpp"
+#include "support/catch.hpp"
+#include "support/helpers.hpp"
+
+#include <cstdint>
+#include <vector>
+
+using kvc::Index;
+
+namespace {
+
+/// A plan whose head (b, h) keeps `keep[b * heads + h]`.
+kvc::test::OwnedPlan make_plan(Index batch, Index heads, Index capacity, std::vector<std::vector<Index>> const& keep) {
+  kvc::test::OwnedPlan p(batch, heads, capacity);
+  for (Index bh = 0; bh < batch * heads; ++bh) {
+    auto const& k = keep[static_cast<std::size_t>(bh)];
+    p.count[static_cast<std::size_t>(bh)] = static_cast<Index>(k.size());
+    std::copy(k.begin(), k.end(), p.index.begin() + bh * capacity);
+  }
+  return p;
+}
+
+}  // namespace
+
+TEST_CASE("compact: in place on BHTD moves kept rows to the front, keys and values together",
+          "[pipeline][compact]") {
+  kvc::KVExtents const e{1, 2, 6, 3};
+  auto c = kvc::tools::HostCache<float>::random(e, 4, 2);  // d_v = 2 != d_k
+  auto const before = c;
+  auto plan = make_plan(1, 2, 6, {{1, 3, 4}, {0, 5}});
+  REQUIRE(kvc::compact(kvc::Cpu{}, plan.plan, c.view()).ok());
+  auto row = [](auto const& cache, std::vector<float> const& buf, Index dim, Index h, Index t) {
+    return std::vector<float>(buf.begin() + (h * cache.ext.tokens + t) * dim, buf.begin() + (h * cache.ext.tokens + t + 1) * dim);
+  };
+  CHECK(row(c, c.k, 3, 0, 0) == row(before, before.k, 3, 0, 1));
+  CHECK(row(c, c.k, 3, 0, 1) == row(before, before.k, 3, 0, 3));
+  CHECK(row(c, c.k, 3, 0, 2) == row(before, before.k, 3, 0, 4));
+  CHECK(row(c, c.v, 2, 0, 2) == row(before, before.v, 2, 0, 4));
+  CHECK(row(c, c.k, 3, 1, 0) == row(before, before.k, 3, 1, 0));
+  CHECK(row(c, c.k, 3, 1, 1) == row(before, before.k, 3, 1, 5));
+  CHECK(row(c, c.v, 2, 1, 1) == row(before, before.v, 2, 1, 5));
+}
+
+TEST_CASE("compact: in place on BTHD (heads interleaved per token) never overwrites a pending source",
+          "[pipeline][compact]") {
+  kvc::KVExtents const e{1, 3, 8, 2};
+  std::vector<float> k(static_cast<std::size_t>(e.rows() * 2)), v(k.size());
+  auto const L = kvc::bthd_layout(e);
+  for (Index h = 0; h < 3; ++h)
+    for (Index t = 0; t < 8; ++t) {
+      k[static_cast<std::size_t>(L.offset(0, h, t))] = static_cast<float>(100 * h + t);
+      v[static_cast<std::size_t>(L.offset(0, h, t))] = static_cast<float>(-100 * h - t);
+    }
+  auto const cache = kvc::make_cache(kvc::TokenRows<float, kvc::StridedLayout>(k.data(), L),
+                                     kvc::TokenRows<float, kvc::StridedLayout>(v.data(), L));
+  auto plan = make_plan(1, 3, 8, {{1, 2, 3, 7}, {6, 7}, {0, 1, 2, 3, 4, 5, 6, 7}});
+  REQUIRE(kvc::compact(kvc::Cpu{}, plan.plan, cache).ok());
+  CHECK(cache.keys.row(0, 0, 3)[0] == 7.0f);
+  CHECK(cache.keys.row(0, 1, 0)[0] == 106.0f);
+  CHECK(cache.keys.row(0, 1, 1)[0] == 107.0f);
+  CHECK(cache.values.row(0, 1, 1)[0] == -107.0f);
+  for (Index t = 0; t < 8; ++t)
+    CHECK(cache.keys.row(0, 2, t)[0] == static_cast<float>(200 + t));
+}
+
+TEST_CASE("compact: a bad plan is rejected before anything moves", "[pipeline][compact]") {
+  auto c = kvc::tools::HostCache<float>::random({1, 1, 5, 2}, 1);
+  auto const before = c.k;
+  for (auto const& bad : std::vector<std::vector<Index>>{{3, 1}, {0, 5}, {-1}, {2, 2}}) {
+    auto plan = make_plan(1, 1, 5, {bad});
+    CHECK(kvc::compact(kvc::Cpu{}, plan.plan, c.view()).code() == kvc::Errc::invalid_argument);
+    CHECK(c.k == before);
+  }
+  auto plan = make_plan(1, 1, 5, {{0, 1}});
+  plan.count[0] = 6;  // more than capacity
+  CHECK(kvc::compact(kvc::Cpu{}, plan.plan, c.view()).code() == kvc::Errc::invalid_argument);
+}
+
+TEST_CASE("gather: copies kept rows into another buffer, converting element types", "[pipeline][compact]") {
+  auto src = kvc::tools::HostCache<float>::random({1, 2, 6, 4}, 8);
+  kvc::tools::HostCache<kvc::half> dst({1, 2, 3, 4});
+  auto plan = make_plan(1, 2, 6, {{0, 4}, {1, 2, 5}});
+  REQUIRE(kvc::gather(kvc::Cpu{}, plan.plan, src.view(), dst.view()).ok());
+  CHECK(kvc::to_float(dst.key(0, 1, 2)[3]) == kvc::to_float(kvc::half(src.key(0, 1, 5)[3])));
+  kvc::tools::HostCache<float> small({1, 2, 2, 4});
+  CHECK(kvc::gather(kvc::Cpu{}, plan.plan, src.view(), small.view()).code() == kvc::Errc::out_of_capacity);
+}
+
+TEST_CASE("compact: paged cache compacts inside its own pages and reports freed pages", "[pipeline][compact]") {
+  kvc::KVExtents const e{2, 2, 12, 2};
+  Index const page = 4;
+  std::vector<std::int32_t> table = {4, 0, 2, /* seq 1 */ 5, 1, 3};  // 3 pages per sequence, interleaved ids
+  auto const layout = kvc::paged_layout(e, page, kvc::PageOrder::hnd, table.data(), 3);
+  std::vector<float> kpool(static_cast<std::size_t>(6 * layout.stride_page)), vpool(kpool.size());
+  for (Index b = 0; b < 2; ++b)
+    for (Index h = 0; h < 2; ++h)
+      for (Index t = 0; t < 12; ++t) {
+        kpool[static_cast<std::size_t>(layout.offset(b, h, t))] = static_cast<float>(1000 * b + 100 * h + t);
+        vpool[static_cast<std::size_t>(layout.offset(b, h, t))] = -static_cast<float>(1000 * b + 100 * h + t);
+      }
+  std::vector<Index> lengths = {12, 10};
+  auto const cache = kvc::make_cache(kvc::TokenRows<float, kvc::PagedLayout>(kpool.data(), layout),
+                                     kvc::TokenRows<float, kvc::PagedLayout>(vpool.data(), layout), lengths.data());
+  auto plan = make_plan(2, 2, 12, {{0, 5, 9, 11}, {2, 3}, {1, 2, 3, 4, 5}, {9}});
+  REQUIRE(kvc::compact(kvc::Cpu{}, plan.plan, cache).ok());
+  CHECK(cache.keys.row(0, 0, 3)[0] == 11.0f);
+  CHECK(cache.values.row(0, 0, 2)[0] == -9.0f);
+  CHECK(cache.keys.row(1, 0, 4)[0] == 1005.0f);
+  CHECK(cache.keys.row(1, 1, 0)[0] == 1109.0f);
+  std::vector<Index> in_use(2);
+  auto const r = kvc::page_report(plan.plan, cache, page, in_use.data());
+  CHECK(r.pages_before == 6);  // ceil(12/4) + ceil(10/4)
+  CHECK(r.pages_after == 3);   // max(4, 2) -> 1 page; max(5, 1) -> 2 pages
+  CHECK(r.pages_freed() == 3);
+  CHECK(in_use == std::vector<Index>{1, 2});
+}
