@@ -74,8 +74,8 @@ TEST_CASE("npy: malformed files give errors that name the problem", "[io][npy]")
         std::string::npos);
   auto const fortran = handmade("{'descr': '<f4', 'fortran_order': True, 'shape': (2, 2), }\n", 16);
   CHECK(parse_error(fortran).find("Fortran") != std::string::npos);
-  auto const f8 = handmade("{'descr': '<f8', 'fortran_order': False, 'shape': (2,), }\n", 16);
-  CHECK(parse_error(f8).find("unsupported dtype '<f8'") != std::string::npos);
+  auto const c8 = handmade("{'descr': '<c8', 'fortran_order': False, 'shape': (2,), }\n", 16);
+  CHECK(parse_error(c8).find("unsupported dtype '<c8'") != std::string::npos);
   auto const big_endian = handmade("{'descr': '>f4', 'fortran_order': False, 'shape': (2,), }\n", 8);
   CHECK(parse_error(big_endian).find("unsupported dtype") != std::string::npos);
   auto const truncated = handmade("{'descr': '<f4', 'fortran_order': False, 'shape': (4, 4), }\n", 60);

@@ -204,7 +204,9 @@ void with_cache(Input const& keys, Input const* values, Fn&& fn) {
     auto* kp = const_cast<T*>(keys.array.as<T>());  // compaction writes to a copy owned by this program
     auto* vp = const_cast<T*>(v.array.as<T>());
     auto const cache = kvc::make_cache(kvc::bhtd_rows(kp, ek), kvc::bhtd_rows(vp, ev));
-    kvc::Status const st = kvc::validate(cache, {.check_finite = true});
+    // Without --values the cache views K twice (scoring reads keys only), so only the keys are validated.
+    kvc::Status const st =
+        values ? kvc::validate(cache, {.check_finite = true}) : kvc::validate_rows(cache.keys, {.check_finite = true});
     if (!st.ok())
       fail(exit_invalid, "keys file " + keys.path + (values ? " / values file " + values->path : std::string()) + ": " +
                              st.message());

@@ -95,19 +95,27 @@ Status rows_finite(R const& rows, Index const* lengths) noexcept {
 
 }  // namespace detail
 
+/// Checks one K or V view: extents, 64-bit offsets, non-overlapping rows, paged tables; finiteness of every row of
+/// a host view when asked (`lengths`, optional [batch], limits the scan to valid tokens).
+template <TokenRowsView R>
+Status validate_rows(R const& rows, ValidateOptions opts = {}, Index const* lengths = nullptr) noexcept {
+  KVC_RETURN_IF_ERROR(detail::layout_status(rows.layout()));
+  if (rows.data() == nullptr && rows.extents().rows() > 0)
+    return {Errc::invalid_argument, "kvc::validate: K or V data pointer is null"};
+  if constexpr (std::is_same_v<typename R::memory_space, HostSpace>)
+    if (opts.check_finite)
+      return detail::rows_finite(rows, lengths);
+  return {};
+}
+
 /// Checks a host or device cache's shapes and layouts (and, for host caches, optionally finiteness):
 /// extents non-negative with dim > 0; K and V agree on batch, heads and tokens; element offsets fit in 64 bits;
 /// strided rows do not overlap; paged tables cover `tokens`; lengths in [0, tokens] (host only).
 template <KVCacheView C>
 Status validate(C const& cache, ValidateOptions opts = {}) noexcept {
   KVExtents const k = cache.keys.extents(), v = cache.values.extents();
-  KVC_RETURN_IF_ERROR(detail::layout_status(cache.keys.layout()));
-  KVC_RETURN_IF_ERROR(detail::layout_status(cache.values.layout()));
   if (k.batch != v.batch || k.heads != v.heads || k.tokens != v.tokens)
     return {Errc::invalid_argument, "kvc::validate: keys and values must agree on batch, heads and tokens"};
-  if (cache.keys.data() == nullptr || cache.values.data() == nullptr)
-    if (k.rows() > 0)
-      return {Errc::invalid_argument, "kvc::validate: K or V data pointer is null"};
   if constexpr (std::is_same_v<typename decltype(cache.keys)::layout_type, StridedLayout> &&
                 std::is_same_v<typename decltype(cache.values)::layout_type, StridedLayout>) {
     Index ks = 0, vs = 0;  // K and V must not share memory, or compaction would corrupt one with the other
@@ -125,12 +133,9 @@ Status validate(C const& cache, ValidateOptions opts = {}) noexcept {
       for (Index b = 0; b < k.batch; ++b)
         if (cache.lengths[b] < 0 || cache.lengths[b] > k.tokens)
           return {Errc::invalid_argument, "kvc::validate: `lengths[b]` must be in [0, tokens]"};
-    if (opts.check_finite) {
-      KVC_RETURN_IF_ERROR(detail::rows_finite(cache.keys, cache.lengths));
-      KVC_RETURN_IF_ERROR(detail::rows_finite(cache.values, cache.lengths));
-    }
   }
-  return {};
+  KVC_RETURN_IF_ERROR(validate_rows(cache.keys, opts, cache.lengths));
+  return validate_rows(cache.values, opts, cache.lengths);
 }
 
 }  // namespace kvc

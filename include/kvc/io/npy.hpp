@@ -2,7 +2,7 @@
 // kvc/io/npy.hpp: a hardened reader and a writer for NumPy .npy files (format versions 1.0, 2.0 and 3.0).
 //
 // Files are untrusted input. The parser bounds-checks every read, accepts only little-endian C-order float32,
-// float16, int64 and int32 arrays, rejects sizes that overflow 64 bits, and requires the data to be exactly
+// float16, float64, int64 and int32 arrays, rejects sizes that overflow 64 bits, and requires the data to be exactly
 // shape-product * itemsize bytes. Errors name the field and what was expected; callers prefix the file name.
 // This is tool code, not a hot path: it allocates.
 #pragma once
@@ -23,17 +23,18 @@ namespace kvc {
 
 static_assert(std::endian::native == std::endian::little, "kvc::io assumes a little-endian host");
 
-enum class NpyDtype : std::uint8_t { f32, f16, i64, i32 };
+enum class NpyDtype : std::uint8_t { f32, f16, f64, i64, i32 };
 
 /// Bytes per element of `d`.
 constexpr Index npy_itemsize(NpyDtype d) noexcept {
-  return d == NpyDtype::f16 ? 2 : (d == NpyDtype::i64 ? 8 : 4);
+  return d == NpyDtype::f16 ? 2 : (d == NpyDtype::i64 || d == NpyDtype::f64 ? 8 : 4);
 }
 /// The .npy `descr` string of `d` (little-endian).
 constexpr std::string_view npy_descr(NpyDtype d) noexcept {
   switch (d) {
     case NpyDtype::f32: return "<f4";
     case NpyDtype::f16: return "<f2";
+    case NpyDtype::f64: return "<f8";
     case NpyDtype::i64: return "<i8";
     case NpyDtype::i32: return "<i4";
   }
@@ -192,13 +193,15 @@ inline bool parse_npy(std::span<std::byte const> bytes, NpyArray& out, std::stri
     out.dtype = NpyDtype::f32;
   else if (descr == "<f2")
     out.dtype = NpyDtype::f16;
+  else if (descr == "<f8")
+    out.dtype = NpyDtype::f64;
   else if (descr == "<i8")
     out.dtype = NpyDtype::i64;
   else if (descr == "<i4")
     out.dtype = NpyDtype::i32;
   else
     return npy_fail(error, "unsupported dtype '" + std::string(descr) +
-                               "' (expected little-endian float32 '<f4' or float16 '<f2'; '<i8'/'<i4' for indices)");
+                               "' (expected little-endian '<f4', '<f2', '<f8', '<i8' or '<i4')");
 
   Index elements = 1;
   for (Index d : out.shape)
