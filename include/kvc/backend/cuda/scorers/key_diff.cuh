@@ -1,0 +1,147 @@
+// SPDX-License-Identifier: Apache-2.0
+// kvc/backend/cuda/scorers/key_diff.cuh: CUDA kernels for KeyDiffScorer (tested for parity with the CPU oracle).
+#pragma once
+
+#include <kvc/backend/cuda/config.cuh>
+#include <kvc/scorers/key_diff.hpp>
+
+#include <cstddef>
+#include <math_constants.h>
+
+namespace kvc::backend::cuda {
+
+/// Token splits per head: a pure function of the token count (not of the device), so results are reproducible
+/// across GPUs. About 2K tokens per block gives 512 blocks for 8 heads x 128K tokens.
+inline Index key_diff_splits(Index tokens) noexcept {
+  Index const s = (tokens + 2047) / 2048;
+  return s < 1 ? 1 : (s > 64 ? 64 : s);
+}
+
+inline constexpr int key_diff_warps = 8;
+
+/// Pass 1, grid (splits, heads, batch): each warp takes one token at a time (lanes read the row coalesced), sums
+/// unit keys into its own shared-memory row in fp64 (no atomics, and long caches keep the anchor's direction),
+/// and stashes ||k|| in the score output. The block's sum goes to partial[b, h, split, :].
+template <class Keys>
+__global__ void key_diff_anchor_kernel(Keys keys, KeyDiffScorer s, ScoreSpan<DeviceSpace> out, double* partial,
+                                       Index splits) {
+  extern __shared__ double warp_rows[];  // [key_diff_warps, dim]
+  Index const dim = keys.extents().dim;
+  Index const b = blockIdx.z, h = blockIdx.y, split = blockIdx.x;
+  int const warp = static_cast<int>(threadIdx.x) / warp_size, lane = static_cast<int>(threadIdx.x) % warp_size;
+  for (Index i = threadIdx.x; i < key_diff_warps * dim; i += blockDim.x)
+    warp_rows[i] = 0.0;
+  __syncthreads();
+  Index const n = out.length(b), per = (n + splits - 1) / splits;
+  Index const t0 = split * per, t1 = t0 + per < n ? t0 + per : n;
+  double* mine = warp_rows + warp * dim;
+  bool const unit = s.anchor == KeyDiffAnchor::normalized_mean;
+  for (Index t = t0 + warp; t < t1; t += key_diff_warps) {
+    auto const* k = keys.row(b, h, t);
+    float sq = 0.0f;
+    for (Index i = lane; i < dim; i += warp_size) {
+      float const x = to_float(k[i]);
+      sq += x * x;
+    }
+    float const norm = sqrtf(warp_sum(sq));
+    float const inv = unit ? 1.0f / fmaxf(norm, s.unit_eps) : 1.0f;
+    for (Index i = lane; i < dim; i += warp_size)
+      mine[i] += static_cast<double>(to_float(k[i]) * inv);
+    if (lane == 0)
+      out(b, h, t) = norm;
+  }
+  __syncthreads();
+  for (Index i = threadIdx.x; i < dim; i += blockDim.x) {
+    double sum = 0.0;
+    for (int w = 0; w < key_diff_warps; ++w)
+      sum += warp_rows[w * dim + i];
+    partial[((b * out.heads + h) * splits + split) * dim + i] = sum;
+  }
+}
+
+/// Pass 2, same grid: every block rebuilds its head's anchor from the split partials (splits x dim reads, cheap),
+/// then each warp turns a stashed norm into the cosine score. Padding gets -inf.
+template <class Keys>
+__global__ void key_diff_score_kernel(Keys keys, KeyDiffScorer s, ScoreSpan<DeviceSpace> out, double const* partial,
+                                      Index splits) {
+  extern __shared__ float anchor[];  // [dim], then one float per warp for the norm reduction
+  Index const dim = keys.extents().dim;
+  Index const b = blockIdx.z, h = blockIdx.y, split = blockIdx.x;
+  int const warp = static_cast<int>(threadIdx.x) / warp_size, lane = static_cast<int>(threadIdx.x) % warp_size;
+  Index const n = out.length(b);
+  float* norm_parts = anchor + dim;
+  float sq = 0.0f;
+  for (Index i = threadIdx.x; i < dim; i += blockDim.x) {
+    double sum = 0.0;
+    for (Index p = 0; p < splits; ++p)
+      sum += partial[((b * out.heads + h) * splits + p) * dim + i];
+    float const mu = static_cast<float>(sum / static_cast<double>(n > 0 ? n : 1));
+    anchor[i] = mu;
+    sq += mu * mu;
+  }
+  sq = warp_sum(sq);
+  if (lane == 0)
+    norm_parts[warp] = sq;
+  __syncthreads();
+  float mu_sq = 0.0f;
+  for (int w = 0; w < key_diff_warps; ++w)
+    mu_sq += norm_parts[w];
+  float const mu_norm = fmaxf(sqrtf(mu_sq), s.cosine_eps);
+
+  Index const per = (out.tokens + splits - 1) / splits;
+  Index const t0 = split * per, t1 = t0 + per < out.tokens ? t0 + per : out.tokens;
+  for (Index t = t0 + warp; t < t1; t += key_diff_warps) {
+    if (t >= n) {
+      if (lane == 0)
+        out(b, h, t) = -CUDART_INF_F;
+      continue;
+    }
+    auto const* k = keys.row(b, h, t);
+    float dot = 0.0f;
+    for (Index i = lane; i < dim; i += warp_size)
+      dot += to_float(k[i]) * anchor[i];
+    dot = warp_sum(dot);
+    if (lane == 0)
+      out(b, h, t) = -dot / (mu_norm * fmaxf(out(b, h, t), s.cosine_eps));
+  }
+}
+
+}  // namespace kvc::backend::cuda
+
+namespace kvc {
+
+/// KeyDiff on CUDA: two kernels, each reading K once (the anchor needs every key before any score).
+/// Workspace (device memory): fp64 partial anchors [batch, heads, splits, dim].
+template <>
+struct ScoreKernel<KeyDiffScorer, Cuda> {
+  static std::size_t workspace_bytes(KeyDiffScorer const&, KVExtents const& keys) {
+    return static_cast<std::size_t>(keys.batch * keys.heads * backend::cuda::key_diff_splits(keys.tokens) * keys.dim) *
+           sizeof(double);
+  }
+
+  template <KVCacheView C, class Obs>
+  static Status run(Cuda const& cuda, KeyDiffScorer const& s, C const& cache, Obs const&, ScoreSpan<DeviceSpace> out,
+                    Workspace ws) {
+    namespace bc = backend::cuda;
+    KVExtents const e = cache.keys.extents();
+    if (e.batch * e.heads == 0 || e.tokens == 0)
+      return {};
+    if (e.batch > 65535 || e.heads > 65535)
+      return {Errc::invalid_argument, "kvc::score(key_diff, Cuda): batch and heads must be <= 65535"};
+    auto* partial = WorkspaceCarver(ws).take<double>(static_cast<Index>(workspace_bytes(s, e) / sizeof(double)));
+    if (partial == nullptr)
+      return {Errc::out_of_capacity, "kvc::score(key_diff, Cuda): workspace smaller than score_workspace_bytes()"};
+    Index const splits = bc::key_diff_splits(e.tokens);
+    dim3 const grid(static_cast<unsigned>(splits), static_cast<unsigned>(e.heads), static_cast<unsigned>(e.batch));
+    unsigned const threads = bc::key_diff_warps * bc::warp_size;
+    auto const smem1 = static_cast<std::size_t>(bc::key_diff_warps * e.dim) * sizeof(double);
+    auto const smem2 = static_cast<std::size_t>(e.dim + bc::key_diff_warps) * sizeof(float);
+    if (smem1 > 48 * 1024)
+      return {Errc::invalid_argument, "kvc::score(key_diff, Cuda): head dim must be <= 768"};
+    bc::key_diff_anchor_kernel<<<grid, threads, smem1, cuda.stream>>>(cache.keys, s, out, partial, splits);
+    bc::key_diff_score_kernel<<<grid, threads, smem2, cuda.stream>>>(cache.keys, s, out, partial, splits);
+    return bc::launch_status("kvc::score(key_diff, Cuda): kernel launch failed");
+  }
+};
+
+}  // namespace kvc

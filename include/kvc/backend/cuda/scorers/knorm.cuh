@@ -1,0 +1,63 @@
+// SPDX-License-Identifier: Apache-2.0
+// kvc/backend/cuda/scorers/knorm.cuh: CUDA kernel for KnormScorer.
+#pragma once
+
+#include <kvc/backend/cuda/config.cuh>
+#include <kvc/scorers/knorm.hpp>
+
+#include <cstddef>
+#include <math_constants.h>
+
+namespace kvc::backend::cuda {
+
+inline constexpr int knorm_warps = 8;
+
+/// Grid (token blocks, heads, batch); one warp per token row, lanes read the row coalesced.
+template <class Keys>
+__global__ void knorm_kernel(Keys keys, ScoreSpan<DeviceSpace> out) {
+  Index const dim = keys.extents().dim;
+  Index const b = blockIdx.z, h = blockIdx.y;
+  int const lane = static_cast<int>(threadIdx.x) % warp_size;
+  Index const n = out.length(b);
+  Index const stride = static_cast<Index>(gridDim.x) * knorm_warps;
+  for (Index t = static_cast<Index>(blockIdx.x) * knorm_warps + threadIdx.x / warp_size; t < out.tokens; t += stride) {
+    float sq = 0.0f;
+    if (t < n) {
+      auto const* k = keys.row(b, h, t);
+      for (Index i = lane; i < dim; i += warp_size) {
+        float const x = to_float(k[i]);
+        sq += x * x;
+      }
+    }
+    sq = warp_sum(sq);
+    if (lane == 0)
+      out(b, h, t) = t < n ? -sqrtf(sq) : -CUDART_INF_F;
+  }
+}
+
+}  // namespace kvc::backend::cuda
+
+namespace kvc {
+
+/// Knorm on CUDA: one read of K; no workspace.
+template <>
+struct ScoreKernel<KnormScorer, Cuda> {
+  static std::size_t workspace_bytes(KnormScorer const&, KVExtents const&) { return 0; }
+
+  template <KVCacheView C, class Obs>
+  static Status run(Cuda const& cuda, KnormScorer const&, C const& cache, Obs const&, ScoreSpan<DeviceSpace> out,
+                    Workspace) {
+    namespace bc = backend::cuda;
+    KVExtents const e = cache.keys.extents();
+    if (e.batch * e.heads == 0 || e.tokens == 0)
+      return {};
+    if (e.batch > 65535 || e.heads > 65535)
+      return {Errc::invalid_argument, "kvc::score(knorm, Cuda): batch and heads must be <= 65535"};
+    dim3 const grid(bc::grid_dim((e.tokens + bc::knorm_warps - 1) / bc::knorm_warps, 4096),
+                    static_cast<unsigned>(e.heads), static_cast<unsigned>(e.batch));
+    bc::knorm_kernel<<<grid, bc::knorm_warps * bc::warp_size, 0, cuda.stream>>>(cache.keys, out);
+    return bc::launch_status("kvc::score(knorm, Cuda): kernel launch failed");
+  }
+};
+
+}  // namespace kvc

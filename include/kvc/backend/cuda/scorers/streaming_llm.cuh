@@ -1,0 +1,45 @@
+// SPDX-License-Identifier: Apache-2.0
+// kvc/backend/cuda/scorers/streaming_llm.cuh: CUDA kernel for StreamingLLMScorer (positions only; reads no K/V).
+#pragma once
+
+#include <kvc/backend/cuda/config.cuh>
+#include <kvc/scorers/streaming_llm.hpp>
+
+#include <cstddef>
+#include <math_constants.h>
+
+namespace kvc::backend::cuda {
+
+__global__ void streaming_llm_kernel(StreamingLLMScorer s, ScoreSpan<DeviceSpace> out) {
+  Index const b = blockIdx.z, h = blockIdx.y, n = out.length(b);
+  auto const top = static_cast<float>(out.tokens);
+  for (Index t = static_cast<Index>(blockIdx.x) * blockDim.x + threadIdx.x; t < out.tokens;
+       t += static_cast<Index>(gridDim.x) * blockDim.x)
+    out(b, h, t) = t >= n ? -CUDART_INF_F : (t < s.n_sink ? top : static_cast<float>(t));
+}
+
+}  // namespace kvc::backend::cuda
+
+namespace kvc {
+
+template <>
+struct ScoreKernel<StreamingLLMScorer, Cuda> {
+  static std::size_t workspace_bytes(StreamingLLMScorer const&, KVExtents const&) { return 0; }
+
+  template <KVCacheView C, class Obs>
+  static Status run(Cuda const& cuda, StreamingLLMScorer const& s, C const&, Obs const&, ScoreSpan<DeviceSpace> out,
+                    Workspace) {
+    if (s.n_sink < 0)
+      return {Errc::invalid_argument, "StreamingLLMScorer: `n_sink` must be >= 0"};
+    if (out.tokens > streaming_llm_max_tokens)
+      return {Errc::invalid_argument, "StreamingLLMScorer: more than 2^24 tokens cannot be ranked exactly in fp32"};
+    if (out.batch * out.heads == 0 || out.tokens == 0)
+      return {};
+    dim3 const grid(backend::cuda::grid_dim((out.tokens + 255) / 256, 1024), static_cast<unsigned>(out.heads),
+                    static_cast<unsigned>(out.batch));
+    backend::cuda::streaming_llm_kernel<<<grid, 256, 0, cuda.stream>>>(s, out);
+    return backend::cuda::launch_status("kvc::score(streaming_llm, Cuda): kernel launch failed");
+  }
+};
+
+}  // namespace kvc
