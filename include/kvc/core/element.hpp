@@ -60,9 +60,10 @@ KVC_HOST_DEVICE inline std::uint16_t float_to_half_bits(float f) noexcept {
 KVC_HOST_DEVICE inline float half_bits_to_float(std::uint16_t h) noexcept {
   std::uint32_t const sign = static_cast<std::uint32_t>(h & 0x8000u) << 16;
   std::uint32_t const em = h & 0x7fffu;
-  float const scaled = bits_float(em << 13) * 0x1p112f;
-  std::uint32_t const mag = em >= 0x7c00u ? (0x7f800000u | ((em & 0x3ffu) << 13)) : float_bits(scaled);
-  return bits_float(sign | mag);
+  std::uint32_t const scaled = float_bits(bits_float(em << 13) * 0x1p112f);
+  std::uint32_t const special = 0x7f800000u | ((em & 0x3ffu) << 13);                // Inf or NaN keeps its payload
+  std::uint32_t const is_special = 0u - static_cast<std::uint32_t>(em >= 0x7c00u);  // all ones or zero: no branch
+  return bits_float(sign | (special & is_special) | (scaled & ~is_special));
 }
 
 /// float -> bfloat16 bits, round to nearest even; NaN stays a quiet NaN.

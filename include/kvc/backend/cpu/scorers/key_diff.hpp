@@ -5,8 +5,6 @@
 #include <kvc/backend/cpu/detail/rows.hpp>
 #include <kvc/scorers/key_diff.hpp>
 
-#include <Eigen/Core>
-
 #include <algorithm>
 #include <cmath>
 #include <cstddef>
@@ -16,14 +14,18 @@ namespace kvc {
 
 /// Two passes over K per (b, h): pass 1 sums unit keys into the anchor and stashes ||k_i|| in the output;
 /// pass 2 turns each stashed norm into the cosine score. fp32 products, anchor summed in fp32 blocks of 256
-/// tokens flushed into fp64 (so long caches do not lose the anchor's direction to rounding).
+/// tokens flushed into fp64 (so long caches do not lose the anchor's direction to rounding). Pass 1 works in
+/// tiles of 32 rows: all norms first (independent sqrt/div chains overlap), then the anchor updates from L1.
 template <>
 struct ScoreKernel<KeyDiffScorer, Cpu> {
-  static constexpr Index block_tokens = 256;
+  static constexpr Index tile_rows = 32;
+  static constexpr Index block_tokens = 256;  // a multiple of tile_rows
+  static_assert(block_tokens % tile_rows == 0);
 
   static std::size_t workspace_bytes(KeyDiffScorer const&, KVExtents const& keys) {
     auto const d = static_cast<std::size_t>(keys.dim);
-    return 3 * workspace_round(d * sizeof(float)) + workspace_round(d * sizeof(double));
+    return workspace_round(tile_rows * d * sizeof(float)) + 2 * workspace_round(d * sizeof(float)) +
+           workspace_round(d * sizeof(double));
   }
 
   template <KVCacheView C, class Obs>
@@ -32,14 +34,12 @@ struct ScoreKernel<KeyDiffScorer, Cpu> {
     auto const& keys = cache.keys;
     KVExtents const e = keys.extents();
     WorkspaceCarver carve(ws);
-    float* scratch = carve.take<float>(e.dim);
+    float* scratch = carve.take<float>(tile_rows * e.dim);  // widened 16-bit rows of one tile
     float* block_sum = carve.take<float>(e.dim);
     float* anchor = carve.take<float>(e.dim);
     double* total = carve.take<double>(e.dim);
     if (total == nullptr && e.dim > 0)
       return {Errc::out_of_capacity, "kvc::score(key_diff): workspace smaller than score_workspace_bytes()"};
-    Eigen::Map<Eigen::VectorXf> block(block_sum, e.dim), mu(anchor, e.dim);
-    Eigen::Map<Eigen::VectorXd> sum(total, e.dim);
     bool const unit = s.anchor == KeyDiffAnchor::normalized_mean;
 
     for (Index b = 0; b < e.batch; ++b) {
@@ -48,22 +48,34 @@ struct ScoreKernel<KeyDiffScorer, Cpu> {
         return {Errc::invalid_argument, "kvc::score: `lengths[b]` must be in [0, tokens]"};
       for (Index h = 0; h < e.heads; ++h) {
         float* score = &out(b, h, 0);
-        sum.setZero();
+        std::fill(total, total + e.dim, 0.0);
         for (Index t0 = 0; t0 < n; t0 += block_tokens) {
-          block.setZero();
-          for (Index t = t0; t < std::min(n, t0 + block_tokens); ++t) {
-            auto const k = detail::float_row(keys.row(b, h, t), e.dim, scratch);
-            float const norm = std::sqrt(k.squaredNorm());
-            score[t] = norm;
-            block += k * (unit ? 1.0f / std::max(norm, s.unit_eps) : 1.0f);
+          std::fill(block_sum, block_sum + e.dim, 0.0f);
+          for (Index tile = t0; tile < std::min(n, t0 + block_tokens); tile += tile_rows) {
+            Index const rows = std::min(n - tile, tile_rows);
+            float const* k[tile_rows];
+            float weight[tile_rows];
+            for (Index r = 0; r < rows; ++r) {
+              k[r] = detail::float_row(keys.row(b, h, tile + r), e.dim, scratch + r * e.dim).data();
+              float const norm = std::sqrt(detail::dot(k[r], k[r], e.dim));
+              score[tile + r] = norm;
+              weight[r] = unit ? 1.0f / std::max(norm, s.unit_eps) : 1.0f;
+            }
+            for (Index r = 0; r < rows; ++r)
+              detail::axpy(block_sum, k[r], weight[r], e.dim);
           }
-          sum += block.cast<double>();
+          for (Index i = 0; i < e.dim; ++i)
+            total[i] += block_sum[i];
         }
-        mu = (sum / static_cast<double>(std::max<Index>(n, 1))).cast<float>();
-        float const mu_norm = std::max(mu.norm(), s.cosine_eps);
+        double mu_sq = 0.0;
+        for (Index i = 0; i < e.dim; ++i) {
+          anchor[i] = static_cast<float>(total[i] / static_cast<double>(std::max<Index>(n, 1)));
+          mu_sq += double{anchor[i]} * anchor[i];
+        }
+        float const mu_norm = std::max(static_cast<float>(std::sqrt(mu_sq)), s.cosine_eps);
         for (Index t = 0; t < n; ++t) {
-          auto const k = detail::float_row(keys.row(b, h, t), e.dim, scratch);
-          score[t] = -k.dot(mu) / (mu_norm * std::max(score[t], s.cosine_eps));
+          float const* k = detail::float_row(keys.row(b, h, t), e.dim, scratch).data();
+          score[t] = -detail::dot(k, anchor, e.dim) / (mu_norm * std::max(score[t], s.cosine_eps));
         }
         std::fill(score + n, score + e.tokens, -std::numeric_limits<float>::infinity());
       }

@@ -12,7 +12,7 @@
 
 namespace kvc {
 
-/// One pass over K; fp32 sums of squares (vectorised by Eigen).
+/// One pass over K; fp32 sums of squares in fixed-order lanes (detail::dot).
 template <>
 struct ScoreKernel<KnormScorer, Cpu> {
   static std::size_t workspace_bytes(KnormScorer const&, KVExtents const& keys) {
@@ -33,8 +33,10 @@ struct ScoreKernel<KnormScorer, Cpu> {
         return {Errc::invalid_argument, "kvc::score: `lengths[b]` must be in [0, tokens]"};
       for (Index h = 0; h < e.heads; ++h) {
         float* score = &out(b, h, 0);
-        for (Index t = 0; t < n; ++t)
-          score[t] = -std::sqrt(detail::float_row(keys.row(b, h, t), e.dim, scratch).squaredNorm());
+        for (Index t = 0; t < n; ++t) {
+          float const* k = detail::float_row(keys.row(b, h, t), e.dim, scratch).data();
+          score[t] = -std::sqrt(detail::dot(k, k, e.dim));
+        }
         std::fill(score + n, score + e.tokens, -std::numeric_limits<float>::infinity());
       }
     }

@@ -1,0 +1,30 @@
+// SPDX-License-Identifier: Apache-2.0
+// benchmarks/attention/attend_bench.cpp mirrors include/kvc/attention/attend.hpp: one decode query per KV head over
+// the whole cache (the reference kernel; not a flash kernel). bytes/s counts one read of K and V.
+#include <kvc/backend/cpu/attention/attend.hpp>
+
+#include "bench_support.hpp"
+
+#include <benchmark/benchmark.h>
+
+#include <cstddef>
+#include <vector>
+
+template <class T>
+static void BM_Attend_Cpu(benchmark::State& state) {
+  auto const& c = kvc::bench::cache<T>(state.range(0), state.range(1));
+  kvc::KVExtents const qe{1, kvc::bench::kv_heads, 1, c.ext.dim};
+  std::vector<float> q(static_cast<std::size_t>(qe.rows() * qe.dim), 0.1f), out(q.size()),
+      lse(static_cast<std::size_t>(qe.rows()));
+  std::vector<std::byte> ws(kvc::attend_workspace_bytes(c.ext, c.ext.dim) + kvc::workspace_alignment);
+  kvc::QueryRows const queries(q.data(), kvc::bhtd_layout(qe));
+  for (auto _ : state) {
+    auto const st =
+        kvc::attend(kvc::Cpu{}, queries, c.view(), out.data(), lse.data(), {}, nullptr, {ws.data(), ws.size()});
+    benchmark::DoNotOptimize(st);
+    benchmark::DoNotOptimize(out.data());
+  }
+  kvc::bench::report(state, 2.0 * static_cast<double>(c.k.size() * sizeof(T)), static_cast<double>(c.ext.rows()));
+}
+BENCHMARK(BM_Attend_Cpu<float>)->Apply(kvc::bench::token_dim_grid)->Name("BM_Attend_Cpu/fp32");
+BENCHMARK(BM_Attend_Cpu<kvc::half>)->Apply(kvc::bench::token_dim_grid)->Name("BM_Attend_Cpu/fp16");

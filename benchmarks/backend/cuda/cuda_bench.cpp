@@ -1,0 +1,48 @@
+// SPDX-License-Identifier: Apache-2.0
+// benchmarks/backend/cuda/cuda_bench.cpp: CUDA kernel throughput (manual time from cudaEvent pairs), with a
+// device-memory read case in the same binary: compare KeyDiff's bytes/s with BM_Cuda_MemoryRead's.
+#include "backend/cuda/cuda_bench.hpp"
+
+#include <benchmark/benchmark.h>
+
+#include <cstdint>
+
+namespace kb = kvc::bench::cuda;
+
+static void run(benchmark::State& state, kb::Op op, bool fp16) {
+  if (!kb::device_available()) {
+    state.SkipWithError("no CUDA device");
+    return;
+  }
+  auto ctx = kb::make_context(state.range(0), state.range(1), fp16);
+  if (!ctx) {
+    state.SkipWithError("CUDA allocation or setup failed");
+    return;
+  }
+  for (auto _ : state) {
+    double const s = kb::time_op(*ctx, op);
+    if (s < 0) {
+      state.SkipWithError("CUDA kernel failed");
+      return;
+    }
+    state.SetIterationTime(s);
+  }
+  state.SetBytesProcessed(static_cast<std::int64_t>(kb::bytes_of(*ctx, op)) * state.iterations());
+  state.counters["tokens/s"] =
+      benchmark::Counter(static_cast<double>(8 * state.range(0)), benchmark::Counter::kIsIterationInvariantRate);
+}
+
+static void grid(benchmark::internal::Benchmark* b) {
+  b->ArgNames({"tokens", "dim"})
+      ->ArgsProduct({{4096, 32768, 131072}, {64, 128}})
+      ->UseManualTime()
+      ->Unit(benchmark::kMicrosecond);
+}
+
+BENCHMARK_CAPTURE(run, KeyDiff_fp32, kb::Op::key_diff, false)->Apply(grid)->Name("BM_KeyDiff_Cuda/fp32");
+BENCHMARK_CAPTURE(run, KeyDiff_fp16, kb::Op::key_diff, true)->Apply(grid)->Name("BM_KeyDiff_Cuda/fp16");
+BENCHMARK_CAPTURE(run, Knorm_fp32, kb::Op::knorm, false)->Apply(grid)->Name("BM_Knorm_Cuda/fp32");
+BENCHMARK_CAPTURE(run, Knorm_fp16, kb::Op::knorm, true)->Apply(grid)->Name("BM_Knorm_Cuda/fp16");
+BENCHMARK_CAPTURE(run, TopK, kb::Op::top_k, false)->Apply(grid)->Name("BM_TopK_Cuda");
+BENCHMARK_CAPTURE(run, Compact_fp16, kb::Op::compact, true)->Apply(grid)->Name("BM_Compact_Cuda/fp16");
+BENCHMARK_CAPTURE(run, Read_fp32, kb::Op::read, false)->Apply(grid)->Name("BM_Cuda_MemoryRead");
