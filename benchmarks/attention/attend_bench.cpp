@@ -16,7 +16,7 @@ static void BM_Attend_Cpu(benchmark::State& state) {
   kvc::KVExtents const qe{1, kvc::bench::kv_heads, 1, c.ext.dim};
   std::vector<float> q(static_cast<std::size_t>(qe.rows() * qe.dim), 0.1f), out(q.size()),
       lse(static_cast<std::size_t>(qe.rows()));
-  std::vector<std::byte> ws(kvc::attend_workspace_bytes(c.ext, c.ext.dim) + kvc::workspace_alignment);
+  std::vector<std::byte> ws(kvc::attend_workspace_bytes(c.ext, c.ext.dim));
   kvc::QueryRows const queries(q.data(), kvc::bhtd_layout(qe));
   for (auto _ : state) {
     auto const st =

@@ -14,8 +14,7 @@ template <class T>
 static void BM_Knorm_Cpu(benchmark::State& state) {
   auto const& c = kvc::bench::cache<T>(state.range(0), state.range(1));
   std::vector<float> out(static_cast<std::size_t>(c.ext.rows()));
-  std::vector<std::byte> ws(kvc::score_workspace_bytes(kvc::Cpu{}, kvc::KnormScorer{}, c.ext) +
-                            kvc::workspace_alignment);
+  std::vector<std::byte> ws(kvc::score_workspace_bytes(kvc::Cpu{}, kvc::KnormScorer{}, c.ext));
   kvc::ScoreSpan<> span{out.data(), c.ext.batch, c.ext.heads, c.ext.tokens};
   for (auto _ : state) {
     auto const st = kvc::score(kvc::Cpu{}, kvc::KnormScorer{}, c.view(), span, {ws.data(), ws.size()});

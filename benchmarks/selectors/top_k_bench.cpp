@@ -18,7 +18,7 @@ static void BM_TopK_Cpu(benchmark::State& state) {
     x = rng.normal();
   std::vector<kvc::Index> index(scores.size()), count(static_cast<std::size_t>(heads));
   kvc::TopKSelector const sel{kvc::RatioBudget{0.5}};
-  std::vector<std::byte> ws(kvc::select_workspace_bytes(kvc::Cpu{}, sel, 1, heads, tokens) + kvc::workspace_alignment);
+  std::vector<std::byte> ws(kvc::select_workspace_bytes(kvc::Cpu{}, sel, 1, heads, tokens));
   for (auto _ : state) {
     auto const st = kvc::select(kvc::Cpu{}, sel, kvc::ScoreSpan<>{scores.data(), 1, heads, tokens},
                                 kvc::KeepPlan<>{index.data(), count.data(), 1, heads, tokens}, {ws.data(), ws.size()});

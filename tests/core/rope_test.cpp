@@ -64,7 +64,7 @@ TEST_CASE("rerotate: kept keys equal pre-RoPE keys rotated at their new slots (k
     kvc::test::OwnedPlan plan(1, 1, 10);
     plan.count[0] = 6;
     std::copy(idx.begin(), idx.end(), plan.index.begin());
-    kvc::test::OwnedWorkspace ws(8 * sizeof(float));
+    kvc::test::OwnedWorkspace ws(kvc::rerotate_workspace_bytes(8));
     REQUIRE(kvc::rerotate_keys(spec, plan.plan, cache.view().keys, ws.get()).ok());
     for (Index j = 0; j < 6; ++j) {
       std::vector<float> expect(pre.key(0, 0, idx[static_cast<std::size_t>(j)]),

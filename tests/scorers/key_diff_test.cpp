@@ -35,7 +35,8 @@ std::vector<float> key_diff_scores(std::vector<T> keys, Index dim, kvc::KeyDiffS
 std::vector<Index> keep_top(std::vector<float> scores, Index budget) {
   Index const n = static_cast<Index>(scores.size());
   kvc::test::OwnedPlan plan(1, 1, n);
-  kvc::test::OwnedWorkspace ws(static_cast<std::size_t>(n) * sizeof(Index));
+  kvc::test::OwnedWorkspace ws(
+      kvc::select_workspace_bytes(kvc::Cpu{}, kvc::TopKSelector{kvc::FixedBudget{budget}}, 1, 1, n));
   REQUIRE(kvc::select(kvc::Cpu{}, kvc::TopKSelector{kvc::FixedBudget{budget}}, kvc::ScoreSpan<>{scores.data(), 1, 1, n},
                       plan.plan, ws.get())
               .ok());

@@ -95,7 +95,8 @@ TEST_CASE("top_k: ragged lengths never keep padding; per-head budgets", "[select
   std::vector<Index> lengths = {6, 3};
   kvc::ScoreSpan<> span{s.data(), 2, 1, 6, lengths.data()};
   kvc::test::OwnedPlan plan(2, 1, 6);
-  kvc::test::OwnedWorkspace ws(64 * sizeof(Index));
+  kvc::test::OwnedWorkspace ws(
+      kvc::select_workspace_bytes(kvc::Cpu{}, kvc::TopKSelector{kvc::FixedBudget{2}}, 2, 1, 6));
   REQUIRE(kvc::select(kvc::Cpu{}, kvc::TopKSelector{kvc::FixedBudget{2}}, span, plan.plan, ws.get()).ok());
   CHECK(plan.kept(0, 0) == std::vector<Index>{0, 1});
   CHECK(plan.kept(1, 0) == std::vector<Index>{1, 2});
@@ -110,7 +111,8 @@ TEST_CASE("top_k: bad budgets, small plans and missing workspace are errors", "[
   std::vector<float> s = {1, 2, 3};
   kvc::ScoreSpan<> span{s.data(), 1, 1, 3};
   kvc::test::OwnedPlan plan(1, 1, 3), small(1, 1, 1), wrong(2, 1, 3);
-  kvc::test::OwnedWorkspace ws(64);
+  kvc::test::OwnedWorkspace ws(
+      kvc::select_workspace_bytes(kvc::Cpu{}, kvc::TopKSelector{kvc::FixedBudget{2}}, 1, 1, 3));
   CHECK(kvc::select(kvc::Cpu{}, kvc::TopKSelector{kvc::RatioBudget{1.5}}, span, plan.plan, ws.get()).code() ==
         kvc::Errc::invalid_argument);
   CHECK(kvc::select(kvc::Cpu{}, kvc::TopKSelector{kvc::RatioBudget{std::nan("")}}, span, plan.plan, ws.get()).code() ==

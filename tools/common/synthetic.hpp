@@ -70,12 +70,15 @@ struct HostCache {
 };
 
 /// The demo's synthetic cache: a documented toy with the structure real heads show (docs/demo.md).
-///  - keys: every KV head h has a mean direction m_h; k_t = 4 m_h + N(0, 1) noise per channel;
+///  - keys: every KV head h has a mean direction m_h; k_t = 4 m_h + N(0, 1) noise per channel (keys cluster
+///    around their mean, as KeyDiff's App. C observes);
 ///  - the first 4 tokens are attention sinks: k = 8 s_h with their own direction s_h;
-///  - every 37th token is "salient": it also carries 3 u_h along the head's query direction u_h;
+///  - every 37th token is a "heavy hitter": it also carries 10 u_h along the head's query direction u_h;
 ///  - values: N(0, 1);
-///  - queries (post-RoPE, [B, H, Nq, d], query head q reads KV head q / group): 2 u_h - m_h + N(0, 0.5^2), so the
-///    mean query points away from the mean key and attention concentrates on sinks and salient tokens.
+///  - queries (post-RoPE, [B, H, Nq, d], query head q reads KV head q / group): 4 u_h + 1.5 s_h - m_h + N(0, 0.5^2):
+///    the mean query points away from the mean key, a heavy hitter's logit is ~5 above an ordinary token's and a
+///    sink's ~2 above, so most attention mass sits on ~3% of the tokens, as in real long-context heads.
+/// A toy: it rewards keeping distinctive keys by construction. Use --dump with real data for real conclusions.
 struct SyntheticCache {
   HostCache<float> cache;
   std::vector<float> queries;
@@ -109,14 +112,14 @@ inline SyntheticCache make_synthetic(KVExtents e, Index query_heads, Index n_que
         for (std::size_t i = 0; i < d; ++i) {
           k[i] = t < 4 ? 8.0f * sink[i] : 4.0f * m[i] + rng.normal();
           if (t >= 4 && t % 37 == 0)
-            k[i] += 3.0f * u[i];
+            k[i] += 10.0f * u[i];
         }
       }
       for (Index g = 0; g < group; ++g)
         for (Index i = 0; i < n_queries; ++i) {
           float* q = s.queries.data() + (((b * query_heads + h * group + g) * n_queries + i) * e.dim);
           for (std::size_t c = 0; c < d; ++c)
-            q[c] = 2.0f * u[c] - m[c] + 0.5f * rng.normal();
+            q[c] = 4.0f * u[c] + 1.5f * sink[c] - m[c] + 0.5f * rng.normal();
         }
     }
   for (float& x : s.cache.v)

@@ -302,7 +302,7 @@ int cmd_score(Options const& o) {
   std::vector<float> scores(static_cast<std::size_t>(e.rows()));
   with_policy(policy, params, [&](auto scorer, kvc::Index, kvc::Index) {
     with_cache(keys, values ? &*values : nullptr, [&](auto const& cache) {
-      std::vector<std::byte> ws(kvc::score_workspace_bytes(kvc::Cpu{}, scorer, e) + kvc::workspace_alignment);
+      std::vector<std::byte> ws(kvc::score_workspace_bytes(kvc::Cpu{}, scorer, e));
       kvc::ScoreSpan<> out{scores.data(), e.batch, e.heads, e.tokens};
       auto once = [&] { check_status(kvc::score(kvc::Cpu{}, scorer, cache, out, {ws.data(), ws.size()}), "score"); };
       once();
@@ -335,7 +335,7 @@ int cmd_compress(Options const& o) {
     with_cache(keys, &values, [&](auto const& cache) {
       auto run = [&](auto budget_value) {
         kvc::Press press{scorer, kvc::TopKSelector<decltype(budget_value)>{budget_value, n_sink, n_recent}};
-        std::vector<std::byte> ws(kvc::compress_workspace_bytes(kvc::Cpu{}, press, e) + kvc::workspace_alignment);
+        std::vector<std::byte> ws(kvc::compress_workspace_bytes(kvc::Cpu{}, press, e));
         auto once = [&] {
           check_status(kvc::compress(kvc::Cpu{}, press, cache, plan, {ws.data(), ws.size()}), "compress");
         };

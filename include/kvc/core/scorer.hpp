@@ -76,14 +76,14 @@ concept HasScoreKernel = requires {
   sizeof(ScoreKernel<S, B>);
 };
 
-/// Bytes of workspace kvc::score needs for `scorer` on a cache whose keys have extents `keys`.
+/// Bytes of workspace kvc::score needs for `scorer` on a cache whose keys have extents `keys` (any alignment).
 template <Backend B, Scorer S>
 std::size_t score_workspace_bytes(B const&, S const& scorer, KVExtents const& keys) {
   static_assert(HasScoreKernel<S, B>,
                 "kvc::score: this scorer has no kernel for this backend; include "
                 "<kvc/backend/cpu/scorers/NAME.hpp> (kvc::Cpu) or <kvc/backend/cuda/scorers/NAME.cuh> (kvc::Cuda)");
   if constexpr (HasScoreKernel<S, B>)
-    return ScoreKernel<S, B>::workspace_bytes(scorer, keys);
+    return ScoreKernel<S, B>::workspace_bytes(scorer, keys) + workspace_slack;
   else
     return 0;
 }

@@ -23,6 +23,8 @@ struct ScoreSpan {
   KVC_HOST_DEVICE constexpr float& operator()(Index b, Index h, Index t) const noexcept {
     return data[(b * heads + h) * tokens + t];
   }
+  /// The `tokens` scores of head (b, h) (pointer arithmetic only: valid for empty spans too).
+  KVC_HOST_DEVICE constexpr float* row(Index b, Index h) const noexcept { return data + (b * heads + h) * tokens; }
   KVC_HOST_DEVICE constexpr Index length(Index b) const noexcept { return lengths ? lengths[b] : tokens; }
   KVC_HOST_DEVICE constexpr Index size() const noexcept { return batch * heads * tokens; }
 };

@@ -36,14 +36,14 @@ concept HasSelectKernel = requires {
   sizeof(SelectKernel<S, B>);
 };
 
-/// Bytes of workspace kvc::select needs for scores of the given shape.
+/// Bytes of workspace kvc::select needs for scores of the given shape (any alignment).
 template <Backend B, Selector S>
 std::size_t select_workspace_bytes(B const&, S const& selector, Index batch, Index heads, Index tokens) {
   static_assert(HasSelectKernel<S, B>,
                 "kvc::select: this selector has no kernel for this backend; include "
                 "<kvc/backend/cpu/selectors/NAME.hpp> or <kvc/backend/cuda/selectors/NAME.cuh>");
   if constexpr (HasSelectKernel<S, B>)
-    return SelectKernel<S, B>::workspace_bytes(selector, batch, heads, tokens);
+    return SelectKernel<S, B>::workspace_bytes(selector, batch, heads, tokens) + workspace_slack;
   else
     return 0;
 }

@@ -113,6 +113,8 @@ Status validate_rows(R const& rows, ValidateOptions opts = {}, Index const* leng
 /// strided rows do not overlap; paged tables cover `tokens`; lengths in [0, tokens] (host only).
 template <KVCacheView C>
 Status validate(C const& cache, ValidateOptions opts = {}) noexcept {
+  KVC_RETURN_IF_ERROR(validate_rows(cache.keys));  // extents and offsets first: later checks multiply them
+  KVC_RETURN_IF_ERROR(validate_rows(cache.values));
   KVExtents const k = cache.keys.extents(), v = cache.values.extents();
   if (k.batch != v.batch || k.heads != v.heads || k.tokens != v.tokens)
     return {Errc::invalid_argument, "kvc::validate: keys and values must agree on batch, heads and tokens"};
@@ -133,9 +135,12 @@ Status validate(C const& cache, ValidateOptions opts = {}) noexcept {
       for (Index b = 0; b < k.batch; ++b)
         if (cache.lengths[b] < 0 || cache.lengths[b] > k.tokens)
           return {Errc::invalid_argument, "kvc::validate: `lengths[b]` must be in [0, tokens]"};
+    if (opts.check_finite) {
+      KVC_RETURN_IF_ERROR(detail::rows_finite(cache.keys, cache.lengths));
+      KVC_RETURN_IF_ERROR(detail::rows_finite(cache.values, cache.lengths));
+    }
   }
-  KVC_RETURN_IF_ERROR(validate_rows(cache.keys, opts, cache.lengths));
-  return validate_rows(cache.values, opts, cache.lengths);
+  return {};
 }
 
 }  // namespace kvc

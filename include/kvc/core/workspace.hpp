@@ -13,6 +13,9 @@ namespace kvc {
 /// Bytes every carve is aligned to (a cache line; enough for any vector load).
 inline constexpr std::size_t workspace_alignment = 64;
 
+/// Bytes a public `*_workspace_bytes` query adds so that any base address works (kernels align every piece).
+inline constexpr std::size_t workspace_slack = workspace_alignment;
+
 /// Rounds a byte count up to the workspace alignment.
 constexpr std::size_t workspace_round(std::size_t bytes) noexcept {
   return (bytes + workspace_alignment - 1) / workspace_alignment * workspace_alignment;

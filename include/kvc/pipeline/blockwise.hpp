@@ -30,7 +30,7 @@ std::size_t blockwise_workspace_bytes(Cpu const& cpu, Press<S, TopKSelector<Fixe
   auto const heads = static_cast<std::size_t>(work.batch * work.heads);
   return workspace_round(static_cast<std::size_t>(work.batch) * sizeof(Index)) +
          workspace_round(heads * static_cast<std::size_t>(work.tokens) * sizeof(Index)) +
-         workspace_round(heads * sizeof(Index)) + compress_workspace_bytes(cpu, press, work);
+         workspace_round(heads * sizeof(Index)) + compress_workspace_bytes(cpu, press, work) + workspace_slack;
 }
 
 /// Runs Eq. 6 over `src` ([B, H, T, d], ragged lengths allowed) in blocks of `block_size` tokens.

@@ -20,12 +20,14 @@ struct Press {
 template <Scorer S, Selector Sel>
 Press(S, Sel) -> Press<S, Sel>;
 
-/// Bytes of workspace kvc::compress needs: the fp32 score tensor, then the scorer's and the selector's scratch.
+/// Bytes of workspace kvc::compress needs (any alignment): the fp32 score tensor, then the scorer's and the
+/// selector's scratch.
 template <Backend B, Scorer S, Selector Sel>
 std::size_t compress_workspace_bytes(B const& backend, Press<S, Sel> const& press, KVExtents const& keys) {
   return workspace_round(static_cast<std::size_t>(keys.rows()) * sizeof(float)) +
          workspace_round(score_workspace_bytes(backend, press.scorer, keys)) +
-         workspace_round(select_workspace_bytes(backend, press.selector, keys.batch, keys.heads, keys.tokens));
+         workspace_round(select_workspace_bytes(backend, press.selector, keys.batch, keys.heads, keys.tokens)) +
+         workspace_slack;
 }
 
 /// One-shot compression decision: scores every token, then selects into `plan` (nothing is moved; follow with

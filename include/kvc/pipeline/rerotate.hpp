@@ -17,6 +17,11 @@
 
 namespace kvc {
 
+/// Workspace of rerotate_keys (any alignment): one fp32 row.
+inline std::size_t rerotate_workspace_bytes(Index dim) noexcept {
+  return workspace_round(static_cast<std::size_t>(dim) * sizeof(float)) + workspace_slack;
+}
+
 /// Re-rotates compacted keys (host memory) from their original positions to their slots. Workspace: one fp32
 /// row (`dim` floats) used to widen 16-bit keys. The plan is not modified: it still records original positions.
 template <TokenRowsView K>

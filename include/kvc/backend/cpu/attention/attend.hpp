@@ -17,10 +17,10 @@
 
 namespace kvc {
 
-/// Workspace of kvc::attend: one logit per cache slot plus one widened row.
+/// Workspace of kvc::attend (any alignment): one logit per cache slot plus one widened row.
 inline std::size_t attend_workspace_bytes(KVExtents const& keys, Index dim_v) {
   return workspace_round(static_cast<std::size_t>(keys.tokens) * sizeof(float)) +
-         workspace_round(static_cast<std::size_t>(std::max(keys.dim, dim_v)) * sizeof(float));
+         workspace_round(static_cast<std::size_t>(std::max(keys.dim, dim_v)) * sizeof(float)) + workspace_slack;
 }
 
 /// Softmax attention of `queries` [B, H, Nq, d_k] over `cache` (GQA: query head q reads KV head q / (H / Hkv),
@@ -93,7 +93,7 @@ Status attention_error(QueryRows const& queries, Full const& full, Compressed co
   Index const dv = full.values.extents().dim;
   auto const outputs = static_cast<std::size_t>(q.batch * q.heads * q.tokens * dv);
   std::vector<float> a(outputs), b(outputs);
-  std::vector<std::byte> ws(attend_workspace_bytes(full.keys.extents(), dv) + workspace_alignment);
+  std::vector<std::byte> ws(attend_workspace_bytes(full.keys.extents(), dv));
   KVC_RETURN_IF_ERROR(attend(Cpu{}, queries, full, a.data(), nullptr, opts, nullptr, {ws.data(), ws.size()}));
   KVC_RETURN_IF_ERROR(attend(Cpu{}, queries, compressed, b.data(), nullptr, opts, &kept, {ws.data(), ws.size()}));
   double num = 0, den = 0;

@@ -47,7 +47,7 @@ struct ScoreKernel<KeyDiffScorer, Cpu> {
       if (n < 0 || n > e.tokens)
         return {Errc::invalid_argument, "kvc::score: `lengths[b]` must be in [0, tokens]"};
       for (Index h = 0; h < e.heads; ++h) {
-        float* score = &out(b, h, 0);
+        float* score = out.row(b, h);
         std::fill(total, total + e.dim, 0.0);
         for (Index t0 = 0; t0 < n; t0 += block_tokens) {
           std::fill(block_sum, block_sum + e.dim, 0.0f);

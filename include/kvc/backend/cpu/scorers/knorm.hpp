@@ -9,12 +9,14 @@
 #include <cmath>
 #include <cstddef>
 #include <limits>
+#include <type_traits>
 
 namespace kvc {
 
 /// One pass over K; fp32 sums of squares in fixed-order lanes (detail::dot).
 template <>
 struct ScoreKernel<KnormScorer, Cpu> {
+  /// One fp32 row to widen 16-bit keys (float keys need none, but the query stays type-independent).
   static std::size_t workspace_bytes(KnormScorer const&, KVExtents const& keys) {
     return workspace_round(static_cast<std::size_t>(keys.dim) * sizeof(float));
   }
@@ -24,15 +26,16 @@ struct ScoreKernel<KnormScorer, Cpu> {
                     Workspace ws) {
     auto const& keys = cache.keys;
     KVExtents const e = keys.extents();
-    float* scratch = WorkspaceCarver(ws).take<float>(e.dim);
-    if (scratch == nullptr && e.dim > 0)
+    constexpr bool widen = !std::is_same_v<typename std::remove_cvref_t<decltype(keys)>::value_type, float>;
+    float* scratch = WorkspaceCarver(ws).take<float>(widen ? e.dim : 0);  // only 16-bit rows need scratch
+    if (scratch == nullptr && widen && e.dim > 0)
       return {Errc::out_of_capacity, "kvc::score(knorm): workspace smaller than score_workspace_bytes()"};
     for (Index b = 0; b < e.batch; ++b) {
       Index const n = out.length(b);
       if (n < 0 || n > e.tokens)
         return {Errc::invalid_argument, "kvc::score: `lengths[b]` must be in [0, tokens]"};
       for (Index h = 0; h < e.heads; ++h) {
-        float* score = &out(b, h, 0);
+        float* score = out.row(b, h);
         for (Index t = 0; t < n; ++t) {
           float const* k = detail::float_row(keys.row(b, h, t), e.dim, scratch).data();
           score[t] = -std::sqrt(detail::dot(k, k, e.dim));

@@ -27,7 +27,7 @@ struct ScoreKernel<StreamingLLMScorer, Cpu> {
       if (n < 0 || n > out.tokens)
         return {Errc::invalid_argument, "kvc::score: `lengths[b]` must be in [0, tokens]"};
       for (Index h = 0; h < out.heads; ++h) {
-        float* score = &out(b, h, 0);
+        float* score = out.row(b, h);
         for (Index t = 0; t < n; ++t)
           score[t] = t < s.n_sink ? top : static_cast<float>(t);
         std::fill(score + n, score + out.tokens, -std::numeric_limits<float>::infinity());

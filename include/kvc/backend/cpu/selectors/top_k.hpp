@@ -57,7 +57,7 @@ struct SelectKernel<TopKSelector<B>, Cpu> {
         Index const pool = c.recent_begin - c.sink_end;
         for (Index i = 0; i < pool; ++i)
           candidates[i] = c.sink_end + i;
-        detail::ScoreOrder const better{&scores(b, h, 0)};
+        detail::ScoreOrder const better{scores.row(b, h)};
         if (m > 0 && m < pool)
           std::nth_element(candidates, candidates + m, candidates + pool, better);
         std::sort(candidates, candidates + m);

@@ -45,7 +45,7 @@ __global__ void __launch_bounds__(top_k_threads)
   auto const c = detail::top_k_counts(sel, b, h, n);
   Index const keep = c.keep < plan.capacity ? c.keep : plan.capacity;  // the CPU reports this as out_of_capacity
   Index* out = plan.indices(b, h);
-  float const* s = &scores(b, h, 0);
+  float const* s = scores.row(b, h);
   if (threadIdx.x == 0)
     plan.kept(b, h) = keep;
   if (c.keep == n) {
