@@ -42,7 +42,8 @@ TEST_CASE("validate: shapes, lengths, overlap and 64-bit overflow", "[core][vali
   CHECK(kvc::validate(long_len).code() == Errc::invalid_argument);
   // Rows overlap: token stride 2 with dim 4.
   kvc::StridedLayout overlap{{1, 1, 4, 4}, 64, 16, 2};
-  auto ov = kvc::make_cache(kvc::TokenRows<float, kvc::StridedLayout>(k.data(), overlap), kvc::bhtd_rows(v.data(), {1, 1, 4, 4}));
+  auto ov = kvc::make_cache(kvc::TokenRows<float, kvc::StridedLayout>(k.data(), overlap),
+                            kvc::bhtd_rows(v.data(), {1, 1, 4, 4}));
   CHECK(kvc::validate(ov).code() == Errc::invalid_argument);
   // K and V are the same buffer.
   auto same = kvc::dense_cache(k.data(), k.data(), {1, 1, 4, 4});

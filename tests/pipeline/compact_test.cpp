@@ -26,15 +26,15 @@ kvc::test::OwnedPlan make_plan(Index batch, Index heads, Index capacity, std::ve
 
 }  // namespace
 
-TEST_CASE("compact: in place on BHTD moves kept rows to the front, keys and values together",
-          "[pipeline][compact]") {
+TEST_CASE("compact: in place on BHTD moves kept rows to the front, keys and values together", "[pipeline][compact]") {
   kvc::KVExtents const e{1, 2, 6, 3};
   auto c = kvc::tools::HostCache<float>::random(e, 4, 2);  // d_v = 2 != d_k
   auto const before = c;
   auto plan = make_plan(1, 2, 6, {{1, 3, 4}, {0, 5}});
   REQUIRE(kvc::compact(kvc::Cpu{}, plan.plan, c.view()).ok());
   auto row = [](auto const& cache, std::vector<float> const& buf, Index dim, Index h, Index t) {
-    return std::vector<float>(buf.begin() + (h * cache.ext.tokens + t) * dim, buf.begin() + (h * cache.ext.tokens + t + 1) * dim);
+    return std::vector<float>(buf.begin() + (h * cache.ext.tokens + t) * dim,
+                              buf.begin() + (h * cache.ext.tokens + t + 1) * dim);
   };
   CHECK(row(c, c.k, 3, 0, 0) == row(before, before.k, 3, 0, 1));
   CHECK(row(c, c.k, 3, 0, 1) == row(before, before.k, 3, 0, 3));
