@@ -5,13 +5,16 @@
 
 #include <kvc/core/element.hpp>
 #include <kvc/core/kv_view.hpp>
+#include <kvc/core/scorer.hpp>
 
 #include "common/synthetic.hpp"
 
 #include <benchmark/benchmark.h>
 
+#include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <string>
 #include <vector>
 
 namespace kvc::bench {
@@ -44,6 +47,37 @@ tools::HostCache<T> const& cache(Index tokens, Index dim) {
 inline void report(benchmark::State& state, double bytes, double tokens) {
   state.SetBytesProcessed(static_cast<std::int64_t>(bytes) * state.iterations());
   state.counters["tokens/s"] = benchmark::Counter(tokens, benchmark::Counter::kIsIterationInvariantRate);
+}
+
+/// Scores the cached [1, 8, tokens, dim] cache of T with `scorer` on the CPU (args: tokens, dim). bytes/s counts
+/// one read of K when the scorer reads keys (what it must at least read: compare with BM_MemoryRead), else the
+/// fp32 scores it writes.
+template <class T, class S>
+void score_cpu(benchmark::State& state, S scorer) {
+  auto const& c = cache<T>(state.range(0), state.range(1));
+  std::vector<float> out(static_cast<std::size_t>(c.ext.rows()));
+  std::vector<std::byte> ws(score_workspace_bytes(Cpu{}, scorer, c.ext));
+  ScoreSpan<> span{out.data(), c.ext.batch, c.ext.heads, c.ext.tokens};
+  for (auto _ : state) {
+    auto const st = score(Cpu{}, scorer, c.view(), span, {ws.data(), ws.size()});
+    benchmark::DoNotOptimize(st);
+    benchmark::DoNotOptimize(out.data());
+  }
+  bool const reads_keys = has_need(S::needs, Needs::keys);
+  report(state, static_cast<double>(reads_keys ? c.k.size() * sizeof(T) : out.size() * sizeof(float)),
+         static_cast<double>(c.ext.rows()));
+}
+
+/// Registers `<name>/fp32` and `<name>/fp16` scoring benchmarks over the token x dim grid.
+template <class S>
+int register_scorer(std::string const& name, S scorer) {
+  benchmark::RegisterBenchmark((name + "/fp32").c_str(), [scorer](benchmark::State& st) {
+    score_cpu<float>(st, scorer);
+  })->Apply(token_dim_grid);
+  benchmark::RegisterBenchmark((name + "/fp16").c_str(), [scorer](benchmark::State& st) {
+    score_cpu<half>(st, scorer);
+  })->Apply(token_dim_grid);
+  return 0;
 }
 
 }  // namespace kvc::bench

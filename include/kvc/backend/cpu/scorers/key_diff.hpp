@@ -2,13 +2,13 @@
 // kvc/backend/cpu/scorers/key_diff.hpp: CPU reference kernel for KeyDiffScorer (the oracle for other backends).
 #pragma once
 
+#include <kvc/backend/cpu/detail/for_each_head.hpp>
 #include <kvc/backend/cpu/detail/rows.hpp>
 #include <kvc/scorers/key_diff.hpp>
 
 #include <algorithm>
 #include <cmath>
 #include <cstddef>
-#include <limits>
 
 namespace kvc {
 
@@ -42,45 +42,37 @@ struct ScoreKernel<KeyDiffScorer, Cpu> {
       return {Errc::out_of_capacity, "kvc::score(key_diff): workspace smaller than score_workspace_bytes()"};
     bool const unit = s.anchor == KeyDiffAnchor::normalized_mean;
 
-    for (Index b = 0; b < e.batch; ++b) {
-      Index const n = out.length(b);
-      if (n < 0 || n > e.tokens)
-        return {Errc::invalid_argument, "kvc::score: `lengths[b]` must be in [0, tokens]"};
-      for (Index h = 0; h < e.heads; ++h) {
-        float* score = out.row(b, h);
-        std::fill(total, total + e.dim, 0.0);
-        for (Index t0 = 0; t0 < n; t0 += block_tokens) {
-          std::fill(block_sum, block_sum + e.dim, 0.0f);
-          for (Index tile = t0; tile < std::min(n, t0 + block_tokens); tile += tile_rows) {
-            Index const rows = std::min(n - tile, tile_rows);
-            float const* k[tile_rows];
-            float weight[tile_rows];
-            for (Index r = 0; r < rows; ++r) {
-              k[r] = detail::float_row(keys.row(b, h, tile + r), e.dim, scratch + r * e.dim).data();
-              float const norm = std::sqrt(detail::dot(k[r], k[r], e.dim));
-              score[tile + r] = norm;
-              weight[r] = unit ? 1.0f / std::max(norm, s.unit_eps) : 1.0f;
-            }
-            for (Index r = 0; r < rows; ++r)
-              detail::axpy(block_sum, k[r], weight[r], e.dim);
+    return detail::for_each_head(out, [&](Index b, Index h, Index n, float* score) {
+      std::fill(total, total + e.dim, 0.0);
+      for (Index t0 = 0; t0 < n; t0 += block_tokens) {
+        std::fill(block_sum, block_sum + e.dim, 0.0f);
+        for (Index tile = t0; tile < std::min(n, t0 + block_tokens); tile += tile_rows) {
+          Index const rows = std::min(n - tile, tile_rows);
+          float const* k[tile_rows];
+          float weight[tile_rows];
+          for (Index r = 0; r < rows; ++r) {
+            k[r] = detail::float_row(keys.row(b, h, tile + r), e.dim, scratch + r * e.dim).data();
+            float const norm = std::sqrt(detail::dot(k[r], k[r], e.dim));
+            score[tile + r] = norm;
+            weight[r] = unit ? 1.0f / std::max(norm, s.unit_eps) : 1.0f;
           }
-          for (Index i = 0; i < e.dim; ++i)
-            total[i] += block_sum[i];
+          for (Index r = 0; r < rows; ++r)
+            detail::axpy(block_sum, k[r], weight[r], e.dim);
         }
-        double mu_sq = 0.0;
-        for (Index i = 0; i < e.dim; ++i) {
-          anchor[i] = static_cast<float>(total[i] / static_cast<double>(std::max<Index>(n, 1)));
-          mu_sq += double{anchor[i]} * anchor[i];
-        }
-        float const mu_norm = std::max(static_cast<float>(std::sqrt(mu_sq)), s.cosine_eps);
-        for (Index t = 0; t < n; ++t) {
-          float const* k = detail::float_row(keys.row(b, h, t), e.dim, scratch).data();
-          score[t] = -detail::dot(k, anchor, e.dim) / (mu_norm * std::max(score[t], s.cosine_eps));
-        }
-        std::fill(score + n, score + e.tokens, -std::numeric_limits<float>::infinity());
+        for (Index i = 0; i < e.dim; ++i)
+          total[i] += block_sum[i];
       }
-    }
-    return {};
+      double mu_sq = 0.0;
+      for (Index i = 0; i < e.dim; ++i) {
+        anchor[i] = static_cast<float>(total[i] / static_cast<double>(std::max<Index>(n, 1)));
+        mu_sq += double{anchor[i]} * anchor[i];
+      }
+      float const mu_norm = std::max(static_cast<float>(std::sqrt(mu_sq)), s.cosine_eps);
+      for (Index t = 0; t < n; ++t) {
+        float const* k = detail::float_row(keys.row(b, h, t), e.dim, scratch).data();
+        score[t] = -detail::dot(k, anchor, e.dim) / (mu_norm * std::max(score[t], s.cosine_eps));
+      }
+    });
   }
 };
 

@@ -2,13 +2,12 @@
 // kvc/backend/cpu/scorers/knorm.hpp: CPU reference kernel for KnormScorer.
 #pragma once
 
+#include <kvc/backend/cpu/detail/for_each_head.hpp>
 #include <kvc/backend/cpu/detail/rows.hpp>
 #include <kvc/scorers/knorm.hpp>
 
-#include <algorithm>
 #include <cmath>
 #include <cstddef>
-#include <limits>
 #include <type_traits>
 
 namespace kvc {
@@ -30,20 +29,12 @@ struct ScoreKernel<KnormScorer, Cpu> {
     float* scratch = WorkspaceCarver(ws).take<float>(widen ? e.dim : 0);  // only 16-bit rows need scratch
     if (scratch == nullptr && widen && e.dim > 0)
       return {Errc::out_of_capacity, "kvc::score(knorm): workspace smaller than score_workspace_bytes()"};
-    for (Index b = 0; b < e.batch; ++b) {
-      Index const n = out.length(b);
-      if (n < 0 || n > e.tokens)
-        return {Errc::invalid_argument, "kvc::score: `lengths[b]` must be in [0, tokens]"};
-      for (Index h = 0; h < e.heads; ++h) {
-        float* score = out.row(b, h);
-        for (Index t = 0; t < n; ++t) {
-          float const* k = detail::float_row(keys.row(b, h, t), e.dim, scratch).data();
-          score[t] = -std::sqrt(detail::dot(k, k, e.dim));
-        }
-        std::fill(score + n, score + e.tokens, -std::numeric_limits<float>::infinity());
+    return detail::for_each_head(out, [&](Index b, Index h, Index n, float* score) {
+      for (Index t = 0; t < n; ++t) {
+        float const* k = detail::float_row(keys.row(b, h, t), e.dim, scratch).data();
+        score[t] = -std::sqrt(detail::dot(k, k, e.dim));
       }
-    }
-    return {};
+    });
   }
 };
 

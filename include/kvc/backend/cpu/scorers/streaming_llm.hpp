@@ -2,11 +2,10 @@
 // kvc/backend/cpu/scorers/streaming_llm.hpp: CPU kernel for StreamingLLMScorer (positions only; reads no K/V).
 #pragma once
 
+#include <kvc/backend/cpu/detail/for_each_head.hpp>
 #include <kvc/scorers/streaming_llm.hpp>
 
-#include <algorithm>
 #include <cstddef>
-#include <limits>
 
 namespace kvc {
 
@@ -22,18 +21,10 @@ struct ScoreKernel<StreamingLLMScorer, Cpu> {
     if (out.tokens > streaming_llm_max_tokens)
       return {Errc::invalid_argument, "StreamingLLMScorer: more than 2^24 tokens cannot be ranked exactly in fp32"};
     auto const top = static_cast<float>(out.tokens);  // above every position: sinks rank first
-    for (Index b = 0; b < out.batch; ++b) {
-      Index const n = out.length(b);
-      if (n < 0 || n > out.tokens)
-        return {Errc::invalid_argument, "kvc::score: `lengths[b]` must be in [0, tokens]"};
-      for (Index h = 0; h < out.heads; ++h) {
-        float* score = out.row(b, h);
-        for (Index t = 0; t < n; ++t)
-          score[t] = t < s.n_sink ? top : static_cast<float>(t);
-        std::fill(score + n, score + out.tokens, -std::numeric_limits<float>::infinity());
-      }
-    }
-    return {};
+    return detail::for_each_head(out, [&](Index, Index, Index n, float* score) {
+      for (Index t = 0; t < n; ++t)
+        score[t] = t < s.n_sink ? top : static_cast<float>(t);
+    });
   }
 };
 
