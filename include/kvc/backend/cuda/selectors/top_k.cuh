@@ -60,6 +60,7 @@ __global__ void __launch_bounds__(top_k_threads)
   std::uint32_t prefix = 0, mask = 0;
   if (threadIdx.x == 0)
     s_remaining = m;
+  __syncthreads();  // every thread reads s_remaining below, also when no radix pass runs (m == 0)
   for (int shift = 24; shift >= 0 && m > 0; shift -= 8) {
     for (int i = threadIdx.x; i < 256; i += blockDim.x)
       hist[i] = 0;
