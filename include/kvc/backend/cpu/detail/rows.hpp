@@ -30,15 +30,17 @@ inline FloatRow float_row(T const* src, Index dim, float* scratch) noexcept {
 /// and 16 lanes hide the add latency at 8-wide AVX. The summation order is fixed, so results are deterministic.
 inline constexpr Index reduce_lanes = 16;
 
-/// sum_i a[i] * b[i] in fp32 with reduce_lanes partial sums.
-inline float dot(float const* a, float const* b, Index dim) noexcept {
+/// sum_i a[i] * b[i] in fp32 with reduce_lanes partial sums; `a` may hold 16-bit elements, widened in registers
+/// (no scratch round trip).
+template <class T>
+inline float dot(T const* a, float const* b, Index dim) noexcept {
   float acc[reduce_lanes] = {};
   Index i = 0;
   for (; i + reduce_lanes <= dim; i += reduce_lanes)
     for (Index j = 0; j < reduce_lanes; ++j)
-      acc[j] += a[i + j] * b[i + j];
+      acc[j] += to_float(a[i + j]) * b[i + j];
   for (; i < dim; ++i)
-    acc[i % reduce_lanes] += a[i] * b[i];
+    acc[i % reduce_lanes] += to_float(a[i]) * b[i];
   for (Index width = reduce_lanes / 2; width > 0; width /= 2)  // a tree: log2(16) dependent adds, not 16
     for (Index j = 0; j < width; ++j)
       acc[j] += acc[j + width];

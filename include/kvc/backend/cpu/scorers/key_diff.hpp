@@ -69,8 +69,7 @@ struct ScoreKernel<KeyDiffScorer, Cpu> {
       }
       float const mu_norm = std::max(static_cast<float>(std::sqrt(mu_sq)), s.cosine_eps);
       for (Index t = 0; t < n; ++t) {
-        float const* k = detail::float_row(keys.row(b, h, t), e.dim, scratch).data();
-        score[t] = -detail::dot(k, anchor, e.dim) / (mu_norm * std::max(score[t], s.cosine_eps));
+        score[t] = -detail::dot(keys.row(b, h, t), anchor, e.dim) / (mu_norm * std::max(score[t], s.cosine_eps));
       }
     });
   }
