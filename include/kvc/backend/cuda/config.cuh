@@ -28,6 +28,11 @@ inline Status launch_status(char const* what) noexcept {
   return e == cudaSuccess ? Status{} : Status{Errc::backend_error, what};
 }
 
+/// Kernels put heads and batch rows on grid y/z, which hold at most 65535 blocks.
+inline Status head_grid_status(Index batch, Index heads, char const* what) noexcept {
+  return batch > 65535 || heads > 65535 ? Status{Errc::invalid_argument, what} : Status{};
+}
+
 /// Threads per warp, and a full-warp mask for shuffles.
 inline constexpr int warp_size = 32;
 inline constexpr unsigned full_mask = 0xffffffffu;

@@ -47,6 +47,22 @@ inline float dot(T const* a, float const* b, Index dim) noexcept {
   return acc[0];
 }
 
+/// sum_i a[i]^2 in fp32 (a may hold 16-bit elements, widened in registers).
+template <class T>
+inline float sum_squares(T const* a, Index dim) noexcept {
+  float acc[reduce_lanes] = {};
+  Index i = 0;
+  for (; i + reduce_lanes <= dim; i += reduce_lanes)
+    for (Index j = 0; j < reduce_lanes; ++j)
+      acc[j] += to_float(a[i + j]) * to_float(a[i + j]);
+  for (; i < dim; ++i)
+    acc[i % reduce_lanes] += to_float(a[i]) * to_float(a[i]);
+  for (Index width = reduce_lanes / 2; width > 0; width /= 2)
+    for (Index j = 0; j < width; ++j)
+      acc[j] += acc[j + width];
+  return acc[0];
+}
+
 /// y += s * x.
 inline void axpy(float* y, float const* x, float s, Index dim) noexcept {
   for (Index i = 0; i < dim; ++i)

@@ -8,32 +8,21 @@
 
 #include <cmath>
 #include <cstddef>
-#include <type_traits>
 
 namespace kvc {
 
-/// One pass over K; fp32 sums of squares in fixed-order lanes (detail::dot).
+/// One pass over K; fp32 sums of squares in fixed-order lanes, 16-bit keys widened in registers. No workspace.
 template <>
 struct ScoreKernel<KnormScorer, Cpu> {
-  /// One fp32 row to widen 16-bit keys (float keys need none, but the query stays type-independent).
-  static std::size_t workspace_bytes(KnormScorer const&, KVExtents const& keys) {
-    return workspace_round(static_cast<std::size_t>(keys.dim) * sizeof(float));
-  }
+  static std::size_t workspace_bytes(KnormScorer const&, KVExtents const&) { return 0; }
 
   template <KVCacheView C, class Obs>
-  static Status run(Cpu const&, KnormScorer const&, C const& cache, Obs const&, ScoreSpan<HostSpace> out,
-                    Workspace ws) {
+  static Status run(Cpu const&, KnormScorer const&, C const& cache, Obs const&, ScoreSpan<HostSpace> out, Workspace) {
     auto const& keys = cache.keys;
-    KVExtents const e = keys.extents();
-    constexpr bool widen = !std::is_same_v<typename std::remove_cvref_t<decltype(keys)>::value_type, float>;
-    float* scratch = WorkspaceCarver(ws).take<float>(widen ? e.dim : 0);  // only 16-bit rows need scratch
-    if (scratch == nullptr && widen && e.dim > 0)
-      return {Errc::out_of_capacity, "kvc::score(knorm): workspace smaller than score_workspace_bytes()"};
+    Index const dim = keys.extents().dim;
     return detail::for_each_head(out, [&](Index b, Index h, Index n, float* score) {
-      for (Index t = 0; t < n; ++t) {
-        float const* k = detail::float_row(keys.row(b, h, t), e.dim, scratch).data();
-        score[t] = -std::sqrt(detail::dot(k, k, e.dim));
-      }
+      for (Index t = 0; t < n; ++t)
+        score[t] = -std::sqrt(detail::sum_squares(keys.row(b, h, t), dim));
     });
   }
 };

@@ -56,6 +56,8 @@ Status compact(Cuda const& cuda, KeepPlan<DeviceSpace> const& plan, C const& cac
   namespace bc = backend::cuda;
   if (plan.batch * plan.heads == 0)
     return {};
+  KVC_RETURN_IF_ERROR(
+      bc::head_grid_status(plan.batch, plan.heads, "kvc::compact/gather(Cuda): batch and heads must be <= 65535"));
   dim3 const grid(static_cast<unsigned>(plan.heads), static_cast<unsigned>(plan.batch));
   auto launch = [&](auto const& rows) {
     using T = typename std::remove_cvref_t<decltype(rows)>::value_type;
@@ -77,6 +79,8 @@ Status gather(Cuda const& cuda, KeepPlan<DeviceSpace> const& plan, Src const& sr
     return {Errc::invalid_argument, "kvc::gather(Cuda): `dst` must have the dims of `src`"};
   if (plan.batch * plan.heads == 0)
     return {};
+  KVC_RETURN_IF_ERROR(
+      bc::head_grid_status(plan.batch, plan.heads, "kvc::compact/gather(Cuda): batch and heads must be <= 65535"));
   dim3 const grid(bc::grid_dim(plan.capacity * src.keys.extents().dim / 256 + 1, 1024),
                   static_cast<unsigned>(plan.heads), static_cast<unsigned>(plan.batch));
   bc::gather_rows_kernel<<<grid, 256, 0, cuda.stream>>>(plan, src.keys, dst.keys);

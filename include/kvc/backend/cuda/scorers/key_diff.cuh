@@ -126,8 +126,8 @@ struct ScoreKernel<KeyDiffScorer, Cuda> {
     KVExtents const e = cache.keys.extents();
     if (e.batch * e.heads == 0 || e.tokens == 0)
       return {};
-    if (e.batch > 65535 || e.heads > 65535)
-      return {Errc::invalid_argument, "kvc::score(key_diff, Cuda): batch and heads must be <= 65535"};
+    KVC_RETURN_IF_ERROR(
+        bc::head_grid_status(e.batch, e.heads, "kvc::score(key_diff, Cuda): batch and heads must be <= 65535"));
     auto* partial = WorkspaceCarver(ws).take<double>(static_cast<Index>(workspace_bytes(s, e) / sizeof(double)));
     if (partial == nullptr)
       return {Errc::out_of_capacity, "kvc::score(key_diff, Cuda): workspace smaller than score_workspace_bytes()"};

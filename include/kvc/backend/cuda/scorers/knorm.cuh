@@ -51,8 +51,8 @@ struct ScoreKernel<KnormScorer, Cuda> {
     KVExtents const e = cache.keys.extents();
     if (e.batch * e.heads == 0 || e.tokens == 0)
       return {};
-    if (e.batch > 65535 || e.heads > 65535)
-      return {Errc::invalid_argument, "kvc::score(knorm, Cuda): batch and heads must be <= 65535"};
+    KVC_RETURN_IF_ERROR(
+        bc::head_grid_status(e.batch, e.heads, "kvc::score(knorm, Cuda): batch and heads must be <= 65535"));
     dim3 const grid(bc::grid_dim((e.tokens + bc::knorm_warps - 1) / bc::knorm_warps, 4096),
                     static_cast<unsigned>(e.heads), static_cast<unsigned>(e.batch));
     bc::knorm_kernel<<<grid, bc::knorm_warps * bc::warp_size, 0, cuda.stream>>>(cache.keys, out);

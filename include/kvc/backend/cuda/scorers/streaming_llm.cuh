@@ -35,6 +35,8 @@ struct ScoreKernel<StreamingLLMScorer, Cuda> {
       return {Errc::invalid_argument, "StreamingLLMScorer: more than 2^24 tokens cannot be ranked exactly in fp32"};
     if (out.batch * out.heads == 0 || out.tokens == 0)
       return {};
+    KVC_RETURN_IF_ERROR(backend::cuda::head_grid_status(
+        out.batch, out.heads, "kvc::score(streaming_llm, Cuda): batch and heads must be <= 65535"));
     dim3 const grid(backend::cuda::grid_dim((out.tokens + 255) / 256, 1024), static_cast<unsigned>(out.heads),
                     static_cast<unsigned>(out.batch));
     backend::cuda::streaming_llm_kernel<<<grid, 256, 0, cuda.stream>>>(s, out);

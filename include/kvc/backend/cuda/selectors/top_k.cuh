@@ -131,8 +131,8 @@ struct SelectKernel<TopKSelector<B>, Cuda> {
     KVC_RETURN_IF_ERROR(sel.check());
     if (scores.batch * scores.heads == 0)
       return {};
-    if (scores.batch > 65535 || scores.heads > 65535)
-      return {Errc::invalid_argument, "kvc::select(Cuda): batch and heads must be <= 65535"};
+    KVC_RETURN_IF_ERROR(backend::cuda::head_grid_status(scores.batch, scores.heads,
+                                                        "kvc::select(Cuda): batch and heads must be <= 65535"));
     dim3 const grid(static_cast<unsigned>(scores.heads), static_cast<unsigned>(scores.batch));
     backend::cuda::top_k_kernel<<<grid, backend::cuda::top_k_threads, 0, cuda.stream>>>(sel, scores, plan);
     return backend::cuda::launch_status("kvc::select(top_k, Cuda): kernel launch failed");
