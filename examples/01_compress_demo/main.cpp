@@ -1,7 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
-// examples/01_compress_demo/main.cpp: the main demo. Compresses a KV cache with every implemented policy at a few
-// ratios and prints, per (policy, ratio): tokens kept, memory saved, the relative L2 error of attention outputs
-// against the full cache, and the time to score + select.
+// examples/01_compress_demo/main.cpp: the main demo. Compresses a KV cache with every implemented policy (and a
+// random-eviction baseline) at a few ratios and prints, per (policy, ratio): tokens kept, memory saved, the relative
+// L2 error of attention outputs against the full cache (lower is better), and the time to score + select.
 //
 //   kvc_demo                     # the documented synthetic cache (tools/common/synthetic.hpp, docs/demo.md)
 //   kvc_demo --dump DIR          # real data: DIR/keys.npy values.npy [B, Hkv, N, d], queries.npy [B, H, Nq, d]
@@ -11,6 +11,8 @@
 #include <kvc/backend/cpu/pipeline/compact.hpp>
 #include <kvc/backend/cpu/scorers/key_diff.hpp>
 #include <kvc/backend/cpu/scorers/knorm.hpp>
+#include <kvc/backend/cpu/scorers/random.hpp>
+#include <kvc/backend/cpu/scorers/snap_kv.hpp>
 #include <kvc/backend/cpu/scorers/streaming_llm.hpp>
 #include <kvc/backend/cpu/selectors/top_k.hpp>
 #include <kvc/core/validate.hpp>
@@ -37,7 +39,7 @@ struct Workload {
   kvc::tools::HostCache<float> cache;
   std::vector<float> queries;  // [B, H, Nq, d]
   kvc::KVExtents query_ext;
-  Index causal_offset = -1;  // queries from the prompt itself attend causally
+  bool causal = false;  // queries from the prompt itself (its last positions) attend causally
 };
 
 [[noreturn]] void die(std::string const& message) {
@@ -75,35 +77,36 @@ Workload load_dump(std::string const& dir, std::string const& name) {
       float const* src = q.as<float>() + ((b * q.shape[1] + h) * q.shape[2] + q.shape[2] - nq) * e.dim;
       w.queries.insert(w.queries.end(), src, src + nq * e.dim);
     }
-  if (q.shape[2] == e.tokens)
-    w.causal_offset = e.tokens - nq;
+  w.causal = q.shape[2] == e.tokens;
   return w;
 }
 
 template <class Scorer>
 void run_policy(Workload const& w, char const* name, Scorer scorer, std::vector<double> const& ratios) {
   kvc::KVExtents const e = w.cache.ext;
-  kvc::QueryRows const queries(w.queries.data(), kvc::bhtd_layout(w.query_ext));
+  kvc::TokenRows<float const, kvc::StridedLayout> const rows(w.queries.data(), kvc::bhtd_layout(w.query_ext));
+  kvc::AttendQueries<float> const queries{rows};  // positions: the context's last (kvc::context_end)
+  auto const obs = kvc::observe(kvc::WindowQueries<float>{rows});  // post-RoPE: no table
   double const full_bytes = 2.0 * static_cast<double>(e.rows() * e.dim) * sizeof(kvc::half);  // fp16 K + V
   for (double ratio : ratios) {
     kvc::Press const press{scorer, kvc::TopKSelector{kvc::RatioBudget{ratio}}};
-    std::vector<std::byte> ws(kvc::compress_workspace_bytes(kvc::Cpu{}, press, e));
+    std::vector<std::byte> ws(kvc::compress_workspace_bytes(kvc::Cpu{}, press, e, obs));
     std::vector<Index> index(static_cast<std::size_t>(e.rows())), count(static_cast<std::size_t>(e.batch * e.heads));
     kvc::KeepPlan<> const plan{index.data(), count.data(), e.batch, e.heads, e.tokens};
     std::vector<double> times;
     for (int rep = 0; rep < 5; ++rep) {
       auto const t0 = std::chrono::steady_clock::now();
-      if (auto const st = kvc::compress(kvc::Cpu{}, press, w.cache.view(), plan, {ws.data(), ws.size()}); !st.ok())
+      if (auto const st = kvc::compress(kvc::Cpu{}, press, w.cache.view(), obs, plan, {ws.data(), ws.size()}); !st.ok())
         die(st.message());
       times.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
     }
     std::sort(times.begin(), times.end());
-    auto compressed = w.cache;  // compact a copy; the full cache stays the reference
+    auto compressed = w.cache;  // compact a copy (positions and per-head lengths move too); the full cache stays
+    compressed.track(e.tokens);
     if (auto const st = kvc::compact(kvc::Cpu{}, plan, compressed.view()); !st.ok())
       die(st.message());
     double error = 0;
-    if (auto const st = kvc::attention_error(queries, w.cache.view(), compressed.view(), plan, error,
-                                             {.causal_offset = w.causal_offset});
+    if (auto const st = kvc::attention_error(queries, w.cache.view(), compressed.view(), error, {.causal = w.causal});
         !st.ok())
       die(st.message());
     Index kept = 0;
@@ -123,12 +126,17 @@ void report(Workload const& w, std::vector<double> const& ratios) {
               w.name.c_str(), static_cast<long long>(e.batch), static_cast<long long>(e.heads),
               static_cast<long long>(w.query_ext.heads), static_cast<long long>(e.tokens),
               static_cast<long long>(e.dim), static_cast<long long>(w.query_ext.tokens),
-              w.causal_offset >= 0 ? " (causal, last prompt positions)" : "");
+              w.causal ? " (causal, last prompt positions)" : "");
   std::printf("%-14s %5s %10s %10s %12s %12s %9s\n", "policy", "ratio", "kept/head", "saved", "saved KiB",
-              "attn rel.err", "time ms");
+              "attn err (lower is better)", "time ms");
+  Index const window = std::min<Index>(32, w.query_ext.tokens);
+  run_policy(w, "random", kvc::RandomScorer{7}, ratios);
   run_policy(w, "streaming_llm", kvc::StreamingLLMScorer{4}, ratios);
   run_policy(w, "knorm", kvc::KnormScorer{}, ratios);
   run_policy(w, "key_diff", kvc::KeyDiffScorer{}, ratios);
+  run_policy(w, "snap_kv", kvc::SnapKVScorer{.window_size = window}, ratios);
+  run_policy(w, "tova", kvc::TOVAScorer{}, ratios);
+  std::printf("(snap_kv and tova observe the same queries the error is measured on: their rows are optimistic)\n");
 }
 
 }  // namespace
@@ -162,10 +170,12 @@ int main(int argc, char** argv) {
   }
   std::printf(
       "kvc demo: ratio = fraction of tokens removed per head (kept = floor(N * (1 - ratio)));\n"
-      "memory counts fp16 K+V; attention error = ||O_compressed - O_full|| / ||O_full|| over all queries.\n");
+      "memory counts fp16 K+V; attention error = ||O_compressed - O_full|| / ||O_full|| over all queries:\n"
+      "0 means the compressed cache answers those queries exactly, about 1 means nothing of the output is left;\n"
+      "random is the baseline a policy must beat.\n");
   if (dump.empty()) {
     auto s = kvc::tools::make_synthetic({1, 4, tokens, 64}, 16, 16, 2026);
-    report({"synthetic cache (docs/demo.md)", std::move(s.cache), std::move(s.queries), s.query_ext}, ratios);
+    report({"synthetic cache (docs/demo.md)", std::move(s.cache), std::move(s.queries), s.query_ext, false}, ratios);
     return 0;
   }
   std::vector<std::string> dirs;

@@ -15,5 +15,5 @@ int main() {
   kvc::Cpu const backend{};
   kvc::ScoreSpan<> const span{out.data(), 1, 1, 2};
 #endif
-  return kvc::score(backend, kvc::KnormScorer{}, cache, span).ok() ? 0 : 1;
+  return kvc::score(backend, kvc::KnormScorer{}, cache, span, {}).ok() ? 0 : 1;
 }

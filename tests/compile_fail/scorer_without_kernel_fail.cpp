@@ -2,7 +2,7 @@
 // Compile-fail twin: a scorer whose CPU kernel header was not included gets one fix-it diagnostic.
 // EXPECT: this scorer has no kernel for this backend; include <kvc/backend/cpu/scorers/NAME.hpp>
 #include <kvc/backend/cpu/scorers/knorm.hpp>
-#include <kvc/scorers/key_diff.hpp>  // the definition only: no ScoreKernel<KeyDiffScorer, Cpu>
+#include <kvc/scorers/key_diff.hpp>  // the definition only: no Kernel<KeyDiffScorer, Cpu>
 
 #include <vector>
 
@@ -14,5 +14,5 @@ int main() {
 #else
   kvc::KnormScorer const scorer{};
 #endif
-  return kvc::score(kvc::Cpu{}, scorer, cache, kvc::ScoreSpan<>{out.data(), 1, 1, 2}).ok() ? 0 : 1;
+  return kvc::score(kvc::Cpu{}, scorer, cache, kvc::ScoreSpan<>{out.data(), 1, 1, 2}, {}).ok() ? 0 : 1;
 }

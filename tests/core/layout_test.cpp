@@ -25,14 +25,14 @@ TEST_CASE("layout: BHTD and BTHD offsets (hand-computed)", "[core][layout]") {
 TEST_CASE("layout: paged offsets for block tables and CSR, NHD and HND", "[core][layout]") {
   kvc::KVExtents const e{2, 2, 8, 4};
   std::vector<std::int32_t> table = {5, 1, 0, 3};  // [batch 2, max_pages 2], page size 4
-  auto const nhd = kvc::paged_layout(e, 4, kvc::PageOrder::nhd, table.data(), 2);
-  auto const hnd = kvc::paged_layout(e, 4, kvc::PageOrder::hnd, table.data(), 2);
+  auto const nhd = kvc::paged_layout(e, 4, kvc::PageOrder::nhd, table.data(), 2, 6);
+  auto const hnd = kvc::paged_layout(e, 4, kvc::PageOrder::hnd, table.data(), 2, 6);
   Index const page = 4 * 2 * 4;
   CHECK(nhd.offset(0, 1, 6) == 1 * page + 2 * (2 * 4) + 1 * 4);  // page 1, slot 2, head 1
   CHECK(hnd.offset(0, 1, 6) == 1 * page + 1 * (4 * 4) + 2 * 4);
   CHECK(nhd.offset(1, 0, 1) == 0 * page + 1 * 8);
   std::vector<std::int32_t> indptr = {0, 2, 4}, indices = table;
-  auto const csr = kvc::paged_layout_csr(e, 4, kvc::PageOrder::nhd, indptr.data(), indices.data());
+  auto const csr = kvc::paged_layout_csr(e, 4, kvc::PageOrder::nhd, indptr.data(), indices.data(), 4, 6);
   for (Index b = 0; b < 2; ++b)
     for (Index h = 0; h < 2; ++h)
       for (Index t = 0; t < 8; ++t)
@@ -45,7 +45,7 @@ TEST_CASE("layout: paged (pages out of order), BTHD and BHTD views give identica
   Index const page_size = 8, pages_per_seq = 5;
   std::vector<std::int32_t> table = {7, 2, 9, 0, 4, 1, 8, 3, 6, 5};  // shuffled page ids
   for (auto order : {kvc::PageOrder::nhd, kvc::PageOrder::hnd}) {
-    auto const layout = kvc::paged_layout(e, page_size, order, table.data(), pages_per_seq);
+    auto const layout = kvc::paged_layout(e, page_size, order, table.data(), pages_per_seq, 10);
     std::vector<kvc::half> pool(static_cast<std::size_t>(10 * layout.stride_page));
     std::vector<kvc::half> bthd(dense.k.size());
     auto const bthd_layout = kvc::bthd_layout(e);

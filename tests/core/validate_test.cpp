@@ -62,14 +62,14 @@ TEST_CASE("validate: shapes, lengths, overlap and 64-bit overflow", "[core][vali
 TEST_CASE("validate: paged layouts need covering tables and non-overlapping strides", "[core][validate]") {
   std::vector<float> pool(4 * 2 * 2 * 4), vpool(pool.size());
   std::vector<std::int32_t> table = {0, 1};
-  auto const ok = kvc::paged_layout({1, 2, 4, 4}, 2, kvc::PageOrder::nhd, table.data(), 2);
+  auto const ok = kvc::paged_layout({1, 2, 4, 4}, 2, kvc::PageOrder::nhd, table.data(), 2, 4);
   kvc::TokenRows<float, kvc::PagedLayout> rows(pool.data(), ok), vrows(vpool.data(), ok);
   CHECK(kvc::validate(kvc::make_cache(rows, vrows)).ok());
   auto bad_stride = ok;
   bad_stride.stride_t = 2;  // rows of one page overlap
   kvc::TokenRows<float, kvc::PagedLayout> rows3(pool.data(), bad_stride);
   CHECK(kvc::validate(kvc::make_cache(rows3, vrows)).code() == Errc::invalid_argument);
-  auto const short_table = kvc::paged_layout({1, 2, 8, 4}, 2, kvc::PageOrder::nhd, table.data(), 2);
+  auto const short_table = kvc::paged_layout({1, 2, 8, 4}, 2, kvc::PageOrder::nhd, table.data(), 2, 4);
   kvc::TokenRows<float, kvc::PagedLayout> rows2(pool.data(), short_table);
   CHECK(kvc::validate(kvc::make_cache(rows2, rows2)).code() == Errc::invalid_argument);
 }

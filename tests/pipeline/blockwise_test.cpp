@@ -1,6 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
 // tests/pipeline/blockwise_test.cpp mirrors include/kvc/pipeline/blockwise.hpp: KeyDiff's Eq. 6 protocol, with the
 // spec's golden traces (specs/key_diff.md §9, properties 16-21).
+#include <kvc/backend/cpu/pipeline/compact.hpp>
 #include <kvc/backend/cpu/scorers/key_diff.hpp>
 #include <kvc/backend/cpu/selectors/top_k.hpp>
 #include <kvc/pipeline/blockwise.hpp>
@@ -28,10 +29,10 @@ Run blockwise(std::vector<float> keys, Index dim, Index budget, Index block, Ind
   kvc::Press const press{kvc::KeyDiffScorer{}, kvc::TopKSelector{kvc::FixedBudget{budget}, 0, n_recent}};
   Index const cap = kvc::blockwise_capacity(press.selector, block);
   kvc::tools::HostCache<float> work({1, 1, cap, dim});
-  kvc::test::OwnedPlan plan(1, 1, cap);
+  work.track(0);  // empty, with a per-head length table and positions: the driver's state
   kvc::test::OwnedWorkspace ws(kvc::blockwise_workspace_bytes(kvc::Cpu{}, press, work.ext));
-  REQUIRE(kvc::blockwise_compress(kvc::Cpu{}, press, src, block, work.view(), plan.plan, ws.get()).ok());
-  return {plan.kept(0, 0), std::move(work)};
+  REQUIRE(kvc::blockwise_compress(kvc::Cpu{}, press, src, block, work.view(), ws.get()).ok());
+  return {work.head_positions(0, 0), std::move(work)};
 }
 
 }  // namespace
@@ -98,13 +99,15 @@ TEST_CASE("blockwise: bad arguments are errors", "[pipeline][blockwise]") {
   std::vector<float> k(8, 1.0f);
   auto const src = kvc::dense_cache(k.data(), k.data(), {1, 1, 4, 2});
   kvc::Press const press{kvc::KeyDiffScorer{}, kvc::TopKSelector{kvc::FixedBudget{2}}};
-  kvc::tools::HostCache<float> small({1, 1, 2, 2}), work({1, 1, 4, 2});
-  kvc::test::OwnedPlan plan(1, 1, 4);
+  kvc::tools::HostCache<float> small({1, 1, 2, 2}), work({1, 1, 4, 2}), untracked({1, 1, 4, 2});
+  small.track(0);
+  work.track(0);
   kvc::test::OwnedWorkspace ws(kvc::blockwise_workspace_bytes(kvc::Cpu{}, press, work.ext));
-  CHECK(kvc::blockwise_compress(kvc::Cpu{}, press, src, 0, work.view(), plan.plan, ws.get()).code() ==
+  CHECK(kvc::blockwise_compress(kvc::Cpu{}, press, src, 0, work.view(), ws.get()).code() ==
         kvc::Errc::invalid_argument);
-  CHECK(kvc::blockwise_compress(kvc::Cpu{}, press, src, 2, small.view(), plan.plan, ws.get()).code() ==
+  CHECK(kvc::blockwise_compress(kvc::Cpu{}, press, src, 2, small.view(), ws.get()).code() ==
         kvc::Errc::out_of_capacity);
-  CHECK(kvc::blockwise_compress(kvc::Cpu{}, press, src, 2, work.view(), plan.plan, {}).code() ==
-        kvc::Errc::out_of_capacity);
+  CHECK(kvc::blockwise_compress(kvc::Cpu{}, press, src, 2, work.view(), {}).code() == kvc::Errc::out_of_capacity);
+  CHECK(kvc::blockwise_compress(kvc::Cpu{}, press, src, 2, untracked.view(), ws.get()).code() ==
+        kvc::Errc::invalid_argument);  // no length table, no positions
 }

@@ -1,6 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
 // tests/pipeline/compact_test.cpp mirrors include/kvc/pipeline/compact.hpp (CPU kernels in backend/cpu/pipeline).
 #include <kvc/backend/cpu/pipeline/compact.hpp>
+#include <kvc/core/validate.hpp>
 
 #include "common/synthetic.hpp"
 #include "support/catch.hpp"
@@ -94,7 +95,7 @@ TEST_CASE("compact: paged cache compacts inside its own pages and reports freed 
   kvc::KVExtents const e{2, 2, 12, 2};
   Index const page = 4;
   std::vector<std::int32_t> table = {4, 0, 2, /* seq 1 */ 5, 1, 3};  // 3 pages per sequence, interleaved ids
-  auto const layout = kvc::paged_layout(e, page, kvc::PageOrder::hnd, table.data(), 3);
+  auto const layout = kvc::paged_layout(e, page, kvc::PageOrder::hnd, table.data(), 3, 6);
   std::vector<float> kpool(static_cast<std::size_t>(6 * layout.stride_page)), vpool(kpool.size());
   for (Index b = 0; b < 2; ++b)
     for (Index h = 0; h < 2; ++h)
@@ -102,17 +103,20 @@ TEST_CASE("compact: paged cache compacts inside its own pages and reports freed 
         kpool[static_cast<std::size_t>(layout.offset(b, h, t))] = static_cast<float>(1000 * b + 100 * h + t);
         vpool[static_cast<std::size_t>(layout.offset(b, h, t))] = -static_cast<float>(1000 * b + 100 * h + t);
       }
-  std::vector<Index> lengths = {12, 10};
+  std::vector<Index> lengths = {12, 12, 10, 10};  // per (sequence, head): heads keep different counts below
   auto const cache = kvc::make_cache(kvc::TokenRows<float, kvc::PagedLayout>(kpool.data(), layout),
-                                     kvc::TokenRows<float, kvc::PagedLayout>(vpool.data(), layout), lengths.data());
+                                     kvc::TokenRows<float, kvc::PagedLayout>(vpool.data(), layout),
+                                     kvc::head_lengths(lengths.data(), 2));
+  REQUIRE(kvc::validate(cache).ok());
   auto plan = make_plan(2, 2, 12, {{0, 5, 9, 11}, {2, 3}, {1, 2, 3, 4, 5}, {9}});
+  std::vector<Index> in_use(2);
+  auto const r = kvc::page_report(plan.plan, cache, in_use.data());  // before compaction: reads the old lengths
   REQUIRE(kvc::compact(kvc::Cpu{}, plan.plan, cache).ok());
+  CHECK(lengths == std::vector<Index>{4, 2, 5, 1});
   CHECK(cache.keys.row(0, 0, 3)[0] == 11.0f);
   CHECK(cache.values.row(0, 0, 2)[0] == -9.0f);
   CHECK(cache.keys.row(1, 0, 4)[0] == 1005.0f);
   CHECK(cache.keys.row(1, 1, 0)[0] == 1109.0f);
-  std::vector<Index> in_use(2);
-  auto const r = kvc::page_report(plan.plan, cache, page, in_use.data());
   CHECK(r.pages_before == 6);  // ceil(12/4) + ceil(10/4)
   CHECK(r.pages_after == 3);   // max(4, 2) -> 1 page; max(5, 1) -> 2 pages
   CHECK(r.pages_freed() == 3);

@@ -1,5 +1,6 @@
 // SPDX-License-Identifier: Apache-2.0
 // tests/scorers/streaming_llm_test.cpp mirrors include/kvc/scorers/streaming_llm.hpp.
+#include <kvc/backend/cpu/pipeline/compact.hpp>
 #include <kvc/backend/cpu/scorers/streaming_llm.hpp>
 #include <kvc/backend/cpu/selectors/top_k.hpp>
 #include <kvc/pipeline/blockwise.hpp>
@@ -52,10 +53,10 @@ TEST_CASE("streaming_llm: the kept set is schedule-independent (per-token decode
   for (Index block : {1, 3, 7, 40}) {
     Index const cap = kvc::blockwise_capacity(press.selector, block);
     kvc::tools::HostCache<float> work({1, 1, cap, 4});
-    kvc::test::OwnedPlan plan(1, 1, cap);
+    work.track(0);
     kvc::test::OwnedWorkspace ws(kvc::blockwise_workspace_bytes(kvc::Cpu{}, press, work.ext));
-    REQUIRE(kvc::blockwise_compress(kvc::Cpu{}, press, src.view(), block, work.view(), plan.plan, ws.get()).ok());
-    CHECK(plan.kept(0, 0) == std::vector<Index>{0, 1, 2, 3, 34, 35, 36, 37, 38, 39});
+    REQUIRE(kvc::blockwise_compress(kvc::Cpu{}, press, src.view(), block, work.view(), ws.get()).ok());
+    CHECK(work.head_positions(0, 0) == std::vector<Index>{0, 1, 2, 3, 34, 35, 36, 37, 38, 39});
   }
 }
 
@@ -63,10 +64,10 @@ TEST_CASE("streaming_llm: rejects negative sinks and caches past 2^24 tokens", "
   std::vector<float> none;
   kvc::test::OwnedScores out(1, 1, 3);
   auto const cache = kvc::dense_cache(none.data(), none.data(), {1, 1, 3, 4});
-  CHECK(kvc::score(kvc::Cpu{}, kvc::StreamingLLMScorer{-1}, cache, out.span).code() == kvc::Errc::invalid_argument);
+  CHECK(kvc::score(kvc::Cpu{}, kvc::StreamingLLMScorer{-1}, cache, out.span, {}).code() == kvc::Errc::invalid_argument);
   Index const huge = (Index{1} << 24) + 1;
   auto const big = kvc::dense_cache(none.data(), none.data(), {1, 1, huge, 4});
   float dummy = 0;
-  CHECK(kvc::score(kvc::Cpu{}, kvc::StreamingLLMScorer{}, big, kvc::ScoreSpan<>{&dummy, 1, 1, huge}).code() ==
+  CHECK(kvc::score(kvc::Cpu{}, kvc::StreamingLLMScorer{}, big, kvc::ScoreSpan<>{&dummy, 1, 1, huge}, {}).code() ==
         kvc::Errc::invalid_argument);
 }

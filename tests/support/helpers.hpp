@@ -3,10 +3,12 @@
 #pragma once
 
 #include <kvc/core/keep_plan.hpp>
+#include <kvc/core/rope.hpp>
 #include <kvc/core/scores.hpp>
 #include <kvc/core/workspace.hpp>
 
 #include <cstddef>
+#include <stdexcept>
 #include <vector>
 
 namespace kvc::test {
@@ -39,6 +41,17 @@ struct OwnedPlan {
   std::vector<Index> kept(Index b, Index h) const {
     Index const* p = plan.indices(b, h);
     return {p, p + plan.kept(b, h)};
+  }
+};
+
+/// Owned host RoPE table for positions [0, positions).
+struct OwnedRope {
+  std::vector<float> storage;
+  RopeTable<> table;
+  OwnedRope(RopeSpec const& spec, Index dim, Index positions)
+      : storage(static_cast<std::size_t>(rope_table_floats(positions, spec.rotated(dim)))) {
+    if (!fill_rope_table(spec, dim, positions, storage.data(), table).ok())
+      throw std::invalid_argument("OwnedRope: bad RopeSpec");
   }
 };
 

@@ -41,7 +41,9 @@ struct HostCache {
   KVExtents ext;
   Index dim_v = 0;
   std::vector<T> k, v;
-  std::vector<Index> lengths;  ///< empty = every sequence has ext.tokens tokens
+  std::vector<Index> lengths;    ///< empty = every head holds ext.tokens; [batch] per sequence; [batch*heads] per head
+  std::vector<Index> positions;  ///< empty = identity; else [batch, heads, tokens]
+  bool per_head = false;         ///< lengths is [batch, heads] (else [batch])
 
   HostCache() = default;
   explicit HostCache(KVExtents e, Index dv = -1)
@@ -60,11 +62,38 @@ struct HostCache {
     return c;
   }
 
+  /// Gives the cache a per-head length table (every head holding `length` tokens) and identity positions, as an
+  /// engine's working cache has; `length` 0 makes an empty cache to append into.
+  HostCache& track(Index length) {
+    lengths.assign(static_cast<std::size_t>(ext.batch * ext.heads), length);
+    per_head = true;
+    positions.resize(static_cast<std::size_t>(ext.rows()));
+    for (std::size_t i = 0; i < positions.size(); ++i)
+      positions[i] = static_cast<Index>(i) % ext.tokens;
+    return *this;
+  }
+  /// Positions of head (b, h)'s valid slots.
+  std::vector<Index> head_positions(Index b, Index h) const {
+    auto const first = positions.begin() + (b * ext.heads + h) * ext.tokens;
+    return {first, first + length_table().at(b, h, ext.tokens)};
+  }
+
   KVExtents value_extents() const { return {ext.batch, ext.heads, ext.tokens, dim_v}; }
-  Index const* lengths_or_null() const { return lengths.empty() ? nullptr : lengths.data(); }
-  auto view() { return make_cache(bhtd_rows(k.data(), ext), bhtd_rows(v.data(), value_extents()), lengths_or_null()); }
+  /// The length table the vectors describe (the view is shallow, so a const cache still hands out Index*).
+  Lengths length_table() const {
+    auto* data = const_cast<Index*>(lengths.data());
+    if (lengths.empty())
+      return {};
+    return per_head ? head_lengths(data, ext.heads) : Lengths(data);
+  }
+  Index* positions_or_null() const { return positions.empty() ? nullptr : const_cast<Index*>(positions.data()); }
+  auto view() {
+    return make_cache(bhtd_rows(k.data(), ext), bhtd_rows(v.data(), value_extents()), length_table(),
+                      positions_or_null());
+  }
   auto view() const {
-    return make_cache(bhtd_rows(k.data(), ext), bhtd_rows(v.data(), value_extents()), lengths_or_null());
+    return make_cache(bhtd_rows(k.data(), ext), bhtd_rows(v.data(), value_extents()), length_table(),
+                      positions_or_null());
   }
   T* key(Index b, Index h, Index t) { return k.data() + ((b * ext.heads + h) * ext.tokens + t) * ext.dim; }
 };

@@ -8,9 +8,17 @@ Layout of --out:
   <case>/kept_<policy>_<r>.npy oracle kept indices [B, Hkv, k] (int64, ascending) at ratio r
 Cases: random float32, random float16 (the oracle sees the rounded values), and, when the model folder exists,
 real keys/values from every layer of tinystories-656k (a story generated greedily by tools/reference/model.py).
+
+Window-attention cases (SnapKV, TOVA; oracle in baselines.py) share --out but are listed in window_manifest.txt:
+  <case>/keys.npy values.npy   [B, Hkv, N, d]
+  <case>/queries.npy           PRE-RoPE window queries [B, Hq, w, d] (row i at position N - w + i), keys' dtype
+  <case>/meta.txt              "window_size W", "theta T", "style neox|interleaved"
+  <case>/scores_<variant>.npy, kept_<variant>_<r>.npy   as above, for the variants in WINDOW_VARIANTS
+The tinystories_layer<L> window cases reuse the folders of the same-named cases above (identical keys/values).
 Exit code 77 (ctest's skip code) when NumPy is missing.
 """
 import argparse
+import json
 import os
 import sys
 
@@ -21,9 +29,30 @@ except ImportError:
     sys.exit(77)
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import baselines  # noqa: E402
 import oracle  # noqa: E402
 
 RATIOS = (0.25, 0.5, 0.75)
+# variant -> baselines parameters; every SnapKV variant uses the case's window_size
+WINDOW_VARIANTS = {
+    "snap_kv_authors": dict(kernel_size=7, pooling="max", gqa="mean", reference="authors"),
+    "snap_kv_kvpress": dict(kernel_size=5, pooling="avg", gqa="mean", reference="kvpress"),
+    "snap_kv_authors_avg_sum": dict(kernel_size=5, pooling="avg", gqa="sum", reference="authors"),
+    "snap_kv_authors_pqh": dict(kernel_size=7, pooling="max", gqa="per_query_head", reference="authors"),  # g == 1
+    "tova_authors": dict(reference="authors"),
+    "tova_kvpress": dict(reference="kvpress"),
+}
+DEFAULT_WINDOW_VARIANTS = [v for v in WINDOW_VARIANTS if v != "snap_kv_authors_pqh"]
+
+
+def save_scores_and_kept(d, policy, s):
+    """scores_<policy>.npy, and kept_<policy>_<r>.npy: top-k per (b, head) at keep = int(N (1 - r))."""
+    B, H, N = s.shape
+    np.save(os.path.join(d, f"scores_{policy}.npy"), s)
+    for r in RATIOS:
+        keep = oracle.ratio_keep(N, r)
+        kept = np.stack([np.stack([oracle.top_k(s[b, h], keep) for h in range(H)]) for b in range(B)])
+        np.save(os.path.join(d, f"kept_{policy}_{r}.npy"), kept.astype(np.int64))
 
 
 def write_case(out, name, keys, values):
@@ -35,14 +64,41 @@ def write_case(out, name, keys, values):
     B, H, N, _ = keys.shape
     scores = {"key_diff": oracle.key_diff_scores(k64), "knorm": oracle.knorm_scores(k64)}
     for policy, s in scores.items():
-        np.save(os.path.join(d, f"scores_{policy}.npy"), s)
-        for r in RATIOS:
-            keep = oracle.ratio_keep(N, r)
-            kept = np.stack([np.stack([oracle.top_k(s[b, h], keep) for h in range(H)]) for b in range(B)])
-            np.save(os.path.join(d, f"kept_{policy}_{r}.npy"), kept.astype(np.int64))
+        save_scores_and_kept(d, policy, s)
     for r in RATIOS:
         kept = oracle.streaming_llm_keep(N, oracle.ratio_keep(N, r), 4)
         np.save(os.path.join(d, f"kept_streaming_llm_{r}.npy"), np.broadcast_to(kept, (B, H, len(kept))).copy())
+    return name
+
+
+def boundary_gaps(s, keep):
+    """Score gaps, one per (b, head), between the keep-th and (keep+1)-th best token (0: a tie, broken by index)."""
+    top = -np.sort(-s.reshape(-1, s.shape[-1]), axis=-1)
+    return top[:, keep - 1] - top[:, keep] if keep < s.shape[-1] else np.array([])
+
+
+def write_window_case(out, name, keys, values, queries, theta=10000.0, style="neox", variants=None):
+    """One window-attention case: inputs, meta.txt, and the oracle's scores and kept sets per variant."""
+    d = os.path.join(out, name)
+    os.makedirs(d, exist_ok=True)
+    queries = queries.astype(keys.dtype)  # the oracle sees the rounded values
+    w = queries.shape[2]
+    for f, x in (("keys", keys), ("values", values), ("queries", queries)):
+        np.save(os.path.join(d, f"{f}.npy"), x)
+    with open(os.path.join(d, "meta.txt"), "w") as f:
+        f.write(f"window_size {w}\ntheta {theta:g}\nstyle {style}\n")
+    k64, q64 = keys.astype(np.float64), queries.astype(np.float64)
+    notes = []
+    for v in variants or DEFAULT_WINDOW_VARIANTS:
+        if v.startswith("tova"):
+            s = baselines.tova_scores(k64, q64, theta=theta, style=style, **WINDOW_VARIANTS[v])
+        else:
+            s = baselines.snap_kv_scores(k64, q64, w, theta=theta, style=style, **WINDOW_VARIANTS[v])
+        save_scores_and_kept(d, v, s)
+        g = np.concatenate([boundary_gaps(s, oracle.ratio_keep(s.shape[-1], r)) for r in RATIOS])
+        ties = f" ({np.sum(g == 0)} ties)" if np.any(g == 0) else ""
+        notes.append(f"{v} {g[g > 0].min(initial=np.inf):.1e}{ties}")
+    print(f"{name}: smallest nonzero selection-boundary gap: " + ", ".join(notes))
     return name
 
 
@@ -73,6 +129,43 @@ def main():
     with open(os.path.join(a.out, "manifest.txt"), "w") as f:
         f.write("\n".join(cases) + "\n")
     print(f"wrote {len(cases)} cases to {a.out}")
+    window_cases = write_window_cases(a.out, a.model)
+    with open(os.path.join(a.out, "window_manifest.txt"), "w") as f:
+        f.write("\n".join(window_cases) + "\n")
+    print(f"wrote {len(window_cases)} window-attention cases to {a.out}")
+
+
+def write_window_cases(out, model_dir):
+    """Random GQA/MHA cases (queries scaled by 2.5 so attention is peaked), plus tinystories layers if dumped."""
+    rng = np.random.default_rng(20261122)  # separate stream: the cases above stay byte-identical
+
+    def rand(shape, dtype, scale=1.0):
+        return (rng.standard_normal(shape) * scale).astype(dtype)
+
+    cases = []
+    for name, (B, Hkv, Hq, N, d, w), dtype, style, extra in (
+            ("random_gqa_f32", (2, 2, 4, 150, 32, 16), np.float32, "neox", []),
+            ("random_gqa_f16", (1, 2, 8, 200, 64, 8), np.float16, "neox", []),
+            ("random_mha_interleaved", (1, 3, 3, 90, 16, 8), np.float32, "interleaved", ["snap_kv_authors_pqh"])):
+        k, v = rand((B, Hkv, N, d), dtype), rand((B, Hkv, N, d), dtype)
+        q = rand((B, Hq, w, d), dtype, 2.5)
+        cases.append(write_window_case(out, name, k, v, q, 10000.0, style, DEFAULT_WINDOW_VARIANTS + extra))
+    dump = os.path.join(out, "tinystories_dump")
+    if model_dir and os.path.exists(os.path.join(model_dir, "model.safetensors")):  # main() has just dumped it
+        with open(os.path.join(model_dir, "config.json")) as f:
+            theta = float(json.load(f).get("rope_theta", 10000.0))
+        for layer in sorted(x for x in os.listdir(dump) if x.startswith("layer")):
+            ld = os.path.join(dump, layer)
+            kk, vv = np.load(os.path.join(ld, "keys.npy")), np.load(os.path.join(ld, "values.npy"))
+            n, w = kk.shape[2], 16
+            q = np.load(os.path.join(ld, "queries_prerope.npy"))[:, :, n - w:]
+            # cross-check: baselines.rope reproduces the model's own post-RoPE queries
+            q_post = np.load(os.path.join(ld, "queries.npy"))[:, :, n - w:]
+            err = np.abs(baselines.rope(q, np.arange(n - w, n), theta, "neox") - q_post).max()
+            if err > 1e-4 * max(1.0, np.abs(q_post).max()):
+                sys.exit(f"{layer}: baselines.rope differs from model.py's RoPE by {err}")
+            cases.append(write_window_case(out, f"tinystories_{layer}", kk, vv, q, theta, "neox"))
+    return cases
 
 
 if __name__ == "__main__":

@@ -2,8 +2,9 @@
 """A small NumPy runner for the Hugging Face Llama checkpoint in shared/models/tinystories-656k.
 
 It generates a story greedily from <|start_story|> and returns, per layer, the cache an engine would hold:
-post-RoPE keys [1, Hkv, N, d], values [1, Hkv, N, d] and post-RoPE queries [1, H, N, d]. Written from the Llama
-architecture (RMSNorm, rotate-half RoPE, GQA, SwiGLU); the checkpoint is float32.
+post-RoPE keys [1, Hkv, N, d], values [1, Hkv, N, d], post-RoPE queries [1, H, N, d] and the same queries before
+RoPE (what window-attention policies re-rotate). Written from the Llama architecture (RMSNorm, rotate-half RoPE,
+GQA, SwiGLU); the checkpoint is float32.
 """
 import json
 import os
@@ -59,7 +60,7 @@ class TinyLlama:
         return x * cos + rot * sin
 
     def forward(self, tokens):
-        """Full causal forward over `tokens`; returns logits [N, vocab] and per-layer (q, k, v)."""
+        """Full causal forward over `tokens`; returns logits [N, vocab] and per-layer (q, k, v, q_prerope)."""
         n = len(tokens)
         pos = np.arange(n, dtype=np.float64)
         x = self.embed[tokens]
@@ -72,8 +73,9 @@ class TinyLlama:
             q = (h @ self.w[p + "self_attn.q_proj.weight"].T).reshape(n, self.heads, self.dim).transpose(1, 0, 2)
             k = (h @ self.w[p + "self_attn.k_proj.weight"].T).reshape(n, self.kv_heads, self.dim).transpose(1, 0, 2)
             v = (h @ self.w[p + "self_attn.v_proj.weight"].T).reshape(n, self.kv_heads, self.dim).transpose(1, 0, 2)
+            q_pre = q
             q, k = self.rope(q, pos), self.rope(k, pos)
-            caches.append((q[None], k[None], v[None]))
+            caches.append((q[None], k[None], v[None], q_pre[None]))
             kk, vv = np.repeat(k, g, axis=0), np.repeat(v, g, axis=0)
             logits = q @ kk.transpose(0, 2, 1) / np.sqrt(self.dim) + mask
             logits -= logits.max(-1, keepdims=True)
@@ -103,7 +105,7 @@ class TinyLlama:
 
 
 def dump(model_dir, out_dir, n_tokens=256):
-    """Writes layer<L>/{keys,values,queries}.npy (float32) and tokens.npy, story.txt into out_dir."""
+    """Writes layer<L>/{keys,values,queries,queries_prerope}.npy (float32) and tokens.npy, story.txt into out_dir."""
     m = TinyLlama(model_dir)
     tokens = m.generate(n_tokens)
     _, caches = m.forward(tokens)
@@ -111,12 +113,13 @@ def dump(model_dir, out_dir, n_tokens=256):
     np.save(os.path.join(out_dir, "tokens.npy"), tokens.astype(np.int64))
     with open(os.path.join(out_dir, "story.txt"), "w") as f:
         f.write(m.decode(tokens))
-    for layer, (q, k, v) in enumerate(caches):
+    for layer, (q, k, v, q_pre) in enumerate(caches):
         d = os.path.join(out_dir, f"layer{layer}")
         os.makedirs(d, exist_ok=True)
         np.save(os.path.join(d, "keys.npy"), k.astype(np.float32))
         np.save(os.path.join(d, "values.npy"), v.astype(np.float32))
         np.save(os.path.join(d, "queries.npy"), q.astype(np.float32))
+        np.save(os.path.join(d, "queries_prerope.npy"), q_pre.astype(np.float32))
     return tokens
 
 

@@ -1,25 +1,83 @@
 // SPDX-License-Identifier: Apache-2.0
-// kvc/attention/attend.hpp: options and shapes of the reference attention over a full or compressed cache.
+// kvc/attention/attend.hpp: softmax attention over a full or compressed cache, as a backend kernel step.
+//
+// out[b, q, i] = sum_j softmax_j(scale * <query[b, q, i], key[b, kv(q), j]>) value[b, kv(q), j] over the valid
+// slots j of KV head kv(q) = q / (Hq / Hkv) (GQA, consecutive groups as Hugging Face repeat_kv), masked causally by
+// the cache's positions: query i sees slot j iff position(b, kv, j) <= its own position. fp32 accumulation; queries
+// in fp32, fp16 or bf16; dense, strided and paged caches. Kernels: Kernel<Attention, B> in backend/*/attention/.
 #pragma once
 
-#include <kvc/core/extents.hpp>
-#include <kvc/core/keep_plan.hpp>
+#include <kvc/core/backend.hpp>
+#include <kvc/core/element.hpp>
+#include <kvc/core/kernel.hpp>
 #include <kvc/core/kv_view.hpp>
+#include <kvc/core/layout.hpp>
+#include <kvc/core/status.hpp>
+#include <kvc/core/workspace.hpp>
+
+#include <cstddef>
 
 namespace kvc {
 
-/// Dense queries [batch, query_heads, n_queries, d_k] in fp32, post-RoPE (BHTD layout; `heads` = query heads).
-using QueryRows = TokenRows<float const, StridedLayout>;
-
-/// Options of kvc::attend.
-struct AttendOptions {
-  float scale = 0.0f;        ///< logit scale; 0 = 1 / sqrt(d_k)
-  Index causal_offset = -1;  ///< < 0: no mask. Else query i sits at position causal_offset + i and sees keys at
-                             ///< positions <= that (original positions, so compressed caches mask correctly)
+/// Parameters of the attention step.
+struct Attention {
+  float scale = 0.0f;  ///< logit scale; 0 = 1 / sqrt(d_k)
+  bool causal = true;  ///< mask slots whose position is past the query's
 };
 
-/// Which cache slots each KV head attends: the first `count[b, h]` slots with positions `index[b, h, j]`
-/// (a KeepPlan after compaction), or, without a plan, slots [0, length(b)) at positions t.
-using AttendKeys = KeepPlan<HostSpace> const*;
+/// Queries of kvc::attend: rows [batch, Hq, n, d_k] (post-RoPE) and optional positions [batch, n] for the causal
+/// mask (absent: the last n positions of the context, see kvc::context_end).
+template <Element T, class Space = HostSpace>
+struct AttendQueries {
+  using memory_space = Space;
+  TokenRows<T const, StridedLayout, Space> rows;
+  Index const* positions = nullptr;
+};
+
+/// Outputs of kvc::attend: `out` [batch, Hq, n, d_v] fp32 (contiguous) and, when non-null, `lse` [batch, Hq, n]
+/// (natural log of the softmax denominator in scaled-logit units). A query that sees no slot gets zeros and
+/// lse = -inf.
+template <class Space = HostSpace>
+struct AttendOutput {
+  using memory_space = Space;
+  float* out = nullptr;
+  float* lse = nullptr;
+};
+
+/// Bytes of workspace kvc::attend needs (any alignment; one copy per CPU worker).
+template <Backend B, KVCacheView C, Element T>
+std::size_t attend_workspace_bytes(B const& backend, Attention const& op, AttendQueries<T, typename B::memory_space> const& q,
+                                   C const& cache) {
+  static_assert(HasKernel<Attention, B>,
+                "kvc::attend: include <kvc/backend/cpu/attention/attend.hpp> (kvc::Cpu) or "
+                "<kvc/backend/cuda/attention/attend.cuh> (kvc::Cuda)");
+  if constexpr (HasKernel<Attention, B>)
+    return Kernel<Attention, B>::workspace_bytes(backend, op, q, cache) + workspace_slack;
+  else
+    return 0;
+}
+
+/// Attention of `queries` over `cache` into `out`. Errors: shapes (invalid_argument), workspace too small
+/// (out_of_capacity), query positions or lengths out of range (invalid_argument, CPU).
+template <Backend B, KVCacheView C, Element T>
+Status attend(B const& backend, Attention const& op, AttendQueries<T, typename B::memory_space> const& queries,
+              C const& cache, AttendOutput<typename B::memory_space> out, Workspace ws) {
+  static_assert(AccessibleFrom<C, B>, "kvc::attend: the cache lives in a memory space this backend cannot read");
+  static_assert(HasKernel<Attention, B>,
+                "kvc::attend: include <kvc/backend/cpu/attention/attend.hpp> (kvc::Cpu) or "
+                "<kvc/backend/cuda/attention/attend.cuh> (kvc::Cuda)");
+  if constexpr (AccessibleFrom<C, B> && HasKernel<Attention, B>) {
+    KVExtents const q = queries.rows.extents(), k = cache.keys.extents();
+    if (q.batch != k.batch || q.dim != k.dim)
+      return {Errc::invalid_argument, "kvc::attend: queries must have the keys' batch and d_k"};
+    if (k.heads <= 0 || q.heads % k.heads != 0)
+      return {Errc::invalid_argument, "kvc::attend: query heads must be a multiple of KV heads (GQA)"};
+    if (out.out == nullptr && q.rows() > 0)
+      return {Errc::invalid_argument, "kvc::attend: `out.out` is null"};
+    return Kernel<Attention, B>::run(backend, op, queries, cache, out, ws);
+  } else {
+    return {Errc::invalid_argument, "unreachable"};
+  }
+}
 
 }  // namespace kvc

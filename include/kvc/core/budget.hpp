@@ -2,6 +2,7 @@
 // kvc/core/budget.hpp: how many tokens one (batch, KV head) keeps.
 #pragma once
 
+#include <kvc/core/backend.hpp>
 #include <kvc/core/extents.hpp>
 #include <kvc/core/status.hpp>
 
@@ -12,7 +13,8 @@ namespace kvc {
 
 /// A budget maps (batch row, KV head, valid tokens n) to the number of tokens to keep, before protected tokens
 /// are added and before capping at n. Budgets are trivially copyable so they travel to device kernels.
-/// `check()` validates the parameters once before selection (selectors call it).
+/// `check()` validates the parameters once before selection (selectors call it). A budget that reads memory names
+/// its `memory_space`; budgets without one (RatioBudget, FixedBudget) are plain values, usable on every backend.
 template <class B>
 concept Budget = std::is_trivially_copyable_v<B> && requires(B const& b, Index i) {
   { b.keep(i, i, i) } -> std::convertible_to<Index>;
@@ -47,8 +49,12 @@ struct FixedBudget {
 };
 
 /// A per-(batch, KV head) table of token counts, filled by an allocator (AdaKV, UNComp, ...).
-/// `table` is [batch, heads] in the backend's memory space.
+/// `table` is [batch, heads] in memory space `Space`, which must be the backend's (a host table handed to the CUDA
+/// backend is a compile-time error).
+template <class Space = HostSpace>
 struct PerHeadBudget {
+  using memory_space = Space;
+
   Index const* table = nullptr;
   Index heads = 0;
 
@@ -62,5 +68,9 @@ struct PerHeadBudget {
     return {};
   }
 };
+
+/// Whether backend B can read budget `Bud` (no memory, or memory in B's space).
+template <class Bud, class B>
+concept BudgetReadableBy = !requires { typename Bud::memory_space; } || ReadableBy<Bud, B>;
 
 }  // namespace kvc

@@ -2,15 +2,16 @@
 // kvc/core/keep_plan.hpp: the output of selection: which tokens each (batch, KV head) keeps.
 #pragma once
 
-#include <kvc/backend/tags.hpp>
+#include <kvc/core/backend.hpp>
 #include <kvc/core/extents.hpp>
 
 namespace kvc {
 
 /// Kept token indices per (b, h), **strictly ascending**, `count[b * heads + h]` of them, in caller-owned
 /// fixed-capacity storage (shapes never depend on the data, so CUDA graphs can capture selection).
-/// `index` is [batch, heads, capacity]; slots past the count are left untouched. Indices are original token
-/// positions: after compaction, slot j holds the token that was at `index[j]`, which is also its RoPE position.
+/// `index` is [batch, heads, capacity]; slots past the count are left untouched. Indices are cache slots of the
+/// cache the plan was selected on: after compaction, slot j holds what slot `index[j]` held (its absolute position
+/// travels in the cache's `positions`, not in the plan).
 template <class Space = HostSpace>
 struct KeepPlan {
   using memory_space = Space;

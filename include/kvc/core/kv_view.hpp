@@ -1,8 +1,8 @@
 // SPDX-License-Identifier: Apache-2.0
-// kvc/core/kv_view.hpp: non-owning views of K or V rows and of a KV cache (keys + values).
+// kvc/core/kv_view.hpp: non-owning views of K or V rows and of a KV cache (keys, values, lengths, positions).
 #pragma once
 
-#include <kvc/backend/tags.hpp>
+#include <kvc/core/backend.hpp>
 #include <kvc/core/element.hpp>
 #include <kvc/core/layout.hpp>
 
@@ -12,7 +12,8 @@
 namespace kvc {
 
 /// Non-owning view of one K *or* V tensor. `T` is float, half or bfloat16 (const for read-only views);
-/// `Space` records who may dereference the pointer (HostSpace or DeviceSpace).
+/// `Space` records who may dereference the pointer (HostSpace or DeviceSpace). A mutable view converts to a
+/// read-only one.
 template <Element T, TokenLayout Layout, class Space = HostSpace>
 class TokenRows {
  public:
@@ -23,6 +24,10 @@ class TokenRows {
 
   TokenRows() = default;
   KVC_HOST_DEVICE constexpr TokenRows(T* data, Layout const& layout) noexcept : data_(data), layout_(layout) {}
+  template <class U>
+    requires(std::is_const_v<T> && std::same_as<U const, T>)
+  KVC_HOST_DEVICE constexpr TokenRows(TokenRows<U, Layout, Space> const& other) noexcept  // NOLINT: implicit
+      : data_(other.data()), layout_(other.layout()) {}
 
   KVC_HOST_DEVICE constexpr KVExtents const& extents() const noexcept { return layout_.ext; }
   KVC_HOST_DEVICE constexpr Layout const& layout() const noexcept { return layout_; }
@@ -43,12 +48,57 @@ concept TokenRowsView = std::is_trivially_copyable_v<R> && requires(R const& r, 
   { r.row(i, i, i) } -> std::same_as<typename R::element_type*>;
 };
 
-/// A KV cache: keys and values with independent layouts and element types in one memory space.
-/// `values.extents().dim` may differ from `keys.extents().dim` (d_v != d_k); batch, heads and tokens match.
-/// `lengths` (optional, [batch], same memory space) holds each sequence's valid length for ragged batches;
-/// tokens at or beyond it are padding: never scored as keepable, never kept, never attended.
+/// Valid token counts of a cache, in the cache's memory space: per (sequence, KV head) `[batch, heads]` (heads
+/// differ after per-head eviction), per sequence `[batch]` (the convenient special case: every head of sequence b
+/// holds data[b] tokens), or absent (every head holds `tokens`, the capacity). Slots at or past a head's length
+/// are padding: never scored as keepable, never kept, never attended. kvc::compact and kvc::append write the table.
+struct Lengths {
+  Index* data = nullptr;
+  Index heads = 0;  ///< 0: per sequence (data[b]); > 0: per head (data[b * heads + h])
+
+  constexpr Lengths() noexcept = default;
+  /// Per-sequence lengths [batch] (implicit, so a plain pointer reads as before).
+  KVC_HOST_DEVICE constexpr Lengths(Index* per_sequence) noexcept : data(per_sequence) {}  // NOLINT: implicit
+  KVC_HOST_DEVICE constexpr Lengths(Index* table, Index kv_heads) noexcept : data(table), heads(kv_heads) {}
+
+  KVC_HOST_DEVICE constexpr bool per_head() const noexcept { return heads > 0; }
+  /// Valid tokens of head (b, h) of a cache with `capacity` token slots.
+  KVC_HOST_DEVICE constexpr Index at(Index b, Index h, Index capacity) const noexcept {
+    return data == nullptr ? capacity : data[heads > 0 ? b * heads + h : b];
+  }
+};
+
+/// Per-(sequence, KV head) lengths: `table` is [batch, kv_heads].
+KVC_HOST_DEVICE constexpr Lengths head_lengths(Index* table, Index kv_heads) noexcept {
+  return {table, kv_heads};
+}
+
+/// A per-token array [batch, heads, tokens] (contiguous) that travels with the cache's slots: positions, or a
+/// stateful policy's accumulator. kvc::compact and kvc::gather move its entries with the same plan as K and V.
+template <class T, class Space = HostSpace>
+struct TokenArray {
+  using memory_space = Space;
+  using value_type = T;
+
+  T* data = nullptr;
+  Index batch = 0;
+  Index heads = 0;
+  Index tokens = 0;
+
+  KVC_HOST_DEVICE constexpr T* row(Index b, Index h) const noexcept { return data + (b * heads + h) * tokens; }
+  KVC_HOST_DEVICE constexpr T& operator()(Index b, Index h, Index t) const noexcept { return row(b, h)[t]; }
+};
+
+/// A KV cache: keys and values with independent layouts and element types in one memory space, plus what an
+/// engine keeps beside them. `values.extents().dim` may differ from `keys.extents().dim` (d_v != d_k); batch,
+/// heads and tokens (capacity) match.
+///  - `lengths`: valid tokens per (sequence, KV head) or per sequence (see Lengths); absent = capacity.
+///  - `positions` (optional, [batch, heads, tokens] contiguous): each slot's absolute token position, read by the
+///    causal mask of attention and by RoPE re-rotation; absent = slot t holds position t. Compaction, gather and
+///    append keep it in step with K and V. Positions of one head are strictly ascending.
+/// All pointers live in the cache's memory space. The view is shallow: a const KVCache still writes through.
 template <TokenRowsView K, TokenRowsView V>
-requires std::same_as<typename K::memory_space, typename V::memory_space>
+  requires std::same_as<typename K::memory_space, typename V::memory_space>
 struct KVCache {
   using memory_space = typename K::memory_space;
   using keys_type = K;
@@ -56,29 +106,61 @@ struct KVCache {
 
   K keys;
   V values;
-  Index const* lengths = nullptr;
+  Lengths lengths{};
+  Index* positions = nullptr;
 
-  /// Valid tokens of sequence b (host-space caches only).
-  constexpr Index length(Index b) const noexcept { return lengths ? lengths[b] : keys.extents().tokens; }
+  KVC_HOST_DEVICE constexpr Index tokens() const noexcept { return keys.extents().tokens; }
+  /// Valid tokens of head (b, h) (readable where the memory space is).
+  KVC_HOST_DEVICE constexpr Index length(Index b, Index h) const noexcept { return lengths.at(b, h, tokens()); }
+  /// Absolute position of slot t of head (b, h).
+  KVC_HOST_DEVICE constexpr Index position(Index b, Index h, Index t) const noexcept {
+    return positions ? positions[(b * keys.extents().heads + h) * tokens() + t] : t;
+  }
+  /// The positions as a per-token array (data null when absent).
+  KVC_HOST_DEVICE constexpr TokenArray<Index, memory_space> position_array() const noexcept {
+    KVExtents const e = keys.extents();
+    return {positions, e.batch, e.heads, e.tokens};
+  }
+
+  /// A read-only view of the same cache.
+  template <TokenRowsView K2, TokenRowsView V2>
+    requires(std::is_convertible_v<K, K2> && std::is_convertible_v<V, V2>)
+  constexpr operator KVCache<K2, V2>() const noexcept {  // NOLINT: implicit, like span<T> -> span<T const>
+    return {K2(keys), V2(values), lengths, positions};
+  }
 };
 
 template <class C>
-concept KVCacheView = requires(C const& c) {
+concept KVCacheView = requires(C const& c, Index i) {
   typename C::memory_space;
   requires TokenRowsView<std::remove_cvref_t<decltype(c.keys)>>;
   requires TokenRowsView<std::remove_cvref_t<decltype(c.values)>>;
-  { c.lengths } -> std::convertible_to<Index const*>;
+  { c.length(i, i) } -> std::same_as<Index>;
+  { c.position(i, i, i) } -> std::same_as<Index>;
 };
+
+/// One past the largest position held by any head of sequence b (0 for an empty sequence): queries given without
+/// positions are taken to be the last ones of the context, query i of n at context_end - n + i. Positions of a
+/// head ascend, so only each head's last valid slot is read.
+template <KVCacheView C>
+KVC_HOST_DEVICE constexpr Index context_end(C const& cache, Index b) noexcept {
+  Index end = 0;
+  for (Index h = 0; h < cache.keys.extents().heads; ++h) {
+    Index const n = cache.length(b, h);
+    Index const last = n > 0 ? cache.position(b, h, n - 1) + 1 : 0;
+    end = last > end ? last : end;
+  }
+  return end;
+}
 
 /// Whether backend B can read cache C (the memory spaces match). Checked at compile time by every entry point.
 template <class C, class B>
-concept AccessibleFrom =
-    KVCacheView<C> && Backend<B> && std::same_as<typename C::memory_space, typename B::memory_space>;
+concept AccessibleFrom = KVCacheView<C> && ReadableBy<C, B>;
 
 /// Builds a cache from two row views (deduces the types).
 template <TokenRowsView K, TokenRowsView V>
-constexpr KVCache<K, V> make_cache(K keys, V values, Index const* lengths = nullptr) noexcept {
-  return {keys, values, lengths};
+constexpr KVCache<K, V> make_cache(K keys, V values, Lengths lengths = {}, Index* positions = nullptr) noexcept {
+  return {keys, values, lengths, positions};
 }
 
 /// Contiguous BHTD rows over host memory: the common case in tests, tools and the Hugging Face layout.
@@ -93,12 +175,19 @@ constexpr TokenRows<T, StridedLayout, DeviceSpace> bhtd_device_rows(T* data, KVE
   return {data, bhtd_layout(e)};
 }
 
-/// A dense BHTD cache over host K and V buffers (no copy). `dim_v` defaults to `e.dim`.
+/// A dense BHTD cache over host K and V buffers of the same head dim (no copy).
 template <Element TK, Element TV>
-constexpr auto dense_cache(TK* k, TV* v, KVExtents e, Index dim_v = -1, Index const* lengths = nullptr) noexcept {
+constexpr auto dense_cache(TK* k, TV* v, KVExtents e, Lengths lengths = {}, Index* positions = nullptr) noexcept {
+  return make_cache(bhtd_rows(k, e), bhtd_rows(v, e), lengths, positions);
+}
+
+/// A dense BHTD cache whose values have head dim `dim_v` (d_v != d_k).
+template <Element TK, Element TV>
+constexpr auto dense_cache(TK* k, TV* v, KVExtents e, Index dim_v, Lengths lengths = {},
+                           Index* positions = nullptr) noexcept {
   KVExtents ev = e;
-  ev.dim = dim_v < 0 ? e.dim : dim_v;
-  return make_cache(bhtd_rows(k, e), bhtd_rows(v, ev), lengths);
+  ev.dim = dim_v;
+  return make_cache(bhtd_rows(k, e), bhtd_rows(v, ev), lengths, positions);
 }
 
 }  // namespace kvc

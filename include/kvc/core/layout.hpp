@@ -45,7 +45,9 @@ enum class PageOrder : std::uint8_t {
 /// Fixed-size pages of one sequence found through a page list: either a padded block table
 /// (`block_table[b * max_pages + p]`, vLLM) or CSR (`page_indices[page_indptr[b] + p]`, FlashInfer/MLC).
 /// Page ids are int32 as every engine stores them. Tables live in the same memory space as the data.
-/// `ext.tokens` is the largest sequence length the tables can address.
+/// `ext.tokens` is the largest sequence length the tables can address. `num_pages` is the pool's size and
+/// `num_page_indices` the CSR index array's declared size: kvc::validate checks every page id used within the
+/// valid lengths against them (host tables).
 struct PagedLayout {
   KVExtents ext;
   Index page_size = 0;
@@ -55,7 +57,9 @@ struct PagedLayout {
   std::int32_t const* block_table = nullptr;  ///< [batch, max_pages], used when page_indptr is null
   Index max_pages = 0;
   std::int32_t const* page_indptr = nullptr;   ///< [batch + 1] (CSR mode)
-  std::int32_t const* page_indices = nullptr;  ///< [page_indptr[batch]] (CSR mode)
+  std::int32_t const* page_indices = nullptr;  ///< [num_page_indices] (CSR mode)
+  Index num_pages = 0;                         ///< pages in the pool: valid ids are [0, num_pages)
+  Index num_page_indices = 0;                  ///< entries of page_indices (CSR mode)
 
   KVC_HOST_DEVICE constexpr Index page_of(Index b, Index t) const noexcept {
     Index const p = t / page_size;
@@ -66,21 +70,23 @@ struct PagedLayout {
   }
 };
 
-/// A paged layout over a pool of [num_pages, page] blocks with a padded block table.
+/// A paged layout over a pool of `num_pages` [page] blocks with a padded block table [batch, max_pages].
 constexpr PagedLayout paged_layout(KVExtents e, Index page_size, PageOrder order, std::int32_t const* block_table,
-                                   Index max_pages) noexcept {
-  PagedLayout l{e, page_size, page_size * e.heads * e.dim, 0, 0, block_table, max_pages, nullptr, nullptr};
+                                   Index max_pages, Index num_pages) noexcept {
+  PagedLayout l{e, page_size, page_size * e.heads * e.dim, 0, 0, block_table, max_pages, nullptr, nullptr,
+                num_pages, 0};
   l.stride_h = order == PageOrder::nhd ? e.dim : page_size * e.dim;
   l.stride_t = order == PageOrder::nhd ? e.heads * e.dim : e.dim;
   return l;
 }
 
-/// A paged layout with CSR page lists (indptr [batch + 1], indices).
+/// A paged layout over a pool of `num_pages` pages with CSR page lists (indptr [batch + 1], indices [num_indices]).
 constexpr PagedLayout paged_layout_csr(KVExtents e, Index page_size, PageOrder order, std::int32_t const* indptr,
-                                       std::int32_t const* indices) noexcept {
-  PagedLayout l = paged_layout(e, page_size, order, nullptr, 0);
+                                       std::int32_t const* indices, Index num_indices, Index num_pages) noexcept {
+  PagedLayout l = paged_layout(e, page_size, order, nullptr, 0, num_pages);
   l.page_indptr = indptr;
   l.page_indices = indices;
+  l.num_page_indices = num_indices;
   return l;
 }
 

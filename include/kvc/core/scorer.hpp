@@ -1,23 +1,41 @@
 // SPDX-License-Identifier: Apache-2.0
-// kvc/core/scorer.hpp: the Scorer concept, the per-backend ScoreKernel extension point and kvc::score().
+// kvc/core/scorer.hpp: the Scorer concept, kvc::score() and the state hooks kvc::update() / kvc::on_evict().
 //
-// A scorer is a small, trivially copyable parameter struct (KeyDiffScorer, KnormScorer, ...). Its kernels are
-// specialisations ScoreKernel<Scorer, Backend> in backend/<name>/scorers/<policy>.hpp (or .cuh). Stateful
-// scorers (H2O accumulators, MomentKV moments) reference caller-owned state through pointers in the struct.
+// A scorer is a small, trivially copyable parameter struct (KeyDiffScorer, SnapKVScorer, ...). Its kernels are
+// specialisations Kernel<Scorer, Backend> (core/kernel.hpp) in backend/<name>/scorers/<policy>.hpp (or .cuh).
+//
+// `score` is pure: it reads the cache, the observations and the scorer's state and writes only `out` and scratch.
+// Calling it twice gives the same scores. Stateful scorers (H2O's accumulated attention, MomentKV's moments,
+// ExpectedAttention's decode buffers) declare `static constexpr bool stateful = true` and hold typed views of
+// caller-owned state (e.g. a TokenArray<float, Space> accumulator) as members; their kernels add
+//   update(B const&, S const&, C const& cache, Obs const& obs, Workspace)            // new tokens or queries seen
+//   on_evict(B const&, S const&, C const& cache, KeepPlan<Space> const& plan, Workspace)  // before compaction
+// and per-token state travels through compaction with the same plan (kvc::compact's extra TokenArray arguments).
 #pragma once
 
-#include <kvc/backend/tags.hpp>
+#include <kvc/core/backend.hpp>
+#include <kvc/core/kernel.hpp>
+#include <kvc/core/keep_plan.hpp>
 #include <kvc/core/kv_view.hpp>
+#include <kvc/core/observations.hpp>
 #include <kvc/core/scores.hpp>
 #include <kvc/core/status.hpp>
 #include <kvc/core/workspace.hpp>
 
 #include <concepts>
 #include <cstddef>
+#include <cstdint>
 #include <string_view>
 #include <type_traits>
 
 namespace kvc {
+
+/// Which implementation's behaviour a policy reproduces where the paper's authors and kvpress differ (the CLI's
+/// `--param reference=authors|kvpress`).
+enum class Reference : std::uint8_t {
+  authors,  ///< the paper and its authors' code (the default)
+  kvpress,  ///< NVIDIA kvpress
+};
 
 /// Inputs a scorer reads, as bit flags. The pipeline builds only what a scorer asks for, and an engine can
 /// check at compile time whether it can feed a policy (e.g. fused attention never exposes `attention`).
@@ -25,9 +43,10 @@ enum class Needs : unsigned {
   none = 0,
   keys = 1u << 0,
   values = 1u << 1,
-  window_queries = 1u << 2,    ///< the last-w queries (SnapKV, TOVA)
+  window_queries = 1u << 2,    ///< the last-w queries (SnapKV, TOVA): Observations::window_queries
   query_statistics = 1u << 3,  ///< mean/covariance of pre-RoPE queries (ExpectedAttention)
-  attention = 1u << 4,         ///< attention rows or column sums from the engine (H2O)
+  attention = 1u << 4,         ///< attention column sums from the engine (H2O)
+  lse = 1u << 5,               ///< log-sum-exp of attention rows
 };
 
 constexpr Needs operator|(Needs a, Needs b) noexcept {
@@ -41,9 +60,6 @@ constexpr bool needs_only_kv(Needs set) noexcept {
   return (static_cast<unsigned>(set) & ~static_cast<unsigned>(Needs::keys | Needs::values)) == 0;
 }
 
-/// The observation bundle for scorers that read only keys and values.
-struct NoObservations {};
-
 namespace detail {
 template <class T>
 inline constexpr bool is_score_span = false;
@@ -51,8 +67,7 @@ template <class Space>
 inline constexpr bool is_score_span<ScoreSpan<Space>> = true;
 }  // namespace detail
 
-/// Observations are any bundle of views a scorer's `needs` names (window queries, statistics, attention rows);
-/// the only requirement here is that they cannot be confused with the output argument.
+/// Observations are NoObservations or an Observations bundle; this only keeps them apart from the output argument.
 template <class O>
 concept ObservationSet = !detail::is_score_span<std::remove_cvref_t<O>>;
 
@@ -63,49 +78,66 @@ concept Scorer = std::is_trivially_copyable_v<S> && requires {
   { S::name } -> std::convertible_to<std::string_view>;
 };
 
-/// Specialise per (scorer, backend) with
-///   static std::size_t workspace_bytes(S const&, KVExtents const& keys);
-///   template <KVCacheView C, class Obs> static Status run(B const&, S const&, C const&, Obs const&,
-///                                                        ScoreSpan<Space>, Workspace);
-/// The primary template is left undefined on purpose: a missing kernel is a compile-time error with a fix-it.
-template <class S, class B>
-struct ScoreKernel;
+/// Whether a scorer keeps state between calls (see the file comment).
+template <class S>
+concept StatefulScorer = Scorer<S> && requires {
+  { S::stateful } -> std::convertible_to<bool>;
+} && S::stateful;
 
-template <class S, class B>
-concept HasScoreKernel = requires {
-  sizeof(ScoreKernel<S, B>);
-};
+/// Compile-time check that bundle `Obs` holds every part scorer `S` needs, each with a message naming the part.
+template <Scorer S, class Obs>
+constexpr bool check_observations() {
+  static_assert(!has_need(S::needs, Needs::window_queries) || HasWindowQueries<Obs>,
+                "kvc::score: this scorer needs window queries (Needs::window_queries), but the observations have "
+                "none: pass kvc::observe(kvc::WindowQueries<T, Space>{rows, rope, positions})");
+  static_assert(!has_need(S::needs, Needs::query_statistics) || HasQueryStatistics<Obs>,
+                "kvc::score: this scorer needs query statistics (Needs::query_statistics), but the observations "
+                "have none: set Observations::query_statistics");
+  static_assert(!has_need(S::needs, Needs::attention) || HasAttention<Obs>,
+                "kvc::score: this scorer needs attention column sums (Needs::attention), but the observations have "
+                "none: set Observations::attention");
+  static_assert(!has_need(S::needs, Needs::lse) || HasLse<Obs>,
+                "kvc::score: this scorer needs log-sum-exp rows (Needs::lse), but the observations have none: set "
+                "Observations::lse");
+  return (!has_need(S::needs, Needs::window_queries) || HasWindowQueries<Obs>) &&
+         (!has_need(S::needs, Needs::query_statistics) || HasQueryStatistics<Obs>) &&
+         (!has_need(S::needs, Needs::attention) || HasAttention<Obs>) && (!has_need(S::needs, Needs::lse) || HasLse<Obs>);
+}
 
-/// Bytes of workspace kvc::score needs for `scorer` on a cache whose keys have extents `keys` (any alignment).
-template <Backend B, Scorer S>
-std::size_t score_workspace_bytes(B const&, S const& scorer, KVExtents const& keys) {
-  static_assert(HasScoreKernel<S, B>,
+/// Bytes of workspace kvc::score needs for `scorer` on a cache whose keys have extents `keys`, with observations
+/// `obs` (their extents size window scratch). Any alignment; includes one copy per CPU worker.
+template <Backend B, Scorer S, ObservationSet Obs = NoObservations>
+std::size_t score_workspace_bytes(B const& backend, S const& scorer, KVExtents const& keys, Obs const& obs = {}) {
+  static_assert(HasKernel<S, B>,
                 "kvc::score: this scorer has no kernel for this backend; include "
                 "<kvc/backend/cpu/scorers/NAME.hpp> (kvc::Cpu) or <kvc/backend/cuda/scorers/NAME.cuh> (kvc::Cuda)");
-  if constexpr (HasScoreKernel<S, B>)
-    return ScoreKernel<S, B>::workspace_bytes(scorer, keys) + workspace_slack;
+  if constexpr (HasKernel<S, B>)
+    return Kernel<S, B>::workspace_bytes(backend, scorer, keys, obs) + workspace_slack;
   else
     return 0;
 }
 
 /// Scores every token of every (batch, KV head): out is [batch, heads, tokens] fp32, higher = keep; padding
-/// (t >= cache.lengths[b]) gets -inf. `obs` carries the observations the scorer's `needs` names.
+/// (t >= cache.length(b, h)) gets -inf. `obs` carries the observations the scorer's `needs` names.
 /// Errors: out's shape differs from the keys' (invalid_argument), workspace too small (out_of_capacity).
 template <Backend B, Scorer S, KVCacheView C, ObservationSet Obs>
 Status score(B const& backend, S const& scorer, C const& cache, Obs const& obs, ScoreSpan<typename B::memory_space> out,
-             Workspace ws = {}) {
+             Workspace ws) {
   static_assert(AccessibleFrom<C, B>, "kvc::score: the cache lives in a memory space this backend cannot read");
-  static_assert(HasScoreKernel<S, B>,
+  static_assert(ObservationsReadableBy<Obs, B>,
+                "kvc::score: the observations live in a memory space this backend cannot read");
+  static_assert(HasKernel<S, B>,
                 "kvc::score: this scorer has no kernel for this backend; include "
                 "<kvc/backend/cpu/scorers/NAME.hpp> (kvc::Cpu) or <kvc/backend/cuda/scorers/NAME.cuh> (kvc::Cuda)");
-  if constexpr (AccessibleFrom<C, B> && HasScoreKernel<S, B>) {  // one diagnostic, not a cascade
+  constexpr bool complete = check_observations<S, Obs>();
+  if constexpr (AccessibleFrom<C, B> && ObservationsReadableBy<Obs, B> && HasKernel<S, B> && complete) {
     KVExtents const e = cache.keys.extents();
     if (out.batch != e.batch || out.heads != e.heads || out.tokens != e.tokens)
       return {Errc::invalid_argument, "kvc::score: `out` must be [batch, heads, tokens] of the keys"};
     if (out.data == nullptr && out.size() > 0)
       return {Errc::invalid_argument, "kvc::score: `out.data` is null"};
     out.lengths = cache.lengths;
-    return ScoreKernel<S, B>::run(backend, scorer, cache, obs, out, ws);
+    return Kernel<S, B>::run(backend, scorer, cache, obs, out, ws);
   } else {
     return {Errc::invalid_argument, "unreachable"};
   }
@@ -114,10 +146,30 @@ Status score(B const& backend, S const& scorer, C const& cache, Obs const& obs, 
 /// kvc::score for scorers that read only keys and values.
 template <Backend B, Scorer S, KVCacheView C>
 Status score(B const& backend, S const& scorer, C const& cache, ScoreSpan<typename B::memory_space> out,
-             Workspace ws = {}) {
+             Workspace ws) {
   static_assert(needs_only_kv(S::needs),
                 "kvc::score: this scorer needs observations; call score(backend, scorer, cache, obs, out, ws)");
   return score(backend, scorer, cache, NoObservations{}, out, ws);
+}
+
+/// State hook: a stateful scorer folds newly seen tokens or queries into its state. A no-op for stateless scorers.
+template <Backend B, Scorer S, KVCacheView C, ObservationSet Obs>
+Status update(B const& backend, S const& scorer, C const& cache, Obs const& obs, Workspace ws) {
+  if constexpr (StatefulScorer<S>)
+    return Kernel<S, B>::update(backend, scorer, cache, obs, ws);
+  else
+    return {};
+}
+
+/// State hook: a stateful scorer sees the plan (the complement is the evicted set) before kvc::compact moves the
+/// cache. A no-op for stateless scorers.
+template <Backend B, Scorer S, KVCacheView C>
+Status on_evict(B const& backend, S const& scorer, C const& cache, KeepPlan<typename B::memory_space> const& plan,
+                Workspace ws) {
+  if constexpr (StatefulScorer<S>)
+    return Kernel<S, B>::on_evict(backend, scorer, cache, plan, ws);
+  else
+    return {};
 }
 
 }  // namespace kvc

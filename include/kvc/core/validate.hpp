@@ -64,27 +64,58 @@ Status layout_status(L const& l) noexcept {
   } else if constexpr (std::is_same_v<L, PagedLayout>) {
     if (l.page_size <= 0)
       return {Errc::invalid_argument, "PagedLayout: `page_size` must be > 0"};
+    if (l.num_pages <= 0 && e.rows() > 0)
+      return {Errc::invalid_argument, "PagedLayout: `num_pages` (the pool's size) must be > 0"};
+    if (l.page_indptr == nullptr && mul_overflows(l.max_pages, l.page_size))
+      return {Errc::invalid_argument, "PagedLayout: max_pages * page_size overflows 64 bits"};
     if (l.page_indptr == nullptr && (l.block_table == nullptr || l.max_pages * l.page_size < e.tokens))
       return {Errc::invalid_argument, "PagedLayout: need a block table with max_pages * page_size >= tokens, or CSR"};
-    if (l.page_indptr != nullptr && l.page_indices == nullptr)
-      return {Errc::invalid_argument, "PagedLayout: CSR mode needs `page_indices`"};
+    if (l.page_indptr != nullptr && (l.page_indices == nullptr || l.num_page_indices < 0))
+      return {Errc::invalid_argument, "PagedLayout: CSR mode needs `page_indices` and `num_page_indices` >= 0"};
     bool const nhd = l.stride_t >= l.stride_h;
     Index const inner = nhd ? l.stride_t * l.page_size : l.stride_h * e.heads;
     if (l.stride_h < (nhd ? e.dim : e.dim * l.page_size) || l.stride_t < (nhd ? e.dim * e.heads : e.dim) ||
         l.stride_page < inner)
       return {Errc::invalid_argument, "PagedLayout: in-page strides overlap rows or pages"};
+    if (mul_overflows(l.stride_page, l.num_pages))
+      return {Errc::invalid_argument, "PagedLayout: stride_page * num_pages overflows 64 bits"};
     return {};
   } else {
     return {};
   }
 }
 
+/// Host page tables: every page id a valid token uses is in [0, num_pages); CSR lists are non-decreasing, inside
+/// the declared index array, and long enough for the sequence.
+inline Status pages_status(PagedLayout const& l, Lengths const& lengths) noexcept {
+  KVExtents const e = l.ext;
+  if (l.page_indptr && (l.page_indptr[0] < 0 || l.page_indptr[e.batch] > l.num_page_indices))
+    return {Errc::invalid_argument, "PagedLayout: `page_indptr` points outside `page_indices` (num_page_indices)"};
+  for (Index b = 0; b < e.batch; ++b) {
+    Index longest = 0;
+    for (Index h = 0; h < e.heads; ++h)
+      longest = std::max(longest, lengths.at(b, h, e.tokens));
+    Index const pages = (longest + l.page_size - 1) / l.page_size;
+    if (l.page_indptr && (l.page_indptr[b + 1] < l.page_indptr[b] || l.page_indptr[b + 1] - l.page_indptr[b] < pages))
+      return {Errc::invalid_argument, "PagedLayout: a sequence's CSR page list is shorter than its valid length"};
+    if (!l.page_indptr && pages > l.max_pages)
+      return {Errc::invalid_argument, "PagedLayout: a valid length needs more than `max_pages` pages"};
+    for (Index p = 0; p < pages; ++p) {
+      Index const id = l.page_indptr ? l.page_indices[l.page_indptr[b] + p] : l.block_table[b * l.max_pages + p];
+      if (id < 0 || id >= l.num_pages)
+        return {Errc::invalid_argument,
+                "PagedLayout: a page id used within the valid length is outside the pool [0, num_pages)"};
+    }
+  }
+  return {};
+}
+
 template <class R>
-Status rows_finite(R const& rows, Index const* lengths) noexcept {
+Status rows_finite(R const& rows, Lengths const& lengths) noexcept {
   KVExtents const e = rows.extents();
   for (Index b = 0; b < e.batch; ++b)
     for (Index h = 0; h < e.heads; ++h)
-      for (Index t = 0; t < (lengths ? lengths[b] : e.tokens); ++t) {
+      for (Index t = 0; t < lengths.at(b, h, e.tokens); ++t) {
         auto const* r = rows.row(b, h, t);
         for (Index i = 0; i < e.dim; ++i)
           if (!std::isfinite(to_float(r[i])))
@@ -95,26 +126,37 @@ Status rows_finite(R const& rows, Index const* lengths) noexcept {
 
 }  // namespace detail
 
-/// Checks one K or V view: extents, 64-bit offsets, non-overlapping rows, paged tables; finiteness of every row of
-/// a host view when asked (`lengths`, optional [batch], limits the scan to valid tokens).
+/// Checks one K or V view: extents, 64-bit offsets, non-overlapping rows, paged tables (host: every page id a
+/// valid token uses); lengths in [0, tokens] and, when asked, finiteness of every valid row (host views).
 template <TokenRowsView R>
-Status validate_rows(R const& rows, ValidateOptions opts = {}, Index const* lengths = nullptr) noexcept {
+Status validate_rows(R const& rows, ValidateOptions opts = {}, Lengths lengths = {}) noexcept {
   KVC_RETURN_IF_ERROR(detail::layout_status(rows.layout()));
   if (rows.data() == nullptr && rows.extents().rows() > 0)
     return {Errc::invalid_argument, "kvc::validate: K or V data pointer is null"};
-  if constexpr (std::is_same_v<typename R::memory_space, HostSpace>)
+  if constexpr (std::is_same_v<typename R::memory_space, HostSpace>) {
+    KVExtents const e = rows.extents();
+    if (lengths.data)
+      for (Index b = 0; b < e.batch; ++b)
+        for (Index h = 0; h < (lengths.per_head() ? e.heads : 1); ++h)
+          if (lengths.at(b, h, e.tokens) < 0 || lengths.at(b, h, e.tokens) > e.tokens)
+            return {Errc::invalid_argument, "kvc::validate: every valid length must be in [0, tokens]"};
+    if constexpr (std::is_same_v<typename R::layout_type, PagedLayout>)
+      KVC_RETURN_IF_ERROR(detail::pages_status(rows.layout(), lengths));
     if (opts.check_finite)
       return detail::rows_finite(rows, lengths);
+  }
   return {};
 }
 
-/// Checks a host or device cache's shapes and layouts (and, for host caches, optionally finiteness):
-/// extents non-negative with dim > 0; K and V agree on batch, heads and tokens; element offsets fit in 64 bits;
-/// strided rows do not overlap; paged tables cover `tokens`; lengths in [0, tokens] (host only).
+/// Checks a host or device cache's shapes and layouts (and, for host caches, its tables and optionally
+/// finiteness): extents non-negative with dim > 0; K and V agree on batch, heads and tokens; element offsets fit in
+/// 64 bits; strided rows do not overlap; K and V do not overlap. Host caches also: lengths in [0, tokens]; every
+/// page id used within the valid lengths inside the pool; positions of each head >= 0 and strictly ascending.
+/// Device caches' tables are not read (kernels clamp lengths to [0, tokens]).
 template <KVCacheView C>
 Status validate(C const& cache, ValidateOptions opts = {}) noexcept {
-  KVC_RETURN_IF_ERROR(validate_rows(cache.keys));  // extents and offsets first: later checks multiply them
-  KVC_RETURN_IF_ERROR(validate_rows(cache.values));
+  KVC_RETURN_IF_ERROR(validate_rows(cache.keys, {}, cache.lengths));  // extents first: later checks multiply them
+  KVC_RETURN_IF_ERROR(validate_rows(cache.values, {}, cache.lengths));
   KVExtents const k = cache.keys.extents(), v = cache.values.extents();
   if (k.batch != v.batch || k.heads != v.heads || k.tokens != v.tokens)
     return {Errc::invalid_argument, "kvc::validate: keys and values must agree on batch, heads and tokens"};
@@ -131,10 +173,12 @@ Status validate(C const& cache, ValidateOptions opts = {}) noexcept {
       return {Errc::invalid_argument, "kvc::validate: K and V memory overlap"};
   }
   if constexpr (std::is_same_v<typename C::memory_space, HostSpace>) {
-    if (cache.lengths)
+    if (cache.positions)
       for (Index b = 0; b < k.batch; ++b)
-        if (cache.lengths[b] < 0 || cache.lengths[b] > k.tokens)
-          return {Errc::invalid_argument, "kvc::validate: `lengths[b]` must be in [0, tokens]"};
+        for (Index h = 0; h < k.heads; ++h)
+          for (Index t = 0; t < cache.length(b, h); ++t)
+            if (cache.position(b, h, t) < 0 || (t > 0 && cache.position(b, h, t) <= cache.position(b, h, t - 1)))
+              return {Errc::invalid_argument, "kvc::validate: positions of a head must be >= 0 and strictly ascending"};
     if (opts.check_finite) {
       KVC_RETURN_IF_ERROR(detail::rows_finite(cache.keys, cache.lengths));
       KVC_RETURN_IF_ERROR(detail::rows_finite(cache.values, cache.lengths));

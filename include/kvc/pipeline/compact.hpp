@@ -1,29 +1,146 @@
 // SPDX-License-Identifier: Apache-2.0
-// kvc/pipeline/compact.hpp: what compaction means, backend-independent checks and the paged-memory report.
+// kvc/pipeline/compact.hpp: applying a KeepPlan to a cache (compact in place, gather elsewhere), appending new
+// tokens, and the paged-memory report. Kernels: Kernel<CompactStep / GatherStep / AppendStep, B> in
+// backend/*/pipeline/compact.
 //
-// Compaction applies a KeepPlan to a cache: for each (b, h), slot j receives the row of token plan.index[j].
-// In place, moves go in ascending j and index[j] >= j (the plan is strictly ascending), so a move never
-// overwrites a row that a later move still reads. Afterwards head (b, h) holds plan.count[b, h] valid tokens
-// in slots [0, count) and plan.index holds their original (RoPE) positions. Kernels: backend/*/pipeline/compact.
+// Compaction: for each (b, h), slot j receives what slot plan.index[j] held: K and V rows, the position, and every
+// extra per-token array passed along (e.g. a stateful scorer's accumulator). In place, moves go in ascending j and
+// index[j] >= j (the plan is strictly ascending), so a move never overwrites a row that a later move still reads.
+// Afterwards head (b, h) holds plan.count[b, h] valid tokens in slots [0, count): compaction writes them into the
+// cache's length table (per head: every count; per sequence: the heads' common count, and heads of one sequence
+// that keep different counts are an error, so give such caches a per-head table; no table: read plan.count).
+// New tokens then go after each head's length: kvc::append.
 #pragma once
 
+#include <kvc/core/backend.hpp>
+#include <kvc/core/kernel.hpp>
 #include <kvc/core/keep_plan.hpp>
 #include <kvc/core/kv_view.hpp>
 #include <kvc/core/layout.hpp>
 #include <kvc/core/status.hpp>
 
+#include <type_traits>
+
 namespace kvc {
 
-/// Checks a host plan against a cache's shape: counts in [0, min(capacity, length(b))], indices strictly
-/// ascending inside [0, length(b)). Compaction runs it before moving anything, so a bad plan changes nothing.
+/// Step tags of the kernel pattern (core/kernel.hpp).
+struct CompactStep {};
+struct GatherStep {};
+struct AppendStep {};
+
+/// A per-token array carried from a source cache to a destination cache by kvc::gather.
+template <class T, class Space = HostSpace>
+struct CarriedArray {
+  using memory_space = Space;
+  TokenArray<T const, Space> from;
+  TokenArray<T, Space> to;
+};
+
+namespace detail {
+template <class A>
+inline constexpr bool is_token_array = false;
+template <class T, class S>
+inline constexpr bool is_token_array<TokenArray<T, S>> = !std::is_const_v<T>;
+template <class A>
+inline constexpr bool is_carried_array = false;
+template <class T, class S>
+inline constexpr bool is_carried_array<CarriedArray<T, S>> = true;
+}  // namespace detail
+
+/// Compacts `cache` in place (any layout: dense, strided or paged inside the sequence's own pages), with its
+/// positions, its length table and every extra per-token array [batch, heads, tokens] in `extra` (writable
+/// TokenArrays in the cache's memory space). The CPU rejects a plan that fails validate_plan() before moving
+/// anything; the CUDA kernels trust a plan produced by kvc::select.
+template <Backend B, KVCacheView C, class... Extra>
+Status compact(B const& backend, KeepPlan<typename B::memory_space> const& plan, C const& cache,
+               Extra const&... extra) {
+  static_assert(AccessibleFrom<C, B>, "kvc::compact: the cache lives in a memory space this backend cannot read");
+  static_assert(!std::is_const_v<typename C::keys_type::element_type> &&
+                    !std::is_const_v<typename C::values_type::element_type>,
+                "kvc::compact: in-place compaction needs writable K and V views");
+  static_assert((detail::is_token_array<Extra> && ...) && (ReadableBy<Extra, B> && ...),
+                "kvc::compact: extra arrays must be writable kvc::TokenArray views in the backend's memory space");
+  static_assert(HasKernel<CompactStep, B>,
+                "kvc::compact: include <kvc/backend/cpu/pipeline/compact.hpp> (kvc::Cpu) or "
+                "<kvc/backend/cuda/pipeline/compact.cuh> (kvc::Cuda)");
+  KVExtents const e = cache.keys.extents();
+  if (plan.batch != e.batch || plan.heads != e.heads)
+    return {Errc::invalid_argument, "kvc::compact: `plan` must have the cache's batch and heads"};
+  if (((extra.batch != e.batch || extra.heads != e.heads || extra.tokens < e.tokens) || ...))
+    return {Errc::invalid_argument, "kvc::compact: every extra array must be [batch, heads, >= tokens] of the cache"};
+  return Kernel<CompactStep, B>::run(backend, plan, cache, extra...);
+}
+
+/// Copies the kept rows of `src` into slots [0, count) of `dst` (another cache with capacity for the largest
+/// count; element types may differ, converting with round-to-nearest-even), with positions (when both caches have
+/// a table: src's positions, or src's slot numbers when src has none) and `carried` arrays. dst's length table is
+/// written like compaction's. `src` is not modified.
+template <Backend B, KVCacheView Src, KVCacheView Dst, class... Carried>
+Status gather(B const& backend, KeepPlan<typename B::memory_space> const& plan, Src const& src, Dst const& dst,
+              Carried const&... carried) {
+  static_assert(AccessibleFrom<Src, B> && AccessibleFrom<Dst, B>,
+                "kvc::gather: the caches live in a memory space this backend cannot read");
+  static_assert((detail::is_carried_array<Carried> && ...) && (ReadableBy<Carried, B> && ...),
+                "kvc::gather: carried arrays must be kvc::CarriedArray views in the backend's memory space");
+  static_assert(HasKernel<GatherStep, B>,
+                "kvc::gather: include <kvc/backend/cpu/pipeline/compact.hpp> (kvc::Cpu) or "
+                "<kvc/backend/cuda/pipeline/compact.cuh> (kvc::Cuda)");
+  KVExtents const sk = src.keys.extents(), dk = dst.keys.extents();
+  if (plan.batch != sk.batch || plan.heads != sk.heads)
+    return {Errc::invalid_argument, "kvc::gather: `plan` must have the source cache's batch and heads"};
+  if (dk.batch != sk.batch || dk.heads != sk.heads || dk.dim != sk.dim ||
+      dst.values.extents().dim != src.values.extents().dim || dst.values.extents().tokens != dk.tokens)
+    return {Errc::invalid_argument, "kvc::gather: `dst` must have the batch, heads and dims of `src`"};
+  if (((carried.from.batch != sk.batch || carried.from.heads != sk.heads || carried.from.tokens < sk.tokens ||
+        carried.to.batch != sk.batch || carried.to.heads != sk.heads || carried.to.tokens < dk.tokens) ||
+       ...))
+    return {Errc::invalid_argument, "kvc::gather: carried arrays must be [batch, heads, >= tokens] of their caches"};
+  return Kernel<GatherStep, B>::run(backend, plan, src, dst, carried...);
+}
+
+/// Appends tokens [begin, begin + count) of `src` (clipped to each source head's valid length) after each head's
+/// valid length in `dst`: K and V rows (converted to dst's element types), positions (src's, or src's slot numbers
+/// when src has none) and lengths. `dst` needs a length table (per head, or per sequence when every head of a
+/// sequence appends the same count). Errors, checked before anything is written: a head would pass dst's capacity
+/// (out_of_capacity), dims differ (invalid_argument). New tokens' keys must already be rotated for their positions.
+template <Backend B, KVCacheView Dst, KVCacheView Src>
+Status append(B const& backend, Dst const& dst, Src const& src, Index begin, Index count) {
+  static_assert(AccessibleFrom<Src, B> && AccessibleFrom<Dst, B>,
+                "kvc::append: the caches live in a memory space this backend cannot read");
+  static_assert(HasKernel<AppendStep, B>,
+                "kvc::append: include <kvc/backend/cpu/pipeline/compact.hpp> (kvc::Cpu) or "
+                "<kvc/backend/cuda/pipeline/compact.cuh> (kvc::Cuda)");
+  KVExtents const se = src.keys.extents(), de = dst.keys.extents();
+  if (de.batch != se.batch || de.heads != se.heads || de.dim != se.dim ||
+      dst.values.extents().dim != src.values.extents().dim || dst.values.extents().tokens != de.tokens)
+    return {Errc::invalid_argument, "kvc::append: `dst` and `src` must agree on batch, heads and dims"};
+  if (begin < 0 || count < 0)
+    return {Errc::invalid_argument, "kvc::append: `begin` and `count` must be >= 0"};
+  if (dst.lengths.data == nullptr)
+    return {Errc::invalid_argument, "kvc::append: `dst` needs a length table (Lengths) to grow"};
+  return Kernel<AppendStep, B>::run(backend, dst, src, begin, count);
+}
+
+/// Appends all valid tokens of `src` (new tokens' K and V, [batch, heads, m, d]).
+template <Backend B, KVCacheView Dst, KVCacheView Src>
+Status append(B const& backend, Dst const& dst, Src const& src) {
+  return append(backend, dst, src, 0, src.keys.extents().tokens);
+}
+
+/// Checks a host plan against a cache's shape: counts in [0, min(capacity, length(b, h))], indices strictly
+/// ascending inside [0, length(b, h)), lengths inside [0, tokens]. Host compaction runs it before moving anything.
 template <KVCacheView C>
 Status validate_plan(KeepPlan<HostSpace> const& plan, C const& cache) noexcept {
   KVExtents const e = cache.keys.extents();
   if (plan.batch != e.batch || plan.heads != e.heads)
     return {Errc::invalid_argument, "KeepPlan: batch and heads must match the cache"};
-  for (Index b = 0; b < plan.batch; ++b) {
-    Index const n = cache.length(b);
+  if ((plan.index == nullptr || plan.count == nullptr) && plan.batch * plan.heads > 0)
+    return {Errc::invalid_argument, "KeepPlan: `index` and `count` must not be null"};
+  for (Index b = 0; b < plan.batch; ++b)
     for (Index h = 0; h < plan.heads; ++h) {
+      Index const n = cache.length(b, h);
+      if (n < 0 || n > e.tokens)
+        return {Errc::invalid_argument, "KeepPlan: the cache's valid length must be in [0, tokens]"};
       Index const count = plan.kept(b, h);
       if (count < 0 || count > plan.capacity || count > n)
         return {Errc::invalid_argument, "KeepPlan: `count` must be in [0, min(capacity, length)]"};
@@ -32,7 +149,6 @@ Status validate_plan(KeepPlan<HostSpace> const& plan, C const& cache) noexcept {
         if (idx[j] < 0 || idx[j] >= n || (j > 0 && idx[j] <= idx[j - 1]))
           return {Errc::invalid_argument, "KeepPlan: indices must be strictly ascending and inside [0, length)"};
     }
-  }
   return {};
 }
 
@@ -40,22 +156,27 @@ Status validate_plan(KeepPlan<HostSpace> const& plan, C const& cache) noexcept {
 /// HND), so a sequence still needs ceil(max_h count / page_size) pages: its tail pages (in page-list order)
 /// from that number on can be returned to the engine's allocator.
 struct PageReport {
-  Index pages_before = 0;  ///< pages the sequences used before (ceil(length / page_size), summed)
+  Index pages_before = 0;  ///< pages the sequences used before (ceil(longest head / page_size), summed)
   Index pages_after = 0;   ///< pages they need after compaction
   constexpr Index pages_freed() const noexcept { return pages_before - pages_after; }
 };
 
-/// Computes the report and, when `pages_in_use` ([batch]) is non-null, each sequence's new page count.
+/// Computes the report for a host plan over a paged cache (call it before compaction: it reads the lengths the
+/// plan was selected on) and, when `pages_in_use` ([batch]) is non-null, each sequence's new page count.
 template <KVCacheView C>
-PageReport page_report(KeepPlan<HostSpace> const& plan, C const& cache, Index page_size,
-                       Index* pages_in_use = nullptr) noexcept {
+PageReport page_report(KeepPlan<HostSpace> const& plan, C const& cache, Index* pages_in_use = nullptr) noexcept {
+  static_assert(std::is_same_v<typename C::keys_type::layout_type, PagedLayout>,
+                "kvc::page_report: the cache must have a PagedLayout");
+  Index const page_size = cache.keys.layout().page_size;
   PageReport r;
   for (Index b = 0; b < plan.batch; ++b) {
-    Index longest = 0;
-    for (Index h = 0; h < plan.heads; ++h)
-      longest = plan.kept(b, h) > longest ? plan.kept(b, h) : longest;
-    Index const after = (longest + page_size - 1) / page_size;
-    r.pages_before += (cache.length(b) + page_size - 1) / page_size;
+    Index kept = 0, before = 0;
+    for (Index h = 0; h < plan.heads; ++h) {
+      kept = plan.kept(b, h) > kept ? plan.kept(b, h) : kept;
+      before = cache.length(b, h) > before ? cache.length(b, h) : before;
+    }
+    Index const after = (kept + page_size - 1) / page_size;
+    r.pages_before += (before + page_size - 1) / page_size;
     r.pages_after += after;
     if (pages_in_use)
       pages_in_use[b] = after;

@@ -22,10 +22,11 @@ Press(S, Sel) -> Press<S, Sel>;
 
 /// Bytes of workspace kvc::compress needs (any alignment): the fp32 score tensor, then the scorer's and the
 /// selector's scratch.
-template <Backend B, Scorer S, Selector Sel>
-std::size_t compress_workspace_bytes(B const& backend, Press<S, Sel> const& press, KVExtents const& keys) {
+template <Backend B, Scorer S, Selector Sel, ObservationSet Obs = NoObservations>
+std::size_t compress_workspace_bytes(B const& backend, Press<S, Sel> const& press, KVExtents const& keys,
+                                     Obs const& obs = {}) {
   return workspace_round(static_cast<std::size_t>(keys.rows()) * sizeof(float)) +
-         workspace_round(score_workspace_bytes(backend, press.scorer, keys)) +
+         workspace_round(score_workspace_bytes(backend, press.scorer, keys, obs)) +
          workspace_round(select_workspace_bytes(backend, press.selector, keys.batch, keys.heads, keys.tokens)) +
          workspace_slack;
 }
@@ -38,7 +39,7 @@ Status compress(B const& backend, Press<S, Sel> const& press, C const& cache, Ob
   KVExtents const e = cache.keys.extents();
   WorkspaceCarver carve(ws);
   float* scores = carve.take<float>(e.rows());
-  std::size_t const score_bytes = workspace_round(score_workspace_bytes(backend, press.scorer, e));
+  std::size_t const score_bytes = workspace_round(score_workspace_bytes(backend, press.scorer, e, obs));
   std::size_t const select_bytes =
       workspace_round(select_workspace_bytes(backend, press.selector, e.batch, e.heads, e.tokens));
   void* score_ws = carve.take<std::byte>(static_cast<Index>(score_bytes));
@@ -47,6 +48,7 @@ Status compress(B const& backend, Press<S, Sel> const& press, C const& cache, Ob
       (select_ws == nullptr && select_bytes > 0))
     return {Errc::out_of_capacity, "kvc::compress: workspace smaller than compress_workspace_bytes()"};
   ScoreSpan<typename B::memory_space> span{scores, e.batch, e.heads, e.tokens, cache.lengths};
+  // The scores are the press's own scratch; score() reads the cache, the observations and the scorer only.
   KVC_RETURN_IF_ERROR(score(backend, press.scorer, cache, obs, span, Workspace{score_ws, score_bytes}));
   return select(backend, press.selector, span, plan, Workspace{select_ws, select_bytes});
 }

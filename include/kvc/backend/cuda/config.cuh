@@ -1,6 +1,6 @@
 // SPDX-License-Identifier: Apache-2.0
 // kvc/backend/cuda/config.cuh: included first by every CUDA header. Device code only compiles under nvcc with the
-// kvc::cuda target linked; host code names kvc::Cuda through <kvc/backend/tags.hpp> without any CUDA header.
+// kvc::cuda target linked; host code names kvc::Cuda through <kvc/core/backend.hpp> without any CUDA header.
 #pragma once
 
 #if !defined(__CUDACC__)
@@ -10,7 +10,7 @@
 #  error "link the kvc::cuda CMake target (it defines KVC_ENABLE_CUDA=1) before using the CUDA backend"
 #endif
 
-#include <kvc/backend/tags.hpp>
+#include <kvc/core/backend.hpp>
 #include <kvc/core/extents.hpp>
 #include <kvc/core/status.hpp>
 

@@ -1,7 +1,8 @@
 // SPDX-License-Identifier: Apache-2.0
-// kvc/backend/cpu/pipeline/compact.hpp: CPU compaction (in place) and gather (into other buffers).
+// kvc/backend/cpu/pipeline/compact.hpp: CPU kernels of compaction (in place), gather (into other buffers) and append.
 #pragma once
 
+#include <kvc/backend/cpu/detail/for_each_head.hpp>
 #include <kvc/pipeline/compact.hpp>
 
 #include <algorithm>
@@ -20,55 +21,123 @@ inline void copy_row(Dst* dst, Src const* src, Index dim) noexcept {
       dst[i] = from_float<Dst>(to_float(src[i]));
 }
 
+/// Checks that a per-sequence table can record `count(b, h)` (every head of a sequence equal); per-head or absent
+/// tables always can.
+template <class Count>
+Status lengths_representable(Lengths const& lengths, Index batch, Index heads, Count&& count, char const* what) {
+  if (lengths.data == nullptr || lengths.per_head())
+    return {};
+  for (Index b = 0; b < batch; ++b)
+    for (Index h = 1; h < heads; ++h)
+      if (count(b, h) != count(b, 0))
+        return {Errc::invalid_argument, what};
+  return {};
+}
+
+/// Writes new per-head lengths into a table (per sequence: head 0's, all heads being equal).
+template <class Count>
+void write_lengths(Lengths const& lengths, Index batch, Index heads, Count&& count) {
+  if (lengths.data == nullptr)
+    return;
+  for (Index b = 0; b < batch; ++b)
+    for (Index h = 0; h < (lengths.per_head() ? heads : 1); ++h)
+      lengths.data[lengths.per_head() ? b * heads + h : b] = count(b, h);
+}
+
 }  // namespace detail
 
-/// Compacts `cache` in place (any layout: dense, strided or paged inside the sequence's own pages).
-/// Keys and values move together. A plan that fails validate_plan() is rejected before anything moves.
-template <KVCacheView C>
-Status compact(Cpu const&, KeepPlan<HostSpace> const& plan, C const& cache) {
-  static_assert(AccessibleFrom<C, Cpu>, "kvc::compact(Cpu): the cache must live in host memory");
-  static_assert(!std::is_const_v<typename decltype(cache.keys)::element_type> &&
-                    !std::is_const_v<typename decltype(cache.values)::element_type>,
-                "kvc::compact: in-place compaction needs writable K and V views");
-  KVC_RETURN_IF_ERROR(validate_plan(plan, cache));
-  Index const dk = cache.keys.extents().dim, dv = cache.values.extents().dim;
-  for (Index b = 0; b < plan.batch; ++b)
-    for (Index h = 0; h < plan.heads; ++h) {
+template <>
+struct Kernel<CompactStep, Cpu> {
+  template <KVCacheView C, class... Extra>
+  static Status run(Cpu const& cpu, KeepPlan<HostSpace> const& plan, C const& cache, Extra const&... extra) {
+    KVC_RETURN_IF_ERROR(validate_plan(plan, cache));
+    KVC_RETURN_IF_ERROR(detail::lengths_representable(
+        cache.lengths, plan.batch, plan.heads, [&](Index b, Index h) { return plan.kept(b, h); },
+        "kvc::compact: heads of one sequence keep different counts; give the cache a per-head length table"));
+    Index const dk = cache.keys.extents().dim, dv = cache.values.extents().dim;
+    auto const positions = cache.position_array();
+    detail::parallel_for(cpu, plan.batch * plan.heads, [&](Index item, Index) {
+      Index const b = item / plan.heads, h = item % plan.heads;
       Index const* idx = plan.indices(b, h);
       for (Index j = 0; j < plan.kept(b, h); ++j) {  // ascending j, idx[j] >= j: never overtakes a source
         if (idx[j] == j)
           continue;
         std::copy_n(cache.keys.row(b, h, idx[j]), dk, cache.keys.row(b, h, j));
         std::copy_n(cache.values.row(b, h, idx[j]), dv, cache.values.row(b, h, j));
+        if (positions.data)
+          positions(b, h, j) = positions(b, h, idx[j]);
+        ((extra(b, h, j) = extra(b, h, idx[j])), ...);
       }
-    }
-  return {};
-}
+    });
+    detail::write_lengths(cache.lengths, plan.batch, plan.heads, [&](Index b, Index h) { return plan.kept(b, h); });
+    return {};
+  }
+};
 
-/// Copies the kept rows of `src` into slots [0, count) of `dst` (another cache with capacity for the largest
-/// count; element types may differ, converting with round-to-nearest-even). `src` is not modified.
-template <KVCacheView Src, KVCacheView Dst>
-Status gather(Cpu const&, KeepPlan<HostSpace> const& plan, Src const& src, Dst const& dst) {
-  static_assert(AccessibleFrom<Src, Cpu> && AccessibleFrom<Dst, Cpu>,
-                "kvc::gather(Cpu): caches must be in host memory");
-  KVC_RETURN_IF_ERROR(validate_plan(plan, src));
-  KVExtents const sk = src.keys.extents(), dk = dst.keys.extents();
-  if (dk.batch != sk.batch || dk.heads != sk.heads || dk.dim != sk.dim ||
-      dst.values.extents().dim != src.values.extents().dim)
-    return {Errc::invalid_argument, "kvc::gather: `dst` must have the batch, heads and dims of `src`"};
-  for (Index b = 0; b < plan.batch; ++b)
-    for (Index h = 0; h < plan.heads; ++h)
-      if (plan.kept(b, h) > dk.tokens || plan.kept(b, h) > dst.values.extents().tokens)
-        return {Errc::out_of_capacity, "kvc::gather: `dst` has fewer token slots than a head keeps"};
-  for (Index b = 0; b < plan.batch; ++b)
-    for (Index h = 0; h < plan.heads; ++h) {
+template <>
+struct Kernel<GatherStep, Cpu> {
+  template <KVCacheView Src, KVCacheView Dst, class... Carried>
+  static Status run(Cpu const& cpu, KeepPlan<HostSpace> const& plan, Src const& src, Dst const& dst,
+                    Carried const&... carried) {
+    KVC_RETURN_IF_ERROR(validate_plan(plan, src));
+    KVExtents const dk = dst.keys.extents();
+    for (Index b = 0; b < plan.batch; ++b)
+      for (Index h = 0; h < plan.heads; ++h)
+        if (plan.kept(b, h) > dk.tokens)
+          return {Errc::out_of_capacity, "kvc::gather: `dst` has fewer token slots than a head keeps"};
+    KVC_RETURN_IF_ERROR(detail::lengths_representable(
+        dst.lengths, plan.batch, plan.heads, [&](Index b, Index h) { return plan.kept(b, h); },
+        "kvc::gather: heads of one sequence keep different counts; give `dst` a per-head length table"));
+    auto const positions = dst.position_array();
+    detail::parallel_for(cpu, plan.batch * plan.heads, [&](Index item, Index) {
+      Index const b = item / plan.heads, h = item % plan.heads;
       Index const* idx = plan.indices(b, h);
       for (Index j = 0; j < plan.kept(b, h); ++j) {
         detail::copy_row(dst.keys.row(b, h, j), src.keys.row(b, h, idx[j]), dk.dim);
         detail::copy_row(dst.values.row(b, h, j), src.values.row(b, h, idx[j]), dst.values.extents().dim);
+        if (positions.data)
+          positions(b, h, j) = src.position(b, h, idx[j]);
+        ((carried.to(b, h, j) = carried.from(b, h, idx[j])), ...);
       }
-    }
-  return {};
-}
+    });
+    detail::write_lengths(dst.lengths, plan.batch, plan.heads, [&](Index b, Index h) { return plan.kept(b, h); });
+    return {};
+  }
+};
+
+template <>
+struct Kernel<AppendStep, Cpu> {
+  template <KVCacheView Dst, KVCacheView Src>
+  static Status run(Cpu const& cpu, Dst const& dst, Src const& src, Index begin, Index count) {
+    KVExtents const de = dst.keys.extents(), se = src.keys.extents();
+    KVC_RETURN_IF_ERROR(detail::check_lengths(dst.lengths, de.batch, de.heads, de.tokens,
+                                              "kvc::append: every valid length of `dst` must be in [0, tokens]"));
+    KVC_RETURN_IF_ERROR(detail::check_lengths(src.lengths, se.batch, se.heads, se.tokens,
+                                              "kvc::append: every valid length of `src` must be in [0, tokens]"));
+    auto added = [&](Index b, Index h) {  // tokens head (b, h) receives
+      Index const left = src.length(b, h) - begin;
+      return left <= 0 ? Index{0} : (left < count ? left : count);
+    };
+    for (Index b = 0; b < de.batch; ++b)
+      for (Index h = 0; h < de.heads; ++h)
+        if (dst.length(b, h) + added(b, h) > de.tokens)
+          return {Errc::out_of_capacity, "kvc::append: a head of `dst` would pass its capacity (tokens)"};
+    KVC_RETURN_IF_ERROR(detail::lengths_representable(
+        dst.lengths, de.batch, de.heads, added,
+        "kvc::append: heads of one sequence receive different counts; give `dst` a per-head length table"));
+    auto const positions = dst.position_array();
+    detail::parallel_for(cpu, de.batch * de.heads, [&](Index item, Index) {
+      Index const b = item / de.heads, h = item % de.heads, at = dst.length(b, h);
+      for (Index j = 0; j < added(b, h); ++j) {
+        detail::copy_row(dst.keys.row(b, h, at + j), src.keys.row(b, h, begin + j), de.dim);
+        detail::copy_row(dst.values.row(b, h, at + j), src.values.row(b, h, begin + j), dst.values.extents().dim);
+        if (positions.data)
+          positions(b, h, at + j) = src.position(b, h, begin + j);
+      }
+    });
+    detail::write_lengths(dst.lengths, de.batch, de.heads, [&](Index b, Index h) { return dst.length(b, h) + added(b, h); });
+    return {};
+  }
+};
 
 }  // namespace kvc

@@ -17,32 +17,38 @@ namespace kvc {
 /// tokens flushed into fp64 (so long caches do not lose the anchor's direction to rounding). Pass 1 works in
 /// tiles of 32 rows: all norms first (independent sqrt/div chains overlap), then the anchor updates from L1.
 template <>
-struct ScoreKernel<KeyDiffScorer, Cpu> {
+struct Kernel<KeyDiffScorer, Cpu> {
   static constexpr Index tile_rows = 32;
   static constexpr Index block_tokens = 256;  // a multiple of tile_rows
   static_assert(block_tokens % tile_rows == 0);
 
-  static std::size_t workspace_bytes(KeyDiffScorer const&, KVExtents const& keys) {
-    auto const d = static_cast<std::size_t>(keys.dim);
+  /// Per worker: one tile of widened rows, the block sum, the anchor and the fp64 total.
+  static std::size_t worker_bytes(Index dim) {
+    auto const d = static_cast<std::size_t>(dim);
     return workspace_round(tile_rows * d * sizeof(float)) + 2 * workspace_round(d * sizeof(float)) +
            workspace_round(d * sizeof(double));
   }
+  template <class Obs>
+  static std::size_t workspace_bytes(Cpu const& cpu, KeyDiffScorer const&, KVExtents const& keys, Obs const&) {
+    return static_cast<std::size_t>(cpu.workers()) * worker_bytes(keys.dim);
+  }
 
   template <KVCacheView C, class Obs>
-  static Status run(Cpu const&, KeyDiffScorer const& s, C const& cache, Obs const&, ScoreSpan<HostSpace> out,
+  static Status run(Cpu const& cpu, KeyDiffScorer const& s, C const& cache, Obs const&, ScoreSpan<HostSpace> out,
                     Workspace ws) {
     auto const& keys = cache.keys;
     KVExtents const e = keys.extents();
-    WorkspaceCarver carve(ws);
-    float* scratch = carve.take<float>(tile_rows * e.dim);  // widened 16-bit rows of one tile
-    float* block_sum = carve.take<float>(e.dim);
-    float* anchor = carve.take<float>(e.dim);
-    double* total = carve.take<double>(e.dim);
-    if (total == nullptr && e.dim > 0)
+    auto* base = WorkspaceCarver(ws).take<std::byte>(static_cast<Index>(workspace_bytes(cpu, s, e, 0)));
+    if (base == nullptr && e.dim > 0)
       return {Errc::out_of_capacity, "kvc::score(key_diff): workspace smaller than score_workspace_bytes()"};
     bool const unit = s.anchor == KeyDiffAnchor::normalized_mean;
 
-    return detail::for_each_head(out, [&](Index b, Index h, Index n, float* score) {
+    return detail::for_each_head(cpu, out, [&](Index b, Index h, Index n, float* score, Index worker) {
+      WorkspaceCarver carve({base + static_cast<std::size_t>(worker) * worker_bytes(e.dim), worker_bytes(e.dim)});
+      float* scratch = carve.take<float>(tile_rows * e.dim);  // widened 16-bit rows of one tile
+      float* block_sum = carve.take<float>(e.dim);
+      float* anchor = carve.take<float>(e.dim);
+      double* total = carve.take<double>(e.dim);
       std::fill(total, total + e.dim, 0.0);
       for (Index t0 = 0; t0 < n; t0 += block_tokens) {
         std::fill(block_sum, block_sum + e.dim, 0.0f);

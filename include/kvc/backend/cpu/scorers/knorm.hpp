@@ -13,14 +13,17 @@ namespace kvc {
 
 /// One pass over K; fp32 sums of squares in fixed-order lanes, 16-bit keys widened in registers. No workspace.
 template <>
-struct ScoreKernel<KnormScorer, Cpu> {
-  static std::size_t workspace_bytes(KnormScorer const&, KVExtents const&) { return 0; }
+struct Kernel<KnormScorer, Cpu> {
+  template <class Obs>
+  static std::size_t workspace_bytes(Cpu const&, KnormScorer const&, KVExtents const&, Obs const&) {
+    return 0;
+  }
 
   template <KVCacheView C, class Obs>
-  static Status run(Cpu const&, KnormScorer const&, C const& cache, Obs const&, ScoreSpan<HostSpace> out, Workspace) {
+  static Status run(Cpu const& cpu, KnormScorer const&, C const& cache, Obs const&, ScoreSpan<HostSpace> out, Workspace) {
     auto const& keys = cache.keys;
     Index const dim = keys.extents().dim;
-    return detail::for_each_head(out, [&](Index b, Index h, Index n, float* score) {
+    return detail::for_each_head(cpu, out, [&](Index b, Index h, Index n, float* score, Index) {
       for (Index t = 0; t < n; ++t)
         score[t] = -std::sqrt(detail::sum_squares(keys.row(b, h, t), dim));
     });

@@ -1,0 +1,150 @@
+// SPDX-License-Identifier: Apache-2.0
+// kvc/backend/cpu/detail/window_attention.hpp: the shared window-attention kernel (SnapKV, TOVA; H2O and MomentKV
+// next): per query head, the column sums over R window queries of the causal softmax attention over a KV head's
+// slots, without ever holding more than one [R x tile] block of the [R x N] attention.
+//
+// Two passes over the keys, FlashAttention-style recomputation: pass 1 streams key tiles and keeps each query
+// row's running max and sum of exponentials (its log-sum-exp); pass 2 recomputes each tile's logits and adds
+// exp(logit - lse) into the column sums. Logits come from one Eigen product per tile: all g * R query rows of the
+// KV head's group against the tile's keys widened to fp32, so 16-bit keys are widened once per tile and the
+// product runs at GEMM speed.
+#pragma once
+
+#include <kvc/backend/cpu/detail/rows.hpp>
+#include <kvc/core/kv_view.hpp>
+#include <kvc/core/observations.hpp>
+#include <kvc/core/status.hpp>
+#include <kvc/core/workspace.hpp>
+
+#include <Eigen/Core>
+
+#include <algorithm>
+#include <cmath>
+#include <cstddef>
+#include <limits>
+
+namespace kvc::detail {
+
+/// Keys per tile: a [g * R x 128] fp32 logit block stays in L2 for the group sizes and windows in use.
+inline constexpr Index window_tile = 128;
+
+/// Scratch of one worker for `rows` query rows (g heads x R queries) of head dim `dim`.
+inline std::size_t window_attention_bytes(Index rows, Index dim) noexcept {
+  auto const r = static_cast<std::size_t>(rows), d = static_cast<std::size_t>(dim);
+  auto const t = static_cast<std::size_t>(window_tile);
+  return workspace_round(r * d * sizeof(float)) + workspace_round(t * d * sizeof(float)) +
+         workspace_round(r * t * sizeof(float)) + 2 * workspace_round(r * sizeof(float)) +
+         workspace_round(r * sizeof(Index));
+}
+
+/// Absolute positions of window query rows [first, first + count) of sequence b (rows of a w-row window).
+template <Element T>
+Index window_query_position(WindowQueries<T, HostSpace> const& wq, Index b, Index end, Index row) noexcept {
+  Index const w = wq.window();
+  return wq.positions ? wq.positions[b * w + row] : end - w + row;
+}
+
+/// Checks the window queries against the cache: shapes, GQA, positions inside the RoPE table.
+template <Element T, class C>
+Status check_window_queries(WindowQueries<T, HostSpace> const& wq, C const& cache, Index rows_used, char const* what) {
+  KVExtents const q = wq.rows.extents(), k = cache.keys.extents();
+  if (q.batch != k.batch || q.dim != k.dim || k.heads <= 0 || q.heads % k.heads != 0 || q.tokens < rows_used ||
+      rows_used < 1)
+    return {Errc::invalid_argument, what};
+  if (wq.rows.data() == nullptr && q.rows() > 0)
+    return {Errc::invalid_argument, "window queries: `rows` data is null"};
+  for (Index b = 0; b < q.batch; ++b) {
+    Index const end = context_end(cache, b);
+    for (Index i = q.tokens - rows_used; i < q.tokens; ++i) {
+      Index const p = window_query_position(wq, b, end, i);
+      if (p < 0)
+        return {Errc::invalid_argument, "window queries: a query position is negative (fewer tokens than queries?)"};
+      KVC_RETURN_IF_ERROR(check_rope_table(wq.rope, q.dim, p));
+    }
+  }
+  return {};
+}
+
+/// Column sums for KV head (b, h): for each of its g query heads q (local index 0..g-1) and each valid slot j,
+///   colsum[q * stride + j] = sum over window rows i in [first, w) of softmax_j(scale * <rope(query_i), key_j>)
+/// where query i sees slot j iff position(j) <= its own position. Rows with no visible slot contribute nothing.
+/// `scratch` has window_attention_bytes(g * (w - first), dim) bytes.
+template <Element T, KVCacheView C>
+void window_attention_columns(WindowQueries<T, HostSpace> const& wq, C const& cache, Index b, Index h, Index first,
+                              float scale, float* colsum, Index stride, std::byte* scratch) {
+  using RowMatrix = Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
+  KVExtents const k = cache.keys.extents();
+  Index const g = wq.rows.extents().heads / k.heads, w = wq.window(), per_head = w - first, rows = g * per_head;
+  Index const n = cache.length(b, h), d = k.dim;
+  constexpr float neg_inf = -std::numeric_limits<float>::infinity();
+  WorkspaceCarver carve({scratch, window_attention_bytes(rows, d)});
+  float* q = carve.take<float>(rows * d);
+  float* tile = carve.take<float>(window_tile * d);
+  float* logits = carve.take<float>(rows * window_tile);
+  float* peak = carve.take<float>(rows);
+  float* total = carve.take<float>(rows);
+  Index* q_pos = carve.take<Index>(rows);
+
+  // Queries of the group, widened and rotated to their positions: row r = (local head, window row).
+  Index const end = wq.positions ? 0 : context_end(cache, b);
+  for (Index lq = 0; lq < g; ++lq)
+    for (Index i = 0; i < per_head; ++i) {
+      Index const r = lq * per_head + i;
+      auto const* src = wq.rows.row(b, h * g + lq, first + i);
+      for (Index c = 0; c < d; ++c)
+        q[r * d + c] = to_float(src[c]);
+      q_pos[r] = window_query_position(wq, b, end, first + i);
+      if (!wq.rope.empty())
+        wq.rope.rotate(q + r * d, q_pos[r]);
+    }
+  std::fill(peak, peak + rows, neg_inf);
+  std::fill(total, total + rows, 0.0f);
+  for (Index lq = 0; lq < g; ++lq)
+    std::fill(colsum + lq * stride, colsum + lq * stride + n, 0.0f);
+
+  Eigen::Map<RowMatrix const> const qm(q, rows, d);
+  auto tile_logits = [&](Index t0, Index cols) {  // logits[r, c] for slots t0 + c, masked by position
+    for (Index c = 0; c < cols; ++c) {
+      auto const* key = cache.keys.row(b, h, t0 + c);
+      for (Index i = 0; i < d; ++i)
+        tile[c * d + i] = to_float(key[i]);
+    }
+    Eigen::Map<RowMatrix const> const km(tile, cols, d);
+    Eigen::Map<RowMatrix, 0, Eigen::OuterStride<>> lm(logits, rows, cols, Eigen::OuterStride<>(window_tile));
+    lm.noalias() = qm * km.transpose();
+    for (Index c = 0; c < cols; ++c) {
+      Index const pos = cache.position(b, h, t0 + c);
+      for (Index r = 0; r < rows; ++r)
+        logits[r * window_tile + c] = pos <= q_pos[r] ? scale * logits[r * window_tile + c] : neg_inf;
+    }
+  };
+  for (Index t0 = 0; t0 < n; t0 += window_tile) {  // pass 1: running max and sum of exponentials per row
+    Index const cols = std::min(window_tile, n - t0);
+    tile_logits(t0, cols);
+    for (Index r = 0; r < rows; ++r) {
+      float const* l = logits + r * window_tile;
+      float const m = std::max(peak[r], *std::max_element(l, l + cols));
+      if (m == neg_inf)
+        continue;
+      float sum = total[r] * std::exp(peak[r] - m);  // exp(-inf) = 0 on the first visible tile
+      for (Index c = 0; c < cols; ++c)
+        sum += std::exp(l[c] - m);
+      peak[r] = m;
+      total[r] = sum;
+    }
+  }
+  for (Index r = 0; r < rows; ++r)  // lse, or +inf for a row that sees nothing (its exps are then all 0)
+    peak[r] = peak[r] == neg_inf ? std::numeric_limits<float>::infinity() : peak[r] + std::log(total[r]);
+  for (Index t0 = 0; t0 < n; t0 += window_tile) {  // pass 2: probabilities into the column sums
+    Index const cols = std::min(window_tile, n - t0);
+    tile_logits(t0, cols);
+    for (Index r = 0; r < rows; ++r) {
+      float const* l = logits + r * window_tile;
+      float* out = colsum + (r / per_head) * stride + t0;
+      for (Index c = 0; c < cols; ++c)
+        out[c] += std::exp(l[c] - peak[r]);
+    }
+  }
+}
+
+}  // namespace kvc::detail

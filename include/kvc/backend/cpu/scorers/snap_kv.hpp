@@ -1,0 +1,197 @@
+// SPDX-License-Identifier: Apache-2.0
+// kvc/backend/cpu/scorers/snap_kv.hpp: CPU kernels of SnapKVScorer and TOVAScorer over the shared window attention.
+#pragma once
+
+#include <kvc/backend/cpu/detail/for_each_head.hpp>
+#include <kvc/backend/cpu/detail/window_attention.hpp>
+#include <kvc/scorers/snap_kv.hpp>
+#include <kvc/scorers/tova.hpp>
+
+#include <algorithm>
+#include <cmath>
+#include <cstddef>
+#include <limits>
+
+namespace kvc {
+
+namespace detail {
+
+/// 1-D pooling of x[0, m) into out[0, m) (out != x): stride 1, padding k / 2; max pads with -inf, avg pads with
+/// zeros and always divides by k (PyTorch's count_include_pad), so edges are damped.
+inline void pool1d(float const* x, Index m, Index k, Pooling pooling, float* out) noexcept {
+  Index const r = k / 2;
+  for (Index j = 0; j < m; ++j) {
+    Index const lo = std::max<Index>(0, j - r), hi = std::min(m, j + r + 1);
+    if (pooling == Pooling::max) {
+      out[j] = *std::max_element(x + lo, x + hi);
+    } else {
+      float sum = 0.0f;
+      for (Index t = lo; t < hi; ++t)
+        sum += x[t];
+      out[j] = sum / static_cast<float>(k);
+    }
+  }
+}
+
+/// Slots [from, n) of a head get max(score[0, from)) + 1 (1 for an empty prefix): kvpress's protection padding.
+inline void protect_tail(float* score, Index from, Index n) noexcept {
+  float const top = from > 0 ? *std::max_element(score, score + from) + 1.0f : 1.0f;
+  std::fill(score + from, score + n, top);
+}
+
+/// Slots of head (b, h) whose position is before `position` (positions ascend, so a prefix of the slots).
+template <KVCacheView C>
+Index slots_before(C const& cache, Index b, Index h, Index position) noexcept {
+  Index lo = 0, hi = cache.length(b, h);
+  while (lo < hi) {
+    Index const mid = lo + (hi - lo) / 2;
+    if (cache.position(b, h, mid) < position)
+      lo = mid + 1;
+    else
+      hi = mid;
+  }
+  return lo;
+}
+
+}  // namespace detail
+
+template <>
+struct Kernel<SnapKVScorer, Cpu> {
+  /// Per worker: the window attention's scratch, column sums [g, tokens] and one pooled row [tokens].
+  static std::size_t worker_bytes(SnapKVScorer const& s, KVExtents const& keys, Index query_heads) {
+    Index const g = keys.heads > 0 ? std::max<Index>(1, query_heads / keys.heads) : 1;
+    return detail::window_attention_bytes(g * s.window_size, keys.dim) +
+           workspace_round(static_cast<std::size_t>(g * keys.tokens) * sizeof(float)) +
+           workspace_round(static_cast<std::size_t>(keys.tokens) * sizeof(float));
+  }
+  template <class Obs>
+  static std::size_t workspace_bytes(Cpu const& cpu, SnapKVScorer const& s, KVExtents const& keys, Obs const& obs) {
+    Index query_heads = keys.heads;
+    if constexpr (HasWindowQueries<Obs>)
+      query_heads = obs.window_queries.rows.extents().heads;
+    return static_cast<std::size_t>(cpu.workers()) * worker_bytes(s, keys, query_heads);
+  }
+
+  template <KVCacheView C, class Obs>
+  static Status run(Cpu const& cpu, SnapKVScorer const& s, C const& cache, Obs const& obs, ScoreSpan<HostSpace> out,
+                    Workspace ws) {
+    KVC_RETURN_IF_ERROR(s.check());
+    auto const& wq = obs.window_queries;
+    KVExtents const e = cache.keys.extents();
+    KVC_RETURN_IF_ERROR(detail::check_lengths(cache.lengths, e.batch, e.heads, e.tokens,
+                                              "kvc::score: every valid length must be in [0, tokens]"));
+    KVC_RETURN_IF_ERROR(detail::check_window_queries(
+        wq, cache, s.window_size,
+        "kvc::score(snap_kv): window queries must be [batch, Hq, >= window_size, d_k] with Hq a multiple of Hkv"));
+    Index const hq = wq.rows.extents().heads, g = hq / e.heads, first = wq.window() - s.window_size;
+    if (s.gqa == GqaReduce::per_query_head && g != 1)
+      return {Errc::invalid_argument,
+              "kvc::score(snap_kv): gqa=per_query_head (the authors' expanded storage) needs one KV head per query "
+              "head; expand the cache or use gqa=mean|max|sum"};
+    std::size_t const per_worker = worker_bytes(s, e, hq);
+    auto* base = WorkspaceCarver(ws).take<std::byte>(static_cast<Index>(workspace_bytes(cpu, s, e, obs)));
+    if (base == nullptr)
+      return {Errc::out_of_capacity, "kvc::score(snap_kv): workspace smaller than score_workspace_bytes()"};
+    float const scale = 1.0f / std::sqrt(static_cast<float>(e.dim));
+    bool const authors = s.reference == Reference::authors;
+
+    return detail::for_each_head(cpu, out, [&](Index b, Index h, Index n, float* score, Index worker) {
+      std::byte* mine = base + static_cast<std::size_t>(worker) * per_worker;
+      WorkspaceCarver carve({mine + detail::window_attention_bytes(g * s.window_size, e.dim),
+                             per_worker - detail::window_attention_bytes(g * s.window_size, e.dim)});
+      float* colsum = carve.take<float>(g * e.tokens);
+      float* row = carve.take<float>(e.tokens);
+      detail::window_attention_columns(wq, cache, b, h, first, scale, colsum, e.tokens, mine);
+      Index const end = wq.positions ? 0 : context_end(cache, b);
+      Index const m = detail::slots_before(cache, b, h, detail::window_query_position(wq, b, end, first));
+      if (authors) {  // sum over the window, reduce the group, then pool
+        for (Index j = 0; j < m; ++j) {
+          float acc = colsum[j];
+          for (Index q = 1; q < g; ++q)
+            acc = s.gqa == GqaReduce::max ? std::max(acc, colsum[q * e.tokens + j]) : acc + colsum[q * e.tokens + j];
+          row[j] = s.gqa == GqaReduce::mean ? acc / static_cast<float>(g) : acc;
+        }
+        detail::pool1d(row, m, s.kernel_size, s.pooling, score);
+      } else {  // kvpress: mean over the window, pool each query head, then mean over the group
+        std::fill(score, score + m, 0.0f);
+        float const per_vote = 1.0f / static_cast<float>(s.window_size * g);
+        for (Index q = 0; q < g; ++q) {
+          detail::pool1d(colsum + q * e.tokens, m, s.kernel_size, s.pooling, row);
+          for (Index j = 0; j < m; ++j)
+            score[j] += row[j] * per_vote;
+        }
+      }
+      detail::protect_tail(score, m, n);
+    });
+  }
+};
+
+template <>
+struct Kernel<TOVAScorer, Cpu> {
+  /// Per worker: the window attention's scratch for one query row per head, and column sums [g, tokens].
+  static std::size_t worker_bytes(KVExtents const& keys, Index query_heads) {
+    Index const g = keys.heads > 0 ? std::max<Index>(1, query_heads / keys.heads) : 1;
+    return detail::window_attention_bytes(g, keys.dim) +
+           workspace_round(static_cast<std::size_t>(g * keys.tokens) * sizeof(float));
+  }
+  template <class Obs>
+  static std::size_t workspace_bytes(Cpu const& cpu, TOVAScorer const&, KVExtents const& keys, Obs const& obs) {
+    Index query_heads = keys.heads;
+    if constexpr (HasWindowQueries<Obs>)
+      query_heads = obs.window_queries.rows.extents().heads;
+    return static_cast<std::size_t>(cpu.workers()) * worker_bytes(keys, query_heads);
+  }
+
+  /// One sequence per item: its score is the mean over every query head, so all its KV heads are needed at once.
+  template <KVCacheView C, class Obs>
+  static Status run(Cpu const& cpu, TOVAScorer const& s, C const& cache, Obs const& obs, ScoreSpan<HostSpace> out,
+                    Workspace ws) {
+    auto const& wq = obs.window_queries;
+    KVExtents const e = cache.keys.extents();
+    KVC_RETURN_IF_ERROR(detail::check_lengths(cache.lengths, e.batch, e.heads, e.tokens,
+                                              "kvc::score: every valid length must be in [0, tokens]"));
+    for (Index b = 0; b < e.batch; ++b)
+      for (Index h = 1; h < e.heads; ++h)
+        if (cache.length(b, h) != cache.length(b, 0))
+          return {Errc::invalid_argument,
+                  "kvc::score(tova): every KV head of a sequence must hold the same slots (equal lengths)"};
+    KVC_RETURN_IF_ERROR(detail::check_window_queries(
+        wq, cache, 1, "kvc::score(tova): window queries must be [batch, Hq, >= 1, d_k] with Hq a multiple of Hkv"));
+    Index const hq = wq.rows.extents().heads, g = hq / e.heads, last = wq.window() - 1;
+    std::size_t const per_worker = worker_bytes(e, hq);
+    auto* base = WorkspaceCarver(ws).take<std::byte>(static_cast<Index>(workspace_bytes(cpu, s, e, obs)));
+    if (base == nullptr)
+      return {Errc::out_of_capacity, "kvc::score(tova): workspace smaller than score_workspace_bytes()"};
+    float const scale = 1.0f / std::sqrt(static_cast<float>(e.dim));
+    constexpr float neg_inf = -std::numeric_limits<float>::infinity();
+
+    detail::parallel_for(cpu, e.batch, [&](Index b, Index worker) {
+      std::byte* mine = base + static_cast<std::size_t>(worker) * per_worker;
+      float* colsum = WorkspaceCarver({mine + detail::window_attention_bytes(g, e.dim),
+                                       per_worker - detail::window_attention_bytes(g, e.dim)})
+                          .take<float>(g * e.tokens);
+      Index const n = e.heads > 0 ? cache.length(b, 0) : 0;
+      float* score = out.row(b, 0);
+      std::fill(score, score + n, 0.0f);
+      for (Index h = 0; h < e.heads; ++h) {
+        detail::window_attention_columns(wq, cache, b, h, last, scale, colsum, e.tokens, mine);
+        for (Index q = 0; q < g; ++q)
+          for (Index j = 0; j < n; ++j)
+            score[j] += colsum[q * e.tokens + j];
+      }
+      for (Index j = 0; j < n; ++j)
+        score[j] /= static_cast<float>(hq);
+      if (s.reference == Reference::kvpress) {
+        Index const end = wq.positions ? 0 : context_end(cache, b);
+        detail::protect_tail(score, detail::slots_before(cache, b, 0, detail::window_query_position(wq, b, end, last)),
+                             n);
+      }
+      std::fill(score + n, score + e.tokens, neg_inf);
+      for (Index h = 1; h < e.heads; ++h)
+        std::copy_n(score, e.tokens, out.row(b, h));
+    });
+    return {};
+  }
+};
+
+}  // namespace kvc
