@@ -43,6 +43,8 @@ BENCHMARK_CAPTURE(run, KeyDiff_fp32, kb::Op::key_diff, false)->Apply(grid)->Name
 BENCHMARK_CAPTURE(run, KeyDiff_fp16, kb::Op::key_diff, true)->Apply(grid)->Name("BM_KeyDiff_Cuda/fp16");
 BENCHMARK_CAPTURE(run, Knorm_fp32, kb::Op::knorm, false)->Apply(grid)->Name("BM_Knorm_Cuda/fp32");
 BENCHMARK_CAPTURE(run, Knorm_fp16, kb::Op::knorm, true)->Apply(grid)->Name("BM_Knorm_Cuda/fp16");
+BENCHMARK_CAPTURE(run, SnapKV_fp16, kb::Op::snap_kv, true)->Apply(grid)->Name("BM_SnapKV_Cuda/fp16");
+BENCHMARK_CAPTURE(run, TOVA_fp16, kb::Op::tova, true)->Apply(grid)->Name("BM_TOVA_Cuda/fp16");
 BENCHMARK_CAPTURE(run, TopK, kb::Op::top_k, false)->Apply(grid)->Name("BM_TopK_Cuda");
 BENCHMARK_CAPTURE(run, Compact_fp16, kb::Op::compact, true)->Apply(grid)->Name("BM_Compact_Cuda/fp16");
 BENCHMARK_CAPTURE(run, Read_fp32, kb::Op::read, false)->Apply(grid)->Name("BM_Cuda_MemoryRead");

@@ -19,7 +19,7 @@ using ContextPtr = std::unique_ptr<Context, ContextDeleter>;
 
 ContextPtr make_context(Index tokens, Index dim, bool fp16);
 
-enum class Op { key_diff, knorm, top_k, compact, read };
+enum class Op { key_diff, knorm, snap_kv, tova, top_k, compact, read };
 
 /// Seconds of one `op` call on the device (cudaEvent pair around the launch), or a negative value on error.
 double time_op(Context& ctx, Op op);

@@ -3,10 +3,12 @@
 #include <kvc/backend/cuda/pipeline/compact.cuh>
 #include <kvc/backend/cuda/scorers/key_diff.cuh>
 #include <kvc/backend/cuda/scorers/knorm.cuh>
+#include <kvc/backend/cuda/scorers/snap_kv.cuh>
 #include <kvc/backend/cuda/selectors/top_k.cuh>
 
 #include "backend/cuda/cuda_bench.hpp"
 
+#include <algorithm>
 #include <cstdint>
 
 namespace kvc::bench::cuda {
@@ -16,6 +18,7 @@ struct Context {
   bool fp16 = false;
   void* k = nullptr;
   void* v = nullptr;
+  void* queries = nullptr;  // [1, 32, 32, dim] window queries, post-RoPE
   float* scores = nullptr;
   Index* index = nullptr;
   Index* count = nullptr;
@@ -26,6 +29,11 @@ struct Context {
 };
 
 namespace {
+
+/// SnapKV's benchmark window: 32 query heads (GQA group 4 over the 8 KV heads) x 32 queries.
+KVExtents window_extents(KVExtents e) {
+  return {e.batch, 4 * e.heads, 32, e.dim};
+}
 
 /// Fills n elements with a cheap hash-based pseudo-random pattern in [-1, 1) + 0.3 (the values do not matter for
 /// timing; they only must not be all equal).
@@ -60,10 +68,14 @@ Status run(Context& c, Op op) {
   ScoreSpan<DeviceSpace> const span{c.scores, c.e.batch, c.e.heads, c.e.tokens};
   KeepPlan<DeviceSpace> const plan{c.index, c.count, c.e.batch, c.e.heads, c.e.tokens};
   Workspace const ws{c.ws, c.ws_bytes};
+  auto const obs = observe(WindowQueries<T, DeviceSpace>{
+      TokenRows<T const, StridedLayout, DeviceSpace>(static_cast<T const*>(c.queries), bhtd_layout(window_extents(c.e)))});
   switch (op) {
     case Op::key_diff: return score(Cuda{}, KeyDiffScorer{}, cache, span, ws);
     case Op::knorm: return score(Cuda{}, KnormScorer{}, cache, span, ws);
-    case Op::top_k: return select(Cuda{}, TopKSelector{RatioBudget{0.5}}, span, plan);
+    case Op::snap_kv: return score(Cuda{}, SnapKVScorer{}, cache, obs, span, ws);
+    case Op::tova: return score(Cuda{}, TOVAScorer{}, cache, obs, span, ws);
+    case Op::top_k: return select(Cuda{}, TopKSelector{RatioBudget{0.5}}, span, plan, {});
     case Op::compact: return compact(Cuda{}, plan, cache);
     case Op::read:
       read_kernel<<<1024, 256>>>(static_cast<float4 const*>(c.k),
@@ -84,6 +96,7 @@ void ContextDeleter::operator()(Context* c) const {
   cudaFree(c->k);
   cudaFree(c->v);
   cudaFree(c->scores);
+  cudaFree(c->queries);
   cudaFree(c->index);
   cudaFree(c->count);
   cudaFree(c->ws);
@@ -99,10 +112,14 @@ ContextPtr make_context(Index tokens, Index dim, bool fp16) {
   c->fp16 = fp16;
   auto const elems = c->e.rows() * dim;
   auto const item = fp16 ? sizeof(half) : sizeof(float);
-  c->ws_bytes = score_workspace_bytes(Cuda{}, KeyDiffScorer{}, c->e);
+  KVExtents const qe = window_extents(c->e);
+  auto const obs = observe(WindowQueries<float, DeviceSpace>{TokenRows<float const, StridedLayout, DeviceSpace>(nullptr, bhtd_layout(qe))});
+  c->ws_bytes = std::max(score_workspace_bytes(Cuda{}, KeyDiffScorer{}, c->e),
+                         score_workspace_bytes(Cuda{}, SnapKVScorer{}, c->e, obs));
   bool ok = cudaMalloc(&c->k, static_cast<std::size_t>(elems) * item) == cudaSuccess &&
             cudaMalloc(&c->v, static_cast<std::size_t>(elems) * item) == cudaSuccess &&
             cudaMalloc(&c->scores, static_cast<std::size_t>(c->e.rows()) * sizeof(float)) == cudaSuccess &&
+            cudaMalloc(&c->queries, static_cast<std::size_t>(qe.rows() * dim) * item) == cudaSuccess &&
             cudaMalloc(&c->index, static_cast<std::size_t>(c->e.rows()) * sizeof(Index)) == cudaSuccess &&
             cudaMalloc(&c->count, static_cast<std::size_t>(c->e.batch * c->e.heads) * sizeof(Index)) == cudaSuccess &&
             cudaMalloc(&c->ws, c->ws_bytes) == cudaSuccess && cudaMalloc(&c->sink, sizeof(float)) == cudaSuccess &&
@@ -112,9 +129,11 @@ ContextPtr make_context(Index tokens, Index dim, bool fp16) {
   if (fp16) {
     fill_kernel<<<1024, 256>>>(static_cast<half*>(c->k), elems, 1u);
     fill_kernel<<<1024, 256>>>(static_cast<half*>(c->v), elems, 2u);
+    fill_kernel<<<1024, 256>>>(static_cast<half*>(c->queries), qe.rows() * dim, 3u);
   } else {
     fill_kernel<<<1024, 256>>>(static_cast<float*>(c->k), elems, 1u);
     fill_kernel<<<1024, 256>>>(static_cast<float*>(c->v), elems, 2u);
+    fill_kernel<<<1024, 256>>>(static_cast<float*>(c->queries), qe.rows() * dim, 3u);
   }
   // A plan for compaction and scores for top-k: score once with KeyDiff, select half.
   if (!(c->fp16 ? run<half>(*c, Op::key_diff) : run<float>(*c, Op::key_diff)).ok() ||
@@ -140,6 +159,8 @@ double bytes_of(Context const& c, Op op) {
     case Op::key_diff:
     case Op::knorm:
     case Op::read: return kbytes;
+    case Op::snap_kv:
+    case Op::tova: return kbytes;  // keys are read at least once (twice in practice: LSE pass and column pass)
     case Op::top_k: return static_cast<double>(c.e.rows()) * sizeof(float);
     case Op::compact: return 2.0 * kbytes;  // K and V, half kept: read half + write half of each
   }

@@ -55,5 +55,20 @@ KVC_HOST_DEVICE constexpr TopKCounts top_k_counts(TopKSelector<B> const& sel, In
   return {sink_end, recent_begin, k > protected_count ? k : protected_count};
 }
 
+/// The most tokens any head can keep for scores with `tokens` slots, known on the host without reading the data:
+/// exact for value budgets (RatioBudget, FixedBudget: keep(n) grows with n), `tokens` for budgets read from
+/// memory. Backends that cannot report a short plan after the fact (CUDA) check plan.capacity against it.
+template <Budget B>
+constexpr Index top_k_capacity_bound(TopKSelector<B> const& sel, Index tokens) noexcept {
+  if constexpr (requires { typename B::memory_space; }) {
+    return tokens;
+  } else {
+    Index const k = sel.budget.keep(0, 0, tokens);
+    Index const protect = sel.n_sink + sel.n_recent;
+    Index const bound = k > protect ? k : protect;
+    return bound < tokens ? bound : tokens;
+  }
+}
+
 }  // namespace detail
 }  // namespace kvc

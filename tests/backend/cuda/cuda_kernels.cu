@@ -1,13 +1,18 @@
 // SPDX-License-Identifier: Apache-2.0
 // tests/backend/cuda/cuda_kernels.cu: device-side halves of the parity tests (see cuda_kernels.hpp).
+#include <kvc/backend/cuda/attention/attend.cuh>
 #include <kvc/backend/cuda/pipeline/compact.cuh>
 #include <kvc/backend/cuda/scorers/key_diff.cuh>
 #include <kvc/backend/cuda/scorers/knorm.cuh>
+#include <kvc/backend/cuda/scorers/random.cuh>
+#include <kvc/backend/cuda/scorers/snap_kv.cuh>
+#include <kvc/backend/cuda/scorers/streaming_llm.cuh>
 #include <kvc/backend/cuda/selectors/top_k.cuh>
 
 #include "cuda_kernels.hpp"
 
 #include <cstddef>
+#include <cstdint>
 
 namespace kvc::test::cuda {
 
@@ -34,6 +39,7 @@ struct DeviceBuffer {
     if (n)
       cudaMemcpy(host.data(), ptr, n * sizeof(T), cudaMemcpyDeviceToHost);
   }
+  T* get_or_null(bool present) const { return present ? ptr : nullptr; }
 };
 
 std::string finish(Status st) {
@@ -43,19 +49,175 @@ std::string finish(Status st) {
   return e == cudaSuccess ? std::string() : std::string(cudaGetErrorString(e));
 }
 
+template <class T>
+std::vector<T> narrow(std::vector<float> const& x) {
+  std::vector<T> out(x.size());
+  for (std::size_t i = 0; i < x.size(); ++i)
+    out[i] = from_float<T>(x[i]);
+  return out;
+}
+
+template <class T>
+std::vector<float> widen(std::vector<T> const& x) {
+  std::vector<float> out(x.size());
+  for (std::size_t i = 0; i < x.size(); ++i)
+    out[i] = to_float(x[i]);
+  return out;
+}
+
+constexpr Index page_size = 16;
+
+/// The device mirror of a Case with element type T: K/V in the case's layout, tables, queries, RoPE table.
+template <class T>
+struct Mirror {
+  Case const& c;
+  Index pages;  // per sequence
+  std::vector<std::int32_t> table_host;
+  DeviceBuffer<T> k, v, q;
+  DeviceBuffer<Index> lengths, positions;
+  DeviceBuffer<std::int32_t> table;
+  DeviceBuffer<float> rope;
+
+  static std::vector<T> place(Case const& c, std::vector<float> const& bhtd, Index dim, std::vector<std::int32_t> const& table,
+                              Index pages) {
+    KVExtents const e{c.e.batch, c.e.heads, c.e.tokens, dim};
+    std::vector<T> out(c.layout == Layout::paged ? static_cast<std::size_t>(c.e.batch * pages * page_size * e.heads * dim)
+                                                 : bhtd.size());
+    for (Index b = 0; b < e.batch; ++b)
+      for (Index h = 0; h < e.heads; ++h)
+        for (Index t = 0; t < e.tokens; ++t)
+          for (Index i = 0; i < dim; ++i) {
+            Index at = 0;
+            if (c.layout == Layout::bhtd)
+              at = bhtd_layout(e).offset(b, h, t);
+            else if (c.layout == Layout::bthd)
+              at = bthd_layout(e).offset(b, h, t);
+            else
+              at = paged_layout(e, page_size, PageOrder::nhd, table.data(), pages, e.batch * pages).offset(b, h, t);
+            out[static_cast<std::size_t>(at + i)] = from_float<T>(bhtd[static_cast<std::size_t>(((b * e.heads + h) * e.tokens + t) * dim + i)]);
+          }
+    return out;
+  }
+  static std::vector<std::int32_t> make_table(Case const& c, Index pages) {
+    std::vector<std::int32_t> t(static_cast<std::size_t>(c.e.batch * pages));
+    for (std::size_t i = 0; i < t.size(); ++i)
+      t[i] = static_cast<std::int32_t>(t.size() - 1 - i);  // reversed page ids: order in the pool differs
+    return t;
+  }
+
+  explicit Mirror(Case const& cs)
+      : c(cs),
+        pages((cs.e.tokens + page_size - 1) / page_size),
+        table_host(make_table(cs, pages)),
+        k(place(cs, cs.k, cs.e.dim, table_host, pages)),
+        v(place(cs, cs.v, cs.dim_v > 0 ? cs.dim_v : cs.e.dim, table_host, pages)),
+        q(narrow<T>(cs.queries)),
+        lengths(cs.lengths),
+        positions(cs.positions),
+        table(table_host),
+        rope(host_rope(cs)) {}
+
+  static std::vector<float> host_rope(Case const& cs) {
+    if (!cs.pre_rope)
+      return {};
+    std::vector<float> s(static_cast<std::size_t>(rope_table_floats(4096, cs.e.dim)));
+    RopeTable<HostSpace> t;
+    (void)fill_rope_table(RopeSpec{}, cs.e.dim, 4096, s.data(), t);
+    return s;
+  }
+
+  Lengths length_table() const {
+    if (c.lengths.empty())
+      return {};
+    return c.per_head ? head_lengths(lengths.ptr, c.e.heads) : Lengths(lengths.ptr);
+  }
+  RopeTable<DeviceSpace> rope_table() const {
+    if (!c.pre_rope)
+      return {};
+    Index const half = c.e.dim / 2;
+    return {rope.ptr, rope.ptr + 4096 * half, 4096, c.e.dim, RopeStyle::neox};
+  }
+  WindowQueries<T, DeviceSpace> window() const {
+    return {TokenRows<T const, StridedLayout, DeviceSpace>(q.ptr, bhtd_layout(c.q_ext)), rope_table(), nullptr};
+  }
+
+  /// Calls fn(cache) with the device cache view in the case's layout.
+  template <class Fn>
+  std::string with_cache(Fn&& fn) {
+    KVExtents const ek = c.e;
+    KVExtents ev = c.e;
+    ev.dim = c.dim_v > 0 ? c.dim_v : c.e.dim;
+    Index* pos = positions.get_or_null(!c.positions.empty());
+    if (c.layout == Layout::paged) {
+      auto const kl = paged_layout(ek, page_size, PageOrder::nhd, table.ptr, pages, ek.batch * pages);
+      auto const vl = paged_layout(ev, page_size, PageOrder::nhd, table.ptr, pages, ek.batch * pages);
+      return fn(make_cache(TokenRows<T, PagedLayout, DeviceSpace>(k.ptr, kl), TokenRows<T, PagedLayout, DeviceSpace>(v.ptr, vl),
+                           length_table(), pos));
+    }
+    auto const kl = c.layout == Layout::bthd ? bthd_layout(ek) : bhtd_layout(ek);
+    auto const vl = c.layout == Layout::bthd ? bthd_layout(ev) : bhtd_layout(ev);
+    return fn(make_cache(TokenRows<T, StridedLayout, DeviceSpace>(k.ptr, kl),
+                         TokenRows<T, StridedLayout, DeviceSpace>(v.ptr, vl), length_table(), pos));
+  }
+
+  /// K and V back in BHTD fp32, positions and lengths back into a host case.
+  void read_back(Case& out) {
+    std::vector<T> kd, vd;
+    k.to_host(kd);
+    v.to_host(vd);
+    auto const kf = widen(kd), vf = widen(vd);
+    Index const dv = c.dim_v > 0 ? c.dim_v : c.e.dim;
+    auto unplace = [&](std::vector<float> const& placed, Index dim, std::vector<float>& bhtd) {
+      KVExtents const e{c.e.batch, c.e.heads, c.e.tokens, dim};
+      bhtd.assign(static_cast<std::size_t>(e.rows() * dim), 0.0f);
+      for (Index b = 0; b < e.batch; ++b)
+        for (Index h = 0; h < e.heads; ++h)
+          for (Index t = 0; t < e.tokens; ++t)
+            for (Index i = 0; i < dim; ++i) {
+              Index at = c.layout == Layout::bhtd   ? bhtd_layout(e).offset(b, h, t)
+                         : c.layout == Layout::bthd ? bthd_layout(e).offset(b, h, t)
+                                                    : paged_layout(e, page_size, PageOrder::nhd, table_host.data(), pages,
+                                                                   e.batch * pages)
+                                                          .offset(b, h, t);
+              bhtd[static_cast<std::size_t>(((b * e.heads + h) * e.tokens + t) * dim + i)] = placed[static_cast<std::size_t>(at + i)];
+            }
+    };
+    unplace(kf, c.e.dim, out.k);
+    unplace(vf, dv, out.v);
+    if (!c.positions.empty())
+      positions.to_host(out.positions);
+    if (!c.lengths.empty())
+      lengths.to_host(out.lengths);
+  }
+};
+
+template <class Fn>
+std::string by_dtype(Dtype d, Fn&& fn) {
+  if (d == Dtype::f16)
+    return fn(half{});
+  if (d == Dtype::bf16)
+    return fn(bfloat16{});
+  return fn(float{});
+}
+
 template <class S, class T>
-std::string scores_on_device(S scorer, KVExtents e, std::vector<T> const& keys, std::vector<Index> const& lengths,
-                             std::vector<float>& scores) {
-  DeviceBuffer<T> k(keys);
-  DeviceBuffer<Index> len(lengths);
-  DeviceBuffer<float> out(static_cast<std::size_t>(e.rows()));
-  std::size_t const bytes = score_workspace_bytes(Cuda{}, scorer, e);
-  DeviceBuffer<unsigned char> ws(bytes);
-  auto const rows = bhtd_device_rows(static_cast<T const*>(k.ptr), e);
-  auto const cache = make_cache(rows, rows, lengths.empty() ? nullptr : len.ptr);
-  std::string const err = finish(score(
-      Cuda{}, scorer, cache, ScoreSpan<DeviceSpace>{out.ptr, e.batch, e.heads, e.tokens}, Workspace{ws.ptr, bytes}));
-  out.to_host(scores);
+std::string score_with(S scorer, Mirror<T>& m, std::vector<float>& out) {
+  Case const& c = m.c;
+  DeviceBuffer<float> o(static_cast<std::size_t>(c.e.rows()));
+  std::string const err = m.with_cache([&](auto const& cache) {
+    ScoreSpan<DeviceSpace> const span{o.ptr, c.e.batch, c.e.heads, c.e.tokens};
+    if constexpr (has_need(S::needs, Needs::window_queries)) {
+      auto const obs = observe(m.window());
+      std::size_t const bytes = score_workspace_bytes(Cuda{}, scorer, c.e, obs);
+      DeviceBuffer<unsigned char> ws(bytes);
+      return finish(score(Cuda{}, scorer, cache, obs, span, Workspace{ws.ptr, bytes}));
+    } else {
+      std::size_t const bytes = score_workspace_bytes(Cuda{}, scorer, c.e);
+      DeviceBuffer<unsigned char> ws(bytes);
+      return finish(score(Cuda{}, scorer, cache, NoObservations{}, span, Workspace{ws.ptr, bytes}));
+    }
+  });
+  o.to_host(out);
   return err;
 }
 
@@ -66,51 +228,125 @@ bool device_available() {
   return cudaGetDeviceCount(&n) == cudaSuccess && n > 0;
 }
 
-template <class T>
-std::string key_diff_scores(KVExtents e, std::vector<T> const& keys, std::vector<Index> const& lengths,
-                            std::vector<float>& scores) {
-  return scores_on_device(KeyDiffScorer{}, e, keys, lengths, scores);
+std::string scores(std::string const& policy, Case const& c, std::vector<float>& out) {
+  return by_dtype(c.dtype, [&](auto tag) {
+    Mirror<decltype(tag)> m(c);
+    Index const w = c.q_ext.tokens;
+    if (policy == "key_diff")
+      return score_with(KeyDiffScorer{}, m, out);
+    if (policy == "knorm")
+      return score_with(KnormScorer{}, m, out);
+    if (policy == "streaming_llm")
+      return score_with(StreamingLLMScorer{4}, m, out);
+    if (policy == "random")
+      return score_with(RandomScorer{11}, m, out);
+    if (policy == "snap_kv")
+      return score_with(SnapKVScorer{.window_size = w, .kernel_size = 5}, m, out);
+    if (policy == "snap_kv_kvpress") {
+      SnapKVScorer s = SnapKVScorer::kvpress();
+      s.window_size = w;
+      return score_with(s, m, out);
+    }
+    if (policy == "tova")
+      return score_with(TOVAScorer{}, m, out);
+    if (policy == "tova_kvpress")
+      return score_with(TOVAScorer{Reference::kvpress}, m, out);
+    return std::string("unknown policy ") + policy;
+  });
 }
 
-template <class T>
-std::string knorm_scores(KVExtents e, std::vector<T> const& keys, std::vector<Index> const& lengths,
-                         std::vector<float>& scores) {
-  return scores_on_device(KnormScorer{}, e, keys, lengths, scores);
+std::string attend(Case const& c, std::vector<float>& out, std::vector<float>& lse) {
+  return by_dtype(c.dtype, [&](auto tag) {
+    using T = decltype(tag);
+    Mirror<T> m(c);
+    Index const dv = c.dim_v > 0 ? c.dim_v : c.e.dim;
+    DeviceBuffer<float> o(static_cast<std::size_t>(c.q_ext.rows() * dv)), l(static_cast<std::size_t>(c.q_ext.rows()));
+    std::string const err = m.with_cache([&](auto const& cache) {
+      AttendQueries<T, DeviceSpace> const q{TokenRows<T const, StridedLayout, DeviceSpace>(m.q.ptr, bhtd_layout(c.q_ext))};
+      return finish(kvc::attend(Cuda{}, Attention{}, q, cache, AttendOutput<DeviceSpace>{o.ptr, l.ptr}, Workspace{}));
+    });
+    o.to_host(out);
+    l.to_host(lse);
+    return err;
+  });
 }
 
-template std::string key_diff_scores<float>(KVExtents, std::vector<float> const&, std::vector<Index> const&,
-                                            std::vector<float>&);
-template std::string key_diff_scores<half>(KVExtents, std::vector<half> const&, std::vector<Index> const&,
-                                           std::vector<float>&);
-template std::string knorm_scores<float>(KVExtents, std::vector<float> const&, std::vector<Index> const&,
-                                         std::vector<float>&);
-template std::string knorm_scores<half>(KVExtents, std::vector<half> const&, std::vector<Index> const&,
-                                        std::vector<float>&);
-
-std::string top_k(TopKSelector<FixedBudget> sel, Index batch, Index heads, Index tokens,
-                  std::vector<float> const& scores, std::vector<Index> const& lengths, Index capacity,
+std::string top_k(double ratio, Index fixed, Index n_sink, Index n_recent, Index batch, Index heads, Index tokens,
+                  std::vector<float> const& scores, std::vector<Index> const& lengths, bool per_head, Index capacity,
                   std::vector<Index>& index, std::vector<Index>& count) {
   DeviceBuffer<float> s(scores);
   DeviceBuffer<Index> len(lengths), idx(static_cast<std::size_t>(batch * heads * capacity)),
       cnt(static_cast<std::size_t>(batch * heads));
-  ScoreSpan<DeviceSpace> const span{s.ptr, batch, heads, tokens, lengths.empty() ? nullptr : len.ptr};
-  std::string const err =
-      finish(select(Cuda{}, sel, span, KeepPlan<DeviceSpace>{idx.ptr, cnt.ptr, batch, heads, capacity}));
+  Lengths const table = lengths.empty() ? Lengths{} : (per_head ? head_lengths(len.ptr, heads) : Lengths(len.ptr));
+  ScoreSpan<DeviceSpace> const span{s.ptr, batch, heads, tokens, table};
+  KeepPlan<DeviceSpace> const plan{idx.ptr, cnt.ptr, batch, heads, capacity};
+  std::string const err = ratio >= 0 ? finish(select(Cuda{}, TopKSelector{RatioBudget{ratio}, n_sink, n_recent}, span, plan, {}))
+                                     : finish(select(Cuda{}, TopKSelector{FixedBudget{fixed}, n_sink, n_recent}, span, plan, {}));
   idx.to_host(index);
   cnt.to_host(count);
   return err;
 }
 
-std::string compact(KVExtents e, std::vector<float>& keys, std::vector<float>& values, std::vector<Index> const& index,
-                    std::vector<Index> const& count, Index capacity) {
-  DeviceBuffer<float> k(keys), v(values);
-  DeviceBuffer<Index> idx(index), cnt(count);
-  auto const cache = make_cache(bhtd_device_rows(k.ptr, e), bhtd_device_rows(v.ptr, e));
-  std::string const err =
-      finish(kvc::compact(Cuda{}, KeepPlan<DeviceSpace>{idx.ptr, cnt.ptr, e.batch, e.heads, capacity}, cache));
-  k.to_host(keys);
-  v.to_host(values);
+std::string top_k_per_head(std::vector<Index> const& budget, Index batch, Index heads, Index tokens,
+                           std::vector<float> const& scores, std::vector<Index>& index, std::vector<Index>& count) {
+  DeviceBuffer<float> s(scores);
+  DeviceBuffer<Index> table(budget), idx(static_cast<std::size_t>(batch * heads * tokens)),
+      cnt(static_cast<std::size_t>(batch * heads));
+  TopKSelector<PerHeadBudget<DeviceSpace>> const sel{PerHeadBudget<DeviceSpace>{table.ptr, heads}};
+  std::string const err = finish(select(Cuda{}, sel, ScoreSpan<DeviceSpace>{s.ptr, batch, heads, tokens},
+                                        KeepPlan<DeviceSpace>{idx.ptr, cnt.ptr, batch, heads, tokens}, {}));
+  idx.to_host(index);
+  cnt.to_host(count);
   return err;
+}
+
+std::string compact(Case& c, std::vector<Index> const& index, std::vector<Index> const& count, Index capacity) {
+  return by_dtype(c.dtype, [&](auto tag) {
+    Mirror<decltype(tag)> m(c);
+    DeviceBuffer<Index> idx(index), cnt(count);
+    KeepPlan<DeviceSpace> const plan{idx.ptr, cnt.ptr, c.e.batch, c.e.heads, capacity};
+    std::string const err = m.with_cache([&](auto const& cache) { return finish(kvc::compact(Cuda{}, plan, cache)); });
+    m.read_back(c);
+    return err;
+  });
+}
+
+std::string gather(Case const& c, std::vector<Index> const& index, std::vector<Index> const& count, Index capacity,
+                   Case& out) {
+  return by_dtype(c.dtype, [&](auto tag) {
+    using T = decltype(tag);
+    Mirror<T> m(c);
+    out = Case{};
+    out.e = {c.e.batch, c.e.heads, capacity, c.e.dim};
+    out.dim_v = c.dim_v;
+    out.dtype = c.dtype;
+    Index const dv = c.dim_v > 0 ? c.dim_v : c.e.dim;
+    out.k.assign(static_cast<std::size_t>(out.e.rows() * c.e.dim), 0.0f);
+    out.v.assign(static_cast<std::size_t>(out.e.rows() * dv), 0.0f);
+    out.lengths.assign(static_cast<std::size_t>(c.e.batch * c.e.heads), 0);
+    out.per_head = true;
+    out.positions.assign(static_cast<std::size_t>(out.e.rows()), -1);
+    Mirror<T> d(out);
+    DeviceBuffer<Index> idx(index), cnt(count);
+    KeepPlan<DeviceSpace> const plan{idx.ptr, cnt.ptr, c.e.batch, c.e.heads, capacity};
+    std::string const err = m.with_cache([&](auto const& src) {
+      return d.with_cache([&](auto const& dst) { return finish(kvc::gather(Cuda{}, plan, src, dst)); });
+    });
+    d.read_back(out);
+    return err;
+  });
+}
+
+std::string append(Case& dst, Case const& src, Index begin, Index count) {
+  return by_dtype(dst.dtype, [&](auto tag) {
+    using T = decltype(tag);
+    Mirror<T> d(dst), s(src);
+    std::string const err = d.with_cache([&](auto const& dc) {
+      return s.with_cache([&](auto const& sc) { return finish(kvc::append(Cuda{}, dc, sc, begin, count)); });
+    });
+    d.read_back(dst);
+    return err;
+  });
 }
 
 }  // namespace kvc::test::cuda

@@ -1,9 +1,15 @@
 // SPDX-License-Identifier: Apache-2.0
-// tests/backend/cuda/parity_test.cpp: CUDA kernels against the CPU reference (the oracle). Tolerances are in
-// docs/numerics.md. Without a CUDA device every case prints "SKIPPED: no CUDA device" and ctest reports it skipped.
+// tests/backend/cuda/parity_test.cpp: CUDA kernels against the CPU reference (the oracle), for every CUDA kernel:
+// the scorers (fp32/fp16/bf16; BHTD, BTHD and paged layouts; per-sequence and per-head lengths), top-k (ratio,
+// fixed and device per-head budgets), compaction, gather, append and attention. Tolerances are in docs/numerics.md.
+// Without a CUDA device every case prints "SKIPPED: no CUDA device" and ctest reports it skipped.
+#include <kvc/backend/cpu/attention/attend.hpp>
 #include <kvc/backend/cpu/pipeline/compact.hpp>
 #include <kvc/backend/cpu/scorers/key_diff.hpp>
 #include <kvc/backend/cpu/scorers/knorm.hpp>
+#include <kvc/backend/cpu/scorers/random.hpp>
+#include <kvc/backend/cpu/scorers/snap_kv.hpp>
+#include <kvc/backend/cpu/scorers/streaming_llm.hpp>
 #include <kvc/backend/cpu/selectors/top_k.hpp>
 
 #include "backend/cuda/cuda_kernels.hpp"
@@ -13,13 +19,15 @@
 
 #include <cmath>
 #include <limits>
+#include <string>
 #include <vector>
 
 using kvc::Index;
+namespace kc = kvc::test::cuda;
 
 #define KVC_REQUIRE_DEVICE()                               \
   do {                                                     \
-    if (!kvc::test::cuda::device_available()) {            \
+    if (!kc::device_available()) {                         \
       WARN("SKIPPED: no CUDA device: parity not checked"); \
       return;                                              \
     }                                                      \
@@ -27,46 +35,160 @@ using kvc::Index;
 
 namespace {
 
-template <class T, class Scorer>
-std::vector<float> cpu_scores(Scorer s, kvc::tools::HostCache<T> const& c) {
-  kvc::test::OwnedScores out(c.ext.batch, c.ext.heads, c.ext.tokens);
-  kvc::test::OwnedWorkspace ws(kvc::score_workspace_bytes(kvc::Cpu{}, s, c.ext));
-  REQUIRE(kvc::score(kvc::Cpu{}, s, c.view(), out.span, ws.get()).ok());
+/// A random case: keys shifted off zero (KeyDiff needs an anchor), values, window queries scaled so attention is
+/// not uniform, ragged lengths.
+kc::Case random_case(kvc::KVExtents e, Index query_heads, Index window, bool per_head, std::uint64_t seed) {
+  kc::Case c;
+  c.e = e;
+  auto const kv = kvc::tools::HostCache<float>::random(e, seed);
+  c.k = kv.k;
+  c.v = kv.v;
+  for (float& x : c.k)
+    x += 0.3f;
+  if (per_head) {
+    c.per_head = true;
+    for (Index b = 0; b < e.batch; ++b)
+      for (Index h = 0; h < e.heads; ++h)
+        c.lengths.push_back(std::max<Index>(window + 1, e.tokens - 7 * h - 3 * b));
+  } else {
+    for (Index b = 0; b < e.batch; ++b)
+      c.lengths.push_back(std::max<Index>(window + 1, e.tokens - 5 * b));
+  }
+  c.q_ext = {e.batch, query_heads, window, e.dim};
+  auto const q = kvc::tools::HostCache<float>::random(c.q_ext, seed + 1);
+  c.queries = q.k;
+  for (float& x : c.queries)
+    x *= 2.5f;
+  return c;
+}
+
+/// The same case as a host cache of element type T (narrowed with the same rounding as the device side).
+template <class T>
+kvc::tools::HostCache<T> host_cache(kc::Case const& c) {
+  kvc::tools::HostCache<T> h(c.e, c.dim_v > 0 ? c.dim_v : -1);
+  for (std::size_t i = 0; i < c.k.size(); ++i)
+    h.k[i] = kvc::from_float<T>(c.k[i]);
+  for (std::size_t i = 0; i < c.v.size(); ++i)
+    h.v[i] = kvc::from_float<T>(c.v[i]);
+  h.lengths = c.lengths;
+  h.per_head = c.per_head;
+  h.positions = c.positions;
+  return h;
+}
+
+template <class T>
+std::vector<float> cpu_scores(std::string const& policy, kc::Case const& c) {
+  auto const h = host_cache<T>(c);
+  std::vector<T> q(c.queries.size());
+  for (std::size_t i = 0; i < q.size(); ++i)
+    q[i] = kvc::from_float<T>(c.queries[i]);
+  kvc::test::OwnedRope const rope({}, c.e.dim, 4096);
+  kvc::WindowQueries<T> wq{kvc::TokenRows<T const, kvc::StridedLayout>(q.data(), kvc::bhtd_layout(c.q_ext))};
+  if (c.pre_rope)
+    wq.rope = rope.table;
+  auto const obs = kvc::observe(wq);
+  kvc::test::OwnedScores out(c.e.batch, c.e.heads, c.e.tokens);
+  auto run = [&](auto scorer) {
+    kvc::test::OwnedWorkspace ws(kvc::score_workspace_bytes(kvc::Cpu{}, scorer, c.e, obs));
+    REQUIRE(kvc::score(kvc::Cpu{}, scorer, h.view(), obs, out.span, ws.get()).ok());
+  };
+  Index const w = c.q_ext.tokens;
+  if (policy == "key_diff")
+    run(kvc::KeyDiffScorer{});
+  else if (policy == "knorm")
+    run(kvc::KnormScorer{});
+  else if (policy == "streaming_llm")
+    run(kvc::StreamingLLMScorer{4});
+  else if (policy == "random")
+    run(kvc::RandomScorer{11});
+  else if (policy == "snap_kv")
+    run(kvc::SnapKVScorer{.window_size = w, .kernel_size = 5});
+  else if (policy == "snap_kv_kvpress") {
+    auto s = kvc::SnapKVScorer::kvpress();
+    s.window_size = w;
+    run(s);
+  } else if (policy == "tova")
+    run(kvc::TOVAScorer{});
+  else if (policy == "tova_kvpress")
+    run(kvc::TOVAScorer{kvc::Reference::kvpress});
   return out.data;
+}
+
+/// Scores agree where finite within `rel` of the larger magnitude (and `abs` near zero); -inf padding exactly.
+void require_close(std::vector<float> const& gpu, std::vector<float> const& cpu, float rel, float abs) {
+  REQUIRE(gpu.size() == cpu.size());
+  for (std::size_t i = 0; i < cpu.size(); ++i) {
+    if (std::isinf(cpu[i])) {
+      REQUIRE(gpu[i] == cpu[i]);
+      continue;
+    }
+    REQUIRE(std::abs(gpu[i] - cpu[i]) <= std::max(abs, rel * std::max(std::abs(cpu[i]), std::abs(gpu[i]))));
+  }
 }
 
 }  // namespace
 
-TEST_CASE("cuda: KeyDiff and Knorm scores match the CPU (fp32 1e-5, fp16 1e-4 absolute)", "[cuda][scorers]") {
+TEST_CASE("cuda: every scorer matches the CPU for fp32/fp16/bf16, BHTD/BTHD/paged, per-sequence and per-head "
+          "lengths (fp32 1e-5, 16-bit 1e-4 relative)",
+          "[cuda][scorers]") {
   KVC_REQUIRE_DEVICE();
-  for (Index tokens : {1, 37, 4096, 9000}) {
-    kvc::KVExtents const e{2, 3, tokens, 64};
-    auto c32 = kvc::tools::HostCache<float>::random(e, 5);
-    for (float& x : c32.k)
-      x += 0.3f;
-    c32.lengths = {tokens, tokens / 2};
-    kvc::tools::HostCache<kvc::half> c16(e);
-    for (std::size_t i = 0; i < c32.k.size(); ++i)
-      c16.k[i] = kvc::half(c32.k[i]);
-    c16.lengths = c32.lengths;
-    std::vector<float> gpu;
-    REQUIRE(kvc::test::cuda::key_diff_scores(e, c32.k, c32.lengths, gpu) == "");
-    auto const cpu = cpu_scores(kvc::KeyDiffScorer{}, c32);
-    for (std::size_t i = 0; i < cpu.size(); ++i)
-      REQUIRE((std::isinf(cpu[i]) ? gpu[i] == cpu[i] : std::abs(gpu[i] - cpu[i]) <= 1e-5f));
-    REQUIRE(kvc::test::cuda::key_diff_scores(e, c16.k, c16.lengths, gpu) == "");
-    auto const cpu16 = cpu_scores(kvc::KeyDiffScorer{}, c16);
-    for (std::size_t i = 0; i < cpu16.size(); ++i)
-      REQUIRE((std::isinf(cpu16[i]) ? gpu[i] == cpu16[i] : std::abs(gpu[i] - cpu16[i]) <= 1e-4f));
-    REQUIRE(kvc::test::cuda::knorm_scores(e, c32.k, c32.lengths, gpu) == "");
-    auto const kn = cpu_scores(kvc::KnormScorer{}, c32);
-    for (std::size_t i = 0; i < kn.size(); ++i)
-      REQUIRE(
-          (std::isinf(kn[i]) ? gpu[i] == kn[i] : std::abs(gpu[i] - kn[i]) <= 1e-5f * std::max(1.0f, std::abs(kn[i]))));
-  }
+  for (char const* policy :
+       {"key_diff", "knorm", "streaming_llm", "random", "snap_kv", "snap_kv_kvpress", "tova", "tova_kvpress"})
+    for (auto dtype : {kc::Dtype::f32, kc::Dtype::f16, kc::Dtype::bf16})
+      for (auto layout : {kc::Layout::bhtd, kc::Layout::bthd, kc::Layout::paged})
+        for (bool per_head : {false, true}) {
+          bool const tova = std::string(policy).rfind("tova", 0) == 0;
+          if (tova && per_head)
+            continue;  // TOVA needs equal lengths within a sequence
+          auto c = random_case({2, 2, 300, 64}, 4, 8, per_head, 17);
+          c.dtype = dtype;
+          c.layout = layout;
+          c.pre_rope = std::string(policy) == "snap_kv";
+          INFO(policy << " dtype " << static_cast<int>(dtype) << " layout " << static_cast<int>(layout)
+                      << " per_head " << per_head);
+          std::vector<float> gpu;
+          REQUIRE(kc::scores(policy, c, gpu) == "");
+          std::vector<float> cpu = dtype == kc::Dtype::f32   ? cpu_scores<float>(policy, c)
+                                   : dtype == kc::Dtype::f16 ? cpu_scores<kvc::half>(policy, c)
+                                                             : cpu_scores<kvc::bfloat16>(policy, c);
+          float const rel = dtype == kc::Dtype::f32 ? 1e-5f : 1e-4f;
+          require_close(gpu, cpu, rel, rel);
+        }
 }
 
-TEST_CASE("cuda: top-k keeps exactly the CPU's set for identical scores (ties, NaN, protection, ragged)",
+TEST_CASE("cuda: attention matches the CPU (causal by position, GQA, 16-bit caches)", "[cuda][attention]") {
+  KVC_REQUIRE_DEVICE();
+  for (auto dtype : {kc::Dtype::f32, kc::Dtype::f16, kc::Dtype::bf16})
+    for (auto layout : {kc::Layout::bhtd, kc::Layout::paged}) {
+      auto c = random_case({2, 2, 200, 32}, 4, 6, true, 3);
+      c.dtype = dtype;
+      c.layout = layout;
+      std::vector<float> out, lse;
+      REQUIRE(kc::attend(c, out, lse) == "");
+      auto run_cpu = [&](auto tag) {
+        using T = decltype(tag);
+        auto const h = host_cache<T>(c);
+        std::vector<T> q(c.queries.size());
+        for (std::size_t i = 0; i < q.size(); ++i)
+          q[i] = kvc::from_float<T>(c.queries[i]);
+        kvc::AttendQueries<T> const aq{kvc::TokenRows<T const, kvc::StridedLayout>(q.data(), kvc::bhtd_layout(c.q_ext))};
+        std::vector<float> o(out.size()), l(lse.size());
+        kvc::test::OwnedWorkspace ws(kvc::attend_workspace_bytes(kvc::Cpu{}, kvc::Attention{}, aq, h.view()));
+        REQUIRE(kvc::attend(kvc::Cpu{}, kvc::Attention{}, aq, h.view(), {o.data(), l.data()}, ws.get()).ok());
+        require_close(out, o, 1e-4f, 1e-5f);
+        require_close(lse, l, 1e-5f, 1e-5f);
+      };
+      if (dtype == kc::Dtype::f32)
+        run_cpu(float{});
+      else if (dtype == kc::Dtype::f16)
+        run_cpu(kvc::half{});
+      else
+        run_cpu(kvc::bfloat16{});
+    }
+}
+
+TEST_CASE("cuda: top-k keeps exactly the CPU's set for identical scores (ties, NaN, protection, ragged, ratio, "
+          "per-head budgets)",
           "[cuda][selectors]") {
   KVC_REQUIRE_DEVICE();
   kvc::tools::Rng rng(9);
@@ -77,43 +199,122 @@ TEST_CASE("cuda: top-k keeps exactly the CPU's set for identical scores (ties, N
       auto const r = rng.next() % 100;
       x = r < 3 ? std::numeric_limits<float>::quiet_NaN() : (r < 6 ? -0.0f : static_cast<float>(rng.next() % 50));
     }
-    std::vector<Index> lengths = {tokens, static_cast<Index>(rng.next() % static_cast<std::uint64_t>(tokens + 1))};
-    kvc::TopKSelector<kvc::FixedBudget> const sel{
-        {static_cast<Index>(rng.next() % static_cast<std::uint64_t>(tokens + 5))},
-        static_cast<Index>(rng.next() % 5),
-        static_cast<Index>(rng.next() % 9)};
+    bool const per_head = trial % 2 == 1;
+    std::vector<Index> lengths;
+    for (Index i = 0; i < (per_head ? batch * heads : batch); ++i)
+      lengths.push_back(static_cast<Index>(rng.next() % static_cast<std::uint64_t>(tokens + 1)));
+    Index const fixed = static_cast<Index>(rng.next() % static_cast<std::uint64_t>(tokens + 5));
+    Index const n_sink = static_cast<Index>(rng.next() % 5), n_recent = static_cast<Index>(rng.next() % 9);
+    double const ratio = trial % 3 == 0 ? 0.37 : -1.0;
+    kvc::Lengths const table = per_head ? kvc::head_lengths(lengths.data(), heads) : kvc::Lengths(lengths.data());
+    kvc::ScoreSpan<> const span{scores.data(), batch, heads, tokens, table};
     kvc::test::OwnedPlan cpu(batch, heads, tokens);
-    kvc::test::OwnedWorkspace ws(kvc::select_workspace_bytes(kvc::Cpu{}, sel, batch, heads, tokens));
-    REQUIRE(kvc::select(kvc::Cpu{}, sel, kvc::ScoreSpan<>{scores.data(), batch, heads, tokens, lengths.data()},
-                        cpu.plan, ws.get())
-                .ok());
+    auto select_cpu = [&](auto const& sel) {
+      kvc::test::OwnedWorkspace ws(kvc::select_workspace_bytes(kvc::Cpu{}, sel, batch, heads, tokens));
+      REQUIRE(kvc::select(kvc::Cpu{}, sel, span, cpu.plan, ws.get()).ok());
+    };
+    if (ratio >= 0)
+      select_cpu(kvc::TopKSelector{kvc::RatioBudget{ratio}, n_sink, n_recent});
+    else
+      select_cpu(kvc::TopKSelector{kvc::FixedBudget{fixed}, n_sink, n_recent});
     std::vector<Index> index, count;
-    REQUIRE(kvc::test::cuda::top_k(sel, batch, heads, tokens, scores, lengths, tokens, index, count) == "");
+    REQUIRE(kc::top_k(ratio, fixed, n_sink, n_recent, batch, heads, tokens, scores, lengths, per_head, tokens, index,
+                      count) == "");
     for (Index bh = 0; bh < batch * heads; ++bh) {
       REQUIRE(count[static_cast<std::size_t>(bh)] == cpu.count[static_cast<std::size_t>(bh)]);
       for (Index j = 0; j < count[static_cast<std::size_t>(bh)]; ++j)
-        REQUIRE(index[static_cast<std::size_t>(bh * tokens + j)] ==
-                cpu.index[static_cast<std::size_t>(bh * tokens + j)]);
+        REQUIRE(index[static_cast<std::size_t>(bh * tokens + j)] == cpu.index[static_cast<std::size_t>(bh * tokens + j)]);
     }
   }
+  // A device-resident per-head budget table.
+  std::vector<float> scores(2 * 3 * 100);
+  for (std::size_t i = 0; i < scores.size(); ++i)
+    scores[i] = static_cast<float>((i * 7919) % 101);
+  std::vector<Index> const budget = {5, 0, 100, 17, 3, 64};
+  kvc::TopKSelector<kvc::PerHeadBudget<>> const sel{kvc::PerHeadBudget<>{budget.data(), 3}};
+  kvc::test::OwnedPlan cpu(2, 3, 100);
+  kvc::test::OwnedWorkspace ws(kvc::select_workspace_bytes(kvc::Cpu{}, sel, 2, 3, 100));
+  REQUIRE(kvc::select(kvc::Cpu{}, sel, kvc::ScoreSpan<>{scores.data(), 2, 3, 100}, cpu.plan, ws.get()).ok());
+  std::vector<Index> index, count;
+  REQUIRE(kc::top_k_per_head(budget, 2, 3, 100, scores, index, count) == "");
+  CHECK(count == cpu.count);
+  for (Index bh = 0; bh < 6; ++bh)
+    for (Index j = 0; j < count[static_cast<std::size_t>(bh)]; ++j)
+      REQUIRE(index[static_cast<std::size_t>(bh * 100 + j)] == cpu.index[static_cast<std::size_t>(bh * 100 + j)]);
+  // A plan too small for the most a head can keep is an error, not a silent clamp.
+  std::vector<Index> small_index, small_count;
+  std::vector<Index> const no_lengths;
+  CHECK(kc::top_k(-1, 50, 0, 0, 2, 3, 100, scores, no_lengths, false, 10, small_index, small_count) != "");
 }
 
-TEST_CASE("cuda: in-place compaction produces the CPU's bytes", "[cuda][pipeline]") {
+TEST_CASE("cuda: compaction, gather and append produce the CPU's bytes, positions and lengths",
+          "[cuda][pipeline]") {
   KVC_REQUIRE_DEVICE();
-  kvc::KVExtents const e{2, 4, 300, 64};
-  auto c = kvc::tools::HostCache<float>::random(e, 3);
-  auto gpu = c;
-  kvc::tools::Rng rng(4);
-  kvc::test::OwnedPlan plan(2, 4, 300);
-  for (Index bh = 0; bh < 8; ++bh) {
-    Index j = 0;
-    for (Index t = 0; t < 300; ++t)
-      if (rng.next() % 3 == 0)
-        plan.index[static_cast<std::size_t>(bh * 300 + j++)] = t;
-    plan.count[static_cast<std::size_t>(bh)] = j;
-  }
-  REQUIRE(kvc::compact(kvc::Cpu{}, plan.plan, c.view()).ok());
-  REQUIRE(kvc::test::cuda::compact(e, gpu.k, gpu.v, plan.index, plan.count, 300) == "");
-  CHECK(gpu.k == c.k);
-  CHECK(gpu.v == c.v);
+  for (auto dtype : {kc::Dtype::f32, kc::Dtype::f16, kc::Dtype::bf16})
+    for (auto layout : {kc::Layout::bhtd, kc::Layout::bthd, kc::Layout::paged}) {
+      auto c = random_case({2, 4, 300, 64}, 4, 4, true, 3);
+      c.dtype = dtype;
+      c.layout = layout;
+      c.positions.resize(static_cast<std::size_t>(c.e.rows()));
+      for (std::size_t i = 0; i < c.positions.size(); ++i)
+        c.positions[i] = 3 * (static_cast<Index>(i) % 300) + 1;
+      kvc::tools::Rng rng(4);
+      kvc::test::OwnedPlan plan(2, 4, 300);
+      for (Index bh = 0; bh < 8; ++bh) {
+        Index j = 0;
+        for (Index t = 0; t < c.lengths[static_cast<std::size_t>(bh)]; ++t)
+          if (rng.next() % 3 == 0)
+            plan.index[static_cast<std::size_t>(bh * 300 + j++)] = t;
+        plan.count[static_cast<std::size_t>(bh)] = j;
+      }
+      auto run_cpu = [&](auto tag) {
+        using T = decltype(tag);
+        // gather first (from the uncompacted cache), then compaction in place, then append.
+        auto src = host_cache<T>(c);
+        kvc::tools::HostCache<T> dst({2, 4, 300, 64});
+        dst.track(0);
+        REQUIRE(kvc::gather(kvc::Cpu{}, plan.plan, src.view(), dst.view()).ok());
+        kc::Case gathered;
+        REQUIRE(kc::gather(c, plan.index, plan.count, 300, gathered) == "");
+        CHECK(gathered.lengths == dst.lengths);
+        for (Index bh = 0; bh < 8; ++bh)
+          for (Index j = 0; j < dst.lengths[static_cast<std::size_t>(bh)]; ++j) {
+            auto const at = static_cast<std::size_t>(bh * 300 + j);
+            REQUIRE(gathered.positions[at] == dst.positions[at]);
+            for (Index i = 0; i < 64; ++i)
+              REQUIRE(gathered.k[at * 64 + static_cast<std::size_t>(i)] == kvc::to_float(dst.k[at * 64 + static_cast<std::size_t>(i)]));
+          }
+        auto host = host_cache<T>(c);
+        REQUIRE(kvc::compact(kvc::Cpu{}, plan.plan, host.view()).ok());
+        kc::Case gpu = c;
+        REQUIRE(kc::compact(gpu, plan.index, plan.count, 300) == "");
+        CHECK(gpu.lengths == host.lengths);
+        for (Index bh = 0; bh < 8; ++bh)
+          for (Index j = 0; j < host.lengths[static_cast<std::size_t>(bh)]; ++j) {
+            auto const at = static_cast<std::size_t>(bh * 300 + j);
+            REQUIRE(gpu.positions[at] == host.positions[at]);
+            for (Index i = 0; i < 64; ++i) {
+              REQUIRE(gpu.k[at * 64 + static_cast<std::size_t>(i)] == kvc::to_float(host.k[at * 64 + static_cast<std::size_t>(i)]));
+              REQUIRE(gpu.v[at * 64 + static_cast<std::size_t>(i)] == kvc::to_float(host.v[at * 64 + static_cast<std::size_t>(i)]));
+            }
+          }
+        // Append 5 tokens of a second case after the compacted lengths.
+        auto const fresh = random_case({2, 4, 5, 64}, 4, 1, false, 8);
+        auto host_src = host_cache<T>(fresh);
+        host_src.lengths.clear();
+        REQUIRE(kvc::append(kvc::Cpu{}, host.view(), host_src.view()).ok());
+        kc::Case fresh_gpu = fresh;
+        fresh_gpu.lengths.clear();
+        fresh_gpu.dtype = dtype;
+        REQUIRE(kc::append(gpu, fresh_gpu, 0, 5) == "");
+        CHECK(gpu.lengths == host.lengths);
+        CHECK(gpu.positions == host.positions);
+      };
+      if (dtype == kc::Dtype::f32)
+        run_cpu(float{});
+      else if (dtype == kc::Dtype::f16)
+        run_cpu(kvc::half{});
+      else
+        run_cpu(kvc::bfloat16{});
+    }
 }

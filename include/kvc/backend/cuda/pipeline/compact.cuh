@@ -1,15 +1,17 @@
 // SPDX-License-Identifier: Apache-2.0
-// kvc/backend/cuda/pipeline/compact.cuh: CUDA compaction (in place, tile-ordered) and gather (out of place).
+// kvc/backend/cuda/pipeline/compact.cuh: CUDA compaction (in place, tile-ordered), gather (out of place) and append.
 #pragma once
 
 #include <kvc/backend/cuda/config.cuh>
 #include <kvc/pipeline/compact.hpp>
 
+#include <cstddef>
 #include <type_traits>
 
 namespace kvc::backend::cuda {
 
 inline constexpr int compact_tile = 32;  // rows staged per step
+inline constexpr int token_tile = 256;   // per-token scalars staged per step (one per thread)
 
 /// In place, one block per (h, b). Moves go from row index[j] to row j with index[j] >= j. A tile's rows are all
 /// read into shared memory before any of them is written, and tiles run in ascending order, so no write lands on
@@ -20,7 +22,7 @@ __global__ void compact_rows_kernel(KeepPlan<DeviceSpace> plan, Rows rows) {
   extern __shared__ unsigned char staged_bytes[];
   T* staged = reinterpret_cast<T*>(staged_bytes);  // [compact_tile, dim]
   Index const b = blockIdx.y, h = blockIdx.x, dim = rows.extents().dim;
-  Index const count = plan.kept(b, h);
+  Index const count = clamp_length(plan.kept(b, h), plan.capacity);
   Index const* idx = plan.indices(b, h);
   for (Index base = 0; base < count; base += compact_tile) {
     Index const rows_here = count - base < compact_tile ? count - base : compact_tile;
@@ -33,59 +35,192 @@ __global__ void compact_rows_kernel(KeepPlan<DeviceSpace> plan, Rows rows) {
   }
 }
 
-/// Out of place, fully parallel: grid (row blocks, heads, batch).
-template <class Src, class Dst>
-__global__ void gather_rows_kernel(KeepPlan<DeviceSpace> plan, Src src, Dst dst) {
-  using T = typename Dst::value_type;
+/// In place for per-token scalars [batch, heads, tokens] (positions, accumulators): the same tile order, one token
+/// per thread, held in a register between the block's reads and its writes.
+template <class T>
+__global__ void compact_tokens_kernel(KeepPlan<DeviceSpace> plan, TokenArray<T, DeviceSpace> a) {
+  Index const b = blockIdx.y, h = blockIdx.x;
+  Index const count = clamp_length(plan.kept(b, h), plan.capacity);
+  Index const* idx = plan.indices(b, h);
+  T* row = a.row(b, h);
+  for (Index base = 0; base < count; base += blockDim.x) {
+    Index const j = base + threadIdx.x;
+    T value{};
+    if (j < count)
+      value = row[idx[j]];
+    __syncthreads();
+    if (j < count)
+      row[j] = value;
+    __syncthreads();
+  }
+}
+
+/// Writes each head's new length (count[b, h]) into a per-head table, or head 0's into a per-sequence one.
+/// (Every __global__ in a header is a template: a plain one is defined again in each translation unit.)
+template <class Plan>
+__global__ void plan_lengths_kernel(Plan plan, Lengths lengths) {
+  Index const i = static_cast<Index>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= plan.batch * plan.heads)
+    return;
+  Index const b = i / plan.heads, h = i % plan.heads;
+  if (lengths.per_head())
+    lengths.data[i] = plan.count[i];
+  else if (h == 0)
+    lengths.data[b] = plan.count[i];
+}
+
+/// Out of place, fully parallel over the rows of every head: grid (row blocks, heads, batch).
+template <class SrcRows, class DstRows>
+__global__ void gather_rows_kernel(KeepPlan<DeviceSpace> plan, SrcRows src, DstRows dst) {
+  using T = typename DstRows::value_type;
   Index const b = blockIdx.z, h = blockIdx.y, dim = dst.extents().dim;
-  Index const count = plan.kept(b, h);
+  Index const count = clamp_length(plan.kept(b, h), plan.capacity);
   Index const* idx = plan.indices(b, h);
   Index const stride = static_cast<Index>(gridDim.x) * blockDim.x;
   for (Index e = static_cast<Index>(blockIdx.x) * blockDim.x + threadIdx.x; e < count * dim; e += stride)
     dst.row(b, h, e / dim)[e % dim] = from_float<T>(to_float(src.row(b, h, idx[e / dim])[e % dim]));
 }
 
+/// Out of place per-token values: dst positions (src's, or src slot numbers) and carried arrays.
+template <class Src, class Dst, class... Carried>
+__global__ void gather_tokens_kernel(KeepPlan<DeviceSpace> plan, Src src, Dst dst, Carried... carried) {
+  Index const b = blockIdx.z, h = blockIdx.y;
+  Index const count = clamp_length(plan.kept(b, h), plan.capacity);
+  Index const* idx = plan.indices(b, h);
+  Index const stride = static_cast<Index>(gridDim.x) * blockDim.x;
+  for (Index j = static_cast<Index>(blockIdx.x) * blockDim.x + threadIdx.x; j < count; j += stride) {
+    if (dst.positions)
+      dst.positions[(b * plan.heads + h) * dst.keys.extents().tokens + j] = src.position(b, h, idx[j]);
+    ((carried.to(b, h, j) = carried.from(b, h, idx[j])), ...);
+  }
+}
+
+/// Appends src tokens [begin, begin + count) after each head's length (clamped at capacity): grid (row blocks,
+/// heads, batch). Reads dst's old lengths; append_lengths_kernel, ordered after it on the stream, writes the new.
+template <class Dst, class Src>
+__global__ void append_rows_kernel(Dst dst, Src src, Index begin, Index count) {
+  using TK = typename Dst::keys_type::value_type;
+  using TV = typename Dst::values_type::value_type;
+  Index const b = blockIdx.z, h = blockIdx.y, cap = dst.keys.extents().tokens;
+  Index const dk = dst.keys.extents().dim, dv = dst.values.extents().dim, width = dk > dv ? dk : dv;
+  Index const at = clamp_length(dst.length(b, h), cap);
+  Index left = clamp_length(src.length(b, h), src.keys.extents().tokens) - begin;
+  left = left < 0 ? 0 : (left < count ? left : count);
+  Index const m = at + left > cap ? cap - at : left;
+  Index const stride = static_cast<Index>(gridDim.x) * blockDim.x;
+  for (Index e = static_cast<Index>(blockIdx.x) * blockDim.x + threadIdx.x; e < m * width; e += stride) {
+    Index const j = e / width, c = e % width;
+    if (c < dk)
+      dst.keys.row(b, h, at + j)[c] = from_float<TK>(to_float(src.keys.row(b, h, begin + j)[c]));
+    if (c < dv)
+      dst.values.row(b, h, at + j)[c] = from_float<TV>(to_float(src.values.row(b, h, begin + j)[c]));
+    if (c == 0 && dst.positions)
+      dst.positions[(b * dst.keys.extents().heads + h) * cap + at + j] = src.position(b, h, begin + j);
+  }
+}
+
+template <class Dst, class Src>
+__global__ void append_lengths_kernel(Dst dst, Src src, Index begin, Index count) {
+  Index const heads = dst.keys.extents().heads, cap = dst.keys.extents().tokens;
+  Index const i = static_cast<Index>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= dst.keys.extents().batch * heads)
+    return;
+  Index const b = i / heads, h = i % heads;
+  if (!dst.lengths.per_head() && h != 0)
+    return;
+  Index const at = clamp_length(dst.length(b, h), cap);
+  Index left = clamp_length(src.length(b, h), src.keys.extents().tokens) - begin;
+  left = left < 0 ? 0 : (left < count ? left : count);
+  dst.lengths.data[dst.lengths.per_head() ? i : b] = at + left > cap ? cap : at + left;
+}
+
 }  // namespace kvc::backend::cuda
 
 namespace kvc {
 
-/// Compacts a device cache in place. The plan must come from kvc::select (it is not validated on the device).
-template <KVCacheView C>
-Status compact(Cuda const& cuda, KeepPlan<DeviceSpace> const& plan, C const& cache) {
-  static_assert(AccessibleFrom<C, Cuda>, "kvc::compact(Cuda): the cache must live in device memory");
-  namespace bc = backend::cuda;
-  if (plan.batch * plan.heads == 0)
-    return {};
-  KVC_RETURN_IF_ERROR(
-      bc::head_grid_status(plan.batch, plan.heads, "kvc::compact/gather(Cuda): batch and heads must be <= 65535"));
-  dim3 const grid(static_cast<unsigned>(plan.heads), static_cast<unsigned>(plan.batch));
-  auto launch = [&](auto const& rows) {
-    using T = typename std::remove_cvref_t<decltype(rows)>::value_type;
-    auto const smem = static_cast<std::size_t>(bc::compact_tile * rows.extents().dim) * sizeof(T);
-    bc::compact_rows_kernel<<<grid, 256, smem, cuda.stream>>>(plan, rows);
-  };
-  launch(cache.keys);
-  launch(cache.values);
-  return bc::launch_status("kvc::compact(Cuda): kernel launch failed");
-}
+/// Compaction on CUDA: one block per head for the rows (in place needs the tile order), then positions, extra
+/// arrays and lengths. The plan must come from kvc::select (it is not validated on the device; counts are clamped
+/// to the plan's capacity). A per-sequence length table receives head 0's count.
+template <>
+struct Kernel<CompactStep, Cuda> {
+  template <KVCacheView C, class... Extra>
+  static Status run(Cuda const& cuda, KeepPlan<DeviceSpace> const& plan, C const& cache, Extra const&... extra) {
+    namespace bc = backend::cuda;
+    if (plan.batch * plan.heads == 0)
+      return {};
+    KVC_RETURN_IF_ERROR(
+        bc::head_grid_status(plan.batch, plan.heads, "kvc::compact(Cuda): batch and heads must be <= 65535"));
+    std::size_t const smem_k = static_cast<std::size_t>(bc::compact_tile * cache.keys.extents().dim) *
+                               sizeof(typename C::keys_type::value_type);
+    std::size_t const smem_v = static_cast<std::size_t>(bc::compact_tile * cache.values.extents().dim) *
+                               sizeof(typename C::values_type::value_type);
+    KVC_RETURN_IF_ERROR(bc::shared_memory_status(smem_k > smem_v ? smem_k : smem_v,
+                                                 "kvc::compact(Cuda): head dim too large for 32 staged rows"));
+    KVC_RETURN_IF_ERROR(bc::pending_status());
+    dim3 const grid(static_cast<unsigned>(plan.heads), static_cast<unsigned>(plan.batch));
+    bc::compact_rows_kernel<<<grid, 256, smem_k, cuda.stream>>>(plan, cache.keys);
+    bc::compact_rows_kernel<<<grid, 256, smem_v, cuda.stream>>>(plan, cache.values);
+    if (cache.positions)
+      bc::compact_tokens_kernel<<<grid, bc::token_tile, 0, cuda.stream>>>(plan, cache.position_array());
+    (bc::compact_tokens_kernel<<<grid, bc::token_tile, 0, cuda.stream>>>(plan, extra), ...);
+    if (cache.lengths.data)
+      bc::plan_lengths_kernel<<<bc::grid_dim((plan.batch * plan.heads + 255) / 256), 256, 0, cuda.stream>>>(
+          plan, cache.lengths);
+    return bc::launch_status("kvc::compact(Cuda): kernel launch failed");
+  }
+};
 
-/// Copies the kept rows of `src` into slots [0, count) of `dst` (device caches; element types may differ).
-template <KVCacheView Src, KVCacheView Dst>
-Status gather(Cuda const& cuda, KeepPlan<DeviceSpace> const& plan, Src const& src, Dst const& dst) {
-  static_assert(AccessibleFrom<Src, Cuda> && AccessibleFrom<Dst, Cuda>,
-                "kvc::gather(Cuda): caches must be in device memory");
-  namespace bc = backend::cuda;
-  if (dst.keys.extents().dim != src.keys.extents().dim || dst.values.extents().dim != src.values.extents().dim)
-    return {Errc::invalid_argument, "kvc::gather(Cuda): `dst` must have the dims of `src`"};
-  if (plan.batch * plan.heads == 0)
-    return {};
-  KVC_RETURN_IF_ERROR(
-      bc::head_grid_status(plan.batch, plan.heads, "kvc::compact/gather(Cuda): batch and heads must be <= 65535"));
-  dim3 const grid(bc::grid_dim(plan.capacity * src.keys.extents().dim / 256 + 1, 1024),
-                  static_cast<unsigned>(plan.heads), static_cast<unsigned>(plan.batch));
-  bc::gather_rows_kernel<<<grid, 256, 0, cuda.stream>>>(plan, src.keys, dst.keys);
-  bc::gather_rows_kernel<<<grid, 256, 0, cuda.stream>>>(plan, src.values, dst.values);
-  return bc::launch_status("kvc::gather(Cuda): kernel launch failed");
-}
+/// Gather on CUDA: fully parallel over rows of every head.
+template <>
+struct Kernel<GatherStep, Cuda> {
+  template <KVCacheView Src, KVCacheView Dst, class... Carried>
+  static Status run(Cuda const& cuda, KeepPlan<DeviceSpace> const& plan, Src const& src, Dst const& dst,
+                    Carried const&... carried) {
+    namespace bc = backend::cuda;
+    if (plan.capacity > dst.keys.extents().tokens)
+      return {Errc::out_of_capacity, "kvc::gather(Cuda): `dst` needs at least plan.capacity token slots"};
+    if (plan.batch * plan.heads == 0)
+      return {};
+    KVC_RETURN_IF_ERROR(
+        bc::head_grid_status(plan.batch, plan.heads, "kvc::gather(Cuda): batch and heads must be <= 65535"));
+    KVC_RETURN_IF_ERROR(bc::pending_status());
+    Index const width = src.keys.extents().dim > src.values.extents().dim ? src.keys.extents().dim
+                                                                           : src.values.extents().dim;
+    dim3 const grid(bc::grid_dim(plan.capacity * width / 256 + 1, 1024), static_cast<unsigned>(plan.heads),
+                    static_cast<unsigned>(plan.batch));
+    bc::gather_rows_kernel<<<grid, 256, 0, cuda.stream>>>(plan, src.keys, dst.keys);
+    bc::gather_rows_kernel<<<grid, 256, 0, cuda.stream>>>(plan, src.values, dst.values);
+    if (dst.positions || sizeof...(Carried) > 0)
+      bc::gather_tokens_kernel<<<dim3(bc::grid_dim(plan.capacity / 256 + 1, 1024), grid.y, grid.z), 256, 0,
+                                 cuda.stream>>>(plan, src, dst, carried...);
+    if (dst.lengths.data)
+      bc::plan_lengths_kernel<<<bc::grid_dim((plan.batch * plan.heads + 255) / 256), 256, 0, cuda.stream>>>(
+          plan, dst.lengths);
+    return bc::launch_status("kvc::gather(Cuda): kernel launch failed");
+  }
+};
+
+/// Append on CUDA. A head that would pass dst's capacity is clamped at it (the device cannot report it without a
+/// synchronisation): engines know their lengths on the host and size the cache so that it cannot happen.
+template <>
+struct Kernel<AppendStep, Cuda> {
+  template <KVCacheView Dst, KVCacheView Src>
+  static Status run(Cuda const& cuda, Dst const& dst, Src const& src, Index begin, Index count) {
+    namespace bc = backend::cuda;
+    KVExtents const e = dst.keys.extents();
+    if (e.batch * e.heads == 0 || count == 0)
+      return {};
+    KVC_RETURN_IF_ERROR(bc::head_grid_status(e.batch, e.heads, "kvc::append(Cuda): batch and heads must be <= 65535"));
+    KVC_RETURN_IF_ERROR(bc::pending_status());
+    Index const width = e.dim > dst.values.extents().dim ? e.dim : dst.values.extents().dim;
+    Index const most = count < src.keys.extents().tokens ? count : src.keys.extents().tokens;
+    dim3 const grid(bc::grid_dim(most * width / 256 + 1, 1024), static_cast<unsigned>(e.heads),
+                    static_cast<unsigned>(e.batch));
+    bc::append_rows_kernel<<<grid, 256, 0, cuda.stream>>>(dst, src, begin, count);
+    bc::append_lengths_kernel<<<bc::grid_dim((e.batch * e.heads + 255) / 256), 256, 0, cuda.stream>>>(dst, src, begin,
+                                                                                                      count);
+    return bc::launch_status("kvc::append(Cuda): kernel launch failed");
+  }
+};
 
 }  // namespace kvc

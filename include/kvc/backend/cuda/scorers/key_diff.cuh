@@ -32,7 +32,7 @@ __global__ void key_diff_anchor_kernel(Keys keys, KeyDiffScorer s, ScoreSpan<Dev
   for (Index i = threadIdx.x; i < key_diff_warps * dim; i += blockDim.x)
     warp_rows[i] = 0.0;
   __syncthreads();
-  Index const n = out.length(b), per = (n + splits - 1) / splits;
+  Index const n = clamp_length(out.length(b, h), out.tokens), per = (n + splits - 1) / splits;
   Index const t0 = split * per, t1 = t0 + per < n ? t0 + per : n;
   double* mine = warp_rows + warp * dim;
   bool const unit = s.anchor == KeyDiffAnchor::normalized_mean;
@@ -68,7 +68,7 @@ __global__ void key_diff_score_kernel(Keys keys, KeyDiffScorer s, ScoreSpan<Devi
   Index const dim = keys.extents().dim;
   Index const b = blockIdx.z, h = blockIdx.y, split = blockIdx.x;
   int const warp = static_cast<int>(threadIdx.x) / warp_size, lane = static_cast<int>(threadIdx.x) % warp_size;
-  Index const n = out.length(b);
+  Index const n = clamp_length(out.length(b, h), out.tokens);
   float* norm_parts = anchor + dim;
   float sq = 0.0f;
   for (Index i = threadIdx.x; i < dim; i += blockDim.x) {
@@ -113,8 +113,9 @@ namespace kvc {
 /// KeyDiff on CUDA: two kernels, each reading K once (the anchor needs every key before any score).
 /// Workspace (device memory): fp64 partial anchors [batch, heads, splits, dim].
 template <>
-struct ScoreKernel<KeyDiffScorer, Cuda> {
-  static std::size_t workspace_bytes(KeyDiffScorer const&, KVExtents const& keys) {
+struct Kernel<KeyDiffScorer, Cuda> {
+  template <class Obs>
+  static std::size_t workspace_bytes(Cuda const&, KeyDiffScorer const&, KVExtents const& keys, Obs const&) {
     return static_cast<std::size_t>(keys.batch * keys.heads * backend::cuda::key_diff_splits(keys.tokens) * keys.dim) *
            sizeof(double);
   }
@@ -128,7 +129,7 @@ struct ScoreKernel<KeyDiffScorer, Cuda> {
       return {};
     KVC_RETURN_IF_ERROR(
         bc::head_grid_status(e.batch, e.heads, "kvc::score(key_diff, Cuda): batch and heads must be <= 65535"));
-    auto* partial = WorkspaceCarver(ws).take<double>(static_cast<Index>(workspace_bytes(s, e) / sizeof(double)));
+    auto* partial = WorkspaceCarver(ws).take<double>(static_cast<Index>(workspace_bytes(cuda, s, e, 0) / sizeof(double)));
     if (partial == nullptr)
       return {Errc::out_of_capacity, "kvc::score(key_diff, Cuda): workspace smaller than score_workspace_bytes()"};
     Index const splits = bc::key_diff_splits(e.tokens);
@@ -136,8 +137,9 @@ struct ScoreKernel<KeyDiffScorer, Cuda> {
     unsigned const threads = bc::key_diff_warps * bc::warp_size;
     auto const smem1 = static_cast<std::size_t>(bc::key_diff_warps * e.dim) * sizeof(double);
     auto const smem2 = static_cast<std::size_t>(e.dim + bc::key_diff_warps) * sizeof(float);
-    if (smem1 > 48 * 1024)
-      return {Errc::invalid_argument, "kvc::score(key_diff, Cuda): head dim must be <= 768"};
+    KVC_RETURN_IF_ERROR(bc::shared_memory_status(
+        smem1, "kvc::score(key_diff, Cuda): head dim too large for the device's shared memory (8 fp64 rows)"));
+    KVC_RETURN_IF_ERROR(bc::pending_status());
     bc::key_diff_anchor_kernel<<<grid, threads, smem1, cuda.stream>>>(cache.keys, s, out, partial, splits);
     bc::key_diff_score_kernel<<<grid, threads, smem2, cuda.stream>>>(cache.keys, s, out, partial, splits);
     return bc::launch_status("kvc::score(key_diff, Cuda): kernel launch failed");

@@ -18,7 +18,7 @@ __global__ void knorm_kernel(Keys keys, ScoreSpan<DeviceSpace> out) {
   Index const dim = keys.extents().dim;
   Index const b = blockIdx.z, h = blockIdx.y;
   int const lane = static_cast<int>(threadIdx.x) % warp_size;
-  Index const n = out.length(b);
+  Index const n = clamp_length(out.length(b, h), out.tokens);
   Index const stride = static_cast<Index>(gridDim.x) * knorm_warps;
   for (Index t = static_cast<Index>(blockIdx.x) * knorm_warps + threadIdx.x / warp_size; t < out.tokens; t += stride) {
     float sq = 0.0f;
@@ -41,8 +41,11 @@ namespace kvc {
 
 /// Knorm on CUDA: one read of K; no workspace.
 template <>
-struct ScoreKernel<KnormScorer, Cuda> {
-  static std::size_t workspace_bytes(KnormScorer const&, KVExtents const&) { return 0; }
+struct Kernel<KnormScorer, Cuda> {
+  template <class Obs>
+  static std::size_t workspace_bytes(Cuda const&, KnormScorer const&, KVExtents const&, Obs const&) {
+    return 0;
+  }
 
   template <KVCacheView C, class Obs>
   static Status run(Cuda const& cuda, KnormScorer const&, C const& cache, Obs const&, ScoreSpan<DeviceSpace> out,
@@ -53,6 +56,7 @@ struct ScoreKernel<KnormScorer, Cuda> {
       return {};
     KVC_RETURN_IF_ERROR(
         bc::head_grid_status(e.batch, e.heads, "kvc::score(knorm, Cuda): batch and heads must be <= 65535"));
+    KVC_RETURN_IF_ERROR(bc::pending_status());
     dim3 const grid(bc::grid_dim((e.tokens + bc::knorm_warps - 1) / bc::knorm_warps, 4096),
                     static_cast<unsigned>(e.heads), static_cast<unsigned>(e.batch));
     bc::knorm_kernel<<<grid, bc::knorm_warps * bc::warp_size, 0, cuda.stream>>>(cache.keys, out);

@@ -10,8 +10,11 @@
 
 namespace kvc::backend::cuda {
 
-__global__ void streaming_llm_kernel(StreamingLLMScorer s, ScoreSpan<DeviceSpace> out) {
-  Index const b = blockIdx.z, h = blockIdx.y, n = out.length(b);
+/// A template (instantiated once per program by the linker's COMDAT rules): a non-template __global__ defined in a
+/// header is a multiple definition as soon as two translation units include it.
+template <class Scorer>
+__global__ void streaming_llm_kernel(Scorer s, ScoreSpan<DeviceSpace> out) {
+  Index const b = blockIdx.z, h = blockIdx.y, n = clamp_length(out.length(b, h), out.tokens);
   auto const top = static_cast<float>(out.tokens);
   for (Index t = static_cast<Index>(blockIdx.x) * blockDim.x + threadIdx.x; t < out.tokens;
        t += static_cast<Index>(gridDim.x) * blockDim.x)
@@ -23,8 +26,11 @@ __global__ void streaming_llm_kernel(StreamingLLMScorer s, ScoreSpan<DeviceSpace
 namespace kvc {
 
 template <>
-struct ScoreKernel<StreamingLLMScorer, Cuda> {
-  static std::size_t workspace_bytes(StreamingLLMScorer const&, KVExtents const&) { return 0; }
+struct Kernel<StreamingLLMScorer, Cuda> {
+  template <class Obs>
+  static std::size_t workspace_bytes(Cuda const&, StreamingLLMScorer const&, KVExtents const&, Obs const&) {
+    return 0;
+  }
 
   template <KVCacheView C, class Obs>
   static Status run(Cuda const& cuda, StreamingLLMScorer const& s, C const&, Obs const&, ScoreSpan<DeviceSpace> out,
@@ -37,6 +43,7 @@ struct ScoreKernel<StreamingLLMScorer, Cuda> {
       return {};
     KVC_RETURN_IF_ERROR(backend::cuda::head_grid_status(
         out.batch, out.heads, "kvc::score(streaming_llm, Cuda): batch and heads must be <= 65535"));
+    KVC_RETURN_IF_ERROR(backend::cuda::pending_status());
     dim3 const grid(backend::cuda::grid_dim((out.tokens + 255) / 256, 1024), static_cast<unsigned>(out.heads),
                     static_cast<unsigned>(out.batch));
     backend::cuda::streaming_llm_kernel<<<grid, 256, 0, cuda.stream>>>(s, out);

@@ -40,10 +40,11 @@ __global__ void __launch_bounds__(top_k_threads)
   __shared__ Index s_running[2];  // selected so far, equal-to-threshold seen so far
 
   Index const b = blockIdx.y, h = blockIdx.x;
-  Index n = scores.length(b);
-  n = n < 0 ? 0 : (n > scores.tokens ? scores.tokens : n);
+  Index const n = clamp_length(scores.length(b, h), scores.tokens);
   auto const c = detail::top_k_counts(sel, b, h, n);
-  Index const keep = c.keep < plan.capacity ? c.keep : plan.capacity;  // the CPU reports this as out_of_capacity
+  // The host checked plan.capacity >= top_k_capacity_bound(); the clamp only guards memory against a device-side
+  // per-head budget table that promises more than the bound allowed for.
+  Index const keep = c.keep < plan.capacity ? c.keep : plan.capacity;
   Index* out = plan.indices(b, h);
   float const* s = scores.row(b, h);
   if (threadIdx.x == 0)
@@ -120,19 +121,24 @@ __global__ void __launch_bounds__(top_k_threads)
 
 namespace kvc {
 
-/// TopKSelector on CUDA. No workspace. Plans whose capacity is below a head's kept count are clamped to the
-/// capacity on the device (the CPU kernel returns out_of_capacity instead); size plans with capacity = tokens.
+/// TopKSelector on CUDA. No workspace. A plan whose capacity is below detail::top_k_capacity_bound() (the most any
+/// head can keep, known on the host) is rejected with out_of_capacity before launching: stricter than the CPU,
+/// which checks the real counts, because the device cannot report a short plan without a synchronisation.
 template <Budget B>
-struct SelectKernel<TopKSelector<B>, Cuda> {
-  static std::size_t workspace_bytes(TopKSelector<B> const&, Index, Index, Index) { return 0; }
+struct Kernel<TopKSelector<B>, Cuda> {
+  static std::size_t workspace_bytes(Cuda const&, TopKSelector<B> const&, Index, Index, Index) { return 0; }
 
   static Status run(Cuda const& cuda, TopKSelector<B> const& sel, ScoreSpan<DeviceSpace> scores,
                     KeepPlan<DeviceSpace> plan, Workspace) {
     KVC_RETURN_IF_ERROR(sel.check());
+    if (plan.capacity < detail::top_k_capacity_bound(sel, scores.tokens))
+      return {Errc::out_of_capacity,
+              "kvc::select(Cuda): `plan.capacity` is below the most a head can keep (size plans with capacity = tokens)"};
     if (scores.batch * scores.heads == 0)
       return {};
     KVC_RETURN_IF_ERROR(backend::cuda::head_grid_status(scores.batch, scores.heads,
                                                         "kvc::select(Cuda): batch and heads must be <= 65535"));
+    KVC_RETURN_IF_ERROR(backend::cuda::pending_status());
     dim3 const grid(static_cast<unsigned>(scores.heads), static_cast<unsigned>(scores.batch));
     backend::cuda::top_k_kernel<<<grid, backend::cuda::top_k_threads, 0, cuda.stream>>>(sel, scores, plan);
     return backend::cuda::launch_status("kvc::select(top_k, Cuda): kernel launch failed");

@@ -1,0 +1,199 @@
+// SPDX-License-Identifier: Apache-2.0
+// kvc/backend/cuda/detail/window_attention.cuh: the shared window-attention kernels on CUDA (SnapKV, TOVA; H2O and
+// MomentKV next): per query head, the column sums over R window queries of the causal softmax attention over each
+// KV head's slots. Three launches, never more than one logit per thread in flight:
+//   1. prepare: each window query widened to fp32 and rotated to its position (RoPE table lookups), positions;
+//   2. lse: one warp per query row, lanes over slots: the row's log-sum-exp;
+//   3. columns: one thread per slot of a KV head, looping over the g * R rows of its group: sum of exp(l - lse).
+// Same definition as the CPU kernel (backend/cpu/detail/window_attention.hpp); parity is tested within fp32
+// rounding (different summation order).
+#pragma once
+
+#include <kvc/backend/cuda/config.cuh>
+#include <kvc/core/observations.hpp>
+#include <kvc/core/workspace.hpp>
+
+#include <cstddef>
+#include <math_constants.h>
+
+namespace kvc::backend::cuda {
+
+inline constexpr int window_threads = 256;
+inline constexpr int window_lse_warps = 8;
+
+/// Device workspace of the window attention for R rows per query head (aligned pieces, see WindowScratch::carve).
+struct WindowScratch {
+  float* q = nullptr;        ///< [B, Hq, R, d] rotated fp32 queries
+  Index* q_pos = nullptr;    ///< [B, R] query positions
+  float* lse = nullptr;      ///< [B, Hq, R]
+  float* colsum = nullptr;   ///< [B, Hq, N]
+
+  static std::size_t bytes(Index batch, Index query_heads, Index rows, Index dim, Index tokens) noexcept {
+    auto const b = static_cast<std::size_t>(batch), hq = static_cast<std::size_t>(query_heads),
+               r = static_cast<std::size_t>(rows);
+    return workspace_round(b * hq * r * static_cast<std::size_t>(dim) * sizeof(float)) +
+           workspace_round(b * r * sizeof(Index)) + workspace_round(b * hq * r * sizeof(float)) +
+           workspace_round(b * hq * static_cast<std::size_t>(tokens) * sizeof(float));
+  }
+  static WindowScratch carve(WorkspaceCarver& c, Index batch, Index query_heads, Index rows, Index dim, Index tokens) {
+    WindowScratch s;
+    s.q = c.take<float>(batch * query_heads * rows * dim);
+    s.q_pos = c.take<Index>(batch * rows);
+    s.lse = c.take<float>(batch * query_heads * rows);
+    s.colsum = c.take<float>(batch * query_heads * tokens);
+    return s;
+  }
+  bool complete() const noexcept { return q && q_pos && lse && colsum; }
+};
+
+/// Grid (Hq, B): rows [first, first + R) of the window, widened, rotated (pairs from the table), positioned.
+template <class WQ, class C>
+__global__ void window_prepare_kernel(WQ wq, C cache, Index first, Index rows, WindowScratch s) {
+  Index const b = blockIdx.y, hq = blockIdx.x, w = wq.window(), d = wq.rows.extents().dim, heads = wq.rows.extents().heads;
+  __shared__ Index end;
+  if (threadIdx.x == 0)
+    end = wq.positions ? 0 : context_end(cache, b);
+  __syncthreads();
+  for (Index r = 0; r < rows; ++r) {
+    Index pos = wq.positions ? wq.positions[b * w + first + r] : end - w + first + r;
+    if (hq == 0 && threadIdx.x == 0)
+      s.q_pos[b * rows + r] = pos;
+    auto const* src = wq.rows.row(b, hq, first + r);
+    float* dst = s.q + ((b * heads + hq) * rows + r) * d;
+    Index const half = wq.rope.empty() ? 0 : wq.rope.rotary_dim / 2;
+    pos = pos < 0 ? 0 : (pos >= wq.rope.positions ? wq.rope.positions - 1 : pos);  // the host cannot check device positions
+    for (Index c = threadIdx.x; c < d; c += blockDim.x) {
+      bool const neox = wq.rope.style == RopeStyle::neox;
+      Index const pair = neox ? (c < half ? c : c - half) : c / 2;
+      if (c >= 2 * half) {  // past rotary_dim (or no table): not rotated
+        dst[c] = to_float(src[c]);
+        continue;
+      }
+      Index const a = neox ? pair : 2 * pair, bb = neox ? pair + half : 2 * pair + 1;
+      float const xa = to_float(src[a]), xb = to_float(src[bb]);
+      float const cs = wq.rope.cos[pos * half + pair], sn = wq.rope.sin[pos * half + pair];
+      dst[c] = c == a ? xa * cs - xb * sn : xb * cs + xa * sn;
+    }
+  }
+}
+
+/// Grid (row blocks, Hq, B): one warp per (query head, row): the row's log-sum-exp over the visible slots.
+template <class C>
+__global__ void window_lse_kernel(C cache, Index query_heads, Index rows, float scale, WindowScratch s) {
+  Index const b = blockIdx.z, hq = blockIdx.y, d = cache.keys.extents().dim;
+  int const warp = static_cast<int>(threadIdx.x) / warp_size, lane = static_cast<int>(threadIdx.x) % warp_size;
+  Index const r = static_cast<Index>(blockIdx.x) * window_lse_warps + warp;
+  if (r >= rows)
+    return;
+  Index const h = hq / (query_heads / cache.keys.extents().heads);
+  Index const n = clamp_length(cache.length(b, h), cache.keys.extents().tokens), pos = s.q_pos[b * rows + r];
+  float const* q = s.q + ((b * query_heads + hq) * rows + r) * d;
+  auto logit = [&](Index j) {
+    if (cache.position(b, h, j) > pos)
+      return -CUDART_INF_F;
+    auto const* k = cache.keys.row(b, h, j);
+    float dot = 0.0f;
+    for (Index c = 0; c < d; ++c)
+      dot += q[c] * to_float(k[c]);
+    return scale * dot;
+  };
+  float peak = -CUDART_INF_F;
+  for (Index j = lane; j < n; j += warp_size)
+    peak = fmaxf(peak, logit(j));
+  peak = warp_max(peak);
+  float total = 0.0f;
+  if (peak > -CUDART_INF_F)
+    for (Index j = lane; j < n; j += warp_size)
+      total += expf(logit(j) - peak);
+  total = warp_sum(total);
+  if (lane == 0)  // +inf for a row that sees nothing: its exps are then all 0
+    s.lse[(b * query_heads + hq) * rows + r] = total > 0.0f ? peak + logf(total) : CUDART_INF_F;
+}
+
+/// Grid (slot blocks, Hkv, B): one thread per slot j of KV head h; colsum[b, q, j] for each query head q of h's
+/// group, summed over the R rows.
+template <class C>
+__global__ void window_columns_kernel(C cache, Index query_heads, Index rows, float scale, WindowScratch s) {
+  KVExtents const e = cache.keys.extents();
+  Index const b = blockIdx.z, h = blockIdx.y, g = query_heads / e.heads, d = e.dim;
+  Index const n = clamp_length(cache.length(b, h), e.tokens);
+  Index const stride = static_cast<Index>(gridDim.x) * blockDim.x;
+  for (Index j = static_cast<Index>(blockIdx.x) * blockDim.x + threadIdx.x; j < n; j += stride) {
+    Index const pos = cache.position(b, h, j);
+    auto const* k = cache.keys.row(b, h, j);
+    for (Index lq = 0; lq < g; ++lq) {
+      Index const hq = h * g + lq;
+      float sum = 0.0f;
+      for (Index r = 0; r < rows; ++r) {
+        if (pos > s.q_pos[b * rows + r])
+          continue;
+        float const* q = s.q + ((b * query_heads + hq) * rows + r) * d;
+        float dot = 0.0f;
+        for (Index c = 0; c < d; ++c)
+          dot += q[c] * to_float(k[c]);
+        sum += expf(scale * dot - s.lse[(b * query_heads + hq) * rows + r]);
+      }
+      s.colsum[(b * query_heads + hq) * e.tokens + j] = sum;
+    }
+  }
+}
+
+/// Enqueues the three kernels for rows [first, first + rows) of the window queries.
+template <class WQ, class C>
+Status window_attention(Cuda const& cuda, WQ const& wq, C const& cache, Index first, Index rows, WindowScratch s) {
+  KVExtents const q = wq.rows.extents(), e = cache.keys.extents();
+  float const scale = 1.0f / sqrtf(static_cast<float>(e.dim));
+  window_prepare_kernel<<<dim3(static_cast<unsigned>(q.heads), static_cast<unsigned>(q.batch)), 128, 0, cuda.stream>>>(
+      wq, cache, first, rows, s);
+  window_lse_kernel<<<dim3(grid_dim((rows + window_lse_warps - 1) / window_lse_warps, 2147483647),
+                           static_cast<unsigned>(q.heads), static_cast<unsigned>(q.batch)),
+                      window_lse_warps * warp_size, 0, cuda.stream>>>(cache, q.heads, rows, scale, s);
+  window_columns_kernel<<<dim3(grid_dim((e.tokens + window_threads - 1) / window_threads, 4096),
+                               static_cast<unsigned>(e.heads), static_cast<unsigned>(e.batch)),
+                          window_threads, 0, cuda.stream>>>(cache, q.heads, rows, scale, s);
+  return launch_status("kvc::score(window attention, Cuda): kernel launch failed");
+}
+
+/// Host-side checks shared by the window scorers (shapes; positions live on the device and are clamped there).
+template <class WQ, class C>
+Status check_window(WQ const& wq, C const& cache, Index rows_used, char const* what) {
+  KVExtents const q = wq.rows.extents(), k = cache.keys.extents();
+  if (q.batch != k.batch || q.dim != k.dim || k.heads <= 0 || q.heads % k.heads != 0 || q.tokens < rows_used ||
+      rows_used < 1)
+    return {Errc::invalid_argument, what};
+  if (!wq.rope.empty() && (wq.rope.rotary_dim <= 0 || wq.rope.rotary_dim % 2 != 0 || wq.rope.rotary_dim > q.dim ||
+                           wq.rope.positions <= 0 || wq.rope.sin == nullptr))
+    return {Errc::invalid_argument, "RopeTable: needs cos, sin, positions > 0 and an even rotary_dim <= head dim"};
+  KVC_RETURN_IF_ERROR(head_grid_status(q.batch, q.heads, "kvc::score(Cuda): batch and query heads must be <= 65535"));
+  return {};
+}
+
+/// Slots of head (b, h) before `position` (positions ascend): a binary search on the device.
+template <class C>
+__device__ Index slots_before(C const& cache, Index b, Index h, Index n, Index position) {
+  Index lo = 0, hi = n;
+  while (lo < hi) {
+    Index const mid = lo + (hi - lo) / 2;
+    if (cache.position(b, h, mid) < position)
+      lo = mid + 1;
+    else
+      hi = mid;
+  }
+  return lo;
+}
+
+/// Block-wide max of one value per thread (blockDim.x a multiple of 32, at most 1024).
+__device__ inline float block_max(float x, float* scratch) {
+  int const warp = static_cast<int>(threadIdx.x) / warp_size, lane = static_cast<int>(threadIdx.x) % warp_size;
+  x = warp_max(x);
+  if (lane == 0)
+    scratch[warp] = x;
+  __syncthreads();
+  int const warps = static_cast<int>(blockDim.x) / warp_size;
+  x = lane < warps ? scratch[lane] : -CUDART_INF_F;
+  x = warp_max(x);
+  __syncthreads();
+  return x;
+}
+
+}  // namespace kvc::backend::cuda
