@@ -1,17 +1,26 @@
 // SPDX-License-Identifier: Apache-2.0
-// tests/tools/cli_test.cpp: the `kvc` command-line contract (DESIGN.md §6): exit codes 0/2/3, messages that name
-// the file, the field and what was expected, and outputs with the documented shapes.
+// tests/tools/cli_test.cpp: the `kvc` command-line contract (DESIGN.md §6, docs/cli.md): exit codes 0/2/3,
+// messages that name the file, the field and what was expected, --help, exact parameter lists, the query options of
+// the window policies (SnapKV, TOVA), and outputs with the documented shapes. The scores themselves are checked
+// against the NumPy oracle by tools/reference/check_cli.py (ctest kvc.tools.cli_oracle).
 #include <kvc/io/npy.hpp>
 
 #include "common/synthetic.hpp"
 #include "support/catch.hpp"
 
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
 #include <cstdio>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <limits>
+#include <map>
+#include <sstream>
 #include <string>
 #include <sys/wait.h>
+#include <utility>
 #include <vector>
 
 #ifndef KVC_CLI
@@ -28,8 +37,9 @@ struct Result {
   std::string output;
 };
 
-Result run(std::string const& args) {
-  std::string const cmd = std::string(KVC_CLI) + " " + args + " 2>&1";
+/// Runs the CLI; `output` is stdout and stderr together, or stdout alone with `stdout_only`.
+Result run(std::string const& args, bool stdout_only = false) {
+  std::string const cmd = std::string(KVC_CLI) + " " + args + (stdout_only ? " 2>/dev/null" : " 2>&1");
   FILE* p = popen(cmd.c_str(), "r");
   REQUIRE(p != nullptr);
   std::string out;
@@ -58,8 +68,8 @@ std::string write_npy(std::string const& name, kvc::NpyDtype dtype, std::vector<
   return write_file(name, kvc::serialize_npy(dtype, shape, data.data()));
 }
 
-std::vector<float> randoms(std::size_t n) {
-  kvc::tools::Rng rng(1);
+std::vector<float> randoms(std::size_t n, std::uint64_t seed = 1) {
+  kvc::tools::Rng rng(seed);
   std::vector<float> v(n);
   for (float& x : v)
     x = rng.normal();
@@ -68,14 +78,7 @@ std::vector<float> randoms(std::size_t n) {
 
 }  // namespace
 
-TEST_CASE("cli: policies lists every policy with parameters and defaults", "[tools][cli]") {
-  auto const r = run("policies");
-  CHECK(r.code == 0);
-  for (char const* s : {"streaming_llm", "key_diff", "knorm", "n_sink=4", "anchor=normalized_mean"})
-    CHECK(r.output.find(s) != std::string::npos);
-}
-
-TEST_CASE("cli: score and compress write the documented shapes; --time prints one JSON line", "[tools][cli]") {
+TEST_CASE("cli: score and compress write the documented shapes, and --time prints one JSON line", "[tools][cli]") {
   auto const k = write_npy("k.npy", kvc::NpyDtype::f32, {1, 2, 10, 4}, randoms(80));
   auto const v = write_npy("v.npy", kvc::NpyDtype::f32, {1, 2, 10, 4}, randoms(80));
   auto const r = run("score --policy key_diff --keys " + k + " --out " + work("s.npy") + " --time");
@@ -187,4 +190,415 @@ TEST_CASE("cli: invalid input exits 3 and names the file, the field and what was
                   header_only("{'descr': '<f4', 'fortran_order': False, 'shape': (100000000000000, 100000, 1, 1), }")) +
               out,
           "overflows 64 bits");
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Help, the policy table, parameter rejection, and the window policies' query options.
+
+namespace {
+
+kvc::NpyArray read(std::string const& path) {
+  kvc::NpyArray a;
+  std::string error;
+  INFO(path << ": " << error);
+  REQUIRE(kvc::read_npy(path, a, error));
+  return a;
+}
+
+std::vector<float> floats(kvc::NpyArray const& a) {
+  return {a.as<float>(), a.as<float>() + a.size()};
+}
+
+std::vector<std::int64_t> ints(kvc::NpyArray const& a) {
+  return {a.as<std::int64_t>(), a.as<std::int64_t>() + a.size()};
+}
+
+bool contains(std::string const& text, std::string const& needle) {
+  return text.find(needle) != std::string::npos;
+}
+
+/// A small GQA problem: keys/values [1, 2, 40, 4] and pre-RoPE queries [1, 4, 32, 4] (32 rows: SnapKV's default
+/// window), as .npy files named after `tag` (ctest runs the test cases in parallel processes).
+struct WindowFiles {
+  static constexpr Index n = 40, w = 32;
+  explicit WindowFiles(std::string const& name)
+      : tag(name),
+        keys(write_npy(name + "_k.npy", kvc::NpyDtype::f32, {1, 2, n, 4}, randoms(2 * n * 4, 2))),
+        values(write_npy(name + "_v.npy", kvc::NpyDtype::f32, {1, 2, n, 4}, randoms(2 * n * 4, 3))),
+        queries(write_npy(name + "_q.npy", kvc::NpyDtype::f32, {1, 4, w, 4}, randoms(4 * w * 4, 4))) {}
+  std::string tag, keys, values, queries;
+  /// A path for an output of this test case.
+  std::string out(std::string const& name) const { return work(tag + "_" + name); }
+  std::string kv() const { return " --keys " + keys + " --values " + values; }
+  std::string kq() const { return " --keys " + keys + " --queries " + queries; }
+};
+
+std::vector<std::string> const all_policies = {"streaming_llm", "key_diff", "knorm", "snap_kv", "tova", "random"};
+std::vector<std::string> const key_only_policies = {"streaming_llm", "key_diff", "knorm", "random"};
+
+bool reads_queries(std::string const& policy) {
+  return policy == "snap_kv" || policy == "tova";
+}
+
+}  // namespace
+
+TEST_CASE("cli: --help prints each command's usage to stdout and exits 0", "[tools][cli]") {
+  auto r = run("score --help", true);
+  CHECK(r.code == 0);
+  for (char const* s :
+       {"usage: kvc score", "--queries Q.npy", "--positions P.npy", "--rope theta=T,style=neox|interleaved",
+        "--out scores.npy", "--param queries=post_rope", "snap_kv", "Exit codes"})
+    CHECK(contains(r.output, s));
+  CHECK(run("help score", true).output == r.output);
+  CHECK(run("score --policy knorm --bogus --help", true).output == r.output);  // --help wins
+  r = run("compress --help", true);
+  CHECK(r.code == 0);
+  for (char const* s : {"usage: kvc compress", "--ratio R", "--budget N", "--out-dir DIR", "--queries Q.npy",
+                        "indices.npy", "counts.npy"})
+    CHECK(contains(r.output, s));
+  CHECK(run("compress -h", true).output == r.output);
+  for (char const* args : {"--help", "-h", "help"}) {
+    r = run(args, true);
+    CHECK(r.code == 0);
+    for (char const* s : {"kvc score", "kvc compress", "kvc policies", "kvc COMMAND --help"})
+      CHECK(contains(r.output, s));
+  }
+  r = run("policies --help", true);
+  CHECK(r.code == 0);
+  CHECK(contains(r.output, "usage: kvc policies"));
+  // A usage error prints the command's synopsis (to stderr) and where the details are.
+  r = run("score --bogus");
+  CHECK(r.code == 2);
+  CHECK(contains(r.output, "unknown argument '--bogus'"));
+  CHECK(contains(r.output, "usage: kvc score"));
+  CHECK(contains(r.output, "kvc score --help"));
+  CHECK(run("score --bogus", true).output.empty());
+}
+
+TEST_CASE("cli: policies lists every policy with every parameter and its default, each accepted", "[tools][cli]") {
+  auto const r = run("policies", true);
+  REQUIRE(r.code == 0);
+  // Parse "NAME  (reads ...)" headings and "    --param NAME=DEFAULT ..." lines.
+  std::map<std::string, std::map<std::string, std::string>> listed;
+  std::string current;
+  std::istringstream lines(r.output);
+  for (std::string line; std::getline(lines, line);) {
+    if (contains(line, "  (reads ") && line[0] != ' ') {
+      current = line.substr(0, line.find(' '));
+      listed[current];
+    } else if (line.rfind("    --param ", 0) == 0) {
+      std::string const kv = line.substr(12, line.find(' ', 12) - 12);
+      listed[current][kv.substr(0, kv.find('='))] = kv.substr(kv.find('=') + 1);
+    }
+  }
+  using M = std::map<std::string, std::string>;
+  M const selection = {{"n_sink", "0"}, {"n_recent", "0"}};
+  auto with_selection = [&](M m) {
+    m.insert(selection.begin(), selection.end());
+    return m;
+  };
+  std::map<std::string, M> const expected = {
+      {"streaming_llm", {{"n_sink", "4"}}},
+      {"key_diff", with_selection({{"anchor", "normalized_mean"}})},
+      {"knorm", selection},
+      {"snap_kv", with_selection({{"reference", "authors"},
+                                  {"window_size", "32"},
+                                  {"kernel_size", "7"},
+                                  {"pooling", "max"},
+                                  {"gqa", "mean"},
+                                  {"queries", "pre_rope"}})},
+      {"tova", with_selection({{"reference", "authors"}, {"queries", "pre_rope"}})},
+      {"random", with_selection({{"seed", "0"}})},
+  };
+  CHECK(listed == expected);
+  for (char const* s : {"window_size=32 (kvpress: 64)", "kernel_size=7 (kvpress: 5)", "pooling=max (kvpress: avg)"})
+    CHECK(contains(r.output, s));
+
+  // Every listed parameter, set to its listed default, is accepted and changes nothing.
+  WindowFiles const f("defaults");
+  for (auto const& [policy, params] : expected) {
+    std::string const inputs = f.kv() + (reads_queries(policy) ? " --queries " + f.queries : "");
+    std::string all;
+    for (auto const& [name, value] : params)
+      all += " --param " + name + "=" + value;
+    INFO(policy << all);
+    REQUIRE(run("compress --policy " + policy + " --ratio 0.5" + inputs + " --out-dir " + f.out("d_plain")).code == 0);
+    REQUIRE(run("compress --policy " + policy + " --ratio 0.5" + all + inputs + " --out-dir " + f.out("d_all")).code ==
+            0);
+    CHECK(ints(read(f.out("d_plain/indices.npy"))) == ints(read(f.out("d_all/indices.npy"))));
+  }
+}
+
+TEST_CASE("cli: a parameter a policy does not have is rejected with exit 2, naming it and the policy", "[tools][cli]") {
+  WindowFiles const f("reject");
+  auto expect2 = [](std::string const& args, std::vector<std::string> const& needles) {
+    auto const r = run(args);
+    INFO(args << "\n" << r.output);
+    CHECK(r.code == 2);
+    for (auto const& n : needles)
+      CHECK(contains(r.output, n));
+  };
+  for (auto const& policy : all_policies) {
+    std::string const inputs = reads_queries(policy) ? f.kq() : " --keys " + f.keys;
+    expect2("score --policy " + policy + " --param bogus=1" + inputs + " --out " + f.out("x.npy"),
+            {"--param 'bogus' is not a parameter of policy " + policy});
+  }
+  // Parameters of other policies, and `queries` on a policy that reads none.
+  for (auto const& [policy, param] : std::vector<std::pair<std::string, std::string>>{{"knorm", "queries=post_rope"},
+                                                                                      {"key_diff", "queries=pre_rope"},
+                                                                                      {"random", "queries=post_rope"},
+                                                                                      {"streaming_llm", "n_recent=2"},
+                                                                                      {"key_diff", "seed=1"},
+                                                                                      {"knorm", "reference=kvpress"},
+                                                                                      {"random", "anchor=raw_mean"},
+                                                                                      {"tova", "window_size=8"},
+                                                                                      {"tova", "gqa=mean"},
+                                                                                      {"snap_kv", "anchor=raw_mean"},
+                                                                                      {"snap_kv", "seed=3"}}) {
+    std::string const inputs = reads_queries(policy) ? f.kq() : " --keys " + f.keys;
+    std::string const name = param.substr(0, param.find('='));
+    expect2("score --policy " + policy + " --param " + param + inputs + " --out " + f.out("x.npy"),
+            {"'" + name + "' is not a parameter of policy " + policy, "see `kvc policies`"});
+  }
+  // Selection parameters do not change scores: `score` rejects them, `compress` takes them.
+  expect2("score --policy key_diff --param n_sink=4 --keys " + f.keys + " --out " + f.out("x.npy"),
+          {"'n_sink' of policy key_diff", "kvc compress"});
+  expect2("score --policy snap_kv --param n_recent=2" + f.kq() + " --out " + f.out("x.npy"),
+          {"'n_recent' of policy snap_kv"});
+  CHECK(run("compress --policy key_diff --param n_sink=4 --budget 8" + f.kv() + " --out-dir " + f.out("d")).code == 0);
+  // Malformed or repeated --param.
+  expect2("score --policy knorm --param n_sink --keys " + f.keys + " --out " + f.out("x.npy"), {"expected NAME=VALUE"});
+  expect2("compress --policy knorm --param n_sink=1 --param n_sink=2 --budget 4" + f.kv() + " --out-dir " + f.out("d"),
+          {"'n_sink' given twice"});
+}
+
+TEST_CASE("cli: --queries, --positions and --rope go with the policies that read queries, and only them",
+          "[tools][cli]") {
+  WindowFiles const f("qopts");
+  auto const positions = write_npy("wp.npy", kvc::NpyDtype::i64, {1, WindowFiles::w},
+                                   std::vector<std::int64_t>(static_cast<std::size_t>(WindowFiles::w), 39));
+  auto expect2 = [](std::string const& args, std::string const& needle) {
+    auto const r = run(args);
+    INFO(args << "\n" << r.output);
+    CHECK(r.code == 2);
+    CHECK(contains(r.output, needle));
+  };
+  for (char const* policy : {"snap_kv", "tova"}) {
+    expect2(std::string("score --policy ") + policy + " --keys " + f.keys + " --out " + f.out("x.npy"),
+            std::string("policy ") + policy + " reads queries: pass --queries Q.npy");
+    expect2(std::string("compress --policy ") + policy + " --ratio 0.5" + f.kv() + " --out-dir " + f.out("d"),
+            "reads queries: pass --queries Q.npy");
+  }
+  for (auto const& policy : key_only_policies)
+    for (std::string const& opt :
+         std::vector<std::string>{"--queries " + f.queries, "--positions " + positions, "--rope theta=10000"}) {
+      expect2("score --policy " + policy + " --keys " + f.keys + " " + opt + " --out " + f.out("x.npy"),
+              opt.substr(0, opt.find(' ')) + " given, but policy " + policy + " does not read queries");
+      expect2("compress --policy " + policy + " --ratio 0.5" + f.kv() + " " + opt + " --out-dir " + f.out("d"),
+              "does not read queries");
+    }
+  std::string const snap = "score --policy snap_kv" + f.kq() + " --out " + f.out("x.npy");
+  for (char const* rope : {"''", "theta", "=5", "theta=abc", "theta=0.5", "theta=1e4,style=gptj", "theta=1e4,foo=1",
+                           "theta=1e4,theta=2e4", "style=neox,", "theta=inf"})
+    expect2(snap + " --rope " + rope, "--rope '");
+  for (char const* rope : {"style=interleaved", "theta=500000", "theta=1e4,style=neox", "style=neox,theta=10000"})
+    CHECK(run(snap + " --rope " + rope).code == 0);
+  expect2(snap + " --param queries=post_rope --rope theta=10000",
+          "--rope given, but --param queries=post_rope: post-RoPE queries are used as given");
+  CHECK(run(snap + " --param queries=post_rope --positions " + positions).code == 0);
+}
+
+TEST_CASE("cli: snap_kv, tova and random follow the documented contract", "[tools][cli]") {
+  WindowFiles const f("contract");
+  Index const n = WindowFiles::n, w = WindowFiles::w;
+  auto scores = [&](std::string const& args) {
+    auto const r = run("score " + args + " --out " + f.out("ws.npy"));
+    INFO(args << "\n" << r.output);
+    REQUIRE(r.code == 0);
+    auto const a = read(f.out("ws.npy"));
+    CHECK(a.shape == std::vector<Index>{1, 2, n});
+    return floats(a);
+  };
+  // SnapKV: the window_size window scores max(prefix) + 1 on every head; compress keeps it.
+  auto const s = scores("--policy snap_kv --param window_size=8" + f.kq());
+  for (Index h = 0; h < 2; ++h) {
+    auto const* row = s.data() + h * n;
+    float const top = *std::max_element(row, row + n - 8);
+    for (Index t = n - 8; t < n; ++t)
+      CHECK(row[t] == top + 1.0f);
+  }
+  REQUIRE(run("compress --policy snap_kv --param window_size=8 --budget 12" + f.kv() + " --queries " + f.queries +
+              " --out-dir " + f.out("snap"))
+              .code == 0);
+  auto const kept = ints(read(f.out("snap/indices.npy")));
+  REQUIRE(kept.size() == 24);
+  for (Index h = 0; h < 2; ++h)
+    for (Index t = 0; t < 8; ++t)
+      CHECK(kept[static_cast<std::size_t>(h * 12 + 4 + t)] == n - 8 + t);
+  // The documented defaults: reference=kvpress changes window_size to 64 (more rows than the queries hold).
+  auto r = run("score --policy snap_kv --param reference=kvpress" + f.kq() + " --out " + f.out("x.npy"));
+  CHECK(r.code == 3);
+  CHECK(contains(r.output, "reads the last 64 query rows"));
+  CHECK(scores("--policy snap_kv --param reference=kvpress --param window_size=32" + f.kq()) ==
+        scores("--policy snap_kv --param reference=kvpress --param window_size=32 --param kernel_size=5 "
+               "--param pooling=avg --param gqa=mean" +
+               f.kq()));
+  CHECK(scores("--policy snap_kv" + f.kq()) ==
+        scores("--policy snap_kv --param window_size=32 --param kernel_size=7 --param pooling=max" + f.kq()));
+
+  // TOVA: one score per token shared by every KV head; authors' scores are probabilities summing to 1; kvpress
+  // keeps the newest token.
+  auto const t = scores("--policy tova" + f.kq());
+  CHECK(std::equal(t.begin(), t.begin() + n, t.begin() + n));
+  double sum = 0;
+  for (Index j = 0; j < n; ++j)
+    sum += t[static_cast<std::size_t>(j)];
+  CHECK(std::abs(sum - 1.0) < 1e-5);
+  auto const tk = scores("--policy tova --param reference=kvpress" + f.kq());
+  CHECK(tk[n - 1] == *std::max_element(tk.begin(), tk.begin() + n - 1) + 1.0f);
+
+  // Positions: the default is the context's last w positions; other positions change the causal mask and RoPE.
+  std::vector<std::int64_t> last(static_cast<std::size_t>(w));
+  for (Index i = 0; i < w; ++i)
+    last[static_cast<std::size_t>(i)] = n - w + i;
+  auto const p_last = write_npy("p_last.npy", kvc::NpyDtype::i64, {1, w}, last);
+  for (auto& p : last)
+    p -= 4;
+  auto const p_early = write_npy("p_early.npy", kvc::NpyDtype::i64, {1, w}, last);
+  for (char const* policy : {"snap_kv", "tova"}) {
+    std::string const base = std::string("--policy ") + policy + f.kq();
+    CHECK(scores(base) == scores(base + " --positions " + p_last));
+    CHECK(scores(base) != scores(base + " --positions " + p_early));
+    CHECK(scores(base) != scores(base + " --rope style=interleaved"));
+    CHECK(scores(base) != scores(base + " --param queries=post_rope"));
+  }
+
+  // float16 queries are widened exactly: the same scores as float32 queries holding the same values.
+  std::vector<kvc::half> q16;
+  std::vector<float> q32;
+  for (float x : randoms(4 * w * 4, 4)) {
+    q16.emplace_back(x);
+    q32.push_back(static_cast<float>(q16.back()));
+  }
+  auto const f16 = write_npy("wq16.npy", kvc::NpyDtype::f16, {1, 4, w, 4}, q16);
+  auto const f32 = write_npy("wq32.npy", kvc::NpyDtype::f32, {1, 4, w, 4}, q32);
+  CHECK(scores("--policy tova --keys " + f.keys + " --queries " + f16) ==
+        scores("--policy tova --keys " + f.keys + " --queries " + f32));
+
+  // --time counts K and Q bytes for the window policies, nothing for random.
+  r = run("score --policy snap_kv" + f.kq() + " --out " + f.out("x.npy") + " --time");
+  CHECK(contains(r.output, "\"policy\": \"snap_kv\""));
+  CHECK(contains(r.output, "\"bytes_read\": " + std::to_string((2 * n * 4 + 4 * w * 4) * 4) + "}"));
+  r = run("score --policy random --keys " + f.keys + " --out " + f.out("x.npy") + " --time");
+  CHECK(contains(r.output, "\"bytes_read\": 0}"));
+
+  // random: deterministic per seed, in [0, 1), different for another seed.
+  auto const r0 = scores("--policy random --keys " + f.keys);
+  CHECK(r0 == scores("--policy random --param seed=0 --keys " + f.keys));
+  CHECK(r0 != scores("--policy random --param seed=1 --keys " + f.keys));
+  CHECK(r0 != scores("--policy random --param seed=18446744073709551615 --keys " + f.keys));
+  for (float x : r0)
+    CHECK((x >= 0.0f && x < 1.0f));
+  REQUIRE(run("compress --policy random --param n_sink=2 --budget 5" + f.kv() + " --out-dir " + f.out("rnd")).code ==
+          0);
+  auto const rk = ints(read(f.out("rnd/indices.npy")));
+  CHECK(rk.size() == 10);
+  CHECK((rk[0] == 0 && rk[1] == 1 && rk[5] == 0 && rk[6] == 1));
+}
+
+TEST_CASE("cli: invalid queries, positions and window parameters exit 3 naming the file and the field",
+          "[tools][cli]") {
+  WindowFiles const f("invalid");
+  Index const w = WindowFiles::w;
+  auto expect3 = [](std::string const& args, std::string const& needle) {
+    auto const r = run(args);
+    INFO(args << "\n" << r.output);
+    CHECK(r.code == 3);
+    CHECK(contains(r.output, needle));
+  };
+  std::string const out = " --out " + f.out("bad.npy");
+  auto snap = [&](std::string const& queries, std::string const& more = "") {
+    return "score --policy snap_kv --param window_size=8 --keys " + f.keys + " --queries " + queries + more + out;
+  };
+  auto const q = [&](char const* name, std::vector<Index> shape) {
+    Index size = 1;
+    for (Index s : shape)
+      size *= s;
+    return write_npy(name, kvc::NpyDtype::f32, shape, randoms(static_cast<std::size_t>(size)));
+  };
+  expect3(snap(write_npy("qi.npy", kvc::NpyDtype::i64, {1, 4, 8, 4}, std::vector<std::int64_t>(128, 1))),
+          "qi.npy: field 'descr' is <i8, expected '<f4' (float32) or '<f2' (float16)");
+  expect3(snap(q("q3.npy", {4, 8, 4})),
+          "q3.npy: field 'shape' has 3 dimensions, expected 4 ([batch, query_heads, "
+          "window, head_dim])");
+  expect3(snap(q("qb.npy", {2, 4, 8, 4})), "qb.npy: field 'shape': batch (shape[0]) is 2, expected the keys' 1");
+  expect3(snap(q("qh.npy", {1, 3, 8, 4})),
+          "qh.npy: field 'shape': query heads (shape[1]) is 3, expected a positive multiple of the keys' KV heads (2)");
+  expect3(snap(q("qw.npy", {1, 4, 0, 4})), "qw.npy: field 'shape': window (shape[2]) is 0, expected >= 1");
+  expect3(snap(q("qd.npy", {1, 4, 8, 6})), "qd.npy: field 'shape': head_dim (shape[3]) is 6, expected the keys' 4");
+  auto nan = randoms(128);
+  nan[7] = std::numeric_limits<float>::infinity();
+  expect3(snap(write_npy("qn.npy", kvc::NpyDtype::f32, {1, 4, 8, 4}, nan)), "qn.npy: field 'data' holds NaN or Inf");
+  expect3(snap(f.out("missing_q.npy")), "queries file " + f.out("missing_q.npy") + ": cannot open");
+  // The window must fit the queries, and (without --positions) the context.
+  expect3("score --policy snap_kv --param window_size=33" + f.kq() + out,
+          "field 'shape': window (shape[2]) is 32, but policy snap_kv reads the last 33 query rows");
+  auto const short_keys = write_npy("k_short.npy", kvc::NpyDtype::f32, {1, 2, 6, 4}, randoms(48));
+  expect3("score --policy snap_kv --param window_size=8 --keys " + short_keys + " --queries " + f.queries + out,
+          "k_short.npy: field 'shape': tokens (shape[2]) is 6, but the last 8 query rows sit at positions N - 8 .. "
+          "N - 1 (pass --positions P.npy)");
+  // RoPE rotates pairs of channels.
+  auto const odd_k = write_npy("k_odd.npy", kvc::NpyDtype::f32, {1, 1, 10, 3}, randoms(30));
+  auto const odd_q = write_npy("q_odd.npy", kvc::NpyDtype::f32, {1, 1, 2, 3}, randoms(6));
+  expect3("score --policy tova --keys " + odd_k + " --queries " + odd_q + out,
+          "q_odd.npy: field 'shape': head_dim (shape[3]) is 3: RoPE rotates pairs of channels");
+  CHECK(run("score --policy tova --param queries=post_rope --keys " + odd_k + " --queries " + odd_q + out).code == 0);
+  // Positions: int64 [B, w], non-negative.
+  std::string const pos = " --positions ";
+  expect3(snap(f.queries, pos + q("pf.npy", {1, w})),
+          "positions file " + work("pf.npy") + ": field 'descr' is <f4, expected '<i8' (int64)");
+  expect3(snap(f.queries, pos + write_npy("ps.npy", kvc::NpyDtype::i64, {1, 8}, std::vector<std::int64_t>(8, 1))),
+          "ps.npy: field 'shape' has 2 dimensions or other sizes, expected [batch, window] = [1, 32]");
+  std::vector<std::int64_t> neg(static_cast<std::size_t>(w), 5);
+  neg[3] = -1;
+  expect3(snap(f.queries, pos + write_npy("pn.npy", kvc::NpyDtype::i64, {1, w}, neg)),
+          "pn.npy: field 'data': position -1 (element 3) is negative, expected >= 0");
+  std::vector<std::int64_t> huge(static_cast<std::size_t>(w), 5);
+  huge[0] = std::int64_t{1} << 40;
+  expect3(snap(f.queries, pos + write_npy("ph.npy", kvc::NpyDtype::i64, {1, w}, huge)),
+          "ph.npy: field 'data': position 1099511627776 needs a RoPE table over 1 GiB");
+  // Bad parameter values.
+  std::string const base = "score --policy snap_kv --param window_size=8" + f.kq() + out;
+  expect3(base + " --param kernel_size=4", "--param kernel_size = 4: expected an odd integer");
+  expect3(base + " --param pooling=median", "--param pooling = 'median': expected max or avg");
+  expect3(base + " --param gqa=min", "--param gqa = 'min': expected mean, max, sum or per_query_head");
+  expect3(base + " --param reference=kvpress --param gqa=max", "reference=kvpress averages over the GQA group");
+  expect3(base + " --param reference=paper", "--param reference = 'paper': expected authors or kvpress");
+  expect3(base + " --param queries=rotated", "--param queries = 'rotated': expected pre_rope or post_rope");
+  expect3(base + " --param gqa=per_query_head", "gqa=per_query_head");  // Hq = 4, Hkv = 2
+  expect3("score --policy snap_kv --param window_size=0" + f.kq() + out,
+          "--param window_size = 0: expected an "
+          "integer >= 1");
+  expect3("score --policy random --param seed=-1 --keys " + f.keys + out,
+          "--param seed = '-1': expected an integer in [0, 2^64)");
+  expect3("score --policy random --param seed=18446744073709551616 --keys " + f.keys + out, "--param seed");
+}
+
+TEST_CASE("cli: options belong to their command and are given once", "[tools][cli]") {
+  WindowFiles const f("options");
+  auto r = run("score --policy knorm --ratio 0.5 --keys " + f.keys + " --out " + f.out("x.npy"));
+  CHECK(r.code == 2);
+  CHECK(contains(r.output, "--ratio is not an option of `kvc score`"));
+  r = run("compress --policy knorm --ratio 0.5" + f.kv() + " --out " + f.out("x.npy"));
+  CHECK(r.code == 2);
+  CHECK(contains(r.output, "--out is not an option of `kvc compress`"));
+  r = run("policies --policy knorm");
+  CHECK(r.code == 2);
+  CHECK(contains(r.output, "--policy is not an option of `kvc policies`"));
+  r = run("score --policy knorm --keys " + f.keys + " --keys " + f.keys + " --out " + f.out("x.npy"));
+  CHECK(r.code == 2);
+  CHECK(contains(r.output, "--keys given twice"));
+  r = run("score --policy knorm --keys " + f.keys + " --out");
+  CHECK(r.code == 2);
+  CHECK(contains(r.output, "--out needs a value"));
 }

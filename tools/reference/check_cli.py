@@ -1,12 +1,23 @@
 # SPDX-License-Identifier: Apache-2.0
 """End-to-end check of the `kvc` CLI against the NumPy oracle on the reference vectors.
 
-For every case in the manifest and every policy: `kvc score` must match the oracle's scores (float32 within
+Key-only policies, for every case in manifest.txt: `kvc score` must match the oracle's scores (float32 within
 1e-5, float16 within 2e-3), and `kvc compress --ratio 0.5` must write the oracle's kept set (tokens whose oracle
 scores lie within 1e-5 of the selection boundary may swap), plus keys/values equal to the gathered inputs.
+
+Window-attention policies (SnapKV, TOVA; oracle in baselines.py), for every case in window_manifest.txt and every
+oracle variant it holds: `kvc score --policy snap_kv|tova --queries queries.npy --rope theta=T,style=S` with the
+variant's parameters must match scores_<variant>.npy within 1e-5 relative to max(1, max|score|) (the queries and
+keys are exact in float32, so float16 cases get the same bound), and `kvc compress --ratio R` must keep
+kept_<variant>_<R>.npy for every R (boundary ties as above). The snap_kv authors and kvpress variants pass only
+`reference` and `window_size`, so they check the documented per-reference defaults, which must also be what
+`kvc policies` prints. Per case, explicit --positions equal to the default ones must give identical scores, and
+post-RoPE queries (the model's own for tinystories, baselines.rope otherwise) with --param queries=post_rope must
+match the oracle.
 Usage: check_cli.py KVC_BINARY VECTORS_DIR WORK_DIR
 """
 import os
+import re
 import subprocess
 import sys
 
@@ -16,19 +27,51 @@ except ImportError:
     print("SKIPPED: NumPy is not installed")
     sys.exit(77)
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import baselines  # noqa: E402
+
+# oracle variant (make_vectors.WINDOW_VARIANTS) -> CLI policy and parameters; window_size comes from meta.txt
+WINDOW_VARIANTS = {
+    "snap_kv_authors": ("snap_kv", {"reference": "authors"}),  # defaults: kernel 7, max pooling, gqa mean
+    "snap_kv_kvpress": ("snap_kv", {"reference": "kvpress"}),  # defaults: kernel 5, avg pooling, gqa mean
+    "snap_kv_authors_avg_sum": ("snap_kv", {"kernel_size": 5, "pooling": "avg", "gqa": "sum"}),
+    "snap_kv_authors_pqh": ("snap_kv", {"gqa": "per_query_head"}),
+    "tova_authors": ("tova", {}),
+    "tova_kvpress": ("tova", {"reference": "kvpress"}),
+}
+RATIOS = ("0.25", "0.5", "0.75")
+
 
 def run(cmd):
     r = subprocess.run(cmd, capture_output=True, text=True)
     if r.returncode != 0:
         sys.exit(f"FAILED: {' '.join(cmd)} exited {r.returncode}: {r.stderr}")
+    return r.stdout
 
 
-def main():
-    kvc, vectors, work = sys.argv[1:4]
-    os.makedirs(work, exist_ok=True)
-    if not os.path.exists(os.path.join(vectors, "manifest.txt")):
-        print("SKIPPED: no reference vectors")
-        sys.exit(77)
+def check_kept(label, od, ref, scores, keys, values, tie_tol):
+    """The kept indices in `od` equal `ref` per head up to boundary ties; keys/values are the kept input rows."""
+    idx = np.load(os.path.join(od, "indices.npy"))
+    if idx.shape != ref.shape:
+        sys.exit(f"FAILED: {label} kept shape {idx.shape}, oracle {ref.shape}")
+    kk, vv = np.load(os.path.join(od, "keys.npy")), np.load(os.path.join(od, "values.npy"))
+    for b in range(idx.shape[0]):
+        for h in range(idx.shape[1]):
+            diff = set(idx[b, h]) ^ set(ref[b, h])
+            if diff and scores is not None:
+                s = scores[b, h]
+                boundary = np.sort(s)[::-1][len(ref[b, h]) - 1]
+                if max(abs(s[list(diff)] - boundary)) > tie_tol:
+                    sys.exit(f"FAILED: {label} head ({b},{h}) kept set differs: {sorted(diff)}")
+            elif diff:
+                sys.exit(f"FAILED: {label} head ({b},{h}) kept set differs: {sorted(diff)}")
+            if not np.array_equal(kk[b, h], keys[b, h, idx[b, h]]):
+                sys.exit(f"FAILED: {label} compressed keys are not the kept input rows")
+            if not np.array_equal(vv[b, h], values[b, h, idx[b, h]]):
+                sys.exit(f"FAILED: {label} compressed values are not the kept input rows")
+
+
+def check_key_policies(kvc, vectors, work):
     checked = 0
     for case in open(os.path.join(vectors, "manifest.txt")).read().split():
         d = os.path.join(vectors, case)
@@ -47,27 +90,103 @@ def main():
             od = os.path.join(work, f"{case}_{policy}_compressed")
             run([kvc, "compress", "--policy", policy, "--ratio", "0.5", "--keys", os.path.join(d, "keys.npy"),
                  "--values", os.path.join(d, "values.npy"), "--out-dir", od])
-            idx = np.load(os.path.join(od, "indices.npy"))
-            ref = np.load(os.path.join(d, f"kept_{policy}_0.5.npy"))
-            if idx.shape != ref.shape:
-                sys.exit(f"FAILED: {case} {policy} kept shape {idx.shape}, oracle {ref.shape}")
-            for b in range(idx.shape[0]):
-                for h in range(idx.shape[1]):
-                    diff = set(idx[b, h]) ^ set(ref[b, h])
-                    if diff and policy != "streaming_llm":
-                        s = np.load(os.path.join(d, f"scores_{policy}.npy"))[b, h]
-                        boundary = np.sort(s)[::-1][len(ref[b, h]) - 1]
-                        if max(abs(s[list(diff)] - boundary)) > 1e-5:
-                            sys.exit(f"FAILED: {case} {policy} head ({b},{h}) kept set differs: {sorted(diff)}")
-                    elif diff:
-                        sys.exit(f"FAILED: {case} {policy} head ({b},{h}) kept set differs: {sorted(diff)}")
-                    kk = np.load(os.path.join(od, "keys.npy"))[b, h]
-                    if not np.array_equal(kk, keys[b, h, idx[b, h]]):
-                        sys.exit(f"FAILED: {case} {policy} compressed keys are not the kept input rows")
-                    vv = np.load(os.path.join(od, "values.npy"))[b, h]
-                    if not np.array_equal(vv, values[b, h, idx[b, h]]):
-                        sys.exit(f"FAILED: {case} {policy} compressed values are not the kept input rows")
+            scores = None if policy == "streaming_llm" else np.load(os.path.join(d, f"scores_{policy}.npy"))
+            check_kept(f"{case} {policy}", od, np.load(os.path.join(d, f"kept_{policy}_0.5.npy")), scores, keys,
+                       values, 1e-5)
             checked += 1
+    return checked
+
+
+def check_documented_defaults(kvc):
+    """`kvc policies` prints SnapKV's per-reference defaults as the oracle's SNAP_KV_DEFAULTS."""
+    text = run([kvc, "policies"])
+    for i, name in enumerate(("window_size", "kernel_size", "pooling")):
+        m = re.search(rf"--param {name}=(\S+) \(kvpress: (\S+)\)", text)
+        expected = tuple(str(baselines.SNAP_KV_DEFAULTS[r][i]) for r in ("authors", "kvpress"))
+        if not m or m.groups() != expected:
+            sys.exit(f"FAILED: `kvc policies` shows {name} defaults {m and m.groups()}, the oracle's are {expected}")
+
+
+def read_meta(d):
+    meta = dict(line.split(None, 1) for line in open(os.path.join(d, "meta.txt")).read().splitlines() if line)
+    return int(meta["window_size"]), float(meta["theta"]), meta["style"].strip()
+
+
+def check_window_policies(kvc, vectors, work):
+    check_documented_defaults(kvc)
+    checked = 0
+    for case in open(os.path.join(vectors, "window_manifest.txt")).read().split():
+        d = os.path.join(vectors, case)
+        w, theta, style = read_meta(d)
+        keys = np.load(os.path.join(d, "keys.npy"))
+        values = np.load(os.path.join(d, "values.npy"))
+        queries = np.load(os.path.join(d, "queries.npy"))
+        n = keys.shape[2]
+        files = ["--keys", os.path.join(d, "keys.npy"), "--queries", os.path.join(d, "queries.npy")]
+        rope = ["--rope", f"theta={theta:g},style={style}"]
+        for variant, (policy, params) in WINDOW_VARIANTS.items():
+            if not os.path.exists(os.path.join(d, f"scores_{variant}.npy")):
+                continue
+            if policy == "snap_kv":
+                params = dict(params, window_size=w)
+            args = [a for k, v in params.items() for a in ("--param", f"{k}={v}")] + files + rope
+            ref = np.load(os.path.join(d, f"scores_{variant}.npy"))
+            scale = max(1.0, np.abs(ref).max())
+            out = os.path.join(work, f"{case}_{variant}_scores.npy")
+            run([kvc, "score", "--policy", policy] + args + ["--out", out])
+            err = np.abs(np.load(out) - ref).max() / scale
+            if not err <= 1e-5:
+                sys.exit(f"FAILED: {case} {variant} scores differ from the oracle by {err} (relative)")
+            checked += 1
+            for r in RATIOS:
+                od = os.path.join(work, f"{case}_{variant}_{r}")
+                run([kvc, "compress", "--policy", policy, "--ratio", r] + args +
+                    ["--values", os.path.join(d, "values.npy"), "--out-dir", od])
+                check_kept(f"{case} {variant} ratio {r}", od, np.load(os.path.join(d, f"kept_{variant}_{r}.npy")),
+                           ref, keys, values, 1e-5 * scale)
+                checked += 1
+
+        # Explicit --positions equal to the default ones (N - w + i) change nothing.
+        base = ["--policy", "snap_kv", "--param", f"window_size={w}"] + files
+        default = os.path.join(work, f"{case}_default.npy")
+        run([kvc, "score"] + base + rope + ["--out", default])
+        positions = os.path.join(work, f"{case}_positions.npy")
+        b, w_rows = queries.shape[0], queries.shape[2]
+        np.save(positions, np.broadcast_to(np.arange(n - w_rows, n), (b, w_rows)).copy())
+        explicit = os.path.join(work, f"{case}_explicit.npy")
+        run([kvc, "score"] + base + rope + ["--positions", positions, "--out", explicit])
+        if not np.array_equal(np.load(default), np.load(explicit)):
+            sys.exit(f"FAILED: {case}: --positions N - w + i changes the scores")
+        # Post-RoPE queries used as given: the model's own rotated queries for real cases, else baselines.rope.
+        layer = os.path.join(vectors, "tinystories_dump", case.replace("tinystories_", ""), "queries.npy")
+        if case.startswith("tinystories_") and os.path.exists(layer):
+            post = np.load(layer)[:, :, n - w_rows:].astype(np.float32)
+        else:
+            post = baselines.rope(queries, np.arange(n - w_rows, n), theta, style).astype(np.float32)
+        post_file = os.path.join(work, f"{case}_post_rope.npy")
+        np.save(post_file, post)
+        out = os.path.join(work, f"{case}_post_rope_scores.npy")
+        run([kvc, "score", "--policy", "snap_kv", "--param", f"window_size={w}", "--param", "queries=post_rope",
+             "--keys", os.path.join(d, "keys.npy"), "--queries", post_file, "--out", out])
+        ref = np.load(os.path.join(d, "scores_snap_kv_authors.npy"))
+        err = np.abs(np.load(out) - ref).max() / max(1.0, np.abs(ref).max())
+        if not err <= 1e-5:
+            sys.exit(f"FAILED: {case}: post-RoPE queries (queries=post_rope) differ from the oracle by {err}")
+        checked += 2
+    return checked
+
+
+def main():
+    kvc, vectors, work = sys.argv[1:4]
+    os.makedirs(work, exist_ok=True)
+    if not os.path.exists(os.path.join(vectors, "manifest.txt")):
+        print("SKIPPED: no reference vectors")
+        sys.exit(77)
+    checked = check_key_policies(kvc, vectors, work)
+    if os.path.exists(os.path.join(vectors, "window_manifest.txt")):
+        checked += check_window_policies(kvc, vectors, work)
+    else:
+        print("note: no window_manifest.txt: SnapKV/TOVA CLI checks skipped")
     print(f"{checked} CLI checks against the NumPy oracle passed")
 
 
