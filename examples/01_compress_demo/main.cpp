@@ -85,7 +85,7 @@ template <class Scorer>
 void run_policy(Workload const& w, char const* name, Scorer scorer, std::vector<double> const& ratios) {
   kvc::KVExtents const e = w.cache.ext;
   kvc::TokenRows<float const, kvc::StridedLayout> const rows(w.queries.data(), kvc::bhtd_layout(w.query_ext));
-  kvc::AttendQueries<float> const queries{rows};  // positions: the context's last (kvc::context_end)
+  kvc::AttendQueries<float> const queries{rows};                   // positions: the context's last (kvc::context_end)
   auto const obs = kvc::observe(kvc::WindowQueries<float>{rows});  // post-RoPE: no table
   double const full_bytes = 2.0 * static_cast<double>(e.rows() * e.dim) * sizeof(kvc::half);  // fp16 K + V
   for (double ratio : ratios) {

@@ -79,9 +79,10 @@ int main() {
   std::vector<kvc::half> k_new(one.rows() * dim, kvc::half(0.25f)), v_new(k_new.size(), kvc::half(1.0f));
   std::vector<Index> new_positions = {100, 100, 70, 70};  // [batch, kv_heads, 1]: the next absolute position
   if (st.ok())
-    st = kvc::append(kvc::Cpu{}, cache, kvc::dense_cache(k_new.data(), v_new.data(), one, kvc::Lengths{}, new_positions.data()));
-  std::printf("%s: freed %lld of %lld pages; heads hold %lld %lld %lld %lld tokens, last position %lld\n",
-              st.message(), static_cast<long long>(report.pages_freed()), static_cast<long long>(report.pages_before),
+    st = kvc::append(kvc::Cpu{}, cache,
+                     kvc::dense_cache(k_new.data(), v_new.data(), one, kvc::Lengths{}, new_positions.data()));
+  std::printf("%s: freed %lld of %lld pages; heads hold %lld %lld %lld %lld tokens, last position %lld\n", st.message(),
+              static_cast<long long>(report.pages_freed()), static_cast<long long>(report.pages_before),
               static_cast<long long>(lengths[0]), static_cast<long long>(lengths[1]),
               static_cast<long long>(lengths[2]), static_cast<long long>(lengths[3]),
               static_cast<long long>(cache.position(0, 0, lengths[0] - 1)));

@@ -68,8 +68,8 @@ Status run(Context& c, Op op) {
   ScoreSpan<DeviceSpace> const span{c.scores, c.e.batch, c.e.heads, c.e.tokens};
   KeepPlan<DeviceSpace> const plan{c.index, c.count, c.e.batch, c.e.heads, c.e.tokens};
   Workspace const ws{c.ws, c.ws_bytes};
-  auto const obs = observe(WindowQueries<T, DeviceSpace>{
-      TokenRows<T const, StridedLayout, DeviceSpace>(static_cast<T const*>(c.queries), bhtd_layout(window_extents(c.e)))});
+  auto const obs = observe(WindowQueries<T, DeviceSpace>{TokenRows<T const, StridedLayout, DeviceSpace>(
+      static_cast<T const*>(c.queries), bhtd_layout(window_extents(c.e)))});
   switch (op) {
     case Op::key_diff: return score(Cuda{}, KeyDiffScorer{}, cache, span, ws);
     case Op::knorm: return score(Cuda{}, KnormScorer{}, cache, span, ws);
@@ -113,7 +113,8 @@ ContextPtr make_context(Index tokens, Index dim, bool fp16) {
   auto const elems = c->e.rows() * dim;
   auto const item = fp16 ? sizeof(half) : sizeof(float);
   KVExtents const qe = window_extents(c->e);
-  auto const obs = observe(WindowQueries<float, DeviceSpace>{TokenRows<float const, StridedLayout, DeviceSpace>(nullptr, bhtd_layout(qe))});
+  auto const obs = observe(
+      WindowQueries<float, DeviceSpace>{TokenRows<float const, StridedLayout, DeviceSpace>(nullptr, bhtd_layout(qe))});
   c->ws_bytes = std::max(score_workspace_bytes(Cuda{}, KeyDiffScorer{}, c->e),
                          score_workspace_bytes(Cuda{}, SnapKVScorer{}, c->e, obs));
   bool ok = cudaMalloc(&c->k, static_cast<std::size_t>(elems) * item) == cudaSuccess &&

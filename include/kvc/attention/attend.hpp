@@ -46,8 +46,8 @@ struct AttendOutput {
 
 /// Bytes of workspace kvc::attend needs (any alignment; one copy per CPU worker).
 template <Backend B, KVCacheView C, Element T>
-std::size_t attend_workspace_bytes(B const& backend, Attention const& op, AttendQueries<T, typename B::memory_space> const& q,
-                                   C const& cache) {
+std::size_t attend_workspace_bytes(B const& backend, Attention const& op,
+                                   AttendQueries<T, typename B::memory_space> const& q, C const& cache) {
   static_assert(HasKernel<Attention, B>,
                 "kvc::attend: include <kvc/backend/cpu/attention/attend.hpp> (kvc::Cpu) or "
                 "<kvc/backend/cuda/attention/attend.cuh> (kvc::Cuda)");

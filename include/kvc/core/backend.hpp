@@ -49,7 +49,9 @@ struct Cuda {
 
 /// A backend is a trivially copyable tag that names the memory space it can read.
 template <class B>
-concept Backend = std::is_trivially_copyable_v<B> && requires { typename B::memory_space; };
+concept Backend = std::is_trivially_copyable_v<B> && requires {
+  typename B::memory_space;
+};
 
 /// Whether a view or parameter block `T` (anything with a `memory_space`) can be read by backend B.
 template <class T, class B>

@@ -71,6 +71,9 @@ struct PerHeadBudget {
 
 /// Whether backend B can read budget `Bud` (no memory, or memory in B's space).
 template <class Bud, class B>
-concept BudgetReadableBy = !requires { typename Bud::memory_space; } || ReadableBy<Bud, B>;
+concept BudgetReadableBy = !requires {
+  typename Bud::memory_space;
+}
+|| ReadableBy<Bud, B>;
 
 }  // namespace kvc

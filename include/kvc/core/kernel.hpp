@@ -17,6 +17,8 @@ struct Kernel;
 
 /// Whether step `Op` has a kernel on backend `B` (the header defining it has been included).
 template <class Op, class B>
-concept HasKernel = requires { sizeof(Kernel<Op, B>); };
+concept HasKernel = requires {
+  sizeof(Kernel<Op, B>);
+};
 
 }  // namespace kvc

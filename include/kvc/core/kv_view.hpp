@@ -25,8 +25,8 @@ class TokenRows {
   TokenRows() = default;
   KVC_HOST_DEVICE constexpr TokenRows(T* data, Layout const& layout) noexcept : data_(data), layout_(layout) {}
   template <class U>
-    requires(std::is_const_v<T> && std::same_as<U const, T>)
-  KVC_HOST_DEVICE constexpr TokenRows(TokenRows<U, Layout, Space> const& other) noexcept  // NOLINT: implicit
+  requires(std::is_const_v<T>&& std::same_as<U const, T>)
+      KVC_HOST_DEVICE constexpr TokenRows(TokenRows<U, Layout, Space> const& other) noexcept  // NOLINT: implicit
       : data_(other.data()), layout_(other.layout()) {}
 
   KVC_HOST_DEVICE constexpr KVExtents const& extents() const noexcept { return layout_.ext; }
@@ -98,7 +98,7 @@ struct TokenArray {
 ///    append keep it in step with K and V. Positions of one head are strictly ascending.
 /// All pointers live in the cache's memory space. The view is shallow: a const KVCache still writes through.
 template <TokenRowsView K, TokenRowsView V>
-  requires std::same_as<typename K::memory_space, typename V::memory_space>
+requires std::same_as<typename K::memory_space, typename V::memory_space>
 struct KVCache {
   using memory_space = typename K::memory_space;
   using keys_type = K;
@@ -124,8 +124,8 @@ struct KVCache {
 
   /// A read-only view of the same cache.
   template <TokenRowsView K2, TokenRowsView V2>
-    requires(std::is_convertible_v<K, K2> && std::is_convertible_v<V, V2>)
-  constexpr operator KVCache<K2, V2>() const noexcept {  // NOLINT: implicit, like span<T> -> span<T const>
+  requires(std::is_convertible_v<K, K2>&& std::is_convertible_v<V, V2>) constexpr operator KVCache<K2, V2>()
+      const noexcept {  // NOLINT: implicit, like span<T> -> span<T const>
     return {K2(keys), V2(values), lengths, positions};
   }
 };

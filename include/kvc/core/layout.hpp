@@ -73,7 +73,7 @@ struct PagedLayout {
 /// A paged layout over a pool of `num_pages` [page] blocks with a padded block table [batch, max_pages].
 constexpr PagedLayout paged_layout(KVExtents e, Index page_size, PageOrder order, std::int32_t const* block_table,
                                    Index max_pages, Index num_pages) noexcept {
-  PagedLayout l{e, page_size, page_size * e.heads * e.dim, 0, 0, block_table, max_pages, nullptr, nullptr,
+  PagedLayout l{e,         page_size, page_size * e.heads * e.dim, 0, 0, block_table, max_pages, nullptr, nullptr,
                 num_pages, 0};
   l.stride_h = order == PageOrder::nhd ? e.dim : page_size * e.dim;
   l.stride_t = order == PageOrder::nhd ? e.heads * e.dim : e.dim;

@@ -100,17 +100,31 @@ inline constexpr bool present = !std::is_same_v<std::remove_cvref_t<Part>, Absen
 }  // namespace detail
 
 template <class O>
-concept HasWindowQueries = requires(O const& o) { o.window_queries; } && detail::present<decltype(O::window_queries)>;
+concept HasWindowQueries = requires(O const& o) {
+  o.window_queries;
+}
+&&detail::present<decltype(O::window_queries)>;
 template <class O>
-concept HasQueryStatistics =
-    requires(O const& o) { o.query_statistics; } && detail::present<decltype(O::query_statistics)>;
+concept HasQueryStatistics = requires(O const& o) {
+  o.query_statistics;
+}
+&&detail::present<decltype(O::query_statistics)>;
 template <class O>
-concept HasAttention = requires(O const& o) { o.attention; } && detail::present<decltype(O::attention)>;
+concept HasAttention = requires(O const& o) {
+  o.attention;
+}
+&&detail::present<decltype(O::attention)>;
 template <class O>
-concept HasLse = requires(O const& o) { o.lse; } && detail::present<decltype(O::lse)>;
+concept HasLse = requires(O const& o) {
+  o.lse;
+}
+&&detail::present<decltype(O::lse)>;
 
 /// Whether backend B can read bundle O (the empty bundle always).
 template <class O, class B>
-concept ObservationsReadableBy = !requires { typename O::memory_space; } || ReadableBy<O, B>;
+concept ObservationsReadableBy = !requires {
+  typename O::memory_space;
+}
+|| ReadableBy<O, B>;
 
 }  // namespace kvc

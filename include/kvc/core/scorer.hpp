@@ -14,8 +14,8 @@
 #pragma once
 
 #include <kvc/core/backend.hpp>
-#include <kvc/core/kernel.hpp>
 #include <kvc/core/keep_plan.hpp>
+#include <kvc/core/kernel.hpp>
 #include <kvc/core/kv_view.hpp>
 #include <kvc/core/observations.hpp>
 #include <kvc/core/scores.hpp>
@@ -99,9 +99,10 @@ constexpr bool check_observations() {
   static_assert(!has_need(S::needs, Needs::lse) || HasLse<Obs>,
                 "kvc::score: this scorer needs log-sum-exp rows (Needs::lse), but the observations have none: set "
                 "Observations::lse");
-  return (!has_need(S::needs, Needs::window_queries) || HasWindowQueries<Obs>) &&
-         (!has_need(S::needs, Needs::query_statistics) || HasQueryStatistics<Obs>) &&
-         (!has_need(S::needs, Needs::attention) || HasAttention<Obs>) && (!has_need(S::needs, Needs::lse) || HasLse<Obs>);
+  return (!has_need(S::needs, Needs::window_queries) || HasWindowQueries<Obs>)&&(
+      !has_need(S::needs, Needs::query_statistics) ||
+      HasQueryStatistics<Obs>)&&(!has_need(S::needs, Needs::attention) ||
+                                 HasAttention<Obs>)&&(!has_need(S::needs, Needs::lse) || HasLse<Obs>);
 }
 
 /// Bytes of workspace kvc::score needs for `scorer` on a cache whose keys have extents `keys`, with observations
@@ -145,8 +146,7 @@ Status score(B const& backend, S const& scorer, C const& cache, Obs const& obs, 
 
 /// kvc::score for scorers that read only keys and values.
 template <Backend B, Scorer S, KVCacheView C>
-Status score(B const& backend, S const& scorer, C const& cache, ScoreSpan<typename B::memory_space> out,
-             Workspace ws) {
+Status score(B const& backend, S const& scorer, C const& cache, ScoreSpan<typename B::memory_space> out, Workspace ws) {
   static_assert(needs_only_kv(S::needs),
                 "kvc::score: this scorer needs observations; call score(backend, scorer, cache, obs, out, ws)");
   return score(backend, scorer, cache, NoObservations{}, out, ws);

@@ -4,8 +4,8 @@
 
 #include <kvc/core/backend.hpp>
 #include <kvc/core/budget.hpp>
-#include <kvc/core/kernel.hpp>
 #include <kvc/core/keep_plan.hpp>
+#include <kvc/core/kernel.hpp>
 #include <kvc/core/scores.hpp>
 #include <kvc/core/status.hpp>
 #include <kvc/core/workspace.hpp>

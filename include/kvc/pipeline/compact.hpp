@@ -13,8 +13,8 @@
 #pragma once
 
 #include <kvc/core/backend.hpp>
-#include <kvc/core/kernel.hpp>
 #include <kvc/core/keep_plan.hpp>
+#include <kvc/core/kernel.hpp>
 #include <kvc/core/kv_view.hpp>
 #include <kvc/core/layout.hpp>
 #include <kvc/core/status.hpp>
@@ -55,9 +55,9 @@ template <Backend B, KVCacheView C, class... Extra>
 Status compact(B const& backend, KeepPlan<typename B::memory_space> const& plan, C const& cache,
                Extra const&... extra) {
   static_assert(AccessibleFrom<C, B>, "kvc::compact: the cache lives in a memory space this backend cannot read");
-  static_assert(!std::is_const_v<typename C::keys_type::element_type> &&
-                    !std::is_const_v<typename C::values_type::element_type>,
-                "kvc::compact: in-place compaction needs writable K and V views");
+  static_assert(
+      !std::is_const_v<typename C::keys_type::element_type> && !std::is_const_v<typename C::values_type::element_type>,
+      "kvc::compact: in-place compaction needs writable K and V views");
   static_assert((detail::is_token_array<Extra> && ...) && (ReadableBy<Extra, B> && ...),
                 "kvc::compact: extra arrays must be writable kvc::TokenArray views in the backend's memory space");
   static_assert(HasKernel<CompactStep, B>,

@@ -43,7 +43,7 @@ struct SnapKVScorer {
   Reference reference = Reference::authors;
   Index window_size = 32;  ///< observation window w: the last w rows of the window queries (authors 32, kvpress 64)
   Index kernel_size = 7;   ///< pooling kernel, odd (authors 7, kvpress 5)
-  Pooling pooling = Pooling::max;  ///< authors max, kvpress avg
+  Pooling pooling = Pooling::max;   ///< authors max, kvpress avg
   GqaReduce gqa = GqaReduce::mean;  ///< authors: reduced before pooling; kvpress: mean after pooling (fixed)
 
   /// kvpress's SnapKVPress defaults: w = 64, kernel 5, avg pooling, mean over the window and the group.
@@ -55,7 +55,8 @@ struct SnapKVScorer {
     if (window_size < 1)
       return {Errc::invalid_argument, "SnapKVScorer: `window_size` must be >= 1"};
     if (kernel_size < 1 || kernel_size % 2 == 0)
-      return {Errc::invalid_argument, "SnapKVScorer: `kernel_size` must be odd and >= 1 (an even kernel shifts scores)"};
+      return {Errc::invalid_argument,
+              "SnapKVScorer: `kernel_size` must be odd and >= 1 (an even kernel shifts scores)"};
     if (reference == Reference::kvpress && gqa != GqaReduce::mean)
       return {Errc::invalid_argument, "SnapKVScorer: reference=kvpress averages over the GQA group (gqa=mean)"};
     return {};

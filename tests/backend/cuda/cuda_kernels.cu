@@ -78,11 +78,12 @@ struct Mirror {
   DeviceBuffer<std::int32_t> table;
   DeviceBuffer<float> rope;
 
-  static std::vector<T> place(Case const& c, std::vector<float> const& bhtd, Index dim, std::vector<std::int32_t> const& table,
-                              Index pages) {
+  static std::vector<T> place(Case const& c, std::vector<float> const& bhtd, Index dim,
+                              std::vector<std::int32_t> const& table, Index pages) {
     KVExtents const e{c.e.batch, c.e.heads, c.e.tokens, dim};
-    std::vector<T> out(c.layout == Layout::paged ? static_cast<std::size_t>(c.e.batch * pages * page_size * e.heads * dim)
-                                                 : bhtd.size());
+    std::vector<T> out(c.layout == Layout::paged
+                           ? static_cast<std::size_t>(c.e.batch * pages * page_size * e.heads * dim)
+                           : bhtd.size());
     for (Index b = 0; b < e.batch; ++b)
       for (Index h = 0; h < e.heads; ++h)
         for (Index t = 0; t < e.tokens; ++t)
@@ -94,7 +95,8 @@ struct Mirror {
               at = bthd_layout(e).offset(b, h, t);
             else
               at = paged_layout(e, page_size, PageOrder::nhd, table.data(), pages, e.batch * pages).offset(b, h, t);
-            out[static_cast<std::size_t>(at + i)] = from_float<T>(bhtd[static_cast<std::size_t>(((b * e.heads + h) * e.tokens + t) * dim + i)]);
+            out[static_cast<std::size_t>(at + i)] =
+                from_float<T>(bhtd[static_cast<std::size_t>(((b * e.heads + h) * e.tokens + t) * dim + i)]);
           }
     return out;
   }
@@ -151,8 +153,8 @@ struct Mirror {
     if (c.layout == Layout::paged) {
       auto const kl = paged_layout(ek, page_size, PageOrder::nhd, table.ptr, pages, ek.batch * pages);
       auto const vl = paged_layout(ev, page_size, PageOrder::nhd, table.ptr, pages, ek.batch * pages);
-      return fn(make_cache(TokenRows<T, PagedLayout, DeviceSpace>(k.ptr, kl), TokenRows<T, PagedLayout, DeviceSpace>(v.ptr, vl),
-                           length_table(), pos));
+      return fn(make_cache(TokenRows<T, PagedLayout, DeviceSpace>(k.ptr, kl),
+                           TokenRows<T, PagedLayout, DeviceSpace>(v.ptr, vl), length_table(), pos));
     }
     auto const kl = c.layout == Layout::bthd ? bthd_layout(ek) : bhtd_layout(ek);
     auto const vl = c.layout == Layout::bthd ? bthd_layout(ev) : bhtd_layout(ev);
@@ -174,12 +176,13 @@ struct Mirror {
         for (Index h = 0; h < e.heads; ++h)
           for (Index t = 0; t < e.tokens; ++t)
             for (Index i = 0; i < dim; ++i) {
-              Index at = c.layout == Layout::bhtd   ? bhtd_layout(e).offset(b, h, t)
-                         : c.layout == Layout::bthd ? bthd_layout(e).offset(b, h, t)
-                                                    : paged_layout(e, page_size, PageOrder::nhd, table_host.data(), pages,
-                                                                   e.batch * pages)
-                                                          .offset(b, h, t);
-              bhtd[static_cast<std::size_t>(((b * e.heads + h) * e.tokens + t) * dim + i)] = placed[static_cast<std::size_t>(at + i)];
+              Index at = c.layout == Layout::bhtd ? bhtd_layout(e).offset(b, h, t)
+                         : c.layout == Layout::bthd
+                             ? bthd_layout(e).offset(b, h, t)
+                             : paged_layout(e, page_size, PageOrder::nhd, table_host.data(), pages, e.batch * pages)
+                                   .offset(b, h, t);
+              bhtd[static_cast<std::size_t>(((b * e.heads + h) * e.tokens + t) * dim + i)] =
+                  placed[static_cast<std::size_t>(at + i)];
             }
     };
     unplace(kf, c.e.dim, out.k);
@@ -262,7 +265,8 @@ std::string attend(Case const& c, std::vector<float>& out, std::vector<float>& l
     Index const dv = c.dim_v > 0 ? c.dim_v : c.e.dim;
     DeviceBuffer<float> o(static_cast<std::size_t>(c.q_ext.rows() * dv)), l(static_cast<std::size_t>(c.q_ext.rows()));
     std::string const err = m.with_cache([&](auto const& cache) {
-      AttendQueries<T, DeviceSpace> const q{TokenRows<T const, StridedLayout, DeviceSpace>(m.q.ptr, bhtd_layout(c.q_ext))};
+      AttendQueries<T, DeviceSpace> const q{
+          TokenRows<T const, StridedLayout, DeviceSpace>(m.q.ptr, bhtd_layout(c.q_ext))};
       return finish(kvc::attend(Cuda{}, Attention{}, q, cache, AttendOutput<DeviceSpace>{o.ptr, l.ptr}, Workspace{}));
     });
     o.to_host(out);
@@ -280,8 +284,9 @@ std::string top_k(double ratio, Index fixed, Index n_sink, Index n_recent, Index
   Lengths const table = lengths.empty() ? Lengths{} : (per_head ? head_lengths(len.ptr, heads) : Lengths(len.ptr));
   ScoreSpan<DeviceSpace> const span{s.ptr, batch, heads, tokens, table};
   KeepPlan<DeviceSpace> const plan{idx.ptr, cnt.ptr, batch, heads, capacity};
-  std::string const err = ratio >= 0 ? finish(select(Cuda{}, TopKSelector{RatioBudget{ratio}, n_sink, n_recent}, span, plan, {}))
-                                     : finish(select(Cuda{}, TopKSelector{FixedBudget{fixed}, n_sink, n_recent}, span, plan, {}));
+  std::string const err =
+      ratio >= 0 ? finish(select(Cuda{}, TopKSelector{RatioBudget{ratio}, n_sink, n_recent}, span, plan, {}))
+                 : finish(select(Cuda{}, TopKSelector{FixedBudget{fixed}, n_sink, n_recent}, span, plan, {}));
   idx.to_host(index);
   cnt.to_host(count);
   return err;

@@ -21,15 +21,15 @@ enum class Layout { bhtd, bthd, paged };
 struct Case {
   KVExtents e;
   Index dim_v = 0;
-  std::vector<float> k, v;            ///< BHTD [B, H, N, d] and [B, H, N, dim_v]
-  std::vector<Index> lengths;         ///< empty, [B] or [B * H] (per_head)
+  std::vector<float> k, v;     ///< BHTD [B, H, N, d] and [B, H, N, dim_v]
+  std::vector<Index> lengths;  ///< empty, [B] or [B * H] (per_head)
   bool per_head = false;
-  std::vector<Index> positions;       ///< empty or [B, H, N]
+  std::vector<Index> positions;  ///< empty or [B, H, N]
   Layout layout = Layout::bhtd;
   Dtype dtype = Dtype::f32;
-  std::vector<float> queries;         ///< [B, Hq, w, d] window (or attention) queries
+  std::vector<float> queries;  ///< [B, Hq, w, d] window (or attention) queries
   KVExtents q_ext{};
-  bool pre_rope = false;              ///< rotate queries with a NeoX table (theta 10000) covering 4096 positions
+  bool pre_rope = false;  ///< rotate queries with a NeoX table (theta 10000) covering 4096 positions
 };
 
 /// Whether a CUDA device is present (the tests skip with "SKIPPED: no CUDA device" otherwise).

@@ -128,9 +128,10 @@ void require_close(std::vector<float> const& gpu, std::vector<float> const& cpu,
 
 }  // namespace
 
-TEST_CASE("cuda: every scorer matches the CPU for fp32/fp16/bf16, BHTD/BTHD/paged, per-sequence and per-head "
-          "lengths (fp32 1e-5, 16-bit 1e-4 relative)",
-          "[cuda][scorers]") {
+TEST_CASE(
+    "cuda: every scorer matches the CPU for fp32/fp16/bf16, BHTD/BTHD/paged, per-sequence and per-head "
+    "lengths (fp32 1e-5, 16-bit 1e-4 relative)",
+    "[cuda][scorers]") {
   KVC_REQUIRE_DEVICE();
   for (char const* policy :
        {"key_diff", "knorm", "streaming_llm", "random", "snap_kv", "snap_kv_kvpress", "tova", "tova_kvpress"})
@@ -144,8 +145,8 @@ TEST_CASE("cuda: every scorer matches the CPU for fp32/fp16/bf16, BHTD/BTHD/page
           c.dtype = dtype;
           c.layout = layout;
           c.pre_rope = std::string(policy) == "snap_kv";
-          INFO(policy << " dtype " << static_cast<int>(dtype) << " layout " << static_cast<int>(layout)
-                      << " per_head " << per_head);
+          INFO(policy << " dtype " << static_cast<int>(dtype) << " layout " << static_cast<int>(layout) << " per_head "
+                      << per_head);
           std::vector<float> gpu;
           REQUIRE(kc::scores(policy, c, gpu) == "");
           std::vector<float> cpu = dtype == kc::Dtype::f32   ? cpu_scores<float>(policy, c)
@@ -171,7 +172,8 @@ TEST_CASE("cuda: attention matches the CPU (causal by position, GQA, 16-bit cach
         std::vector<T> q(c.queries.size());
         for (std::size_t i = 0; i < q.size(); ++i)
           q[i] = kvc::from_float<T>(c.queries[i]);
-        kvc::AttendQueries<T> const aq{kvc::TokenRows<T const, kvc::StridedLayout>(q.data(), kvc::bhtd_layout(c.q_ext))};
+        kvc::AttendQueries<T> const aq{
+            kvc::TokenRows<T const, kvc::StridedLayout>(q.data(), kvc::bhtd_layout(c.q_ext))};
         std::vector<float> o(out.size()), l(lse.size());
         kvc::test::OwnedWorkspace ws(kvc::attend_workspace_bytes(kvc::Cpu{}, kvc::Attention{}, aq, h.view()));
         REQUIRE(kvc::attend(kvc::Cpu{}, kvc::Attention{}, aq, h.view(), {o.data(), l.data()}, ws.get()).ok());
@@ -187,9 +189,10 @@ TEST_CASE("cuda: attention matches the CPU (causal by position, GQA, 16-bit cach
     }
 }
 
-TEST_CASE("cuda: top-k keeps exactly the CPU's set for identical scores (ties, NaN, protection, ragged, ratio, "
-          "per-head budgets)",
-          "[cuda][selectors]") {
+TEST_CASE(
+    "cuda: top-k keeps exactly the CPU's set for identical scores (ties, NaN, protection, ragged, ratio, "
+    "per-head budgets)",
+    "[cuda][selectors]") {
   KVC_REQUIRE_DEVICE();
   kvc::tools::Rng rng(9);
   for (int trial = 0; trial < 40; ++trial) {
@@ -223,7 +226,8 @@ TEST_CASE("cuda: top-k keeps exactly the CPU's set for identical scores (ties, N
     for (Index bh = 0; bh < batch * heads; ++bh) {
       REQUIRE(count[static_cast<std::size_t>(bh)] == cpu.count[static_cast<std::size_t>(bh)]);
       for (Index j = 0; j < count[static_cast<std::size_t>(bh)]; ++j)
-        REQUIRE(index[static_cast<std::size_t>(bh * tokens + j)] == cpu.index[static_cast<std::size_t>(bh * tokens + j)]);
+        REQUIRE(index[static_cast<std::size_t>(bh * tokens + j)] ==
+                cpu.index[static_cast<std::size_t>(bh * tokens + j)]);
     }
   }
   // A device-resident per-head budget table.
@@ -247,8 +251,7 @@ TEST_CASE("cuda: top-k keeps exactly the CPU's set for identical scores (ties, N
   CHECK(kc::top_k(-1, 50, 0, 0, 2, 3, 100, scores, no_lengths, false, 10, small_index, small_count) != "");
 }
 
-TEST_CASE("cuda: compaction, gather and append produce the CPU's bytes, positions and lengths",
-          "[cuda][pipeline]") {
+TEST_CASE("cuda: compaction, gather and append produce the CPU's bytes, positions and lengths", "[cuda][pipeline]") {
   KVC_REQUIRE_DEVICE();
   for (auto dtype : {kc::Dtype::f32, kc::Dtype::f16, kc::Dtype::bf16})
     for (auto layout : {kc::Layout::bhtd, kc::Layout::bthd, kc::Layout::paged}) {
@@ -282,7 +285,8 @@ TEST_CASE("cuda: compaction, gather and append produce the CPU's bytes, position
             auto const at = static_cast<std::size_t>(bh * 300 + j);
             REQUIRE(gathered.positions[at] == dst.positions[at]);
             for (Index i = 0; i < 64; ++i)
-              REQUIRE(gathered.k[at * 64 + static_cast<std::size_t>(i)] == kvc::to_float(dst.k[at * 64 + static_cast<std::size_t>(i)]));
+              REQUIRE(gathered.k[at * 64 + static_cast<std::size_t>(i)] ==
+                      kvc::to_float(dst.k[at * 64 + static_cast<std::size_t>(i)]));
           }
         auto host = host_cache<T>(c);
         REQUIRE(kvc::compact(kvc::Cpu{}, plan.plan, host.view()).ok());
@@ -294,8 +298,10 @@ TEST_CASE("cuda: compaction, gather and append produce the CPU's bytes, position
             auto const at = static_cast<std::size_t>(bh * 300 + j);
             REQUIRE(gpu.positions[at] == host.positions[at]);
             for (Index i = 0; i < 64; ++i) {
-              REQUIRE(gpu.k[at * 64 + static_cast<std::size_t>(i)] == kvc::to_float(host.k[at * 64 + static_cast<std::size_t>(i)]));
-              REQUIRE(gpu.v[at * 64 + static_cast<std::size_t>(i)] == kvc::to_float(host.v[at * 64 + static_cast<std::size_t>(i)]));
+              REQUIRE(gpu.k[at * 64 + static_cast<std::size_t>(i)] ==
+                      kvc::to_float(host.k[at * 64 + static_cast<std::size_t>(i)]));
+              REQUIRE(gpu.v[at * 64 + static_cast<std::size_t>(i)] ==
+                      kvc::to_float(host.v[at * 64 + static_cast<std::size_t>(i)]));
             }
           }
         // Append 5 tokens of a second case after the compacted lengths.

@@ -30,7 +30,8 @@ namespace kvc::backend::cuda {
 inline Status pending_status() noexcept {
   return cudaPeekAtLastError() == cudaSuccess
              ? Status{}
-             : Status{Errc::backend_error, "kvc (CUDA): a CUDA error was already pending before this call; not launched"};
+             : Status{Errc::backend_error,
+                      "kvc (CUDA): a CUDA error was already pending before this call; not launched"};
 }
 
 /// Maps the last launch error to a Status and clears it (it is ours: pending_status() ran before the launch).

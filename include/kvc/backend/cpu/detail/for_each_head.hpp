@@ -23,9 +23,8 @@ void parallel_for(Cpu const& cpu, Index n, Fn&& fn) {
     return;
   }
   using F = std::remove_reference_t<Fn>;
-  ParallelFor::Task const task{const_cast<void*>(static_cast<void const*>(&fn)), [](void* ctx, Index item, Index worker) {
-                                 (*static_cast<F*>(ctx))(item, worker);
-                               }};
+  ParallelFor::Task const task{const_cast<void*>(static_cast<void const*>(&fn)),
+                               [](void* ctx, Index item, Index worker) { (*static_cast<F*>(ctx))(item, worker); }};
   cpu.parallel.run(cpu.parallel.context, n, task);
 }
 

@@ -135,7 +135,8 @@ struct Kernel<AppendStep, Cpu> {
           positions(b, h, at + j) = src.position(b, h, begin + j);
       }
     });
-    detail::write_lengths(dst.lengths, de.batch, de.heads, [&](Index b, Index h) { return dst.length(b, h) + added(b, h); });
+    detail::write_lengths(dst.lengths, de.batch, de.heads,
+                          [&](Index b, Index h) { return dst.length(b, h) + added(b, h); });
     return {};
   }
 };

@@ -20,7 +20,8 @@ struct Kernel<KnormScorer, Cpu> {
   }
 
   template <KVCacheView C, class Obs>
-  static Status run(Cpu const& cpu, KnormScorer const&, C const& cache, Obs const&, ScoreSpan<HostSpace> out, Workspace) {
+  static Status run(Cpu const& cpu, KnormScorer const&, C const& cache, Obs const&, ScoreSpan<HostSpace> out,
+                    Workspace) {
     auto const& keys = cache.keys;
     Index const dim = keys.extents().dim;
     return detail::for_each_head(cpu, out, [&](Index b, Index h, Index n, float* score, Index) {

@@ -36,7 +36,8 @@ struct Kernel<TopKSelector<B>, Cpu> {
                     Workspace ws) {
     KVC_RETURN_IF_ERROR(sel.check());
     std::size_t const per_worker = workspace_round(static_cast<std::size_t>(scores.tokens) * sizeof(Index));
-    auto* base = WorkspaceCarver(ws).take<std::byte>(static_cast<Index>(workspace_bytes(cpu, sel, 0, 0, scores.tokens)));
+    auto* base =
+        WorkspaceCarver(ws).take<std::byte>(static_cast<Index>(workspace_bytes(cpu, sel, 0, 0, scores.tokens)));
     if (base == nullptr && scores.tokens > 0)
       return {Errc::out_of_capacity, "kvc::select: workspace smaller than select_workspace_bytes()"};
     KVC_RETURN_IF_ERROR(detail::check_lengths(scores.lengths, scores.batch, scores.heads, scores.tokens,

@@ -10,8 +10,8 @@
 
 namespace kvc::backend::cuda {
 
-inline constexpr int attend_warps = 4;        // query rows per block
-inline constexpr int attend_max_chunks = 8;   // output channels per lane: d_v <= 256
+inline constexpr int attend_warps = 4;       // query rows per block
+inline constexpr int attend_max_chunks = 8;  // output channels per lane: d_v <= 256
 
 /// One warp per query row (b, q, i), grid (row blocks, Hq, batch). Pass 1: lanes take one slot each, compute its
 /// logit against the query (staged in shared memory) and reduce max and sum of exponentials: the log-sum-exp.

@@ -23,10 +23,10 @@ inline constexpr int window_lse_warps = 8;
 
 /// Device workspace of the window attention for R rows per query head (aligned pieces, see WindowScratch::carve).
 struct WindowScratch {
-  float* q = nullptr;        ///< [B, Hq, R, d] rotated fp32 queries
-  Index* q_pos = nullptr;    ///< [B, R] query positions
-  float* lse = nullptr;      ///< [B, Hq, R]
-  float* colsum = nullptr;   ///< [B, Hq, N]
+  float* q = nullptr;       ///< [B, Hq, R, d] rotated fp32 queries
+  Index* q_pos = nullptr;   ///< [B, R] query positions
+  float* lse = nullptr;     ///< [B, Hq, R]
+  float* colsum = nullptr;  ///< [B, Hq, N]
 
   static std::size_t bytes(Index batch, Index query_heads, Index rows, Index dim, Index tokens) noexcept {
     auto const b = static_cast<std::size_t>(batch), hq = static_cast<std::size_t>(query_heads),
@@ -49,7 +49,8 @@ struct WindowScratch {
 /// Grid (Hq, B): rows [first, first + R) of the window, widened, rotated (pairs from the table), positioned.
 template <class WQ, class C>
 __global__ void window_prepare_kernel(WQ wq, C cache, Index first, Index rows, WindowScratch s) {
-  Index const b = blockIdx.y, hq = blockIdx.x, w = wq.window(), d = wq.rows.extents().dim, heads = wq.rows.extents().heads;
+  Index const b = blockIdx.y, hq = blockIdx.x, w = wq.window(), d = wq.rows.extents().dim,
+              heads = wq.rows.extents().heads;
   __shared__ Index end;
   if (threadIdx.x == 0)
     end = wq.positions ? 0 : context_end(cache, b);
@@ -61,7 +62,8 @@ __global__ void window_prepare_kernel(WQ wq, C cache, Index first, Index rows, W
     auto const* src = wq.rows.row(b, hq, first + r);
     float* dst = s.q + ((b * heads + hq) * rows + r) * d;
     Index const half = wq.rope.empty() ? 0 : wq.rope.rotary_dim / 2;
-    pos = pos < 0 ? 0 : (pos >= wq.rope.positions ? wq.rope.positions - 1 : pos);  // the host cannot check device positions
+    pos = pos < 0 ? 0
+                  : (pos >= wq.rope.positions ? wq.rope.positions - 1 : pos);  // the host cannot check device positions
     for (Index c = threadIdx.x; c < d; c += blockDim.x) {
       bool const neox = wq.rope.style == RopeStyle::neox;
       Index const pair = neox ? (c < half ? c : c - half) : c / 2;

@@ -184,8 +184,8 @@ struct Kernel<GatherStep, Cuda> {
     KVC_RETURN_IF_ERROR(
         bc::head_grid_status(plan.batch, plan.heads, "kvc::gather(Cuda): batch and heads must be <= 65535"));
     KVC_RETURN_IF_ERROR(bc::pending_status());
-    Index const width = src.keys.extents().dim > src.values.extents().dim ? src.keys.extents().dim
-                                                                           : src.values.extents().dim;
+    Index const width =
+        src.keys.extents().dim > src.values.extents().dim ? src.keys.extents().dim : src.values.extents().dim;
     dim3 const grid(bc::grid_dim(plan.capacity * width / 256 + 1, 1024), static_cast<unsigned>(plan.heads),
                     static_cast<unsigned>(plan.batch));
     bc::gather_rows_kernel<<<grid, 256, 0, cuda.stream>>>(plan, src.keys, dst.keys);

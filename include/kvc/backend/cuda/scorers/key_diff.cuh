@@ -129,7 +129,8 @@ struct Kernel<KeyDiffScorer, Cuda> {
       return {};
     KVC_RETURN_IF_ERROR(
         bc::head_grid_status(e.batch, e.heads, "kvc::score(key_diff, Cuda): batch and heads must be <= 65535"));
-    auto* partial = WorkspaceCarver(ws).take<double>(static_cast<Index>(workspace_bytes(cuda, s, e, 0) / sizeof(double)));
+    auto* partial =
+        WorkspaceCarver(ws).take<double>(static_cast<Index>(workspace_bytes(cuda, s, e, 0) / sizeof(double)));
     if (partial == nullptr)
       return {Errc::out_of_capacity, "kvc::score(key_diff, Cuda): workspace smaller than score_workspace_bytes()"};
     Index const splits = bc::key_diff_splits(e.tokens);

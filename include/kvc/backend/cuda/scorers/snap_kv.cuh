@@ -168,8 +168,8 @@ struct Kernel<TOVAScorer, Cuda> {
       return {};
     KVC_RETURN_IF_ERROR(bc::pending_status());
     KVC_RETURN_IF_ERROR(bc::window_attention(cuda, wq, cache, wq.window() - 1, 1, scratch));
-    bc::tova_finish_kernel<<<static_cast<unsigned>(e.batch), bc::finish_threads, 0, cuda.stream>>>(s, cache, hq, scratch,
-                                                                                                    out);
+    bc::tova_finish_kernel<<<static_cast<unsigned>(e.batch), bc::finish_threads, 0, cuda.stream>>>(s, cache, hq,
+                                                                                                   scratch, out);
     return bc::launch_status("kvc::score(tova, Cuda): kernel launch failed");
   }
 };

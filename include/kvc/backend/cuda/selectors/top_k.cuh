@@ -132,8 +132,9 @@ struct Kernel<TopKSelector<B>, Cuda> {
                     KeepPlan<DeviceSpace> plan, Workspace) {
     KVC_RETURN_IF_ERROR(sel.check());
     if (plan.capacity < detail::top_k_capacity_bound(sel, scores.tokens))
-      return {Errc::out_of_capacity,
-              "kvc::select(Cuda): `plan.capacity` is below the most a head can keep (size plans with capacity = tokens)"};
+      return {
+          Errc::out_of_capacity,
+          "kvc::select(Cuda): `plan.capacity` is below the most a head can keep (size plans with capacity = tokens)"};
     if (scores.batch * scores.heads == 0)
       return {};
     KVC_RETURN_IF_ERROR(backend::cuda::head_grid_status(scores.batch, scores.heads,
