@@ -2,10 +2,14 @@
 // kvc/cuda.cuh: device umbrella (convenience): core, policy definitions and every CUDA kernel. Never includes Eigen.
 #pragma once
 
+#include <kvc/backend/cuda/attention/attend.cuh>
 #include <kvc/backend/cuda/config.cuh>
 #include <kvc/backend/cuda/pipeline/compact.cuh>
 #include <kvc/backend/cuda/scorers/key_diff.cuh>
 #include <kvc/backend/cuda/scorers/knorm.cuh>
+#include <kvc/backend/cuda/scorers/random.cuh>
+#include <kvc/backend/cuda/scorers/snap_kv.cuh>
 #include <kvc/backend/cuda/scorers/streaming_llm.cuh>
+#include <kvc/backend/cuda/scorers/tova.cuh>
 #include <kvc/backend/cuda/selectors/top_k.cuh>
 #include <kvc/pipeline/press.hpp>

@@ -41,7 +41,7 @@ TEST_CASE("attend: hand-computed softmax attention and log-sum-exp", "[attention
   CHECK_THAT(out[0], WithinAbs(3.0, 2e-3));
 }
 
-TEST_CASE("attend: the causal mask reads query and cache positions; GQA maps consecutive query heads", "[attention]") {
+TEST_CASE("attend: the causal mask reads query and cache positions, GQA maps consecutive query heads", "[attention]") {
   auto c = kvc::tools::HostCache<float>::random({1, 2, 5, 4}, 3);
   std::vector<float> q(static_cast<std::size_t>(1 * 4 * 2 * 4), 0.0f);  // 4 query heads, 2 queries, zero queries
   std::vector<Index> positions = {1, 2};  // query 0 sees keys 0..1, query 1 sees keys 0..2; uniform weights
@@ -100,7 +100,7 @@ TEST_CASE("attend: compaction keeps positions, so a compressed cache that kept e
   CHECK(a == b);
 }
 
-TEST_CASE("attend: an empty head yields zeros and lse = -inf; bad shapes are errors", "[attention]") {
+TEST_CASE("attend: an empty head yields zeros and lse = -inf, bad shapes are errors", "[attention]") {
   std::vector<float> k(8), v(8), q(4, 1.0f), out(4), lse(1);
   std::vector<Index> lengths = {0};
   auto const cache = kvc::dense_cache(k.data(), v.data(), {1, 1, 2, 4}, lengths.data());

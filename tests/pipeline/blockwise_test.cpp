@@ -63,7 +63,7 @@ TEST_CASE("blockwise: decode (B = 1) can evict the token just appended", "[pipel
   CHECK(blockwise(k, 2, 3, 1).kept == std::vector<Index>{0, 1, 2});
 }
 
-TEST_CASE("blockwise: cache size is min(seen, N); B >= T equals one-shot scoring", "[pipeline][blockwise]") {
+TEST_CASE("blockwise: cache size is min(seen, N), B >= T equals one-shot scoring", "[pipeline][blockwise]") {
   kvc::tools::Rng rng(12);
   std::vector<float> k(200 * 8);
   for (float& x : k)

@@ -122,3 +122,112 @@ TEST_CASE("compact: paged cache compacts inside its own pages and reports freed 
   CHECK(r.pages_freed() == 3);
   CHECK(in_use == std::vector<Index>{1, 2});
 }
+
+TEST_CASE("compact: a per-sequence table with unequal kept counts is rejected and nothing moves",
+          "[pipeline][compact]") {
+  auto c = kvc::tools::HostCache<float>::random({2, 2, 6, 2}, 9);
+  c.track(6);
+  c.per_head = false;
+  c.lengths = {6, 5};  // per sequence
+  std::vector<float> acc(2 * 2 * 6);
+  for (std::size_t i = 0; i < acc.size(); ++i)
+    acc[i] = static_cast<float>(i);
+  auto const before = c;
+  auto const acc_before = acc;
+  auto plan = make_plan(2, 2, 6, {{0, 1}, {2, 3}, {1, 2, 4}, {0, 3}});  // sequence 1: heads keep 3 and 2
+  CHECK(kvc::compact(kvc::Cpu{}, plan.plan, c.view(), kvc::TokenArray<float>{acc.data(), 2, 2, 6}).code() ==
+        kvc::Errc::invalid_argument);
+  CHECK(c.k == before.k);
+  CHECK(c.v == before.v);
+  CHECK(c.positions == before.positions);
+  CHECK(c.lengths == before.lengths);
+  CHECK(acc == acc_before);
+  // Equal counts per sequence are fine: the table records the common count.
+  auto ok = make_plan(2, 2, 6, {{0, 1}, {2, 3}, {1, 2, 4}, {0, 3, 4}});
+  REQUIRE(kvc::compact(kvc::Cpu{}, ok.plan, c.view(), kvc::TokenArray<float>{acc.data(), 2, 2, 6}).ok());
+  CHECK(c.lengths == std::vector<Index>{2, 3});
+  // A plan that keeps more than a head's valid length (sequence 1 holds 3 now) is rejected.
+  auto too_many = make_plan(2, 2, 6, {{0}, {0}, {0, 1, 2, 3}, {0, 1, 2, 3}});
+  CHECK(kvc::compact(kvc::Cpu{}, too_many.plan, c.view()).code() == kvc::Errc::invalid_argument);
+}
+
+TEST_CASE("compact: extra per-token arrays and positions move with the rows", "[pipeline][compact]") {
+  kvc::KVExtents const e{1, 2, 7, 2};
+  auto c = kvc::tools::HostCache<float>::random(e, 10);
+  c.track(7);
+  c.positions = {0, 2, 3, 5, 8, 9, 11, /**/ 1, 2, 3, 4, 5, 6, 7};
+  auto const before = c;
+  std::vector<float> acc(14);
+  std::vector<std::int32_t> hits(14);
+  for (std::size_t i = 0; i < 14; ++i) {
+    acc[i] = 0.5f * static_cast<float>(i);
+    hits[i] = 100 + static_cast<std::int32_t>(i);
+  }
+  std::vector<float> wide(2 * 2 * 9, -1.0f);  // an extra array may have more token slots than the cache
+  auto plan = make_plan(1, 2, 7, {{1, 4, 6}, {0, 5}});
+  REQUIRE(kvc::compact(kvc::Cpu{}, plan.plan, c.view(), kvc::TokenArray<float>{acc.data(), 1, 2, 7},
+                       kvc::TokenArray<std::int32_t>{hits.data(), 1, 2, 7},
+                       kvc::TokenArray<float>{wide.data(), 1, 2, 9})
+              .ok());
+  CHECK(c.lengths == std::vector<Index>{3, 2});
+  CHECK(c.head_positions(0, 0) == std::vector<Index>{2, 8, 11});
+  CHECK(c.head_positions(0, 1) == std::vector<Index>{1, 6});
+  CHECK(acc[0] == 0.5f);
+  CHECK(acc[1] == 2.0f);
+  CHECK(acc[2] == 3.0f);
+  CHECK(acc[7] == 3.5f);  // head 1 slot 0 kept in place
+  CHECK(acc[8] == 6.0f);  // head 1 slot 1 <- slot 5 (flat 12)
+  CHECK(hits[1] == 104);
+  CHECK(hits[8] == 112);
+  CHECK(c.k[2] == before.k[8]);  // head 0 slot 1 <- slot 4 (dim 2)
+  CHECK(c.v[(7 + 1) * 2 + 1] == before.v[(7 + 5) * 2 + 1]);
+  // An extra array with fewer slots than the cache is rejected before anything moves.
+  auto const frozen = c;
+  std::vector<float> narrow(2 * 2 * 6);
+  CHECK(kvc::compact(kvc::Cpu{}, plan.plan, c.view(), kvc::TokenArray<float>{narrow.data(), 1, 2, 6}).code() ==
+        kvc::Errc::invalid_argument);
+  CHECK(c.k == frozen.k);
+}
+
+TEST_CASE("gather: writes dst's lengths and positions, and carried arrays", "[pipeline][compact]") {
+  kvc::KVExtents const e{1, 2, 6, 2};
+  auto src = kvc::tools::HostCache<float>::random(e, 11);
+  src.track(6);
+  src.lengths = {6, 4};
+  src.positions = {0, 1, 4, 6, 7, 9, /**/ 3, 5, 8, 10, 99, 99};
+  auto const src_before = src;
+  kvc::tools::HostCache<float> dst({1, 2, 4, 2});
+  dst.track(0);
+  std::vector<float> from(12), to(8, -1.0f);
+  for (std::size_t i = 0; i < 12; ++i)
+    from[i] = static_cast<float>(i);
+  auto plan = make_plan(1, 2, 6, {{1, 3, 5}, {0, 2, 3}});
+  REQUIRE(kvc::gather(kvc::Cpu{}, plan.plan, src.view(), dst.view(),
+                      kvc::CarriedArray<float>{{from.data(), 1, 2, 6}, {to.data(), 1, 2, 4}})
+              .ok());
+  CHECK(dst.lengths == std::vector<Index>{3, 3});
+  CHECK(dst.head_positions(0, 0) == std::vector<Index>{1, 6, 9});
+  CHECK(dst.head_positions(0, 1) == std::vector<Index>{3, 8, 10});
+  CHECK(to == std::vector<float>{1, 3, 5, -1, 6, 8, 9, -1});
+  CHECK(dst.k[2] == src.k[6]);                      // head 0 slot 1 <- src slot 3
+  CHECK(dst.v[(4 + 2) * 2] == src.v[(6 + 3) * 2]);  // head 1 slot 2 <- src slot 3
+  CHECK(src.k == src_before.k);                     // src is not modified
+  CHECK(src.positions == src_before.positions);
+  CHECK(src.lengths == src_before.lengths);
+  // A plan index past src's valid length is rejected.
+  auto past = make_plan(1, 2, 6, {{1}, {4}});
+  CHECK(kvc::gather(kvc::Cpu{}, past.plan, src.view(), dst.view()).code() == kvc::Errc::invalid_argument);
+  // src without positions: dst receives src's slot numbers.
+  auto plain = kvc::tools::HostCache<float>::random(e, 12);
+  REQUIRE(kvc::gather(kvc::Cpu{}, plan.plan, plain.view(), dst.view()).ok());
+  CHECK(dst.head_positions(0, 0) == std::vector<Index>{1, 3, 5});
+  CHECK(dst.head_positions(0, 1) == std::vector<Index>{0, 2, 3});
+  // dst with a per-sequence table cannot record unequal counts; nothing is written.
+  kvc::tools::HostCache<float> seq({1, 2, 4, 2});
+  seq.lengths = {0};
+  auto const seq_before = seq;
+  auto uneven = make_plan(1, 2, 6, {{1, 3}, {0, 2, 3}});
+  CHECK(kvc::gather(kvc::Cpu{}, uneven.plan, src.view(), seq.view()).code() == kvc::Errc::invalid_argument);
+  CHECK(seq.k == seq_before.k);
+  CHECK(seq.lengths == seq_before.lengths);
+}

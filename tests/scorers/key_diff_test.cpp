@@ -201,7 +201,7 @@ TEST_CASE("key_diff: the raw-mean anchor differs, and equals the default when no
     CHECK_THAT(x[t], WithinAbs(y[t], 1e-6));
 }
 
-TEST_CASE("key_diff: a common orthogonal rotation leaves scores unchanged; RoPE-like rotation does not",
+TEST_CASE("key_diff: a common orthogonal rotation leaves scores unchanged, RoPE-like rotation does not",
           "[scorers][key_diff]") {
   auto const k = random_keys(20, 2, 8, 1.0f);
   double const th = 0.9;
@@ -301,7 +301,7 @@ TEST_CASE("key_diff: the pairwise form (Eq. 7) ranks like Eq. 8", "[scorers][key
     CHECK(keep_top(s, budget) == keep_top(pairwise, budget));
 }
 
-TEST_CASE("key_diff: heads and batch rows are independent; padding scores -inf and leaves mu alone",
+TEST_CASE("key_diff: heads and batch rows are independent, padding scores -inf and leaves mu alone",
           "[scorers][key_diff]") {
   kvc::KVExtents const e{2, 3, 12, 4};
   auto cache = kvc::tools::HostCache<float>::random(e, 7);

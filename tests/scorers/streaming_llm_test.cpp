@@ -36,7 +36,7 @@ TEST_CASE("streaming_llm: kvpress one-shot, 10 tokens kept 6 with 2 sinks (spec 
   CHECK(kept(10, 2, kvc::RatioBudget{0.4}) == std::vector<Index>{0, 1, 6, 7, 8, 9});
 }
 
-TEST_CASE("streaming_llm: sinks + recent for every budget; budget below n_sink keeps the first tokens",
+TEST_CASE("streaming_llm: sinks + recent for every budget, budget below n_sink keeps the first tokens",
           "[scorers][streaming_llm]") {
   CHECK(kept(12, 4, kvc::FixedBudget{6}) == std::vector<Index>{0, 1, 2, 3, 10, 11});
   CHECK(kept(12, 4, kvc::FixedBudget{2}) == std::vector<Index>{0, 1});

@@ -61,7 +61,7 @@ TEST_CASE("top_k: budget 0 keeps nothing, n <= budget keeps everything", "[selec
   CHECK(run(kvc::TopKSelector{kvc::FixedBudget{100}}, s) == std::vector<Index>{0, 1, 2});
 }
 
-TEST_CASE("top_k: ties keep the lower index; NaN ranks as -inf", "[selectors][top_k]") {
+TEST_CASE("top_k: ties keep the lower index, NaN ranks as -inf", "[selectors][top_k]") {
   std::vector<float> const ties = {0.145f, 0.145f, 0.05f, 0.7f, 0.7f, 0.7f};
   CHECK(run(kvc::TopKSelector{kvc::FixedBudget{4}}, ties) == std::vector<Index>{0, 3, 4, 5});
   CHECK(run(kvc::TopKSelector{kvc::FixedBudget{2}}, ties) == std::vector<Index>{3, 4});
@@ -90,7 +90,7 @@ TEST_CASE("top_k: agrees with a brute-force sort on random scores with many ties
   }
 }
 
-TEST_CASE("top_k: ragged lengths never keep padding; per-head budgets", "[selectors][top_k]") {
+TEST_CASE("top_k: ragged lengths never keep padding, per-head budgets", "[selectors][top_k]") {
   std::vector<float> s = {5, 4, 3, 2, 1, 0, /* row 1 */ 0, 1, 2, 9, 9, 9};
   std::vector<Index> lengths = {6, 3};
   kvc::ScoreSpan<> span{s.data(), 2, 1, 6, lengths.data()};
@@ -133,4 +133,34 @@ TEST_CASE("top_k: 64-bit budgets and counts", "[selectors][top_k]") {
   // A budget past 2^32 behaves as "keep everything" without overflow.
   CHECK(run(kvc::TopKSelector{kvc::FixedBudget{Index{1} << 40}}, {1, 2}) == std::vector<Index>{0, 1});
   CHECK(kvc::RatioBudget{0.5}.keep(0, 0, Index{1} << 40) == Index{1} << 39);
+}
+
+namespace {
+/// A value budget that depends on the head: head h keeps 2 + 3h tokens (a schedule computed from (b, h)).
+struct HeadSchedule {
+  constexpr Index keep(Index, Index h, Index n) const noexcept { return std::min(n, 2 + 3 * h); }
+  constexpr kvc::Status check() const noexcept { return {}; }
+};
+}  // namespace
+
+TEST_CASE("top_k: the host capacity bound is exact only for ratio and fixed budgets, table shapes are checked",
+          "[selectors][top_k]") {
+  // Ratio 0.5 over 100 tokens keeps at most 50; with 60 protected tokens, 60. Fixed 30 keeps 30.
+  CHECK(kvc::detail::top_k_capacity_bound(kvc::TopKSelector{kvc::RatioBudget{0.5}}, 100) == 50);
+  CHECK(kvc::detail::top_k_capacity_bound(kvc::TopKSelector{kvc::RatioBudget{0.5}, 20, 40}, 100) == 60);
+  CHECK(kvc::detail::top_k_capacity_bound(kvc::TopKSelector{kvc::FixedBudget{30}}, 100) == 30);
+  // A budget that depends on the head is bounded by the token count: head 0's answer would under-size the plan.
+  CHECK(kvc::detail::top_k_capacity_bound(kvc::TopKSelector<HeadSchedule>{}, 100) == 100);
+  // A per-head budget table or length table built for another head count is rejected.
+  std::vector<float> scores(2 * 3 * 10, 1.0f);
+  std::vector<Index> const table = {1, 2};
+  kvc::test::OwnedPlan plan(2, 3, 10);
+  kvc::TopKSelector<kvc::PerHeadBudget<>> const sel{kvc::PerHeadBudget<>{table.data(), 1}};
+  kvc::test::OwnedWorkspace ws(kvc::select_workspace_bytes(kvc::Cpu{}, sel, 2, 3, 10));
+  CHECK(kvc::select(kvc::Cpu{}, sel, kvc::ScoreSpan<>{scores.data(), 2, 3, 10}, plan.plan, ws.get()).code() ==
+        kvc::Errc::invalid_argument);
+  std::vector<Index> lengths(2 * 2, 10);
+  kvc::ScoreSpan<> const wrong{scores.data(), 2, 3, 10, kvc::head_lengths(lengths.data(), 2)};
+  CHECK(kvc::select(kvc::Cpu{}, kvc::TopKSelector{kvc::FixedBudget{3}}, wrong, plan.plan, ws.get()).code() ==
+        kvc::Errc::invalid_argument);
 }

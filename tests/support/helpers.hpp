@@ -3,10 +3,13 @@
 #pragma once
 
 #include <kvc/core/keep_plan.hpp>
+#include <kvc/core/kv_view.hpp>
+#include <kvc/core/layout.hpp>
 #include <kvc/core/rope.hpp>
 #include <kvc/core/scores.hpp>
 #include <kvc/core/workspace.hpp>
 
+#include <algorithm>
 #include <cstddef>
 #include <stdexcept>
 #include <vector>
@@ -53,6 +56,31 @@ struct OwnedRope {
     if (!fill_rope_table(spec, dim, positions, storage.data(), table).ok())
       throw std::invalid_argument("OwnedRope: bad RopeSpec");
   }
+};
+
+/// A plan of capacity `capacity` whose head (b, h) keeps `keep[b * heads + h]` (given, not selected).
+inline OwnedPlan plan_of(Index batch, Index heads, Index capacity, std::vector<std::vector<Index>> const& keep) {
+  OwnedPlan p(batch, heads, capacity);
+  for (Index bh = 0; bh < batch * heads; ++bh) {
+    auto const& k = keep[static_cast<std::size_t>(bh)];
+    p.count[static_cast<std::size_t>(bh)] = static_cast<Index>(k.size());
+    std::copy(k.begin(), k.end(), p.index.begin() + bh * capacity);
+  }
+  return p;
+}
+
+/// Owned window queries [batch, heads, rows, dim] (contiguous BHTD) of element type T, with a read-only view for
+/// kvc::WindowQueries.
+template <class T = float>
+struct OwnedQueries {
+  KVExtents ext;
+  std::vector<T> data;
+  explicit OwnedQueries(KVExtents e) : ext(e), data(static_cast<std::size_t>(e.rows() * e.dim)) {}
+  T* row(Index b, Index h, Index i) { return data.data() + ((b * ext.heads + h) * ext.tokens + i) * ext.dim; }
+  T const* row(Index b, Index h, Index i) const {
+    return data.data() + ((b * ext.heads + h) * ext.tokens + i) * ext.dim;
+  }
+  TokenRows<T const, StridedLayout> rows() const { return {data.data(), bhtd_layout(ext)}; }
 };
 
 }  // namespace kvc::test

@@ -35,6 +35,16 @@ class Rng {
   std::uint64_t state_;
 };
 
+/// `n` standard normal values times `scale`, rounded to element type T (deterministic for a seed).
+template <class T = float>
+std::vector<T> random_values(Index n, std::uint64_t seed, float scale = 1.0f) {
+  Rng rng(seed);
+  std::vector<T> out(static_cast<std::size_t>(n));
+  for (T& x : out)
+    x = from_float<T>(scale * rng.normal());
+  return out;
+}
+
 /// An owned contiguous BHTD host cache of element type T (keys [B, H, N, d_k], values [B, H, N, d_v]).
 template <class T>
 struct HostCache {

@@ -58,7 +58,7 @@ std::size_t attend_workspace_bytes(B const& backend, Attention const& op,
 }
 
 /// Attention of `queries` over `cache` into `out`. Errors: shapes (invalid_argument), workspace too small
-/// (out_of_capacity), query positions or lengths out of range (invalid_argument, CPU).
+/// (out_of_capacity), lengths out of range (invalid_argument, CPU; clamped on CUDA).
 template <Backend B, KVCacheView C, Element T>
 Status attend(B const& backend, Attention const& op, AttendQueries<T, typename B::memory_space> const& queries,
               C const& cache, AttendOutput<typename B::memory_space> out, Workspace ws) {
@@ -74,6 +74,8 @@ Status attend(B const& backend, Attention const& op, AttendQueries<T, typename B
       return {Errc::invalid_argument, "kvc::attend: query heads must be a multiple of KV heads (GQA)"};
     if (out.out == nullptr && q.rows() > 0)
       return {Errc::invalid_argument, "kvc::attend: `out.out` is null"};
+    KVC_RETURN_IF_ERROR(
+        check_length_table(cache.lengths, k.heads, "kvc::attend: a per-head length table must be [batch, KV heads]"));
     return Kernel<Attention, B>::run(backend, op, queries, cache, out, ws);
   } else {
     return {Errc::invalid_argument, "unreachable"};

@@ -5,6 +5,7 @@
 #include <kvc/core/backend.hpp>
 #include <kvc/core/element.hpp>
 #include <kvc/core/layout.hpp>
+#include <kvc/core/status.hpp>
 
 #include <concepts>
 #include <type_traits>
@@ -145,12 +146,20 @@ concept KVCacheView = requires(C const& c, Index i) {
 template <KVCacheView C>
 KVC_HOST_DEVICE constexpr Index context_end(C const& cache, Index b) noexcept {
   Index end = 0;
+  Index const capacity = cache.keys.extents().tokens;
   for (Index h = 0; h < cache.keys.extents().heads; ++h) {
-    Index const n = cache.length(b, h);
+    Index n = cache.length(b, h);
+    n = n < 0 ? 0 : (n > capacity ? capacity : n);  // device tables are not validated: never read past the buffer
     Index const last = n > 0 ? cache.position(b, h, n - 1) + 1 : 0;
     end = last > end ? last : end;
   }
   return end;
+}
+
+/// Checks a length table's shape against a cache of `heads` KV heads (host-side fields only, so every backend can
+/// call it): a per-head table must have been built for exactly that many heads.
+constexpr Status check_length_table(Lengths const& lengths, Index heads, char const* what) noexcept {
+  return lengths.data && lengths.per_head() && lengths.heads != heads ? Status{Errc::invalid_argument, what} : Status{};
 }
 
 /// Whether backend B can read cache C (the memory spaces match). Checked at compile time by every entry point.

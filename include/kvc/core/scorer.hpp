@@ -137,6 +137,8 @@ Status score(B const& backend, S const& scorer, C const& cache, Obs const& obs, 
       return {Errc::invalid_argument, "kvc::score: `out` must be [batch, heads, tokens] of the keys"};
     if (out.data == nullptr && out.size() > 0)
       return {Errc::invalid_argument, "kvc::score: `out.data` is null"};
+    KVC_RETURN_IF_ERROR(check_length_table(cache.lengths, e.heads,
+                                           "kvc::score: the cache's per-head length table must be [batch, KV heads]"));
     out.lengths = cache.lengths;
     return Kernel<S, B>::run(backend, scorer, cache, obs, out, ws);
   } else {

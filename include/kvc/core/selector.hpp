@@ -58,6 +58,11 @@ Status select(B const& backend, S const& selector, ScoreSpan<typename B::memory_
       return {Errc::invalid_argument, "kvc::select: `plan.index` and `plan.count` must not be null"};
     if (plan.capacity < 0)
       return {Errc::invalid_argument, "kvc::select: `plan.capacity` must be >= 0"};
+    KVC_RETURN_IF_ERROR(check_length_table(
+        scores.lengths, scores.heads, "kvc::select: a per-head length table must be [batch, heads of the scores]"));
+    if constexpr (requires { selector.budget.heads; })
+      if (selector.budget.heads != scores.heads)
+        return {Errc::invalid_argument, "kvc::select: the per-head budget table must be [batch, heads of the scores]"};
     return Kernel<S, B>::run(backend, selector, scores, plan, ws);
   } else {
     return {Errc::invalid_argument, "unreachable"};

@@ -72,10 +72,13 @@ Status layout_status(L const& l) noexcept {
       return {Errc::invalid_argument, "PagedLayout: need a block table with max_pages * page_size >= tokens, or CSR"};
     if (l.page_indptr != nullptr && (l.page_indices == nullptr || l.num_page_indices < 0))
       return {Errc::invalid_argument, "PagedLayout: CSR mode needs `page_indices` and `num_page_indices` >= 0"};
-    bool const nhd = l.stride_t >= l.stride_h;
-    Index const inner = nhd ? l.stride_t * l.page_size : l.stride_h * e.heads;
-    if (l.stride_h < (nhd ? e.dim : e.dim * l.page_size) || l.stride_t < (nhd ? e.dim * e.heads : e.dim) ||
-        l.stride_page < inner)
+    // With one token per page stride_t never applies, so only the head stride decides the order (HND then equals
+    // NHD: [heads, dim] per page).
+    bool const nhd = l.page_size == 1 || l.stride_t >= l.stride_h;
+    Index const inner =
+        l.page_size == 1 ? l.stride_h * e.heads : (nhd ? l.stride_t * l.page_size : l.stride_h * e.heads);
+    if (l.stride_h < (nhd ? e.dim : e.dim * l.page_size) ||
+        (l.page_size > 1 && l.stride_t < (nhd ? e.dim * e.heads : e.dim)) || l.stride_page < inner)
       return {Errc::invalid_argument, "PagedLayout: in-page strides overlap rows or pages"};
     if (mul_overflows(l.stride_page, l.num_pages))
       return {Errc::invalid_argument, "PagedLayout: stride_page * num_pages overflows 64 bits"};
@@ -89,8 +92,15 @@ Status layout_status(L const& l) noexcept {
 /// the declared index array, and long enough for the sequence.
 inline Status pages_status(PagedLayout const& l, Lengths const& lengths) noexcept {
   KVExtents const e = l.ext;
-  if (l.page_indptr && (l.page_indptr[0] < 0 || l.page_indptr[e.batch] > l.num_page_indices))
-    return {Errc::invalid_argument, "PagedLayout: `page_indptr` points outside `page_indices` (num_page_indices)"};
+  if (l.page_indptr) {  // the whole index pointer first: no page id is read through an unchecked entry
+    if (l.page_indptr[0] < 0)
+      return {Errc::invalid_argument, "PagedLayout: `page_indptr[0]` must be >= 0"};
+    for (Index b = 0; b < e.batch; ++b)
+      if (l.page_indptr[b + 1] < l.page_indptr[b])
+        return {Errc::invalid_argument, "PagedLayout: `page_indptr` must be non-decreasing"};
+    if (l.page_indptr[e.batch] > l.num_page_indices)
+      return {Errc::invalid_argument, "PagedLayout: `page_indptr` points outside `page_indices` (num_page_indices)"};
+  }
   for (Index b = 0; b < e.batch; ++b) {
     Index longest = 0;
     for (Index h = 0; h < e.heads; ++h)
@@ -124,6 +134,38 @@ Status rows_finite(R const& rows, Lengths const& lengths) noexcept {
   return {};
 }
 
+/// Whether two strided views share memory (compaction would then corrupt one with the other). Views with the same
+/// strides and element size interleave row by row when one sits in the other's row gaps (a packed K||V buffer):
+/// they are disjoint iff V's row lies inside the gap after K's row, or K's inside the gap after V's. Other views
+/// are compared by their address spans.
+template <class K, class V>
+bool strided_overlap(K const& keys, V const& values) noexcept {
+  StridedLayout const kl = keys.layout(), vl = values.layout();
+  auto const ke = static_cast<std::intptr_t>(sizeof(*keys.data())),
+             ve = static_cast<std::intptr_t>(sizeof(*values.data()));
+  auto const k0 = reinterpret_cast<std::intptr_t>(keys.data()), v0 = reinterpret_cast<std::intptr_t>(values.data());
+  if (ke == ve && kl.stride_b == vl.stride_b && kl.stride_h == vl.stride_h && kl.stride_t == vl.stride_t) {
+    Index pitch = -1;  // the smallest stride of an axis that has more than one row: the room each row has
+    Index const strides[3] = {kl.stride_b, kl.stride_h, kl.stride_t};
+    Index const extents[3] = {kl.ext.batch, kl.ext.heads, kl.ext.tokens};
+    for (int a = 0; a < 3; ++a)
+      if (extents[a] > 1 && (pitch < 0 || strides[a] < pitch))
+        pitch = strides[a];
+    if (pitch > 0) {
+      std::intptr_t const delta = v0 - k0, room = static_cast<std::intptr_t>(pitch) * ke;
+      std::intptr_t const kbytes = static_cast<std::intptr_t>(kl.ext.dim) * ke,
+                          vbytes = static_cast<std::intptr_t>(vl.ext.dim) * ve;
+      if ((delta >= kbytes && delta + vbytes <= room) || (-delta >= vbytes && -delta + kbytes <= room))
+        return false;
+    }
+  }
+  Index ks = 0, vs = 0;
+  (void)strided_span(kl, ks);
+  (void)strided_span(vl, vs);
+  std::intptr_t const k1 = k0 + static_cast<std::intptr_t>(ks) * ke, v1 = v0 + static_cast<std::intptr_t>(vs) * ve;
+  return k0 < v1 && v0 < k1;
+}
+
 }  // namespace detail
 
 /// Checks one K or V view: extents, 64-bit offsets, non-overlapping rows, paged tables (host: every page id a
@@ -133,6 +175,8 @@ Status validate_rows(R const& rows, ValidateOptions opts = {}, Lengths lengths =
   KVC_RETURN_IF_ERROR(detail::layout_status(rows.layout()));
   if (rows.data() == nullptr && rows.extents().rows() > 0)
     return {Errc::invalid_argument, "kvc::validate: K or V data pointer is null"};
+  KVC_RETURN_IF_ERROR(check_length_table(
+      lengths, rows.extents().heads, "kvc::validate: a per-head length table must be [batch, the cache's KV heads]"));
   if constexpr (std::is_same_v<typename R::memory_space, HostSpace>) {
     KVExtents const e = rows.extents();
     if (lengths.data)
@@ -162,14 +206,7 @@ Status validate(C const& cache, ValidateOptions opts = {}) noexcept {
     return {Errc::invalid_argument, "kvc::validate: keys and values must agree on batch, heads and tokens"};
   if constexpr (std::is_same_v<typename decltype(cache.keys)::layout_type, StridedLayout> &&
                 std::is_same_v<typename decltype(cache.values)::layout_type, StridedLayout>) {
-    Index ks = 0, vs = 0;  // K and V must not share memory, or compaction would corrupt one with the other
-    (void)detail::strided_span(cache.keys.layout(), ks);
-    (void)detail::strided_span(cache.values.layout(), vs);
-    auto const k0 = reinterpret_cast<std::uintptr_t>(cache.keys.data());
-    auto const v0 = reinterpret_cast<std::uintptr_t>(cache.values.data());
-    auto const k1 = k0 + static_cast<std::uintptr_t>(ks) * sizeof(*cache.keys.data());
-    auto const v1 = v0 + static_cast<std::uintptr_t>(vs) * sizeof(*cache.values.data());
-    if (k.rows() > 0 && k0 < v1 && v0 < k1)
+    if (k.rows() > 0 && detail::strided_overlap(cache.keys, cache.values))
       return {Errc::invalid_argument, "kvc::validate: K and V memory overlap"};
   }
   if constexpr (std::is_same_v<typename C::memory_space, HostSpace>) {

@@ -7,8 +7,10 @@
 // extra per-token array passed along (e.g. a stateful scorer's accumulator). In place, moves go in ascending j and
 // index[j] >= j (the plan is strictly ascending), so a move never overwrites a row that a later move still reads.
 // Afterwards head (b, h) holds plan.count[b, h] valid tokens in slots [0, count): compaction writes them into the
-// cache's length table (per head: every count; per sequence: the heads' common count, and heads of one sequence
-// that keep different counts are an error, so give such caches a per-head table; no table: read plan.count).
+// cache's length table (per head: every count; per sequence: the heads' common count; no table: read plan.count).
+// A per-sequence table cannot record heads of one sequence that keep different counts: the CPU reports it as
+// invalid_argument before moving anything; the CUDA kernels cannot check it without a synchronisation and write
+// head 0's count, so it is a precondition there: give caches whose heads may differ a per-head table.
 // New tokens then go after each head's length: kvc::append.
 #pragma once
 
@@ -66,15 +68,17 @@ Status compact(B const& backend, KeepPlan<typename B::memory_space> const& plan,
   KVExtents const e = cache.keys.extents();
   if (plan.batch != e.batch || plan.heads != e.heads)
     return {Errc::invalid_argument, "kvc::compact: `plan` must have the cache's batch and heads"};
+  KVC_RETURN_IF_ERROR(
+      check_length_table(cache.lengths, e.heads, "kvc::compact: a per-head length table must be [batch, KV heads]"));
   if (((extra.batch != e.batch || extra.heads != e.heads || extra.tokens < e.tokens) || ...))
     return {Errc::invalid_argument, "kvc::compact: every extra array must be [batch, heads, >= tokens] of the cache"};
   return Kernel<CompactStep, B>::run(backend, plan, cache, extra...);
 }
 
 /// Copies the kept rows of `src` into slots [0, count) of `dst` (another cache with capacity for the largest
-/// count; element types may differ, converting with round-to-nearest-even), with positions (when both caches have
-/// a table: src's positions, or src's slot numbers when src has none) and `carried` arrays. dst's length table is
-/// written like compaction's. `src` is not modified.
+/// count; element types may differ, converting with round-to-nearest-even), with positions (when `dst` has a
+/// positions table: src's positions, or src's slot numbers when src has none) and `carried` arrays. dst's length
+/// table is written like compaction's (same per-sequence precondition on CUDA). `src` is not modified.
 template <Backend B, KVCacheView Src, KVCacheView Dst, class... Carried>
 Status gather(B const& backend, KeepPlan<typename B::memory_space> const& plan, Src const& src, Dst const& dst,
               Carried const&... carried) {
@@ -91,6 +95,10 @@ Status gather(B const& backend, KeepPlan<typename B::memory_space> const& plan, 
   if (dk.batch != sk.batch || dk.heads != sk.heads || dk.dim != sk.dim ||
       dst.values.extents().dim != src.values.extents().dim || dst.values.extents().tokens != dk.tokens)
     return {Errc::invalid_argument, "kvc::gather: `dst` must have the batch, heads and dims of `src`"};
+  KVC_RETURN_IF_ERROR(check_length_table(src.lengths, sk.heads,
+                                         "kvc::gather: `src`'s per-head length table must be [batch, KV heads]"));
+  KVC_RETURN_IF_ERROR(check_length_table(dst.lengths, dk.heads,
+                                         "kvc::gather: `dst`'s per-head length table must be [batch, KV heads]"));
   if (((carried.from.batch != sk.batch || carried.from.heads != sk.heads || carried.from.tokens < sk.tokens ||
         carried.to.batch != sk.batch || carried.to.heads != sk.heads || carried.to.tokens < dk.tokens) ||
        ...))
@@ -101,8 +109,11 @@ Status gather(B const& backend, KeepPlan<typename B::memory_space> const& plan, 
 /// Appends tokens [begin, begin + count) of `src` (clipped to each source head's valid length) after each head's
 /// valid length in `dst`: K and V rows (converted to dst's element types), positions (src's, or src's slot numbers
 /// when src has none) and lengths. `dst` needs a length table (per head, or per sequence when every head of a
-/// sequence appends the same count). Errors, checked before anything is written: a head would pass dst's capacity
-/// (out_of_capacity), dims differ (invalid_argument). New tokens' keys must already be rotated for their positions.
+/// sequence appends the same count: an error on the CPU, a precondition on CUDA). Errors, checked before anything is
+/// written: a head would pass dst's capacity (out_of_capacity on the CPU; CUDA clamps at capacity, since the device
+/// cannot report it: engines know their lengths and size the cache), dims differ (invalid_argument). New tokens'
+/// keys must already be rotated for their positions; give `src` a positions table for them (without one, src's
+/// slot numbers are used, which is right when src is the whole prompt, as in the block-wise driver).
 template <Backend B, KVCacheView Dst, KVCacheView Src>
 Status append(B const& backend, Dst const& dst, Src const& src, Index begin, Index count) {
   static_assert(AccessibleFrom<Src, B> && AccessibleFrom<Dst, B>,
@@ -118,6 +129,10 @@ Status append(B const& backend, Dst const& dst, Src const& src, Index begin, Ind
     return {Errc::invalid_argument, "kvc::append: `begin` and `count` must be >= 0"};
   if (dst.lengths.data == nullptr)
     return {Errc::invalid_argument, "kvc::append: `dst` needs a length table (Lengths) to grow"};
+  KVC_RETURN_IF_ERROR(check_length_table(dst.lengths, de.heads,
+                                         "kvc::append: `dst`'s per-head length table must be [batch, KV heads]"));
+  KVC_RETURN_IF_ERROR(check_length_table(src.lengths, se.heads,
+                                         "kvc::append: `src`'s per-head length table must be [batch, KV heads]"));
   return Kernel<AppendStep, B>::run(backend, dst, src, begin, count);
 }
 

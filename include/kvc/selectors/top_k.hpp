@@ -6,6 +6,8 @@
 #include <kvc/core/extents.hpp>
 #include <kvc/core/selector.hpp>
 
+#include <type_traits>
+
 namespace kvc {
 
 /// Top-k selection per (batch, KV head) under a budget, as kvpress's ScorerPress does, with optional protected
@@ -56,11 +58,12 @@ KVC_HOST_DEVICE constexpr TopKCounts top_k_counts(TopKSelector<B> const& sel, In
 }
 
 /// The most tokens any head can keep for scores with `tokens` slots, known on the host without reading the data:
-/// exact for value budgets (RatioBudget, FixedBudget: keep(n) grows with n), `tokens` for budgets read from
-/// memory. Backends that cannot report a short plan after the fact (CUDA) check plan.capacity against it.
+/// exact for RatioBudget and FixedBudget (the same for every head, growing with n), `tokens` for every other budget
+/// (per-head tables, schedules that depend on (b, h)). Backends that cannot report a short plan after the fact
+/// (CUDA) check plan.capacity against it.
 template <Budget B>
 constexpr Index top_k_capacity_bound(TopKSelector<B> const& sel, Index tokens) noexcept {
-  if constexpr (requires { typename B::memory_space; }) {
+  if constexpr (!std::is_same_v<B, RatioBudget> && !std::is_same_v<B, FixedBudget>) {
     return tokens;
   } else {
     Index const k = sel.budget.keep(0, 0, tokens);

@@ -25,8 +25,18 @@
 
 namespace kvc::detail {
 
-/// Keys per tile: a [g * R x 128] fp32 logit block stays in L2 for the group sizes and windows in use.
+/// Keys per tile at most: a [g * R x 128] fp32 logit block stays in L2 for the group sizes and windows in use.
 inline constexpr Index window_tile = 128;
+
+/// Floats an operand of one Eigen product may hold so that Eigen packs it on the stack (its limit is 128 KiB):
+/// the kernel never allocates, whatever the head dim, window and group size.
+inline constexpr Index window_pack_floats = 16384;
+
+/// Keys per tile for head dim d: 128, fewer for d > 128 so the packed key block stays under the stack limit.
+constexpr Index window_tile_for(Index dim) noexcept {
+  Index const t = window_pack_floats / (dim > 0 ? dim : 1) / 8 * 8;
+  return t < 8 ? 8 : (t > window_tile ? window_tile : t);
+}
 
 /// Scratch of one worker for `rows` query rows (g heads x R queries) of head dim `dim`.
 inline std::size_t window_attention_bytes(Index rows, Index dim) noexcept {
@@ -48,8 +58,8 @@ Index window_query_position(WindowQueries<T, HostSpace> const& wq, Index b, Inde
 template <Element T, class C>
 Status check_window_queries(WindowQueries<T, HostSpace> const& wq, C const& cache, Index rows_used, char const* what) {
   KVExtents const q = wq.rows.extents(), k = cache.keys.extents();
-  if (q.batch != k.batch || q.dim != k.dim || k.heads <= 0 || q.heads % k.heads != 0 || q.tokens < rows_used ||
-      rows_used < 1)
+  if (q.batch != k.batch || q.dim != k.dim || k.heads <= 0 || q.heads < 1 || q.heads % k.heads != 0 ||
+      q.tokens < rows_used || rows_used < 1)
     return {Errc::invalid_argument, what};
   if (wq.rows.data() == nullptr && q.rows() > 0)
     return {Errc::invalid_argument, "window queries: `rows` data is null"};
@@ -102,7 +112,8 @@ void window_attention_columns(WindowQueries<T, HostSpace> const& wq, C const& ca
   for (Index lq = 0; lq < g; ++lq)
     std::fill(colsum + lq * stride, colsum + lq * stride + n, 0.0f);
 
-  Eigen::Map<RowMatrix const> const qm(q, rows, d);
+  Index const tile_cols = window_tile_for(d);
+  Index const row_chunk = std::max<Index>(1, window_pack_floats / std::max<Index>(d, 1));  // query rows per product
   auto tile_logits = [&](Index t0, Index cols) {  // logits[r, c] for slots t0 + c, masked by position
     for (Index c = 0; c < cols; ++c) {
       auto const* key = cache.keys.row(b, h, t0 + c);
@@ -110,16 +121,21 @@ void window_attention_columns(WindowQueries<T, HostSpace> const& wq, C const& ca
         tile[c * d + i] = to_float(key[i]);
     }
     Eigen::Map<RowMatrix const> const km(tile, cols, d);
-    Eigen::Map<RowMatrix, 0, Eigen::OuterStride<>> lm(logits, rows, cols, Eigen::OuterStride<>(window_tile));
-    lm.noalias() = qm * km.transpose();
+    for (Index r0 = 0; r0 < rows; r0 += row_chunk) {  // both packed operands fit Eigen's stack buffers
+      Index const rc = std::min(row_chunk, rows - r0);
+      Eigen::Map<RowMatrix const> const qm(q + r0 * d, rc, d);
+      Eigen::Map<RowMatrix, 0, Eigen::OuterStride<>> lm(logits + r0 * window_tile, rc, cols,
+                                                        Eigen::OuterStride<>(window_tile));
+      lm.noalias() = qm * km.transpose();
+    }
     for (Index c = 0; c < cols; ++c) {
       Index const pos = cache.position(b, h, t0 + c);
       for (Index r = 0; r < rows; ++r)
         logits[r * window_tile + c] = pos <= q_pos[r] ? scale * logits[r * window_tile + c] : neg_inf;
     }
   };
-  for (Index t0 = 0; t0 < n; t0 += window_tile) {  // pass 1: running max and sum of exponentials per row
-    Index const cols = std::min(window_tile, n - t0);
+  for (Index t0 = 0; t0 < n; t0 += tile_cols) {  // pass 1: running max and sum of exponentials per row
+    Index const cols = std::min(tile_cols, n - t0);
     tile_logits(t0, cols);
     for (Index r = 0; r < rows; ++r) {
       float const* l = logits + r * window_tile;
@@ -135,8 +151,8 @@ void window_attention_columns(WindowQueries<T, HostSpace> const& wq, C const& ca
   }
   for (Index r = 0; r < rows; ++r)  // lse, or +inf for a row that sees nothing (its exps are then all 0)
     peak[r] = peak[r] == neg_inf ? std::numeric_limits<float>::infinity() : peak[r] + std::log(total[r]);
-  for (Index t0 = 0; t0 < n; t0 += window_tile) {  // pass 2: probabilities into the column sums
-    Index const cols = std::min(window_tile, n - t0);
+  for (Index t0 = 0; t0 < n; t0 += tile_cols) {  // pass 2: probabilities into the column sums
+    Index const cols = std::min(tile_cols, n - t0);
     tile_logits(t0, cols);
     for (Index r = 0; r < rows; ++r) {
       float const* l = logits + r * window_tile;

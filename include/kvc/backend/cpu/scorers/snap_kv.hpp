@@ -60,7 +60,7 @@ struct Kernel<SnapKVScorer, Cpu> {
   /// Per worker: the window attention's scratch, column sums [g, tokens] and one pooled row [tokens].
   static std::size_t worker_bytes(SnapKVScorer const& s, KVExtents const& keys, Index query_heads) {
     Index const g = keys.heads > 0 ? std::max<Index>(1, query_heads / keys.heads) : 1;
-    return detail::window_attention_bytes(g * s.window_size, keys.dim) +
+    return detail::window_attention_bytes(g * std::max<Index>(s.window_size, 0), keys.dim) +  // w < 1: rejected later
            workspace_round(static_cast<std::size_t>(g * keys.tokens) * sizeof(float)) +
            workspace_round(static_cast<std::size_t>(keys.tokens) * sizeof(float));
   }

@@ -120,7 +120,12 @@ __global__ void window_columns_kernel(C cache, Index query_heads, Index rows, fl
   Index const b = blockIdx.z, h = blockIdx.y, g = query_heads / e.heads, d = e.dim;
   Index const n = clamp_length(cache.length(b, h), e.tokens);
   Index const stride = static_cast<Index>(gridDim.x) * blockDim.x;
-  for (Index j = static_cast<Index>(blockIdx.x) * blockDim.x + threadIdx.x; j < n; j += stride) {
+  for (Index j = static_cast<Index>(blockIdx.x) * blockDim.x + threadIdx.x; j < e.tokens; j += stride) {
+    if (j >= n) {  // padding: zeros, so readers that sum over a longer head (TOVA) stay deterministic
+      for (Index lq = 0; lq < g; ++lq)
+        s.colsum[(b * query_heads + h * g + lq) * e.tokens + j] = 0.0f;
+      continue;
+    }
     Index const pos = cache.position(b, h, j);
     auto const* k = cache.keys.row(b, h, j);
     for (Index lq = 0; lq < g; ++lq) {
@@ -160,9 +165,11 @@ Status window_attention(Cuda const& cuda, WQ const& wq, C const& cache, Index fi
 template <class WQ, class C>
 Status check_window(WQ const& wq, C const& cache, Index rows_used, char const* what) {
   KVExtents const q = wq.rows.extents(), k = cache.keys.extents();
-  if (q.batch != k.batch || q.dim != k.dim || k.heads <= 0 || q.heads % k.heads != 0 || q.tokens < rows_used ||
-      rows_used < 1)
+  if (q.batch != k.batch || q.dim != k.dim || k.heads <= 0 || q.heads < 1 || q.heads % k.heads != 0 ||
+      q.tokens < rows_used || rows_used < 1)
     return {Errc::invalid_argument, what};
+  KVC_RETURN_IF_ERROR(
+      check_length_table(cache.lengths, k.heads, "kvc::score: per-head lengths must be [batch, KV heads]"));
   if (!wq.rope.empty() && (wq.rope.rotary_dim <= 0 || wq.rope.rotary_dim % 2 != 0 || wq.rope.rotary_dim > q.dim ||
                            wq.rope.positions <= 0 || wq.rope.sin == nullptr))
     return {Errc::invalid_argument, "RopeTable: needs cos, sin, positions > 0 and an even rotary_dim <= head dim"};

@@ -109,7 +109,8 @@ struct Kernel<SnapKVScorer, Cuda> {
     Index query_heads = keys.heads;
     if constexpr (HasWindowQueries<Obs>)
       query_heads = obs.window_queries.rows.extents().heads;
-    return backend::cuda::WindowScratch::bytes(keys.batch, query_heads, s.window_size, keys.dim, keys.tokens);
+    Index const rows = s.window_size > 0 ? s.window_size : 0;  // w < 1 is rejected by run()
+    return backend::cuda::WindowScratch::bytes(keys.batch, query_heads, rows, keys.dim, keys.tokens);
   }
 
   template <KVCacheView C, class Obs>
