@@ -16,11 +16,14 @@ static void BM_Attend_Cpu(benchmark::State& state) {
   kvc::KVExtents const qe{1, kvc::bench::kv_heads, 1, c.ext.dim};
   std::vector<float> q(static_cast<std::size_t>(qe.rows() * qe.dim), 0.1f), out(q.size()),
       lse(static_cast<std::size_t>(qe.rows()));
-  std::vector<std::byte> ws(kvc::attend_workspace_bytes(c.ext, c.ext.dim));
-  kvc::QueryRows const queries(q.data(), kvc::bhtd_layout(qe));
+  // Post-RoPE queries at the context's last position (no positions given: kvc::context_end), so every slot is seen.
+  kvc::AttendQueries<float> const queries{
+      kvc::TokenRows<float const, kvc::StridedLayout>(q.data(), kvc::bhtd_layout(qe))};
+  kvc::Attention const op{};
+  std::vector<std::byte> ws(kvc::attend_workspace_bytes(kvc::Cpu{}, op, queries, c.view()));
   for (auto _ : state) {
-    auto const st =
-        kvc::attend(kvc::Cpu{}, queries, c.view(), out.data(), lse.data(), {}, nullptr, {ws.data(), ws.size()});
+    auto const st = kvc::attend(kvc::Cpu{}, op, queries, c.view(), kvc::AttendOutput<>{out.data(), lse.data()},
+                                {ws.data(), ws.size()});
     benchmark::DoNotOptimize(st);
     benchmark::DoNotOptimize(out.data());
   }

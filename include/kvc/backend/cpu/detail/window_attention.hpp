@@ -95,7 +95,8 @@ void window_attention_columns(WindowQueries<T, HostSpace> const& wq, C const& ca
   float* total = carve.take<float>(rows);
   Index* q_pos = carve.take<Index>(rows);
 
-  // Queries of the group, widened and rotated to their positions: row r = (local head, window row).
+  // Queries of the group, widened, rotated to their positions and pre-scaled by 1/sqrt(d) (so the products give
+  // logits directly): row r = (local head, window row).
   Index const end = wq.positions ? 0 : context_end(cache, b);
   for (Index lq = 0; lq < g; ++lq)
     for (Index i = 0; i < per_head; ++i) {
@@ -106,16 +107,23 @@ void window_attention_columns(WindowQueries<T, HostSpace> const& wq, C const& ca
       q_pos[r] = window_query_position(wq, b, end, first + i);
       if (!wq.rope.empty())
         wq.rope.rotate(q + r * d, q_pos[r]);
+      for (Index c = 0; c < d; ++c)
+        q[r * d + c] *= scale;
     }
+  Index const earliest = rows > 0 ? *std::min_element(q_pos, q_pos + rows) : 0;
   std::fill(peak, peak + rows, neg_inf);
   std::fill(total, total + rows, 0.0f);
   for (Index lq = 0; lq < g; ++lq)
     std::fill(colsum + lq * stride, colsum + lq * stride + n, 0.0f);
 
+  using Row = Eigen::Map<Eigen::ArrayXf>;
   Index const tile_cols = window_tile_for(d);
   Index const row_chunk = std::max<Index>(1, window_pack_floats / std::max<Index>(d, 1));  // query rows per product
-  auto tile_logits = [&](Index t0, Index cols) {  // logits[r, c] for slots t0 + c, masked by position
-    for (Index c = 0; c < cols; ++c) {
+  Index pos[window_tile];
+  // logits[r, c] for slots t0 + c; returns whether some slot of the tile is masked for some row. Positions ascend,
+  // so a tile ending at or before the earliest query is visible to every row and skips the mask entirely.
+  auto tile_logits = [&](Index t0, Index cols) {
+    for (Index c = 0; c < cols; ++c) {  // widened copy even for fp32: measured faster than mapping rows in place
       auto const* key = cache.keys.row(b, h, t0 + c);
       for (Index i = 0; i < d; ++i)
         tile[c * d + i] = to_float(key[i]);
@@ -128,37 +136,43 @@ void window_attention_columns(WindowQueries<T, HostSpace> const& wq, C const& ca
                                                         Eigen::OuterStride<>(window_tile));
       lm.noalias() = qm * km.transpose();
     }
-    for (Index c = 0; c < cols; ++c) {
-      Index const pos = cache.position(b, h, t0 + c);
-      for (Index r = 0; r < rows; ++r)
-        logits[r * window_tile + c] = pos <= q_pos[r] ? scale * logits[r * window_tile + c] : neg_inf;
-    }
+    if (cache.position(b, h, t0 + cols - 1) <= earliest)
+      return false;
+    for (Index c = 0; c < cols; ++c)
+      pos[c] = cache.position(b, h, t0 + c);
+    for (Index r = 0; r < rows; ++r)  // row-major: the inner loop vectorises
+      for (Index c = 0; c < cols; ++c)
+        logits[r * window_tile + c] = pos[c] <= q_pos[r] ? logits[r * window_tile + c] : neg_inf;
+    return true;
   };
+  // Eigen's vectorised exp gives ~1e-39, not 0, for -inf - m: masked entries are selected to 0 explicitly.
   for (Index t0 = 0; t0 < n; t0 += tile_cols) {  // pass 1: running max and sum of exponentials per row
     Index const cols = std::min(tile_cols, n - t0);
-    tile_logits(t0, cols);
+    bool const masked = tile_logits(t0, cols);
     for (Index r = 0; r < rows; ++r) {
-      float const* l = logits + r * window_tile;
-      float const m = std::max(peak[r], *std::max_element(l, l + cols));
+      Row const l(logits + r * window_tile, cols);
+      float const m = std::max(peak[r], l.maxCoeff());
       if (m == neg_inf)
         continue;
-      float sum = total[r] * std::exp(peak[r] - m);  // exp(-inf) = 0 on the first visible tile
-      for (Index c = 0; c < cols; ++c)
-        sum += std::exp(l[c] - m);
+      float const sum = masked ? (l == neg_inf).select(0.0f, (l - m).exp()).sum() : (l - m).exp().sum();
+      total[r] = total[r] * std::exp(peak[r] - m) + sum;  // exp(-inf) = 0 on the first visible tile
       peak[r] = m;
-      total[r] = sum;
     }
   }
-  for (Index r = 0; r < rows; ++r)  // lse, or +inf for a row that sees nothing (its exps are then all 0)
+  for (Index r = 0; r < rows; ++r)  // lse, or +inf for a row that sees nothing
     peak[r] = peak[r] == neg_inf ? std::numeric_limits<float>::infinity() : peak[r] + std::log(total[r]);
   for (Index t0 = 0; t0 < n; t0 += tile_cols) {  // pass 2: probabilities into the column sums
     Index const cols = std::min(tile_cols, n - t0);
-    tile_logits(t0, cols);
+    bool const masked = tile_logits(t0, cols);
     for (Index r = 0; r < rows; ++r) {
-      float const* l = logits + r * window_tile;
-      float* out = colsum + (r / per_head) * stride + t0;
-      for (Index c = 0; c < cols; ++c)
-        out[c] += std::exp(l[c] - peak[r]);
+      if (peak[r] == std::numeric_limits<float>::infinity())
+        continue;  // the row sees nothing
+      Row const l(logits + r * window_tile, cols);
+      Row out(colsum + (r / per_head) * stride + t0, cols);
+      if (masked)
+        out += (l == neg_inf).select(0.0f, (l - peak[r]).exp());
+      else
+        out += (l - peak[r]).exp();
     }
   }
 }
