@@ -8,6 +8,7 @@
 #include <kvc/backend/cuda/scorers/snap_kv.cuh>
 #include <kvc/backend/cuda/scorers/streaming_llm.cuh>
 #include <kvc/backend/cuda/selectors/top_k.cuh>
+#include <kvc/pipeline/blockwise.hpp>
 
 #include "cuda_kernels.hpp"
 
@@ -352,6 +353,27 @@ std::string append(Case& dst, Case const& src, Index begin, Index count) {
     d.read_back(dst);
     return err;
   });
+}
+
+std::string blockwise_key_diff(Case const& src, Index budget, Index block, std::vector<Index>& lengths,
+                               std::vector<Index>& positions) {
+  Press const press{KeyDiffScorer{}, TopKSelector{FixedBudget{budget}}};
+  Index const cap = blockwise_capacity(press.selector, block);
+  KVExtents const we{src.e.batch, src.e.heads, cap, src.e.dim};
+  Mirror<float> s(src);
+  DeviceBuffer<float> k(static_cast<std::size_t>(we.rows() * we.dim)), v(k.n);
+  DeviceBuffer<Index> len(std::vector<Index>(static_cast<std::size_t>(we.batch * we.heads), 0)),
+      pos(static_cast<std::size_t>(we.rows()));
+  auto const work =
+      make_cache(bhtd_device_rows(k.ptr, we), bhtd_device_rows(v.ptr, we), head_lengths(len.ptr, we.heads), pos.ptr);
+  std::size_t const bytes = blockwise_workspace_bytes(Cuda{}, press, we);
+  DeviceBuffer<unsigned char> ws(bytes);
+  std::string const err = s.with_cache([&](auto const& cache) {
+    return finish(blockwise_compress(Cuda{}, press, cache, block, work, {ws.ptr, bytes}));
+  });
+  len.to_host(lengths);
+  pos.to_host(positions);
+  return err;
 }
 
 }  // namespace kvc::test::cuda

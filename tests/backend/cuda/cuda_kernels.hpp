@@ -61,4 +61,9 @@ std::string gather(Case const& c, std::vector<Index> const& index, std::vector<I
 /// Appends tokens [begin, begin + count) of `src` after `dst`'s lengths; dst is returned updated.
 std::string append(Case& dst, Case const& src, Index begin, Index count);
 
+/// KeyDiff's block-wise protocol on the device (kvc::blockwise_compress with FixedBudget{budget}); returns the
+/// working cache's per-head lengths and positions [B, H, capacity].
+std::string blockwise_key_diff(Case const& src, Index budget, Index block, std::vector<Index>& lengths,
+                               std::vector<Index>& positions);
+
 }  // namespace kvc::test::cuda

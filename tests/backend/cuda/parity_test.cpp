@@ -11,6 +11,7 @@
 #include <kvc/backend/cpu/scorers/snap_kv.hpp>
 #include <kvc/backend/cpu/scorers/streaming_llm.hpp>
 #include <kvc/backend/cpu/selectors/top_k.hpp>
+#include <kvc/pipeline/blockwise.hpp>
 
 #include "backend/cuda/cuda_kernels.hpp"
 #include "common/synthetic.hpp"
@@ -323,4 +324,26 @@ TEST_CASE("cuda: compaction, gather and append produce the CPU's bytes, position
       else
         run_cpu(kvc::bfloat16{});
     }
+}
+
+TEST_CASE("cuda: the block-wise driver runs on the device and keeps the CPU's positions", "[cuda][pipeline]") {
+  KVC_REQUIRE_DEVICE();
+  auto c = random_case({2, 3, 200, 32}, 3, 1, false, 21);
+  c.lengths = {200, 150};
+  for (Index block : {1, 16, 64}) {
+    std::vector<Index> lengths, positions;
+    REQUIRE(kc::blockwise_key_diff(c, 40, block, lengths, positions) == "");
+    kvc::Press const press{kvc::KeyDiffScorer{}, kvc::TopKSelector{kvc::FixedBudget{40}}};
+    Index const cap = kvc::blockwise_capacity(press.selector, block);
+    auto const src = host_cache<float>(c);
+    kvc::tools::HostCache<float> work({2, 3, cap, 32});
+    work.track(0);
+    kvc::test::OwnedWorkspace ws(kvc::blockwise_workspace_bytes(kvc::Cpu{}, press, work.ext));
+    REQUIRE(kvc::blockwise_compress(kvc::Cpu{}, press, src.view(), block, work.view(), ws.get()).ok());
+    REQUIRE(lengths == work.lengths);
+    for (Index bh = 0; bh < 6; ++bh)
+      for (Index j = 0; j < lengths[static_cast<std::size_t>(bh)]; ++j)
+        REQUIRE(positions[static_cast<std::size_t>(bh * cap + j)] ==
+                work.positions[static_cast<std::size_t>(bh * cap + j)]);
+  }
 }
