@@ -70,7 +70,7 @@ struct PerHeadBudget {
 };
 
 /// `PerHeadBudget{table, heads}` names a host table (device tables spell `PerHeadBudget<DeviceSpace>{...}`).
-PerHeadBudget(Index const*, Index) -> PerHeadBudget<HostSpace>;
+PerHeadBudget(Index const*, Index)->PerHeadBudget<HostSpace>;
 
 /// Whether backend B can read budget `Bud` (no memory, or memory in B's space).
 template <class Bud, class B>

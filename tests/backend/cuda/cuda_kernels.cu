@@ -285,9 +285,13 @@ std::string top_k(double ratio, Index fixed, Index n_sink, Index n_recent, Index
   Lengths const table = lengths.empty() ? Lengths{} : (per_head ? head_lengths(len.ptr, heads) : Lengths(len.ptr));
   ScoreSpan<DeviceSpace> const span{s.ptr, batch, heads, tokens, table};
   KeepPlan<DeviceSpace> const plan{idx.ptr, cnt.ptr, batch, heads, capacity};
-  std::string const err =
-      ratio >= 0 ? finish(select(Cuda{}, TopKSelector{RatioBudget{ratio}, n_sink, n_recent}, span, plan, {}))
-                 : finish(select(Cuda{}, TopKSelector{FixedBudget{fixed}, n_sink, n_recent}, span, plan, {}));
+  auto run = [&](auto const& sel) {  // the multi-block path (long heads) needs its workspace
+    std::size_t const bytes = select_workspace_bytes(Cuda{}, sel, batch, heads, tokens);
+    DeviceBuffer<unsigned char> ws(bytes);
+    return finish(select(Cuda{}, sel, span, plan, Workspace{ws.ptr, bytes}));
+  };
+  std::string const err = ratio >= 0 ? run(TopKSelector{RatioBudget{ratio}, n_sink, n_recent})
+                                     : run(TopKSelector{FixedBudget{fixed}, n_sink, n_recent});
   idx.to_host(index);
   cnt.to_host(count);
   return err;

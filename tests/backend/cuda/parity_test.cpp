@@ -196,8 +196,11 @@ TEST_CASE(
     "[cuda][selectors]") {
   KVC_REQUIRE_DEVICE();
   kvc::tools::Rng rng(9);
-  for (int trial = 0; trial < 40; ++trial) {
-    Index const batch = 2, heads = 3, tokens = 1 + static_cast<Index>(rng.next() % 3000);
+  for (int trial = 0; trial < 48; ++trial) {
+    // Most trials take the one-block path; every fourth is long enough for the multi-block path (> 16384 slots).
+    Index const batch = 2, heads = 3,
+                tokens = trial % 4 == 3 ? 16385 + static_cast<Index>(rng.next() % 60000)
+                                        : 1 + static_cast<Index>(rng.next() % 3000);
     std::vector<float> scores(static_cast<std::size_t>(batch * heads * tokens));
     for (float& x : scores) {
       auto const r = rng.next() % 100;

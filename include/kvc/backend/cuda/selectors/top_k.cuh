@@ -8,6 +8,7 @@
 #include <kvc/backend/cuda/config.cuh>
 #include <kvc/selectors/top_k.hpp>
 
+#include <cub/block/block_reduce.cuh>
 #include <cub/block/block_scan.cuh>
 
 #include <cstddef>
@@ -117,19 +118,232 @@ __global__ void __launch_bounds__(top_k_threads)
       out[first_recent + (t - c.recent_begin)] = t;
 }
 
+// ---- Multi-block path for long heads ---------------------------------------------------------------------------
+// One block per head leaves most of a GPU idle at batch 1 (8 KV heads, 132 SMs). Heads longer than
+// top_k_split_tokens spread each pass over chunks of top_k_chunk slots of the unprotected middle: the same radix
+// select (per-chunk shared histograms added into a global one, then one block per head picks the digit), then a
+// count per chunk, one exclusive scan per head over its chunks, and the ordered write of each chunk at its offset.
+// The output is the single-block kernel's, slot for slot (same keys, same threshold, same tie rule).
+
+inline constexpr Index top_k_split_tokens = 16384;
+inline constexpr Index top_k_chunk = 4096;
+
+/// Per-head state of the multi-block select, in the workspace.
+struct TopKState {
+  std::uint32_t prefix;  ///< the threshold's key bits found so far
+  Index remaining;       ///< how many keys at or above the current prefix bucket still have to be taken
+  Index m;               ///< keys taken from the middle (0: nothing to rank)
+};
+
+/// Chunks of the middle a head of `tokens` slots can have.
+inline Index top_k_chunks(Index tokens) noexcept {
+  return (tokens + top_k_chunk - 1) / top_k_chunk;
+}
+
+/// One block per (h, b): counts, protected slots, the state, and everything when the head is within budget.
+template <class Sel>
+__global__ void top_k_init_kernel(Sel sel, ScoreSpan<DeviceSpace> scores, KeepPlan<DeviceSpace> plan, TopKState* state,
+                                  unsigned* hist) {
+  Index const b = blockIdx.y, h = blockIdx.x, head = b * scores.heads + h;
+  Index const n = clamp_length(scores.length(b, h), scores.tokens);
+  auto const c = detail::top_k_counts(sel, b, h, n);
+  Index const keep = c.keep < plan.capacity ? c.keep : plan.capacity;
+  Index* out = plan.indices(b, h);
+  for (int i = threadIdx.x; i < 256; i += blockDim.x)
+    hist[head * 256 + i] = 0;
+  bool const all = c.keep == n;
+  Index const m = all ? 0 : c.keep - c.sink_end - (n - c.recent_begin);
+  if (threadIdx.x == 0) {
+    plan.kept(b, h) = keep;
+    state[head] = TopKState{0u, m, m};
+  }
+  if (all) {
+    for (Index t = threadIdx.x; t < keep; t += blockDim.x)
+      out[t] = t;
+    return;
+  }
+  for (Index t = threadIdx.x; t < c.sink_end && t < keep; t += blockDim.x)
+    out[t] = t;
+  Index const first_recent = c.sink_end + m;
+  for (Index t = c.recent_begin + threadIdx.x; t < n; t += blockDim.x)
+    if (first_recent + (t - c.recent_begin) < keep)
+      out[first_recent + (t - c.recent_begin)] = t;
+}
+
+/// Grid (chunks, heads, batch): this chunk's histogram of digit `shift` among keys matching the prefix so far.
+template <class Sel>
+__global__ void top_k_hist_kernel(Sel sel, ScoreSpan<DeviceSpace> scores, TopKState const* state, unsigned* hist,
+                                  int shift) {
+  __shared__ unsigned local[256];
+  Index const b = blockIdx.z, h = blockIdx.y, head = b * scores.heads + h;
+  TopKState const st = state[head];
+  if (st.m <= 0)
+    return;  // whole block: nothing to rank for this head
+  Index const n = clamp_length(scores.length(b, h), scores.tokens);
+  auto const c = detail::top_k_counts(sel, b, h, n);
+  Index const t0 = c.sink_end + static_cast<Index>(blockIdx.x) * top_k_chunk;
+  if (t0 >= c.recent_begin)
+    return;
+  Index const t1 = t0 + top_k_chunk < c.recent_begin ? t0 + top_k_chunk : c.recent_begin;
+  std::uint32_t const mask = shift == 24 ? 0u : (0xffffffffu << (shift + 8));
+  for (int i = threadIdx.x; i < 256; i += blockDim.x)
+    local[i] = 0;
+  __syncthreads();
+  float const* s = scores.row(b, h);
+  for (Index t = t0 + threadIdx.x; t < t1; t += blockDim.x) {
+    std::uint32_t const k = order_key(s[t]);
+    if ((k & mask) == st.prefix)
+      atomicAdd(&local[(k >> shift) & 0xffu], 1u);
+  }
+  __syncthreads();
+  for (int i = threadIdx.x; i < 256; i += blockDim.x)
+    if (local[i])
+      atomicAdd(&hist[head * 256 + i], local[i]);
+}
+
+/// One block per (h, b): picks digit `shift` of the threshold from the head's histogram, then clears it.
+/// (A template, as every __global__ in a header: see tests/link.)
+template <class State>
+__global__ void top_k_digit_kernel(Index heads, State* state, unsigned* hist, int shift) {
+  Index const head = static_cast<Index>(blockIdx.y) * heads + blockIdx.x;
+  if (threadIdx.x == 0 && state[head].m > 0) {
+    TopKState st = state[head];
+    Index above = 0;
+    int d = 255;
+    for (; d > 0 && above + hist[head * 256 + d] < st.remaining; --d)
+      above += hist[head * 256 + d];
+    st.remaining -= above;
+    st.prefix |= static_cast<std::uint32_t>(d) << shift;
+    state[head] = st;
+  }
+  __syncthreads();
+  for (int i = threadIdx.x; i < 256; i += blockDim.x)
+    hist[head * 256 + i] = 0;
+}
+
+/// Grid (chunks, heads, batch): keys above the threshold and keys equal to it in this chunk.
+template <class Sel>
+__global__ void __launch_bounds__(top_k_threads)
+    top_k_count_kernel(Sel sel, ScoreSpan<DeviceSpace> scores, TopKState const* state, Index chunks, Index* counts) {
+  using Reduce = cub::BlockReduce<Index, top_k_threads>;
+  __shared__ typename Reduce::TempStorage storage;
+  Index const b = blockIdx.z, h = blockIdx.y, head = b * scores.heads + h;
+  TopKState const st = state[head];
+  if (st.m <= 0)
+    return;
+  Index const n = clamp_length(scores.length(b, h), scores.tokens);
+  auto const c = detail::top_k_counts(sel, b, h, n);
+  Index const t0 = c.sink_end + static_cast<Index>(blockIdx.x) * top_k_chunk;
+  Index const t1 = t0 + top_k_chunk < c.recent_begin ? t0 + top_k_chunk : c.recent_begin;
+  float const* s = scores.row(b, h);
+  Index gt = 0, eq = 0;
+  for (Index t = t0 + threadIdx.x; t < t1; t += blockDim.x) {
+    std::uint32_t const k = order_key(s[t]);
+    gt += k > st.prefix ? 1 : 0;
+    eq += k == st.prefix ? 1 : 0;
+  }
+  gt = Reduce(storage).Sum(gt);
+  __syncthreads();
+  eq = Reduce(storage).Sum(eq);
+  if (threadIdx.x == 0) {
+    counts[(head * chunks + blockIdx.x) * 2] = gt;
+    counts[(head * chunks + blockIdx.x) * 2 + 1] = eq;
+  }
+}
+
+/// One thread per (h, b), grid (head blocks, batch): exclusive offsets over the head's chunks of the output position
+/// and of the equal keys seen before each chunk (equal keys are taken while their rank is below remaining: the lower
+/// indices win).
+template <class State>
+__global__ void top_k_scan_kernel(Index heads, Index chunks, State const* state, Index* counts) {
+  Index const h = static_cast<Index>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (h >= heads)
+    return;
+  Index const head = static_cast<Index>(blockIdx.y) * heads + h;
+  if (state[head].m <= 0)
+    return;
+  Index const need_eq = state[head].remaining;
+  Index out = 0, eq_before = 0;
+  for (Index k = 0; k < chunks; ++k) {
+    Index* cnt = counts + (head * chunks + k) * 2;
+    Index const gt = cnt[0], eq = cnt[1];
+    Index const eq_taken = need_eq - eq_before <= 0 ? 0 : (need_eq - eq_before < eq ? need_eq - eq_before : eq);
+    cnt[0] = out;
+    cnt[1] = eq_before;
+    out += gt + eq_taken;
+    eq_before += eq;
+  }
+}
+
+/// Grid (chunks, heads, batch): writes the chunk's kept slots in ascending order at its offset (block scans).
+template <class Sel>
+__global__ void __launch_bounds__(top_k_threads)
+    top_k_write_kernel(Sel sel, ScoreSpan<DeviceSpace> scores, KeepPlan<DeviceSpace> plan, TopKState const* state,
+                       Index chunks, Index const* counts) {
+  using Scan = cub::BlockScan<int, top_k_threads>;
+  __shared__ typename Scan::TempStorage scan_storage;
+  __shared__ Index s_running[2];
+  Index const b = blockIdx.z, h = blockIdx.y, head = b * scores.heads + h;
+  TopKState const st = state[head];
+  if (st.m <= 0)
+    return;
+  Index const n = clamp_length(scores.length(b, h), scores.tokens);
+  auto const c = detail::top_k_counts(sel, b, h, n);
+  Index const keep = c.keep < plan.capacity ? c.keep : plan.capacity;
+  Index const t0 = c.sink_end + static_cast<Index>(blockIdx.x) * top_k_chunk;
+  Index const t1 = t0 + top_k_chunk < c.recent_begin ? t0 + top_k_chunk : c.recent_begin;
+  if (threadIdx.x == 0) {
+    s_running[0] = counts[(head * chunks + blockIdx.x) * 2];
+    s_running[1] = counts[(head * chunks + blockIdx.x) * 2 + 1];
+  }
+  __syncthreads();
+  float const* s = scores.row(b, h);
+  Index* out = plan.indices(b, h);
+  for (Index base = t0; base < t1; base += blockDim.x) {
+    Index const t = base + threadIdx.x;
+    bool const valid = t < t1;
+    std::uint32_t const k = valid ? order_key(s[t]) : 0u;
+    int const is_eq = valid && k == st.prefix ? 1 : 0;
+    int eq_rank = 0, eq_total = 0;
+    Scan(scan_storage).ExclusiveSum(is_eq, eq_rank, eq_total);
+    __syncthreads();
+    int const take = valid && (k > st.prefix || (is_eq && s_running[1] + eq_rank < st.remaining)) ? 1 : 0;
+    int pos = 0, taken = 0;
+    Scan(scan_storage).ExclusiveSum(take, pos, taken);
+    Index const j = c.sink_end + s_running[0] + pos;
+    if (take && j < keep)
+      out[j] = t;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      s_running[0] += taken;
+      s_running[1] += eq_total;
+    }
+    __syncthreads();
+  }
+}
+
 }  // namespace kvc::backend::cuda
 
 namespace kvc {
 
-/// TopKSelector on CUDA. No workspace. A plan whose capacity is below detail::top_k_capacity_bound() (the most any
-/// head can keep, known on the host) is rejected with out_of_capacity before launching: stricter than the CPU,
-/// which checks the real counts, because the device cannot report a short plan without a synchronisation.
+/// TopKSelector on CUDA: one block per head up to backend::cuda::top_k_split_tokens slots, the multi-block path
+/// beyond (workspace: per-head state, histograms and per-chunk counts; none for short heads). A plan whose capacity
+/// is below detail::top_k_capacity_bound() (the most any head can keep, known on the host) is rejected with
+/// out_of_capacity before launching: stricter than the CPU, which checks the real counts, because the device cannot
+/// report a short plan without a synchronisation.
 template <Budget B>
 struct Kernel<TopKSelector<B>, Cuda> {
-  static std::size_t workspace_bytes(Cuda const&, TopKSelector<B> const&, Index, Index, Index) { return 0; }
+  static std::size_t workspace_bytes(Cuda const&, TopKSelector<B> const&, Index batch, Index heads, Index tokens) {
+    namespace bc = backend::cuda;
+    if (tokens <= bc::top_k_split_tokens)
+      return 0;
+    auto const h = static_cast<std::size_t>(batch * heads);
+    return workspace_round(h * sizeof(bc::TopKState)) + workspace_round(h * 256 * sizeof(unsigned)) +
+           workspace_round(h * static_cast<std::size_t>(bc::top_k_chunks(tokens)) * 2 * sizeof(Index));
+  }
 
   static Status run(Cuda const& cuda, TopKSelector<B> const& sel, ScoreSpan<DeviceSpace> scores,
-                    KeepPlan<DeviceSpace> plan, Workspace) {
+                    KeepPlan<DeviceSpace> plan, Workspace ws) {
     KVC_RETURN_IF_ERROR(sel.check());
     if (plan.capacity < detail::top_k_capacity_bound(sel, scores.tokens))
       return {
@@ -140,9 +354,32 @@ struct Kernel<TopKSelector<B>, Cuda> {
     KVC_RETURN_IF_ERROR(backend::cuda::head_grid_status(scores.batch, scores.heads,
                                                         "kvc::select(Cuda): batch and heads must be <= 65535"));
     KVC_RETURN_IF_ERROR(backend::cuda::pending_status());
+    namespace bc = backend::cuda;
     dim3 const grid(static_cast<unsigned>(scores.heads), static_cast<unsigned>(scores.batch));
-    backend::cuda::top_k_kernel<<<grid, backend::cuda::top_k_threads, 0, cuda.stream>>>(sel, scores, plan);
-    return backend::cuda::launch_status("kvc::select(top_k, Cuda): kernel launch failed");
+    if (scores.tokens <= bc::top_k_split_tokens) {
+      bc::top_k_kernel<<<grid, bc::top_k_threads, 0, cuda.stream>>>(sel, scores, plan);
+      return bc::launch_status("kvc::select(top_k, Cuda): kernel launch failed");
+    }
+    Index const chunks = bc::top_k_chunks(scores.tokens), heads = scores.batch * scores.heads;
+    WorkspaceCarver carve(ws);
+    auto* state = carve.take<bc::TopKState>(heads);
+    auto* hist = carve.take<unsigned>(heads * 256);
+    auto* counts = carve.take<Index>(heads * chunks * 2);
+    if (state == nullptr || hist == nullptr || counts == nullptr)
+      return {Errc::out_of_capacity, "kvc::select(Cuda): workspace smaller than select_workspace_bytes()"};
+    dim3 const chunk_grid(static_cast<unsigned>(chunks), static_cast<unsigned>(scores.heads),
+                          static_cast<unsigned>(scores.batch));
+    bc::top_k_init_kernel<<<grid, bc::top_k_threads, 0, cuda.stream>>>(sel, scores, plan, state, hist);
+    for (int shift = 24; shift >= 0; shift -= 8) {
+      bc::top_k_hist_kernel<<<chunk_grid, 256, 0, cuda.stream>>>(sel, scores, state, hist, shift);
+      bc::top_k_digit_kernel<<<grid, 256, 0, cuda.stream>>>(scores.heads, state, hist, shift);
+    }
+    bc::top_k_count_kernel<<<chunk_grid, bc::top_k_threads, 0, cuda.stream>>>(sel, scores, state, chunks, counts);
+    bc::top_k_scan_kernel<<<dim3(static_cast<unsigned>((scores.heads + 127) / 128),
+                                 static_cast<unsigned>(scores.batch)),
+                            128, 0, cuda.stream>>>(scores.heads, chunks, state, counts);
+    bc::top_k_write_kernel<<<chunk_grid, bc::top_k_threads, 0, cuda.stream>>>(sel, scores, plan, state, chunks, counts);
+    return bc::launch_status("kvc::select(top_k, Cuda): kernel launch failed");
   }
 };
 
