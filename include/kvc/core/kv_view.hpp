@@ -156,6 +156,23 @@ KVC_HOST_DEVICE constexpr Index context_end(C const& cache, Index b) noexcept {
   return end;
 }
 
+/// Slots of head (b, h) whose position is before `position`: positions ascend, so they are a prefix of the valid
+/// slots, found by binary search (the window keys of SnapKV and TOVA start there).
+template <KVCacheView C>
+KVC_HOST_DEVICE constexpr Index slots_before(C const& cache, Index b, Index h, Index position) noexcept {
+  Index const capacity = cache.keys.extents().tokens;
+  Index lo = 0, hi = cache.length(b, h);
+  hi = hi < 0 ? 0 : (hi > capacity ? capacity : hi);
+  while (lo < hi) {
+    Index const mid = lo + (hi - lo) / 2;
+    if (cache.position(b, h, mid) < position)
+      lo = mid + 1;
+    else
+      hi = mid;
+  }
+  return lo;
+}
+
 /// Checks a length table's shape against a cache of `heads` KV heads (host-side fields only, so every backend can
 /// call it): a per-head table must have been built for exactly that many heads.
 constexpr Status check_length_table(Lengths const& lengths, Index heads, char const* what) noexcept {

@@ -39,20 +39,6 @@ inline void protect_tail(float* score, Index from, Index n) noexcept {
   std::fill(score + from, score + n, top);
 }
 
-/// Slots of head (b, h) whose position is before `position` (positions ascend, so a prefix of the slots).
-template <KVCacheView C>
-Index slots_before(C const& cache, Index b, Index h, Index position) noexcept {
-  Index lo = 0, hi = cache.length(b, h);
-  while (lo < hi) {
-    Index const mid = lo + (hi - lo) / 2;
-    if (cache.position(b, h, mid) < position)
-      lo = mid + 1;
-    else
-      hi = mid;
-  }
-  return lo;
-}
-
 }  // namespace detail
 
 template <>
@@ -103,7 +89,7 @@ struct Kernel<SnapKVScorer, Cpu> {
       float* row = carve.take<float>(e.tokens);
       detail::window_attention_columns(wq, cache, b, h, first, scale, colsum, e.tokens, mine);
       Index const end = wq.positions ? 0 : context_end(cache, b);
-      Index const m = detail::slots_before(cache, b, h, detail::window_query_position(wq, b, end, first));
+      Index const m = slots_before(cache, b, h, detail::window_query_position(wq, b, end, first));
       if (authors) {  // sum over the window, reduce the group, then pool
         for (Index j = 0; j < m; ++j) {
           float acc = colsum[j];
@@ -183,8 +169,7 @@ struct Kernel<TOVAScorer, Cpu> {
         score[j] /= static_cast<float>(hq);
       if (s.reference == Reference::kvpress) {
         Index const end = wq.positions ? 0 : context_end(cache, b);
-        detail::protect_tail(score, detail::slots_before(cache, b, 0, detail::window_query_position(wq, b, end, last)),
-                             n);
+        detail::protect_tail(score, slots_before(cache, b, 0, detail::window_query_position(wq, b, end, last)), n);
       }
       std::fill(score + n, score + e.tokens, neg_inf);
       for (Index h = 1; h < e.heads; ++h)

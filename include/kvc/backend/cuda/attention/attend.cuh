@@ -4,6 +4,7 @@
 
 #include <kvc/attention/attend.hpp>
 #include <kvc/backend/cuda/config.cuh>
+#include <kvc/backend/cuda/detail/logits.cuh>
 
 #include <cstddef>
 #include <math_constants.h>
@@ -34,30 +35,12 @@ __global__ void __launch_bounds__(attend_warps* warp_size)
     q[c] = to_float(src[c]);
   __syncwarp();
   Index const q_pos = queries.positions ? queries.positions[b * qe.tokens + i] : context_end(cache, b) - qe.tokens + i;
-  auto logit = [&](Index j) {
-    if (op.causal && cache.position(b, h, j) > q_pos)
-      return -CUDART_INF_F;
-    auto const* k = cache.keys.row(b, h, j);
-    float dot = 0.0f;
-    for (Index c = 0; c < dk; ++c)
-      dot += q[c] * to_float(k[c]);
-    return scale * dot;
-  };
-  float peak = -CUDART_INF_F;
-  for (Index j = lane; j < n; j += warp_size)
-    peak = fmaxf(peak, logit(j));
-  peak = warp_max(peak);
-  float total = 0.0f;
-  if (peak > -CUDART_INF_F)
-    for (Index j = lane; j < n; j += warp_size)
-      total += __expf(logit(j) - peak);
-  total = warp_sum(total);
-  float const lse = total > 0.0f ? peak + logf(total) : -CUDART_INF_F;
+  float const lse = warp_lse(cache, b, h, n, q, q_pos, scale, op.causal);
   float acc[attend_max_chunks] = {};
-  if (total > 0.0f)
+  if (lse > -CUDART_INF_F)
     for (Index base = 0; base < n; base += warp_size) {
       Index const j = base + lane;
-      float const p = j < n ? __expf(logit(j) - lse) : 0.0f;
+      float const p = j < n ? expf(slot_logit(cache, b, h, j, q, q_pos, scale, op.causal) - lse) : 0.0f;
       int const chunk = n - base < warp_size ? static_cast<int>(n - base) : warp_size;
       for (int s = 0; s < chunk; ++s) {
         float const w = __shfl_sync(full_mask, p, s);

@@ -10,6 +10,7 @@
 #pragma once
 
 #include <kvc/backend/cuda/config.cuh>
+#include <kvc/backend/cuda/detail/logits.cuh>
 #include <kvc/core/observations.hpp>
 #include <kvc/core/workspace.hpp>
 
@@ -89,27 +90,9 @@ __global__ void window_lse_kernel(C cache, Index query_heads, Index rows, float 
     return;
   Index const h = hq / (query_heads / cache.keys.extents().heads);
   Index const n = clamp_length(cache.length(b, h), cache.keys.extents().tokens), pos = s.q_pos[b * rows + r];
-  float const* q = s.q + ((b * query_heads + hq) * rows + r) * d;
-  auto logit = [&](Index j) {
-    if (cache.position(b, h, j) > pos)
-      return -CUDART_INF_F;
-    auto const* k = cache.keys.row(b, h, j);
-    float dot = 0.0f;
-    for (Index c = 0; c < d; ++c)
-      dot += q[c] * to_float(k[c]);
-    return scale * dot;
-  };
-  float peak = -CUDART_INF_F;
-  for (Index j = lane; j < n; j += warp_size)
-    peak = fmaxf(peak, logit(j));
-  peak = warp_max(peak);
-  float total = 0.0f;
-  if (peak > -CUDART_INF_F)
-    for (Index j = lane; j < n; j += warp_size)
-      total += expf(logit(j) - peak);
-  total = warp_sum(total);
+  float const lse = warp_lse(cache, b, h, n, s.q + ((b * query_heads + hq) * rows + r) * d, pos, scale, true);
   if (lane == 0)  // +inf for a row that sees nothing: its exps are then all 0
-    s.lse[(b * query_heads + hq) * rows + r] = total > 0.0f ? peak + logf(total) : CUDART_INF_F;
+    s.lse[(b * query_heads + hq) * rows + r] = lse == -CUDART_INF_F ? CUDART_INF_F : lse;
 }
 
 /// Grid (slot blocks, Hkv, B): one thread per slot j of KV head h; colsum[b, q, j] for each query head q of h's
@@ -127,7 +110,6 @@ __global__ void window_columns_kernel(C cache, Index query_heads, Index rows, fl
       continue;
     }
     Index const pos = cache.position(b, h, j);
-    auto const* k = cache.keys.row(b, h, j);
     for (Index lq = 0; lq < g; ++lq) {
       Index const hq = h * g + lq;
       float sum = 0.0f;
@@ -135,10 +117,7 @@ __global__ void window_columns_kernel(C cache, Index query_heads, Index rows, fl
         if (pos > s.q_pos[b * rows + r])
           continue;
         float const* q = s.q + ((b * query_heads + hq) * rows + r) * d;
-        float dot = 0.0f;
-        for (Index c = 0; c < d; ++c)
-          dot += q[c] * to_float(k[c]);
-        sum += expf(scale * dot - s.lse[(b * query_heads + hq) * rows + r]);
+        sum += expf(slot_logit(cache, b, h, j, q, pos, scale, false) - s.lse[(b * query_heads + hq) * rows + r]);
       }
       s.colsum[(b * query_heads + hq) * e.tokens + j] = sum;
     }
@@ -175,20 +154,6 @@ Status check_window(WQ const& wq, C const& cache, Index rows_used, char const* w
     return {Errc::invalid_argument, "RopeTable: needs cos, sin, positions > 0 and an even rotary_dim <= head dim"};
   KVC_RETURN_IF_ERROR(head_grid_status(q.batch, q.heads, "kvc::score(Cuda): batch and query heads must be <= 65535"));
   return {};
-}
-
-/// Slots of head (b, h) before `position` (positions ascend): a binary search on the device.
-template <class C>
-__device__ Index slots_before(C const& cache, Index b, Index h, Index n, Index position) {
-  Index lo = 0, hi = n;
-  while (lo < hi) {
-    Index const mid = lo + (hi - lo) / 2;
-    if (cache.position(b, h, mid) < position)
-      lo = mid + 1;
-    else
-      hi = mid;
-  }
-  return lo;
 }
 
 /// Block-wide max of one value per thread (blockDim.x a multiple of 32, at most 1024).

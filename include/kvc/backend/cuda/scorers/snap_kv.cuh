@@ -25,7 +25,7 @@ __global__ void __launch_bounds__(finish_threads)
   KVExtents const e = cache.keys.extents();
   Index const b = blockIdx.y, h = blockIdx.x, g = query_heads / e.heads, n = clamp_length(cache.length(b, h), e.tokens);
   if (threadIdx.x == 0)
-    m_shared = slots_before(cache, b, h, n, ws.q_pos[b * rows]);
+    m_shared = slots_before(cache, b, h, ws.q_pos[b * rows]);
   __syncthreads();
   Index const m = m_shared, r = s.kernel_size / 2;
   float const* col = ws.colsum + (b * query_heads + h * g) * e.tokens;  // [g, tokens] of this group
@@ -73,7 +73,7 @@ __global__ void __launch_bounds__(finish_threads)
   KVExtents const e = cache.keys.extents();
   Index const b = blockIdx.x, n = e.heads > 0 ? clamp_length(cache.length(b, 0), e.tokens) : 0;
   if (threadIdx.x == 0)
-    m_shared = s.reference == Reference::kvpress ? slots_before(cache, b, 0, n, ws.q_pos[b]) : n;
+    m_shared = s.reference == Reference::kvpress ? slots_before(cache, b, 0, ws.q_pos[b]) : n;
   __syncthreads();
   Index const m = m_shared;
   float* score = out.row(b, 0);

@@ -26,6 +26,36 @@ __device__ inline std::uint32_t order_key(float s) {
   return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
 }
 
+/// Block-wide: writes the kept slots of [t0, t1) in ascending order, one tile of threads at a time: every key above
+/// `threshold`, and keys equal to it while their rank among equal keys (running[1] + rank in the tile) is below
+/// `need_eq`, so ties go to the lower index. Slot number i of the output goes to out[first + running[0] + i] (below
+/// `keep`). `running` (shared: {written, equal keys seen}) holds the counts before t0 and is advanced.
+template <class Scan>
+__device__ void take_in_order(float const* s, Index t0, Index t1, std::uint32_t threshold, Index need_eq, Index first,
+                              Index keep, Index* out, Index* running, typename Scan::TempStorage& storage) {
+  for (Index base = t0; base < t1; base += blockDim.x) {
+    Index const t = base + threadIdx.x;
+    bool const valid = t < t1;
+    std::uint32_t const k = valid ? order_key(s[t]) : 0u;
+    int const is_eq = valid && k == threshold ? 1 : 0;
+    int eq_rank = 0, eq_total = 0;
+    Scan(storage).ExclusiveSum(is_eq, eq_rank, eq_total);
+    __syncthreads();
+    int const take = valid && (k > threshold || (is_eq && running[1] + eq_rank < need_eq)) ? 1 : 0;
+    int pos = 0, taken = 0;
+    Scan(storage).ExclusiveSum(take, pos, taken);
+    Index const j = first + running[0] + pos;
+    if (take && j < keep)
+      out[j] = t;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      running[0] += taken;
+      running[1] += eq_total;
+    }
+    __syncthreads();
+  }
+}
+
 /// One block per (h, b). Phase 1 finds the m-th largest key of the unprotected middle by four 8-bit radix
 /// passes over shared histograms. Phase 2 walks the middle in ascending order, one tile of threads at a time,
 /// and writes every key above the threshold plus the first `need_eq` keys equal to it: ascending output without
@@ -91,27 +121,8 @@ __global__ void __launch_bounds__(top_k_threads)
     s_running[1] = 0;
   }
   __syncthreads();
-  for (Index base = c.sink_end; base < c.recent_begin && m > 0; base += blockDim.x) {
-    Index const t = base + threadIdx.x;
-    std::uint32_t const k = t < c.recent_begin ? order_key(s[t]) : 0u;
-    bool const valid = t < c.recent_begin;
-    int const is_eq = valid && k == prefix ? 1 : 0;
-    int eq_rank = 0, eq_total = 0;
-    Scan(scan_storage).ExclusiveSum(is_eq, eq_rank, eq_total);
-    __syncthreads();
-    int const take = valid && (k > prefix || (is_eq && s_running[1] + eq_rank < need_eq)) ? 1 : 0;
-    int pos = 0, taken = 0;
-    Scan(scan_storage).ExclusiveSum(take, pos, taken);
-    Index const j = c.sink_end + s_running[0] + pos;
-    if (take && j < keep)
-      out[j] = t;
-    __syncthreads();
-    if (threadIdx.x == 0) {
-      s_running[0] += taken;
-      s_running[1] += eq_total;
-    }
-    __syncthreads();
-  }
+  if (m > 0)
+    take_in_order<Scan>(s, c.sink_end, c.recent_begin, prefix, need_eq, c.sink_end, keep, out, s_running, scan_storage);
   Index const first_recent = c.sink_end + (m > 0 ? m : 0);
   for (Index t = c.recent_begin + threadIdx.x; t < n; t += blockDim.x)
     if (first_recent + (t - c.recent_begin) < keep)
@@ -299,27 +310,7 @@ __global__ void __launch_bounds__(top_k_threads)
   __syncthreads();
   float const* s = scores.row(b, h);
   Index* out = plan.indices(b, h);
-  for (Index base = t0; base < t1; base += blockDim.x) {
-    Index const t = base + threadIdx.x;
-    bool const valid = t < t1;
-    std::uint32_t const k = valid ? order_key(s[t]) : 0u;
-    int const is_eq = valid && k == st.prefix ? 1 : 0;
-    int eq_rank = 0, eq_total = 0;
-    Scan(scan_storage).ExclusiveSum(is_eq, eq_rank, eq_total);
-    __syncthreads();
-    int const take = valid && (k > st.prefix || (is_eq && s_running[1] + eq_rank < st.remaining)) ? 1 : 0;
-    int pos = 0, taken = 0;
-    Scan(scan_storage).ExclusiveSum(take, pos, taken);
-    Index const j = c.sink_end + s_running[0] + pos;
-    if (take && j < keep)
-      out[j] = t;
-    __syncthreads();
-    if (threadIdx.x == 0) {
-      s_running[0] += taken;
-      s_running[1] += eq_total;
-    }
-    __syncthreads();
-  }
+  take_in_order<Scan>(s, t0, t1, st.prefix, st.remaining, c.sink_end, keep, out, s_running, scan_storage);
 }
 
 }  // namespace kvc::backend::cuda

@@ -1,0 +1,44 @@
+// SPDX-License-Identifier: Apache-2.0
+// kvc/backend/cuda/detail/logits.cuh: attention logits of one query row against a head's slots, and their
+// warp-wide log-sum-exp (shared by the attention kernel and the window-attention kernels).
+#pragma once
+
+#include <kvc/backend/cuda/config.cuh>
+
+#include <math_constants.h>
+
+namespace kvc::backend::cuda {
+
+/// scale * <q, key(b, h, j)> in fp32 (q: `dim` floats, already widened), or -inf when `causal` and the slot's
+/// position is past `q_pos`.
+template <class C>
+__device__ inline float slot_logit(C const& cache, Index b, Index h, Index j, float const* q, Index q_pos, float scale,
+                                   bool causal) {
+  if (causal && cache.position(b, h, j) > q_pos)
+    return -CUDART_INF_F;
+  auto const* k = cache.keys.row(b, h, j);
+  float dot = 0.0f;
+  for (Index c = 0; c < cache.keys.extents().dim; ++c)
+    dot += q[c] * to_float(k[c]);
+  return scale * dot;
+}
+
+/// Warp-wide (every lane gets it): log of the sum over slots [0, n) of exp(slot_logit), max-shifted; -inf when no
+/// slot is visible. Lanes take slots in turn, two passes (max, then the sum of exponentials).
+template <class C>
+__device__ inline float warp_lse(C const& cache, Index b, Index h, Index n, float const* q, Index q_pos, float scale,
+                                 bool causal) {
+  int const lane = static_cast<int>(threadIdx.x) % warp_size;
+  float peak = -CUDART_INF_F;
+  for (Index j = lane; j < n; j += warp_size)
+    peak = fmaxf(peak, slot_logit(cache, b, h, j, q, q_pos, scale, causal));
+  peak = warp_max(peak);
+  if (peak == -CUDART_INF_F)
+    return -CUDART_INF_F;
+  float total = 0.0f;
+  for (Index j = lane; j < n; j += warp_size)
+    total += expf(slot_logit(cache, b, h, j, q, q_pos, scale, causal) - peak);
+  return peak + logf(warp_sum(total));
+}
+
+}  // namespace kvc::backend::cuda
