@@ -113,7 +113,7 @@ void run_policy(Workload const& w, char const* name, Scorer scorer, std::vector<
     for (Index c : count)
       kept += c;
     double const kept_bytes = 2.0 * static_cast<double>(kept * e.dim) * sizeof(kvc::half);
-    std::printf("%-14s %5.2f %10.1f %9.1f%% %12.2f %12.4f %9.3f\n", name, ratio,
+    std::printf("%-14s %5.2f %10.1f %9.1f%% %12.2f %26.4f %9.3f\n", name, ratio,
                 static_cast<double>(kept) / static_cast<double>(e.batch * e.heads),
                 100.0 * (1 - kept_bytes / full_bytes), (full_bytes - kept_bytes) / 1024.0, error,
                 1e3 * times[times.size() / 2]);
@@ -127,7 +127,7 @@ void report(Workload const& w, std::vector<double> const& ratios) {
               static_cast<long long>(w.query_ext.heads), static_cast<long long>(e.tokens),
               static_cast<long long>(e.dim), static_cast<long long>(w.query_ext.tokens),
               w.causal ? " (causal, last prompt positions)" : "");
-  std::printf("%-14s %5s %10s %10s %12s %12s %9s\n", "policy", "ratio", "kept/head", "saved", "saved KiB",
+  std::printf("%-14s %5s %10s %10s %12s %26s %9s\n", "policy", "ratio", "kept/head", "saved", "saved KiB",
               "attn err (lower is better)", "time ms");
   Index const window = std::min<Index>(32, w.query_ext.tokens);
   run_policy(w, "random", kvc::RandomScorer{7}, ratios);
