@@ -181,35 +181,50 @@ __global__ void top_k_init_kernel(Sel sel, ScoreSpan<DeviceSpace> scores, KeepPl
       out[first_recent + (t - c.recent_begin)] = t;
 }
 
+/// What a chunk kernel (grid (chunks, heads, batch)) works on: its head, the head's state and counts, and the
+/// chunk's slots [t0, t1) of the unprotected middle (empty past the middle's end).
+struct HeadChunk {
+  Index b, h, head;
+  TopKState st;
+  detail::TopKCounts c;
+  Index t0, t1;
+};
+
+template <class Sel>
+__device__ inline HeadChunk head_chunk(Sel const& sel, ScoreSpan<DeviceSpace> const& scores, TopKState const* state) {
+  HeadChunk k;
+  k.b = blockIdx.z;
+  k.h = blockIdx.y;
+  k.head = k.b * scores.heads + k.h;
+  k.st = state[k.head];
+  k.c = detail::top_k_counts(sel, k.b, k.h, clamp_length(scores.length(k.b, k.h), scores.tokens));
+  k.t0 = k.c.sink_end + static_cast<Index>(blockIdx.x) * top_k_chunk;
+  k.t1 = k.t0 + top_k_chunk < k.c.recent_begin ? k.t0 + top_k_chunk : k.c.recent_begin;
+  return k;
+}
+
 /// Grid (chunks, heads, batch): this chunk's histogram of digit `shift` among keys matching the prefix so far.
 template <class Sel>
 __global__ void top_k_hist_kernel(Sel sel, ScoreSpan<DeviceSpace> scores, TopKState const* state, unsigned* hist,
                                   int shift) {
   __shared__ unsigned local[256];
-  Index const b = blockIdx.z, h = blockIdx.y, head = b * scores.heads + h;
-  TopKState const st = state[head];
-  if (st.m <= 0)
-    return;  // whole block: nothing to rank for this head
-  Index const n = clamp_length(scores.length(b, h), scores.tokens);
-  auto const c = detail::top_k_counts(sel, b, h, n);
-  Index const t0 = c.sink_end + static_cast<Index>(blockIdx.x) * top_k_chunk;
-  if (t0 >= c.recent_begin)
-    return;
-  Index const t1 = t0 + top_k_chunk < c.recent_begin ? t0 + top_k_chunk : c.recent_begin;
+  HeadChunk const k = head_chunk(sel, scores, state);
+  if (k.st.m <= 0 || k.t0 >= k.t1)
+    return;  // whole block: nothing to rank in this chunk
   std::uint32_t const mask = shift == 24 ? 0u : (0xffffffffu << (shift + 8));
   for (int i = threadIdx.x; i < 256; i += blockDim.x)
     local[i] = 0;
   __syncthreads();
-  float const* s = scores.row(b, h);
-  for (Index t = t0 + threadIdx.x; t < t1; t += blockDim.x) {
-    std::uint32_t const k = order_key(s[t]);
-    if ((k & mask) == st.prefix)
-      atomicAdd(&local[(k >> shift) & 0xffu], 1u);
+  float const* s = scores.row(k.b, k.h);
+  for (Index t = k.t0 + threadIdx.x; t < k.t1; t += blockDim.x) {
+    std::uint32_t const key = order_key(s[t]);
+    if ((key & mask) == k.st.prefix)
+      atomicAdd(&local[(key >> shift) & 0xffu], 1u);
   }
   __syncthreads();
   for (int i = threadIdx.x; i < 256; i += blockDim.x)
     if (local[i])
-      atomicAdd(&hist[head * 256 + i], local[i]);
+      atomicAdd(&hist[k.head * 256 + i], local[i]);
 }
 
 /// One block per (h, b): picks digit `shift` of the threshold from the head's histogram, then clears it.
@@ -238,27 +253,22 @@ __global__ void __launch_bounds__(top_k_threads)
     top_k_count_kernel(Sel sel, ScoreSpan<DeviceSpace> scores, TopKState const* state, Index chunks, Index* counts) {
   using Reduce = cub::BlockReduce<Index, top_k_threads>;
   __shared__ typename Reduce::TempStorage storage;
-  Index const b = blockIdx.z, h = blockIdx.y, head = b * scores.heads + h;
-  TopKState const st = state[head];
-  if (st.m <= 0)
+  HeadChunk const k = head_chunk(sel, scores, state);
+  if (k.st.m <= 0)
     return;
-  Index const n = clamp_length(scores.length(b, h), scores.tokens);
-  auto const c = detail::top_k_counts(sel, b, h, n);
-  Index const t0 = c.sink_end + static_cast<Index>(blockIdx.x) * top_k_chunk;
-  Index const t1 = t0 + top_k_chunk < c.recent_begin ? t0 + top_k_chunk : c.recent_begin;
-  float const* s = scores.row(b, h);
+  float const* s = scores.row(k.b, k.h);
   Index gt = 0, eq = 0;
-  for (Index t = t0 + threadIdx.x; t < t1; t += blockDim.x) {
-    std::uint32_t const k = order_key(s[t]);
-    gt += k > st.prefix ? 1 : 0;
-    eq += k == st.prefix ? 1 : 0;
+  for (Index t = k.t0 + threadIdx.x; t < k.t1; t += blockDim.x) {
+    std::uint32_t const key = order_key(s[t]);
+    gt += key > k.st.prefix ? 1 : 0;
+    eq += key == k.st.prefix ? 1 : 0;
   }
   gt = Reduce(storage).Sum(gt);
   __syncthreads();
   eq = Reduce(storage).Sum(eq);
   if (threadIdx.x == 0) {
-    counts[(head * chunks + blockIdx.x) * 2] = gt;
-    counts[(head * chunks + blockIdx.x) * 2 + 1] = eq;
+    counts[(k.head * chunks + blockIdx.x) * 2] = gt;
+    counts[(k.head * chunks + blockIdx.x) * 2 + 1] = eq;
   }
 }
 
@@ -294,23 +304,17 @@ __global__ void __launch_bounds__(top_k_threads)
   using Scan = cub::BlockScan<int, top_k_threads>;
   __shared__ typename Scan::TempStorage scan_storage;
   __shared__ Index s_running[2];
-  Index const b = blockIdx.z, h = blockIdx.y, head = b * scores.heads + h;
-  TopKState const st = state[head];
-  if (st.m <= 0)
+  HeadChunk const k = head_chunk(sel, scores, state);
+  if (k.st.m <= 0)
     return;
-  Index const n = clamp_length(scores.length(b, h), scores.tokens);
-  auto const c = detail::top_k_counts(sel, b, h, n);
-  Index const keep = c.keep < plan.capacity ? c.keep : plan.capacity;
-  Index const t0 = c.sink_end + static_cast<Index>(blockIdx.x) * top_k_chunk;
-  Index const t1 = t0 + top_k_chunk < c.recent_begin ? t0 + top_k_chunk : c.recent_begin;
+  Index const keep = k.c.keep < plan.capacity ? k.c.keep : plan.capacity;
   if (threadIdx.x == 0) {
-    s_running[0] = counts[(head * chunks + blockIdx.x) * 2];
-    s_running[1] = counts[(head * chunks + blockIdx.x) * 2 + 1];
+    s_running[0] = counts[(k.head * chunks + blockIdx.x) * 2];
+    s_running[1] = counts[(k.head * chunks + blockIdx.x) * 2 + 1];
   }
   __syncthreads();
-  float const* s = scores.row(b, h);
-  Index* out = plan.indices(b, h);
-  take_in_order<Scan>(s, t0, t1, st.prefix, st.remaining, c.sink_end, keep, out, s_running, scan_storage);
+  take_in_order<Scan>(scores.row(k.b, k.h), k.t0, k.t1, k.st.prefix, k.st.remaining, k.c.sink_end, keep,
+                      plan.indices(k.b, k.h), s_running, scan_storage);
 }
 
 }  // namespace kvc::backend::cuda
