@@ -120,6 +120,15 @@ concept HasLse = requires(O const& o) {
 }
 &&detail::present<decltype(O::lse)>;
 
+/// Hq of a bundle's window queries, or `fallback` when it has none (scratch sizes of window scorers).
+template <class O>
+constexpr Index window_query_heads(O const& obs, Index fallback) noexcept {
+  if constexpr (HasWindowQueries<O>)
+    return obs.window_queries.rows.extents().heads;
+  else
+    return fallback;
+}
+
 /// Whether backend B can read bundle O (the empty bundle always).
 template <class O, class B>
 concept ObservationsReadableBy = !requires {

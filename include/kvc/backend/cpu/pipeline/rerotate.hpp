@@ -5,6 +5,7 @@
 #include <kvc/backend/cpu/detail/for_each_head.hpp>
 #include <kvc/pipeline/rerotate.hpp>
 
+#include <algorithm>
 #include <cstddef>
 
 namespace kvc {
@@ -27,8 +28,7 @@ struct Kernel<RerotateStep, Cpu> {
       for (Index h = 0; h < e.heads; ++h) {
         Index const n = cache.length(b, h);
         if (n > 0)
-          KVC_RETURN_IF_ERROR(
-              check_rope_table(table, e.dim, cache.position(b, h, n - 1) > n ? cache.position(b, h, n - 1) : n));
+          KVC_RETURN_IF_ERROR(check_rope_table(table, e.dim, std::max(cache.position(b, h, n - 1), n - 1)));
       }
     detail::parallel_for(cpu, e.batch * e.heads, [&](Index item, Index) {
       Index const b = item / e.heads, h = item % e.heads;

@@ -52,9 +52,7 @@ struct Kernel<SnapKVScorer, Cpu> {
   }
   template <class Obs>
   static std::size_t workspace_bytes(Cpu const& cpu, SnapKVScorer const& s, KVExtents const& keys, Obs const& obs) {
-    Index query_heads = keys.heads;
-    if constexpr (HasWindowQueries<Obs>)
-      query_heads = obs.window_queries.rows.extents().heads;
+    Index const query_heads = window_query_heads(obs, keys.heads);
     return static_cast<std::size_t>(cpu.workers()) * worker_bytes(s, keys, query_heads);
   }
 
@@ -63,9 +61,7 @@ struct Kernel<SnapKVScorer, Cpu> {
                     Workspace ws) {
     KVC_RETURN_IF_ERROR(s.check());
     auto const& wq = obs.window_queries;
-    KVExtents const e = cache.keys.extents();
-    KVC_RETURN_IF_ERROR(detail::check_lengths(cache.lengths, e.batch, e.heads, e.tokens,
-                                              "kvc::score: every valid length must be in [0, tokens]"));
+    KVExtents const e = cache.keys.extents();  // lengths are checked by for_each_head (context_end clamps them)
     KVC_RETURN_IF_ERROR(detail::check_window_queries(
         wq, cache, s.window_size,
         "kvc::score(snap_kv): window queries must be [batch, Hq, >= window_size, d_k] with Hq a multiple of Hkv"));
@@ -122,9 +118,7 @@ struct Kernel<TOVAScorer, Cpu> {
   }
   template <class Obs>
   static std::size_t workspace_bytes(Cpu const& cpu, TOVAScorer const&, KVExtents const& keys, Obs const& obs) {
-    Index query_heads = keys.heads;
-    if constexpr (HasWindowQueries<Obs>)
-      query_heads = obs.window_queries.rows.extents().heads;
+    Index const query_heads = window_query_heads(obs, keys.heads);
     return static_cast<std::size_t>(cpu.workers()) * worker_bytes(keys, query_heads);
   }
 

@@ -106,9 +106,7 @@ template <>
 struct Kernel<SnapKVScorer, Cuda> {
   template <class Obs>
   static std::size_t workspace_bytes(Cuda const&, SnapKVScorer const& s, KVExtents const& keys, Obs const& obs) {
-    Index query_heads = keys.heads;
-    if constexpr (HasWindowQueries<Obs>)
-      query_heads = obs.window_queries.rows.extents().heads;
+    Index const query_heads = window_query_heads(obs, keys.heads);
     Index const rows = s.window_size > 0 ? s.window_size : 0;  // w < 1 is rejected by run()
     return backend::cuda::WindowScratch::bytes(keys.batch, query_heads, rows, keys.dim, keys.tokens);
   }
@@ -146,9 +144,7 @@ template <>
 struct Kernel<TOVAScorer, Cuda> {
   template <class Obs>
   static std::size_t workspace_bytes(Cuda const&, TOVAScorer const&, KVExtents const& keys, Obs const& obs) {
-    Index query_heads = keys.heads;
-    if constexpr (HasWindowQueries<Obs>)
-      query_heads = obs.window_queries.rows.extents().heads;
+    Index const query_heads = window_query_heads(obs, keys.heads);
     return backend::cuda::WindowScratch::bytes(keys.batch, query_heads, 1, keys.dim, keys.tokens);
   }
 
