@@ -7,7 +7,11 @@
 #include "support/catch.hpp"
 
 #include <cstring>
+#include <filesystem>
+#include <fstream>
 #include <string>
+#include <sys/stat.h>
+#include <unistd.h>
 #include <vector>
 
 using kvc::Index;
@@ -93,6 +97,67 @@ TEST_CASE("npy: malformed files give errors that name the problem", "[io][npy]")
   CHECK(parse_error(unknown).find("unexpected header key") != std::string::npos);
   auto const unterminated = handmade("{'descr': '<f4", 0);
   CHECK(parse_error(unterminated) != "ok");
+}
+
+TEST_CASE("npy: junk after the header dict and empty arrays declaring absurd sizes are refused", "[io][npy]") {
+  auto const junk = handmade("{'descr': '<f4', 'fortran_order': False, 'shape': (1,), }junk\n", 4);
+  CHECK(parse_error(junk).find("after the header dict") != std::string::npos);
+  auto const second = handmade("{'descr': '<f4', 'fortran_order': False, 'shape': (1,), } {}\n", 4);
+  CHECK(parse_error(second).find("after the header dict") != std::string::npos);
+  // numpy: the product of the non-zero dimensions must fit (2^57 * 2^57 does not), even when one dimension is 0.
+  auto const huge_empty =
+      handmade("{'descr': '<f4', 'fortran_order': False, 'shape': (0, 144115188075855872, 144115188075855872), }\n", 0);
+  CHECK(parse_error(huge_empty).find("overflows") != std::string::npos);
+  // 2^61 elements fit in 64 bits, but not in bytes at 4 per element (2^59 * 4 = 2^61 elements).
+  auto const huge_bytes =
+      handmade("{'descr': '<f4', 'fortran_order': False, 'shape': (0, 576460752303423488, 4), }\n", 0);
+  CHECK(parse_error(huge_bytes).find("overflows") != std::string::npos);
+  // An empty array of sane sizes is a valid (empty) file.
+  auto const empty = handmade("{'descr': '<f4', 'fortran_order': False, 'shape': (0, 3), }\n", 0);
+  CHECK(parse_error(empty) == "ok");
+}
+
+TEST_CASE("npy: only regular files are read, without blocking", "[io][npy]") {
+  kvc::NpyArray a;
+  std::string error;
+  CHECK_FALSE(kvc::read_npy("/", a, error));
+  CHECK(error.find("is a directory, expected a regular file") != std::string::npos);
+  CHECK_FALSE(kvc::read_npy("/dev/zero", a, error));
+  CHECK(error.find("character device") != std::string::npos);
+  std::string const fifo = std::filesystem::temp_directory_path() / ("kvc_npy_fifo_" + std::to_string(::getpid()));
+  REQUIRE(::mkfifo(fifo.c_str(), 0600) == 0);
+  CHECK_FALSE(kvc::read_npy(fifo, a, error));  // no writer: opened non-blocking, refused, never waits
+  CHECK(error.find("FIFO") != std::string::npos);
+  std::filesystem::remove(fifo);
+  // A file larger than the caller's limit (a sparse file can claim more than memory holds) is refused unread.
+  std::string const sparse = std::filesystem::temp_directory_path() / ("kvc_npy_sparse_" + std::to_string(::getpid()));
+  { std::ofstream(sparse) << "x"; }
+  std::filesystem::resize_file(sparse, std::uintmax_t{1} << 40);  // 1 TiB, no block written
+  CHECK_FALSE(kvc::read_npy(sparse, a, error, std::uint64_t{1} << 30));
+  CHECK(error.find("more than the reader's limit of 1073741824 bytes") != std::string::npos);
+  std::filesystem::remove(sparse);
+}
+
+TEST_CASE("npy: write_npy replaces a file whole and leaves nothing behind when it cannot", "[io][npy]") {
+  std::filesystem::path const dir =
+      std::filesystem::temp_directory_path() / ("kvc_npy_w_" + std::to_string(::getpid()));
+  std::filesystem::create_directories(dir);
+  std::vector<float> const f = {1, 2, 3};
+  std::vector<Index> const shape = {3};
+  std::string error;
+  REQUIRE(kvc::write_npy((dir / "a.npy").string(), kvc::NpyDtype::f32, shape, f.data(), error));
+  kvc::NpyArray a;
+  REQUIRE(kvc::read_npy((dir / "a.npy").string(), a, error));
+  CHECK(a.as<float>()[2] == 3.0f);
+  CHECK_FALSE(kvc::write_npy((dir / "missing" / "b.npy").string(), kvc::NpyDtype::f32, shape, f.data(), error));
+  CHECK(error.find("cannot create a temporary file") != std::string::npos);
+  std::filesystem::create_directories(dir / "c.npy");  // a directory in the way: the rename fails, nothing is left
+  CHECK_FALSE(kvc::write_npy((dir / "c.npy").string(), kvc::NpyDtype::f32, shape, f.data(), error));
+  int entries = 0;
+  for (auto const& e : std::filesystem::directory_iterator(dir))
+    entries += e.path().filename().string().find(".kvc-") == std::string::npos ? 1 : 100;
+  CHECK(entries == 2);  // a.npy and the c.npy directory, no temporary
+  std::filesystem::remove_all(dir);
 }
 
 TEST_CASE("npy: reading a missing file is an error, not a crash", "[io][npy]") {

@@ -43,18 +43,21 @@ std::vector<Index> keep_top(std::vector<float> scores, Index budget) {
   return plan.kept(0, 0);
 }
 
-/// fp64 oracle of Eq. 8 for one head (independent of the kernel: no blocks, no Eigen).
-std::vector<double> oracle(std::vector<double> const& k, Index dim) {
+/// fp64 oracle of Eq. 8 for one head (independent of the kernel: no blocks, no Eigen, no scaling: every finite
+/// fp32 key squares and sums within fp64's range). `s` gives the anchor and the eps floors.
+std::vector<double> oracle(std::vector<double> const& k, Index dim, kvc::KeyDiffScorer s = {}) {
   Index const n = static_cast<Index>(k.size()) / dim;
+  bool const unit = s.anchor == kvc::KeyDiffAnchor::normalized_mean;
   std::vector<double> mu(static_cast<std::size_t>(dim), 0.0);
   std::vector<double> norm(static_cast<std::size_t>(n));
   for (Index t = 0; t < n; ++t) {
-    double s = 0;
+    double sq = 0;
     for (Index i = 0; i < dim; ++i)
-      s += k[t * dim + i] * k[t * dim + i];
-    norm[t] = std::sqrt(s);
+      sq += k[t * dim + i] * k[t * dim + i];
+    norm[t] = std::sqrt(sq);
+    double const w = unit ? 1.0 / std::max(norm[t], double{s.unit_eps}) : 1.0;
     for (Index i = 0; i < dim; ++i)
-      mu[i] += k[t * dim + i] / std::max(norm[t], 1e-12) / static_cast<double>(n);
+      mu[i] += k[t * dim + i] * w / static_cast<double>(n);
   }
   double mn = 0;
   for (double x : mu)
@@ -65,9 +68,53 @@ std::vector<double> oracle(std::vector<double> const& k, Index dim) {
     double dot = 0;
     for (Index i = 0; i < dim; ++i)
       dot += mu[i] * k[t * dim + i];
-    out[t] = -dot / (std::max(mn, 1e-8) * std::max(norm[t], 1e-8));
+    out[t] = -dot / (std::max(mn, double{s.cosine_eps}) * std::max(norm[t], double{s.cosine_eps}));
   }
   return out;
+}
+
+/// One head of n keys whose token t has magnitude scales[t % scales.size()]: scale * u with u_i = 0.3 + 0.5 z
+/// (z standard normal) clamped to [-1.1, 1.1], so the keys share a direction (a clear anchor), every element is
+/// finite even at 3e38 while the norms of those rows exceed FLT_MAX.
+template <class T>
+std::vector<T> range_keys(Index n, Index dim, std::vector<double> const& scales, std::uint64_t seed) {
+  kvc::tools::Rng rng(seed);
+  std::vector<T> k;
+  for (Index t = 0; t < n; ++t)
+    for (Index i = 0; i < dim; ++i) {
+      double const u = std::clamp(0.3 + 0.5 * rng.normal(), -1.1, 1.1);
+      k.push_back(kvc::from_float<T>(static_cast<float>(u * scales[static_cast<std::size_t>(t) % scales.size()])));
+    }
+  return k;
+}
+
+/// The stored keys widened to fp64 (what the oracle sees).
+template <class T>
+std::vector<double> widen(std::vector<T> const& k) {
+  std::vector<double> out;
+  for (T x : k)
+    out.push_back(kvc::to_float(x));
+  return out;
+}
+
+/// Scores within 1e-6 of the fp64 oracle (they lie in [-1, 1]), and every budget keeps the set the oracle keeps
+/// (REQUIREd to have a clear gap at its boundary, so the expected set does not hinge on rounding).
+void check_against_oracle(std::vector<float> const& s, std::vector<double> const& ref,
+                          std::vector<Index> const& budgets) {
+  for (std::size_t t = 0; t < ref.size(); ++t) {
+    INFO("token " << t << ": kvc " << s[t] << ", oracle " << ref[t]);
+    CHECK_THAT(s[t], WithinAbs(ref[t], 1e-6));
+  }
+  for (Index budget : budgets) {
+    std::vector<Index> order(ref.size());
+    std::iota(order.begin(), order.end(), Index{0});
+    std::stable_sort(order.begin(), order.end(), [&](Index a, Index b) { return ref[a] > ref[b]; });
+    REQUIRE(ref[order[budget - 1]] - ref[order[budget]] > 1e-5);
+    std::vector<Index> expected(order.begin(), order.begin() + budget);
+    std::sort(expected.begin(), expected.end());
+    INFO("budget " << budget);
+    CHECK(keep_top(s, budget) == expected);
+  }
 }
 
 std::vector<float> random_keys(Index n, Index dim, std::uint64_t seed, float offset = 0.0f) {
@@ -360,4 +407,46 @@ TEST_CASE("key_diff: selection depends only on keys, never on values", "[scorers
   CHECK(pa.kept(0, 0) == pb.kept(0, 0));
   CHECK(pa.kept(0, 1) == pb.kept(0, 1));
   CHECK(pa.kept(0, 0).size() == 20);
+}
+
+TEST_CASE("key_diff: fp32 keys at 1e20, 3e38 and 1e-25 match the fp64 oracle and keep its set",
+          "[scorers][key_diff][range]") {
+  // The 1e20 and 3e38 rows overflow an fp32 sum of squares (the 3e38 norms exceed FLT_MAX itself); the 1e-25 rows
+  // underflow it. With the default eps the 1e-25 keys score about 0 (their norm is under cosine_eps), above every
+  // other key: the budgets cut among the other 60.
+  Index const n = 80, dim = 40;
+  auto const k = range_keys<float>(n, dim, {1.0, 1e20, 3e38, 1e-25}, 41);
+  check_against_oracle(key_diff_scores(k, dim), oracle(widen(k), dim), {25, 40, 60});
+}
+
+TEST_CASE("key_diff: 1e-25 keys are normalised exactly when the eps floors are zero", "[scorers][key_diff][range]") {
+  kvc::KeyDiffScorer s;
+  s.unit_eps = 0.0f;
+  s.cosine_eps = 0.0f;
+  Index const n = 60, dim = 24;
+  auto const k = range_keys<float>(n, dim, {1e-25, 1.0, 1e-30}, 42);
+  check_against_oracle(key_diff_scores(k, dim, s), oracle(widen(k), dim, s), {10, 30, 50});
+}
+
+TEST_CASE("key_diff: the raw-mean anchor of keys at 1e20, 3e38 and 1e-25 matches the fp64 oracle",
+          "[scorers][key_diff][range]") {
+  // The raw mean is dominated by the 3e38 keys: its fp32 block sum and its norm would overflow.
+  kvc::KeyDiffScorer s;
+  s.anchor = kvc::KeyDiffAnchor::raw_mean;
+  Index const n = 80, dim = 40;
+  auto const k = range_keys<float>(n, dim, {1.0, 1e20, 3e38, 1e-25}, 43);
+  check_against_oracle(key_diff_scores(k, dim, s), oracle(widen(k), dim, s), {25, 40, 60});
+  // Only tiny keys, no eps floor: the raw mean (about 1e-25) takes the anchor's power-of-two rescaling.
+  s.cosine_eps = 0.0f;
+  auto const tiny = range_keys<float>(40, dim, {1e-25, 3e-26}, 44);
+  check_against_oracle(key_diff_scores(tiny, dim, s), oracle(widen(tiny), dim, s), {10, 20, 30});
+}
+
+TEST_CASE("key_diff: bf16 keys at 1e30 match the fp64 oracle on the rounded keys", "[scorers][key_diff][range]") {
+  Index const n = 60, dim = 24;
+  auto const k = range_keys<kvc::bfloat16>(n, dim, {1e30, 1.0, 3e38}, 45);
+  check_against_oracle(key_diff_scores(k, dim), oracle(widen(k), dim), {10, 30, 50});
+  kvc::KeyDiffScorer raw;
+  raw.anchor = kvc::KeyDiffAnchor::raw_mean;
+  check_against_oracle(key_diff_scores(k, dim, raw), oracle(widen(k), dim, raw), {10, 30, 50});
 }

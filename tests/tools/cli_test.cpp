@@ -534,7 +534,7 @@ TEST_CASE("cli: invalid queries, positions and window parameters exit 3 naming t
   expect3(snap(q("qb.npy", {2, 4, 8, 4})), "qb.npy: field 'shape': batch (shape[0]) is 2, expected the keys' 1");
   expect3(snap(q("qh.npy", {1, 3, 8, 4})),
           "qh.npy: field 'shape': query heads (shape[1]) is 3, expected a positive multiple of the keys' KV heads (2)");
-  expect3(snap(q("qw.npy", {1, 4, 0, 4})), "qw.npy: field 'shape': window (shape[2]) is 0, expected >= 1");
+  expect3(snap(q("qw.npy", {1, 4, 0, 4})), "qw.npy: field 'shape' is (1, 4, 0, 4): every dimension must be >= 1");
   expect3(snap(q("qd.npy", {1, 4, 8, 6})), "qd.npy: field 'shape': head_dim (shape[3]) is 6, expected the keys' 4");
   auto nan = randoms(128);
   nan[7] = std::numeric_limits<float>::infinity();

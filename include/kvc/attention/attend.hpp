@@ -74,6 +74,8 @@ Status attend(B const& backend, Attention const& op, AttendQueries<T, typename B
       return {Errc::invalid_argument, "kvc::attend: query heads must be a multiple of KV heads (GQA)"};
     if (out.out == nullptr && q.rows() > 0)
       return {Errc::invalid_argument, "kvc::attend: `out.out` is null"};
+    if (queries.rows.data() == nullptr && q.rows() > 0)
+      return {Errc::invalid_argument, "kvc::attend: the queries' data pointer is null"};
     KVC_RETURN_IF_ERROR(
         check_length_table(cache.lengths, k.heads, "kvc::attend: a per-head length table must be [batch, KV heads]"));
     return Kernel<Attention, B>::run(backend, op, queries, cache, out, ws);

@@ -102,7 +102,8 @@ struct RopeTable {
 
 /// Bytes of fp32 storage a table for `positions` positions needs (cos and sin, back to back).
 constexpr Index rope_table_floats(Index positions, Index rotary_dim) noexcept {
-  return 2 * positions * (rotary_dim / 2);
+  Index floats = 0;  // saturates rather than wrapping, so a hostile position count cannot size a small buffer
+  return __builtin_mul_overflow(positions, 2 * (rotary_dim / 2), &floats) ? INT64_MAX : floats;
 }
 
 /// Fills a host table for positions [0, positions) from `spec`: angles p * inv_freq[i] in double, one cos and one

@@ -10,86 +10,176 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <initializer_list>
 #include <type_traits>
 
 namespace kvc {
 
 struct ValidateOptions {
   bool check_finite = false;  ///< scan every valid element for NaN/Inf (host memory only; O(cache size))
+  /// Scan every valid element for NaN/Inf and for dim * x^2 >= 2^126 (host memory only; O(cache size)): within
+  /// that range every squared norm, dot product q.k and attention logit of `dim` products stays finite in fp32,
+  /// even after a RoPE rotation grows a component by sqrt(2). Implies check_finite.
+  bool check_range = false;
 };
+
+/// Whether `x` is inside the exact range of head dim `dim`: dim * x^2 < 2^126 (|x| < 8.1e17 at dim 128), where every
+/// squared norm, dot product and logit of `dim` products stays finite in fp32 (ValidateOptions::check_range).
+constexpr bool in_exact_range(double x, Index dim) noexcept {
+  return x * x * static_cast<double>(dim) < 0x1p126;
+}
 
 namespace detail {
 
-/// Whether a*b overflows int64 for non-negative operands.
-constexpr bool mul_overflows(Index a, Index b) noexcept {
-  Index r = 0;
-  return __builtin_mul_overflow(a, b, &r);
+/// r = a * b; false when the exact product does not fit in 64 bits. With checked_add, the one overflow check of
+/// validate's size arithmetic.
+constexpr bool checked_mul(Index a, Index b, Index& r) noexcept {
+  return !__builtin_mul_overflow(a, b, &r);
 }
 
-/// Elements spanned by a strided view: max offset + dim. Also checks that rows never overlap each other.
-inline Status strided_span(StridedLayout const& l, Index& span) noexcept {
-  KVExtents const e = l.ext;
-  if (l.stride_b < 0 || l.stride_h < 0 || l.stride_t < 0)
-    return {Errc::invalid_argument, "StridedLayout: strides must be >= 0"};
+/// r = a + b; false when the exact sum does not fit in 64 bits.
+constexpr bool checked_add(Index a, Index b, Index& r) noexcept {
+  return !__builtin_add_overflow(a, b, &r);
+}
+
+/// The rows a view can address, as (stride, extent) axes over rows of `dim` elements: a strided view's batch, head
+/// and token axes, or a paged view's pool (page, in-page head, in-page token: every page id in [0, num_pages)).
+/// Axes of extent 1 add no offset and are left out; the rest are sorted by stride. `empty`: no row at all.
+struct RowAxes {
   struct Axis {
-    Index stride, extent;
-  } axes[3] = {{l.stride_b, e.batch}, {l.stride_h, e.heads}, {l.stride_t, e.tokens}};
-  std::sort(axes, axes + 3, [](Axis a, Axis b) { return a.stride < b.stride; });
-  Index inner = e.dim;  // rows never overlap iff each stride (of an extent > 1) covers everything inside it
-  span = e.dim;
-  for (Axis const& a : axes) {
-    if (a.extent <= 1)
-      continue;
-    if (a.stride < inner)
-      return {Errc::invalid_argument, "StridedLayout: rows overlap (a stride is smaller than the block inside it)"};
-    if (mul_overflows(a.stride, a.extent - 1) || mul_overflows(a.stride, a.extent))
-      return {Errc::invalid_argument, "StridedLayout: offsets overflow 64 bits"};
-    span += a.stride * (a.extent - 1);
-    inner = a.stride * a.extent;
+    Index stride = 0, extent = 0;
+    friend constexpr bool operator==(Axis, Axis) = default;
+  };
+  Axis axis[3];
+  int count = 0;
+  Index dim = 0;
+  bool empty = false;
+
+  constexpr RowAxes(Index d, bool none, Axis a, Axis b, Axis c) noexcept : dim(d), empty(none) {
+    for (Axis const x : {a, b, c}) {
+      if (x.extent <= 1)
+        continue;
+      int i = count++;  // insertion by stride (three axes at most; std::sort here trips GCC 12's -Warray-bounds)
+      for (; i > 0 && axis[i - 1].stride > x.stride; --i)
+        axis[i] = axis[i - 1];
+      axis[i] = x;
+    }
   }
-  return {};
+};
+
+inline RowAxes row_axes(StridedLayout const& l) noexcept {
+  KVExtents const e = l.ext;
+  return {e.dim,
+          e.batch == 0 || e.heads == 0 || e.tokens == 0,
+          {l.stride_b, e.batch},
+          {l.stride_h, e.heads},
+          {l.stride_t, e.tokens}};
+}
+
+inline RowAxes row_axes(PagedLayout const& l) noexcept {
+  KVExtents const e = l.ext;
+  Index const in_page = std::min(l.page_size, e.tokens);  // token slots of a page the view can address
+  return {e.dim,
+          e.batch == 0 || e.heads == 0 || in_page <= 0 || l.num_pages <= 0,
+          {l.stride_page, l.num_pages},
+          {l.stride_h, e.heads},
+          {l.stride_t, in_page}};
+}
+
+/// Layouts whose rows validate can enumerate as axes (a user-defined TokenLayout is checked for extents only).
+template <class L>
+inline constexpr bool axes_layout = std::is_same_v<L, StridedLayout> || std::is_same_v<L, PagedLayout>;
+
+enum class SpanError { none, overlap, overflow };
+
+/// Elements spanned by the rows (largest offset + dim; 0 when there is no row). Rows never overlap iff each stride
+/// covers everything inside it (the block of the smaller axes). Strides must be >= 0.
+inline SpanError axes_span(RowAxes const& a, Index& span) noexcept {
+  span = 0;
+  if (a.empty)
+    return SpanError::none;  // no row, nothing to overlap: an empty token dimension is valid whatever its strides
+  Index inner = a.dim;
+  span = a.dim;
+  for (int i = 0; i < a.count; ++i) {
+    RowAxes::Axis const x = a.axis[i];
+    Index step = 0;
+    if (x.stride < inner)
+      return SpanError::overlap;
+    if (!checked_mul(x.stride, x.extent - 1, step) || !checked_add(span, step, span))
+      return SpanError::overflow;
+    if (!checked_mul(x.stride, x.extent, inner))
+      inner = INT64_MAX;  // any larger stride is then too small: its rows overlap
+  }
+  return SpanError::none;
+}
+
+/// Elements spanned by a layout that layout_status accepted (0 for layouts without axes).
+template <class L>
+Index layout_span(L const& l) noexcept {
+  Index span = 0;
+  if constexpr (axes_layout<L>)
+    (void)axes_span(row_axes(l), span);
+  return span;
 }
 
 template <class L>
 Status layout_status(L const& l) noexcept {
+  constexpr bool paged = std::is_same_v<L, PagedLayout>;
   KVExtents const e = l.ext;
+  Index n = 0;
   if (e.batch < 0 || e.heads < 0 || e.tokens < 0 || e.dim <= 0)
     return {Errc::invalid_argument, "KVExtents: batch, heads, tokens must be >= 0 and dim > 0"};
-  if (mul_overflows(e.batch, e.heads) || mul_overflows(e.batch * e.heads, e.tokens) ||
-      mul_overflows(e.batch * e.heads * e.tokens, e.dim))
+  if (!checked_mul(e.batch, e.heads, n) || !checked_mul(n, e.tokens, n) || !checked_mul(n, e.dim, n))
     return {Errc::invalid_argument, "KVExtents: batch * heads * tokens * dim overflows 64 bits"};
   if constexpr (std::is_same_v<L, StridedLayout>) {
-    Index span = 0;
-    return strided_span(l, span);
-  } else if constexpr (std::is_same_v<L, PagedLayout>) {
+    if (l.stride_b < 0 || l.stride_h < 0 || l.stride_t < 0)
+      return {Errc::invalid_argument, "StridedLayout: strides must be >= 0"};
+  } else if constexpr (paged) {
     if (l.page_size <= 0)
       return {Errc::invalid_argument, "PagedLayout: `page_size` must be > 0"};
-    if (l.num_pages <= 0 && e.rows() > 0)
+    struct Field {
+      Index value;
+      char const* message;
+    } const fields[] = {
+        {l.stride_page, "PagedLayout: `stride_page` must be >= 0"},
+        {l.stride_h, "PagedLayout: `stride_h` must be >= 0"},
+        {l.stride_t, "PagedLayout: `stride_t` must be >= 0"},
+        {l.num_pages, "PagedLayout: `num_pages` must be >= 0"},
+        {l.max_pages, "PagedLayout: `max_pages` must be >= 0"},
+        {l.num_page_indices, "PagedLayout: `num_page_indices` must be >= 0"},
+    };
+    for (Field const& f : fields)
+      if (f.value < 0)
+        return {Errc::invalid_argument, f.message};
+    if (l.num_pages == 0 && e.rows() > 0)
       return {Errc::invalid_argument, "PagedLayout: `num_pages` (the pool's size) must be > 0"};
-    if (l.page_indptr == nullptr && mul_overflows(l.max_pages, l.page_size))
-      return {Errc::invalid_argument, "PagedLayout: max_pages * page_size overflows 64 bits"};
-    if (l.page_indptr == nullptr && (l.block_table == nullptr || l.max_pages * l.page_size < e.tokens))
-      return {Errc::invalid_argument, "PagedLayout: need a block table with max_pages * page_size >= tokens, or CSR"};
-    if (l.page_indptr != nullptr && (l.page_indices == nullptr || l.num_page_indices < 0))
-      return {Errc::invalid_argument, "PagedLayout: CSR mode needs `page_indices` and `num_page_indices` >= 0"};
-    // With one token per page stride_t never applies, so only the head stride decides the order (HND then equals
-    // NHD: [heads, dim] per page).
-    bool const nhd = l.page_size == 1 || l.stride_t >= l.stride_h;
-    Index const inner =
-        l.page_size == 1 ? l.stride_h * e.heads : (nhd ? l.stride_t * l.page_size : l.stride_h * e.heads);
-    if (l.stride_h < (nhd ? e.dim : e.dim * l.page_size) ||
-        (l.page_size > 1 && l.stride_t < (nhd ? e.dim * e.heads : e.dim)) || l.stride_page < inner)
-      return {Errc::invalid_argument, "PagedLayout: in-page strides overlap rows or pages"};
-    if (mul_overflows(l.stride_page, l.num_pages))
-      return {Errc::invalid_argument, "PagedLayout: stride_page * num_pages overflows 64 bits"};
-    return {};
-  } else {
-    return {};
+    if (l.page_indptr == nullptr) {
+      if (!checked_mul(l.max_pages, l.page_size, n))
+        return {Errc::invalid_argument, "PagedLayout: max_pages * page_size overflows 64 bits"};
+      if (l.block_table == nullptr || n < e.tokens)
+        return {Errc::invalid_argument, "PagedLayout: need a block table with max_pages * page_size >= tokens, or CSR"};
+      if (!checked_mul(e.batch, l.max_pages, n))
+        return {Errc::invalid_argument, "PagedLayout: the block table's size batch * max_pages overflows 64 bits"};
+    } else if (l.page_indices == nullptr) {
+      return {Errc::invalid_argument, "PagedLayout: CSR mode needs `page_indices`"};
+    }
   }
+  if constexpr (axes_layout<L>) {
+    Index span = 0;
+    SpanError const error = axes_span(row_axes(l), span);
+    if (error == SpanError::overlap)
+      return {Errc::invalid_argument,
+              paged ? "PagedLayout: rows overlap (a page or in-page stride is smaller than the block inside it)"
+                    : "StridedLayout: rows overlap (a stride is smaller than the block inside it)"};
+    if (error == SpanError::overflow)
+      return {Errc::invalid_argument,
+              paged ? "PagedLayout: pool offsets overflow 64 bits" : "StridedLayout: offsets overflow 64 bits"};
+  }
+  return {};
 }
 
 /// Host page tables: every page id a valid token uses is in [0, num_pages); CSR lists are non-decreasing, inside
-/// the declared index array, and long enough for the sequence.
+/// the declared index array, and long enough for the sequence. Needs layout_status and the lengths checked first.
 inline Status pages_status(PagedLayout const& l, Lengths const& lengths) noexcept {
   KVExtents const e = l.ext;
   if (l.page_indptr) {  // the whole index pointer first: no page id is read through an unchecked entry
@@ -105,12 +195,12 @@ inline Status pages_status(PagedLayout const& l, Lengths const& lengths) noexcep
     Index longest = 0;
     for (Index h = 0; h < e.heads; ++h)
       longest = std::max(longest, lengths.at(b, h, e.tokens));
-    Index const pages = (longest + l.page_size - 1) / l.page_size;
-    if (l.page_indptr && (l.page_indptr[b + 1] < l.page_indptr[b] || l.page_indptr[b + 1] - l.page_indptr[b] < pages))
+    Index const pages = longest / l.page_size + (longest % l.page_size != 0);  // ceil without overflow
+    if (l.page_indptr && Index{l.page_indptr[b + 1]} - l.page_indptr[b] < pages)
       return {Errc::invalid_argument, "PagedLayout: a sequence's CSR page list is shorter than its valid length"};
     if (!l.page_indptr && pages > l.max_pages)
       return {Errc::invalid_argument, "PagedLayout: a valid length needs more than `max_pages` pages"};
-    for (Index p = 0; p < pages; ++p) {
+    for (Index p = 0; p < pages; ++p) {  // b * max_pages + p < batch * max_pages, checked by layout_status
       Index const id = l.page_indptr ? l.page_indices[l.page_indptr[b] + p] : l.block_table[b * l.max_pages + p];
       if (id < 0 || id >= l.num_pages)
         return {Errc::invalid_argument,
@@ -120,59 +210,75 @@ inline Status pages_status(PagedLayout const& l, Lengths const& lengths) noexcep
   return {};
 }
 
+/// The one scan of every valid element: NaN/Inf, and with `check_range` dim * x^2 >= 2^126 (computed in double).
 template <class R>
-Status rows_finite(R const& rows, Lengths const& lengths) noexcept {
+Status rows_finite(R const& rows, Lengths const& lengths, bool check_range) noexcept {
   KVExtents const e = rows.extents();
   for (Index b = 0; b < e.batch; ++b)
     for (Index h = 0; h < e.heads; ++h)
       for (Index t = 0; t < lengths.at(b, h, e.tokens); ++t) {
         auto const* r = rows.row(b, h, t);
-        for (Index i = 0; i < e.dim; ++i)
-          if (!std::isfinite(to_float(r[i])))
+        for (Index i = 0; i < e.dim; ++i) {
+          double const x = to_float(r[i]);
+          if (!std::isfinite(x))
             return {Errc::non_finite, "kvc::validate: K or V holds NaN or Inf"};
+          if (check_range && !in_exact_range(x, e.dim))
+            return {Errc::invalid_argument,
+                    "kvc::validate: K or V holds a value x with head_dim * x^2 >= 2^126, beyond the range where "
+                    "norms, q.k and logits stay finite in fp32 (see docs/numerics.md)"};
+        }
       }
   return {};
 }
 
-/// Whether two strided views share memory (compaction would then corrupt one with the other). Views with the same
-/// strides and element size interleave row by row when one sits in the other's row gaps (a packed K||V buffer):
-/// they are disjoint iff V's row lies inside the gap after K's row, or K's inside the gap after V's. Other views
-/// are compared by their address spans.
+/// Whether two blocks of kbytes and vbytes, V's starting `delta` bytes after K's, fit one cell of `pitch` bytes
+/// without touching: V inside the gap after K, or K inside the gap after V.
+constexpr bool cell_disjoint(Index delta, Index pitch, Index kbytes, Index vbytes) noexcept {
+  return (delta >= kbytes && delta <= pitch - vbytes) || (delta <= -vbytes && delta >= kbytes - pitch);
+}
+
+/// Whether K and V share memory (compaction would then corrupt one with the other). Views with the same axes
+/// (strides and extents; dims may differ) and element size interleave when, at some axis, V's block of the smaller
+/// axes lies in the gap K's leaves within that axis' stride (the pitch), or K's in V's: rows of a packed K||V
+/// buffer (pitch: the smallest stride), per-head K|V blocks, or K and V pages interleaved in one pool as
+/// FlashInfer's [num_pages, 2, page_size, heads, dim] (pitch: stride_page). Distinct cells are a pitch apart, so
+/// such views are disjoint. Other views are compared by their address ranges. Needs both layouts validated.
 template <class K, class V>
-bool strided_overlap(K const& keys, V const& values) noexcept {
-  StridedLayout const kl = keys.layout(), vl = values.layout();
-  auto const ke = static_cast<std::intptr_t>(sizeof(*keys.data())),
-             ve = static_cast<std::intptr_t>(sizeof(*values.data()));
-  auto const k0 = reinterpret_cast<std::intptr_t>(keys.data()), v0 = reinterpret_cast<std::intptr_t>(values.data());
-  if (ke == ve && kl.stride_b == vl.stride_b && kl.stride_h == vl.stride_h && kl.stride_t == vl.stride_t) {
-    Index pitch = -1;  // the smallest stride of an axis that has more than one row: the room each row has
-    Index const strides[3] = {kl.stride_b, kl.stride_h, kl.stride_t};
-    Index const extents[3] = {kl.ext.batch, kl.ext.heads, kl.ext.tokens};
-    for (int a = 0; a < 3; ++a)
-      if (extents[a] > 1 && (pitch < 0 || strides[a] < pitch))
-        pitch = strides[a];
-    if (pitch > 0) {
-      std::intptr_t const delta = v0 - k0, room = static_cast<std::intptr_t>(pitch) * ke;
-      std::intptr_t const kbytes = static_cast<std::intptr_t>(kl.ext.dim) * ke,
-                          vbytes = static_cast<std::intptr_t>(vl.ext.dim) * ve;
-      if ((delta >= kbytes && delta + vbytes <= room) || (-delta >= vbytes && -delta + kbytes <= room))
-        return false;
+bool views_overlap(K const& keys, V const& values) noexcept {
+  if constexpr (!axes_layout<typename K::layout_type> || !axes_layout<typename V::layout_type>) {
+    return false;
+  } else {
+    RowAxes const ka = row_axes(keys.layout()), va = row_axes(values.layout());
+    if (ka.empty || va.empty)
+      return false;
+    Index const ke = sizeof(*keys.data()), ve = sizeof(*values.data());
+    auto const k0 = reinterpret_cast<std::uintptr_t>(keys.data()), v0 = reinterpret_cast<std::uintptr_t>(values.data());
+    auto const delta = static_cast<Index>(v0 - k0);  // modular: no signed overflow whatever the addresses
+    if (ke == ve && ka.count == va.count && std::equal(ka.axis, ka.axis + ka.count, va.axis)) {
+      Index low = 0;  // offsets the axes below the pitch add: K's block is low + K's dim
+      for (int i = 0; i < ka.count; ++i) {
+        if (cell_disjoint(delta, ka.axis[i].stride * ke, (low + ka.dim) * ke, (low + va.dim) * ve))
+          return false;
+        low += ka.axis[i].stride * (ka.axis[i].extent - 1);
+      }
     }
+    std::uintptr_t const k1 = k0 + static_cast<std::uintptr_t>(layout_span(keys.layout()) * ke),
+                         v1 = v0 + static_cast<std::uintptr_t>(layout_span(values.layout()) * ve);
+    return k0 < v1 && v0 < k1;
   }
-  Index ks = 0, vs = 0;
-  (void)strided_span(kl, ks);
-  (void)strided_span(vl, vs);
-  std::intptr_t const k1 = k0 + static_cast<std::intptr_t>(ks) * ke, v1 = v0 + static_cast<std::intptr_t>(vs) * ve;
-  return k0 < v1 && v0 < k1;
 }
 
 }  // namespace detail
 
-/// Checks one K or V view: extents, 64-bit offsets, non-overlapping rows, paged tables (host: every page id a
-/// valid token uses); lengths in [0, tokens] and, when asked, finiteness of every valid row (host views).
+/// Checks one K or V view: extents, 64-bit element and byte offsets, non-overlapping rows (an empty view is valid
+/// whatever its strides), paged fields >= 0 and tables (host: every page id a valid token uses); lengths in
+/// [0, tokens] and, when asked, finiteness and range of every valid element (host views).
 template <TokenRowsView R>
 Status validate_rows(R const& rows, ValidateOptions opts = {}, Lengths lengths = {}) noexcept {
   KVC_RETURN_IF_ERROR(detail::layout_status(rows.layout()));
+  Index bytes = 0;
+  if (!detail::checked_mul(detail::layout_span(rows.layout()), Index{sizeof(typename R::value_type)}, bytes))
+    return {Errc::invalid_argument, "kvc::validate: the bytes a K or V view spans overflow 64 bits"};
   if (rows.data() == nullptr && rows.extents().rows() > 0)
     return {Errc::invalid_argument, "kvc::validate: K or V data pointer is null"};
   KVC_RETURN_IF_ERROR(check_length_table(
@@ -186,17 +292,18 @@ Status validate_rows(R const& rows, ValidateOptions opts = {}, Lengths lengths =
             return {Errc::invalid_argument, "kvc::validate: every valid length must be in [0, tokens]"};
     if constexpr (std::is_same_v<typename R::layout_type, PagedLayout>)
       KVC_RETURN_IF_ERROR(detail::pages_status(rows.layout(), lengths));
-    if (opts.check_finite)
-      return detail::rows_finite(rows, lengths);
+    if (opts.check_finite || opts.check_range)
+      return detail::rows_finite(rows, lengths, opts.check_range);
   }
   return {};
 }
 
 /// Checks a host or device cache's shapes and layouts (and, for host caches, its tables and optionally
-/// finiteness): extents non-negative with dim > 0; K and V agree on batch, heads and tokens; element offsets fit in
-/// 64 bits; strided rows do not overlap; K and V do not overlap. Host caches also: lengths in [0, tokens]; every
-/// page id used within the valid lengths inside the pool; positions of each head >= 0 and strictly ascending.
-/// Device caches' tables are not read (kernels clamp lengths to [0, tokens]).
+/// finiteness and range): extents non-negative with dim > 0; K and V agree on batch, heads and tokens; element and
+/// byte offsets fit in 64 bits; rows do not overlap; K and V do not overlap (strided or paged; K and V rows or
+/// pages interleaved in one buffer are fine). Host caches also: lengths in [0, tokens]; every page id used within
+/// the valid lengths inside the pool, CSR lists inside `page_indices`; positions of each head >= 0 and strictly
+/// ascending. Device caches' tables are not read (kernels clamp lengths to [0, tokens]).
 template <KVCacheView C>
 Status validate(C const& cache, ValidateOptions opts = {}) noexcept {
   KVC_RETURN_IF_ERROR(validate_rows(cache.keys, {}, cache.lengths));  // extents first: later checks multiply them
@@ -204,11 +311,8 @@ Status validate(C const& cache, ValidateOptions opts = {}) noexcept {
   KVExtents const k = cache.keys.extents(), v = cache.values.extents();
   if (k.batch != v.batch || k.heads != v.heads || k.tokens != v.tokens)
     return {Errc::invalid_argument, "kvc::validate: keys and values must agree on batch, heads and tokens"};
-  if constexpr (std::is_same_v<typename decltype(cache.keys)::layout_type, StridedLayout> &&
-                std::is_same_v<typename decltype(cache.values)::layout_type, StridedLayout>) {
-    if (k.rows() > 0 && detail::strided_overlap(cache.keys, cache.values))
-      return {Errc::invalid_argument, "kvc::validate: K and V memory overlap"};
-  }
+  if (detail::views_overlap(cache.keys, cache.values))
+    return {Errc::invalid_argument, "kvc::validate: K and V memory overlap"};
   if constexpr (std::is_same_v<typename C::memory_space, HostSpace>) {
     if (cache.positions)
       for (Index b = 0; b < k.batch; ++b)
@@ -216,9 +320,9 @@ Status validate(C const& cache, ValidateOptions opts = {}) noexcept {
           for (Index t = 0; t < cache.length(b, h); ++t)
             if (cache.position(b, h, t) < 0 || (t > 0 && cache.position(b, h, t) <= cache.position(b, h, t - 1)))
               return {Errc::invalid_argument, "kvc::validate: positions of a head must be >= 0 and strictly ascending"};
-    if (opts.check_finite) {
-      KVC_RETURN_IF_ERROR(detail::rows_finite(cache.keys, cache.lengths));
-      KVC_RETURN_IF_ERROR(detail::rows_finite(cache.values, cache.lengths));
+    if (opts.check_finite || opts.check_range) {
+      KVC_RETURN_IF_ERROR(detail::rows_finite(cache.keys, cache.lengths, opts.check_range));
+      KVC_RETURN_IF_ERROR(detail::rows_finite(cache.values, cache.lengths, opts.check_range));
     }
   }
   return {};

@@ -8,12 +8,12 @@
 #pragma once
 
 #include <kvc/core/extents.hpp>
+#include <kvc/io/file.hpp>
 
 #include <bit>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
-#include <fstream>
 #include <span>
 #include <string>
 #include <string_view>
@@ -120,9 +120,12 @@ inline bool npy_fail(std::string& error, std::string message) {
 
 }  // namespace detail
 
-/// Parses a whole .npy file image. On failure returns false and sets `error` (the file name is not included).
-inline bool parse_npy(std::span<std::byte const> bytes, NpyArray& out, std::string& error) {
-  using detail::npy_fail;
+namespace detail {
+
+/// Parses the header of a whole .npy file image into out.dtype and out.shape and checks that the data after it is
+/// exactly what the shape needs; `data_start` is where that data begins. out.data is not touched.
+inline bool parse_npy_header(std::span<std::byte const> bytes, NpyArray& out, std::size_t& data_start,
+                             std::string& error) {
   constexpr unsigned char magic[6] = {0x93, 'N', 'U', 'M', 'P', 'Y'};
   if (bytes.size() < 10 || std::memcmp(bytes.data(), magic, 6) != 0)
     return npy_fail(error, "not a .npy file (the magic string \\x93NUMPY is missing)");
@@ -139,7 +142,7 @@ inline bool parse_npy(std::span<std::byte const> bytes, NpyArray& out, std::stri
   }
   if (header_len > bytes.size() - header_start)
     return npy_fail(error, "truncated header (header_len " + std::to_string(header_len) + " exceeds the file)");
-  std::size_t const data_start = header_start + header_len;
+  data_start = header_start + header_len;
 
   detail::NpyHeaderParser p{{reinterpret_cast<char const*>(bytes.data() + header_start), header_len}};
   if (!p.eat('{'))
@@ -188,6 +191,9 @@ inline bool parse_npy(std::span<std::byte const> bytes, NpyArray& out, std::stri
   }
   if (!have_descr || !have_order || !have_shape)
     return npy_fail(error, "header lacks one of 'descr', 'fortran_order', 'shape'");
+  p.skip_space();  // numpy pads the dict with spaces and ends it with '\n'; anything else is not a .npy header
+  if (p.pos != p.text.size())
+    return npy_fail(error, "unexpected text after the header dict (expected only spaces and a newline)");
 
   if (descr == "<f4")
     out.dtype = NpyDtype::f32;
@@ -203,48 +209,56 @@ inline bool parse_npy(std::span<std::byte const> bytes, NpyArray& out, std::stri
     return npy_fail(error, "unsupported dtype '" + std::string(descr) +
                                "' (expected little-endian '<f4', '<f2', '<f8', '<i8' or '<i4')");
 
-  Index elements = 1;
-  for (Index d : out.shape)
-    if (__builtin_mul_overflow(elements, d, &elements))
-      return npy_fail(error, "field 'shape': the element count overflows 64 bits");
-  Index data_bytes = 0;
-  if (__builtin_mul_overflow(elements, npy_itemsize(out.dtype), &data_bytes))
+  // As numpy: the product of the non-zero dimensions, in bytes, must fit in 64 bits, so that an empty array cannot
+  // declare sizes a caller would multiply into garbage (a (0, 2^57, 2^57) header is refused, not read as empty).
+  Index nonzero = 1, nonzero_bytes = 0;
+  bool empty = false;
+  for (Index d : out.shape) {
+    empty = empty || d == 0;
+    if (d != 0 && __builtin_mul_overflow(nonzero, d, &nonzero))
+      return npy_fail(error, "field 'shape': the product of the dimensions overflows 64 bits");
+  }
+  if (__builtin_mul_overflow(nonzero, npy_itemsize(out.dtype), &nonzero_bytes))
     return npy_fail(error, "field 'shape': the data size overflows 64 bits");
+  Index const data_bytes = empty ? 0 : nonzero_bytes;
   auto const available = static_cast<Index>(bytes.size() - data_start);
   if (available < data_bytes)
     return npy_fail(error, "truncated data: shape needs " + std::to_string(data_bytes) + " bytes, file has " +
                                std::to_string(available));
   if (available > data_bytes)
     return npy_fail(error, "unexpected " + std::to_string(available - data_bytes) + " bytes after the data");
+  return true;
+}
+
+}  // namespace detail
+
+/// Parses a whole .npy file image. On failure returns false and sets `error` (the file name is not included).
+inline bool parse_npy(std::span<std::byte const> bytes, NpyArray& out, std::string& error) {
+  std::size_t data_start = 0;
+  if (!detail::parse_npy_header(bytes, out, data_start, error))
+    return false;
   out.data.assign(bytes.begin() + static_cast<std::ptrdiff_t>(data_start), bytes.end());
   return true;
 }
 
-/// Reads and parses `path`. On failure returns false and sets `error` (without the path).
-inline bool read_npy(std::string const& path, NpyArray& out, std::string& error) {
-  std::ifstream f(path, std::ios::binary);
-  if (!f)
-    return detail::npy_fail(error, "cannot open the file for reading");
+/// Reads and parses the regular file `path` of at most `max_bytes` (see read_regular_file: no FIFOs, devices or
+/// directories; the file's size bounds every allocation). On failure returns false and sets `error` (without the
+/// path).
+inline bool read_npy(std::string const& path, NpyArray& out, std::string& error, std::uint64_t max_bytes = UINT64_MAX) {
   std::vector<std::byte> bytes;
-  f.seekg(0, std::ios::end);
-  auto const size = f.tellg();
-  if (size < 0)
-    return detail::npy_fail(error, "cannot read the file size");
-  f.seekg(0, std::ios::beg);
-  bytes.resize(static_cast<std::size_t>(size));
-  if (!f.read(reinterpret_cast<char*>(bytes.data()), static_cast<std::streamsize>(size)))
-    return detail::npy_fail(error, "read error");
-  return parse_npy(bytes, out, error);
+  std::size_t data_start = 0;
+  if (!read_regular_file(path, bytes, error, max_bytes) || !detail::parse_npy_header(bytes, out, data_start, error))
+    return false;
+  bytes.erase(bytes.begin(), bytes.begin() + static_cast<std::ptrdiff_t>(data_start));  // the data, without a copy
+  out.data = std::move(bytes);
+  return true;
 }
 
-/// Serialises an array to .npy bytes (format 1.0, header padded to 64 bytes).
-inline std::vector<std::byte> serialize_npy(NpyDtype dtype, std::span<Index const> shape, void const* data) {
+/// The .npy header (format 1.0, padded to a multiple of 64 bytes) of an array of `dtype` and `shape`.
+inline std::vector<std::byte> npy_header(NpyDtype dtype, std::span<Index const> shape) {
   std::string header = "{'descr': '" + std::string(npy_descr(dtype)) + "', 'fortran_order': False, 'shape': (";
-  Index elements = 1;
-  for (std::size_t i = 0; i < shape.size(); ++i) {
+  for (std::size_t i = 0; i < shape.size(); ++i)
     header += (i ? ", " : "") + std::to_string(shape[i]);
-    elements *= shape[i];
-  }
   if (shape.size() == 1)
     header += ',';  // a 1-tuple is "(5,)"
   header += "), }";
@@ -257,19 +271,41 @@ inline std::vector<std::byte> serialize_npy(NpyDtype dtype, std::span<Index cons
   out[8] = static_cast<std::byte>(header.size() & 0xff);
   out[9] = static_cast<std::byte>(header.size() >> 8);
   std::memcpy(out.data() + 10, header.data(), header.size());
-  auto const* d = static_cast<std::byte const*>(data);
-  out.insert(out.end(), d, d + elements * npy_itemsize(dtype));
   return out;
 }
 
-/// Writes an array to `path`. On failure returns false and sets `error`.
+namespace detail {
+/// The data of an array: shape-product * itemsize bytes at `data`.
+inline std::span<std::byte const> npy_data(NpyDtype dtype, std::span<Index const> shape, void const* data) {
+  Index elements = 1;
+  for (Index s : shape)
+    elements *= s;
+  return {static_cast<std::byte const*>(data), static_cast<std::size_t>(elements * npy_itemsize(dtype))};
+}
+}  // namespace detail
+
+/// Serialises an array to .npy bytes (the header, then the data).
+inline std::vector<std::byte> serialize_npy(NpyDtype dtype, std::span<Index const> shape, void const* data) {
+  std::vector<std::byte> out = npy_header(dtype, shape);
+  auto const bytes = detail::npy_data(dtype, shape, data);
+  out.insert(out.end(), bytes.begin(), bytes.end());
+  return out;
+}
+
+/// Writes an array into a staged output for `path` (opened, written and finished, not committed): the caller
+/// commits it, alone or once a group of outputs is whole. On failure returns false and sets `error`.
+inline bool stage_npy(StagedFile& file, std::string const& path, NpyDtype dtype, std::span<Index const> shape,
+                      void const* data, std::string& error) {
+  return file.open(path, error) && file.write(npy_header(dtype, shape), error) &&
+         file.write(detail::npy_data(dtype, shape, data), error) && file.finish(error);
+}
+
+/// Writes an array to `path` atomically: a reader sees the old file or the whole new one. On failure returns false
+/// and sets `error`.
 inline bool write_npy(std::string const& path, NpyDtype dtype, std::span<Index const> shape, void const* data,
                       std::string& error) {
-  std::vector<std::byte> const bytes = serialize_npy(dtype, shape, data);
-  std::ofstream f(path, std::ios::binary);
-  if (!f || !f.write(reinterpret_cast<char const*>(bytes.data()), static_cast<std::streamsize>(bytes.size())))
-    return detail::npy_fail(error, "cannot write the file");
-  return true;
+  StagedFile file;
+  return stage_npy(file, path, dtype, shape, data, error) && file.commit(error);
 }
 
 }  // namespace kvc

@@ -15,13 +15,17 @@
 #include <kvc/selectors/top_k.hpp>
 
 #include <cstddef>
+#include <limits>
 
 namespace kvc {
 
 /// Token slots the working cache needs: the budget (or the protected windows, if larger) plus one block.
 inline constexpr Index blockwise_capacity(TopKSelector<FixedBudget> const& sel, Index block_size) noexcept {
-  Index const kept = sel.budget.tokens > sel.n_sink + sel.n_recent ? sel.budget.tokens : sel.n_sink + sel.n_recent;
-  return kept + block_size;
+  Index protect = 0, capacity = 0;  // saturates at the largest Index rather than wrapping
+  if (__builtin_add_overflow(sel.n_sink, sel.n_recent, &protect))
+    return std::numeric_limits<Index>::max();
+  Index const kept = sel.budget.tokens > protect ? sel.budget.tokens : protect;
+  return __builtin_add_overflow(kept, block_size, &capacity) ? std::numeric_limits<Index>::max() : capacity;
 }
 
 /// Workspace for blockwise_compress over a working cache with extents `work` (tokens = its capacity): the step

@@ -177,13 +177,18 @@ struct PageReport {
 };
 
 /// Computes the report for a host plan over a paged cache (call it before compaction: it reads the lengths the
-/// plan was selected on) and, when `pages_in_use` ([batch]) is non-null, each sequence's new page count.
+/// plan was selected on) and, when `pages_in_use` ([batch]) is non-null, each sequence's new page count. Trusts a
+/// cache that passed kvc::validate and a plan that passed validate_plan (docs/api_checks.md); a plan of another
+/// batch or head count, or a page size <= 0, gives an empty report rather than a read out of bounds.
 template <KVCacheView C>
 PageReport page_report(KeepPlan<HostSpace> const& plan, C const& cache, Index* pages_in_use = nullptr) noexcept {
   static_assert(std::is_same_v<typename C::keys_type::layout_type, PagedLayout>,
                 "kvc::page_report: the cache must have a PagedLayout");
   Index const page_size = cache.keys.layout().page_size;
   PageReport r;
+  KVExtents const e = cache.keys.extents();
+  if (page_size <= 0 || plan.batch != e.batch || plan.heads != e.heads)
+    return r;
   for (Index b = 0; b < plan.batch; ++b) {
     Index kept = 0, before = 0;
     for (Index h = 0; h < plan.heads; ++h) {

@@ -67,7 +67,8 @@ constexpr Index top_k_capacity_bound(TopKSelector<B> const& sel, Index tokens) n
     return tokens;
   } else {
     Index const k = sel.budget.keep(0, 0, tokens);
-    Index const protect = sel.n_sink + sel.n_recent;
+    Index const sink = sel.n_sink < tokens ? sel.n_sink : tokens;  // clamped first: n_sink + n_recent may overflow
+    Index const protect = sink + (sel.n_recent < tokens - sink ? sel.n_recent : tokens - sink);
     Index const bound = k > protect ? k : protect;
     return bound < tokens ? bound : tokens;
   }

@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstddef>
+#include <limits>
 
 namespace kvc {
 
@@ -16,11 +17,43 @@ namespace kvc {
 /// pass 2 turns each stashed norm into the cosine score. fp32 products, anchor summed in fp32 blocks of 256
 /// tokens flushed into fp64 (so long caches do not lose the anchor's direction to rounding). Pass 1 works in
 /// tiles of 32 rows: all norms first (independent sqrt/div chains overlap), then the anchor updates from L1.
+/// Range: a row whose fp32 sum of squares overflowed or underflowed (detail::sum_squares_in_range) goes into the
+/// fp64 total directly with its fp64 norm, and pass 2 takes its cosine in fp64 (its stashed norm is outside
+/// detail::norm_in_range); an anchor whose squared norm leaves [2^-64, 2^64] is first scaled by a power of two.
+/// Both are rare per-row / per-head branches: the fp32 loops are unchanged, and every finite key scores right.
 template <>
 struct Kernel<KeyDiffScorer, Cpu> {
   static constexpr Index tile_rows = 32;
   static constexpr Index block_tokens = 256;  // a multiple of tile_rows
   static_assert(block_tokens % tile_rows == 0);
+
+  /// Pass 1's rare path: adds the row's unit (or raw) key to the fp64 total in fp64 and returns its fp64 norm
+  /// rounded to fp32 (+inf above FLT_MAX; pass 2 recomputes it).
+  static float add_row_fp64(float const* k, Index dim, KeyDiffScorer const& s, double* total) noexcept {
+    double const norm = std::sqrt(detail::sum_squares_fp64(k, dim));
+    double const w = s.anchor == KeyDiffAnchor::normalized_mean ? 1.0 / std::max(norm, double{s.unit_eps}) : 1.0;
+    for (Index i = 0; i < dim; ++i)
+      total[i] += double{k[i]} * w;
+    return static_cast<float>(norm);
+  }
+
+  /// The anchor's rare path, for ||mu||^2 outside [2^-64, 2^64] (the raw mean of huge or tiny keys, or unit keys
+  /// that nearly cancel): mu = total / n scaled by 2^e so its largest element lies in [1, 2), which keeps pass 2's
+  /// fp32 products in range. The cosine is scale-invariant and the eps floor scales with mu: returns
+  /// max(||mu||, eps) * 2^e (+inf only when ||mu|| is below 2^-150, where every score rounds to 0 anyway).
+  static float scale_anchor(double const* total, double n, Index dim, float eps, float* anchor) noexcept {
+    int top = std::numeric_limits<int>::min();
+    for (Index i = 0; i < dim; ++i)
+      if (total[i] != 0.0)
+        top = std::max(top, std::ilogb(total[i] / n));
+    int const e = top == std::numeric_limits<int>::min() ? 0 : -top;
+    double mu_sq = 0.0;
+    for (Index i = 0; i < dim; ++i) {
+      anchor[i] = static_cast<float>(std::ldexp(total[i] / n, e));
+      mu_sq += double{anchor[i]} * anchor[i];
+    }
+    return std::max(static_cast<float>(std::sqrt(mu_sq)), static_cast<float>(std::ldexp(double{eps}, e)));
+  }
 
   /// Per worker: one tile of widened rows, the block sum, the anchor and the fp64 total.
   static std::size_t worker_bytes(Index dim) {
@@ -58,9 +91,15 @@ struct Kernel<KeyDiffScorer, Cpu> {
           float weight[tile_rows];
           for (Index r = 0; r < rows; ++r) {
             k[r] = detail::float_row(keys.row(b, h, tile + r), e.dim, scratch + r * e.dim).data();
-            float const norm = std::sqrt(detail::dot(k[r], k[r], e.dim));
-            score[tile + r] = norm;
-            weight[r] = unit ? 1.0f / std::max(norm, s.unit_eps) : 1.0f;
+            float const sq = detail::dot(k[r], k[r], e.dim);
+            if (detail::sum_squares_in_range(sq)) [[likely]] {
+              float const norm = std::sqrt(sq);
+              score[tile + r] = norm;
+              weight[r] = unit ? 1.0f / std::max(norm, s.unit_eps) : 1.0f;
+            } else {
+              score[tile + r] = add_row_fp64(k[r], e.dim, s, total);
+              weight[r] = 0.0f;  // already in total
+            }
           }
           for (Index r = 0; r < rows; ++r)
             detail::axpy(block_sum, k[r], weight[r], e.dim);
@@ -68,14 +107,23 @@ struct Kernel<KeyDiffScorer, Cpu> {
         for (Index i = 0; i < e.dim; ++i)
           total[i] += block_sum[i];
       }
+      auto const count = static_cast<double>(std::max<Index>(n, 1));
       double mu_sq = 0.0;
       for (Index i = 0; i < e.dim; ++i) {
-        anchor[i] = static_cast<float>(total[i] / static_cast<double>(std::max<Index>(n, 1)));
+        anchor[i] = static_cast<float>(total[i] / count);
         mu_sq += double{anchor[i]} * anchor[i];
       }
-      float const mu_norm = std::max(static_cast<float>(std::sqrt(mu_sq)), s.cosine_eps);
+      float mu_norm = std::max(static_cast<float>(std::sqrt(mu_sq)), s.cosine_eps);
+      if (!(mu_sq >= 0x1p-64 && mu_sq <= 0x1p64)) [[unlikely]]
+        mu_norm = scale_anchor(total, count, e.dim, s.cosine_eps, anchor);
       for (Index t = 0; t < n; ++t) {
-        score[t] = -detail::dot(keys.row(b, h, t), anchor, e.dim) / (mu_norm * std::max(score[t], s.cosine_eps));
+        auto const* row = keys.row(b, h, t);
+        if (detail::norm_in_range(score[t])) [[likely]] {
+          score[t] = -detail::dot(row, anchor, e.dim) / (mu_norm * std::max(score[t], s.cosine_eps));
+        } else {
+          auto const [dot, squares] = detail::dot_squares_fp64(row, anchor, e.dim);
+          score[t] = static_cast<float>(-dot / (double{mu_norm} * std::max(std::sqrt(squares), double{s.cosine_eps})));
+        }
       }
     });
   }

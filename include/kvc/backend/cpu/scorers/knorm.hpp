@@ -11,7 +11,10 @@
 
 namespace kvc {
 
-/// One pass over K; fp32 sums of squares in fixed-order lanes, 16-bit keys widened in registers. No workspace.
+/// One pass over K; fp32 sums of squares in fixed-order lanes, 16-bit keys widened in registers. Then a check of
+/// the n scores: a row whose norm is out of range (detail::norm_in_range: its fp32 sum overflowed or underflowed)
+/// is summed again in fp64, so every finite key scores its correctly rounded norm (-inf above FLT_MAX). The check
+/// sits outside the row loop so that loop compiles as before. No workspace.
 template <>
 struct Kernel<KnormScorer, Cpu> {
   template <class Obs>
@@ -27,6 +30,9 @@ struct Kernel<KnormScorer, Cpu> {
     return detail::for_each_head(cpu, out, [&](Index b, Index h, Index n, float* score, Index) {
       for (Index t = 0; t < n; ++t)
         score[t] = -std::sqrt(detail::sum_squares(keys.row(b, h, t), dim));
+      for (Index t = 0; t < n; ++t)
+        if (!detail::norm_in_range(-score[t])) [[unlikely]]
+          score[t] = -static_cast<float>(std::sqrt(detail::sum_squares_fp64(keys.row(b, h, t), dim)));
     });
   }
 };

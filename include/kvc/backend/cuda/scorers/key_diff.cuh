@@ -3,8 +3,10 @@
 #pragma once
 
 #include <kvc/backend/cuda/config.cuh>
+#include <kvc/backend/cuda/scorers/knorm.cuh>  // the norms' range guard and fp64 rare path, shared with Knorm
 #include <kvc/scorers/key_diff.hpp>
 
+#include <climits>
 #include <cstddef>
 #include <math_constants.h>
 
@@ -21,7 +23,8 @@ inline constexpr int key_diff_warps = 8;
 
 /// Pass 1, grid (splits, heads, batch): each warp takes one token at a time (lanes read the row coalesced), sums
 /// unit keys into its own shared-memory row in fp64 (no atomics, and long caches keep the anchor's direction),
-/// and stashes ||k|| in the score output. The block's sum goes to partial[b, h, split, :].
+/// and stashes ||k|| in the score output. The block's sum goes to partial[b, h, split, :]. A row whose fp32 sum of
+/// squares is out of range (sum_squares_in_range) takes a warp-uniform fp64 branch and stashes its fp64 norm.
 template <class Keys>
 __global__ void key_diff_anchor_kernel(Keys keys, KeyDiffScorer s, ScoreSpan<DeviceSpace> out, double* partial,
                                        Index splits) {
@@ -43,12 +46,22 @@ __global__ void key_diff_anchor_kernel(Keys keys, KeyDiffScorer s, ScoreSpan<Dev
       float const x = to_float(k[i]);
       sq += x * x;
     }
-    float const norm = sqrtf(warp_sum(sq));
-    float const inv = unit ? 1.0f / fmaxf(norm, s.unit_eps) : 1.0f;
-    for (Index i = lane; i < dim; i += warp_size)
-      mine[i] += static_cast<double>(to_float(k[i]) * inv);
-    if (lane == 0)
-      out(b, h, t) = norm;
+    sq = warp_sum(sq);
+    if (sum_squares_in_range(sq)) [[likely]] {
+      float const norm = sqrtf(sq);
+      float const inv = unit ? 1.0f / fmaxf(norm, s.unit_eps) : 1.0f;
+      for (Index i = lane; i < dim; i += warp_size)
+        mine[i] += static_cast<double>(to_float(k[i]) * inv);
+      if (lane == 0)
+        out(b, h, t) = norm;
+    } else {
+      double const norm = sqrt(warp_sum_squares_fp64(k, dim, lane));
+      double const inv = unit ? 1.0 / fmax(norm, static_cast<double>(s.unit_eps)) : 1.0;
+      for (Index i = lane; i < dim; i += warp_size)
+        mine[i] += static_cast<double>(to_float(k[i])) * inv;
+      if (lane == 0)
+        out(b, h, t) = static_cast<float>(norm);  // +inf above FLT_MAX: pass 2 recomputes it
+    }
   }
   __syncthreads();
   for (Index i = threadIdx.x; i < dim; i += blockDim.x) {
@@ -59,8 +72,49 @@ __global__ void key_diff_anchor_kernel(Keys keys, KeyDiffScorer s, ScoreSpan<Dev
   }
 }
 
+/// Sum over the block of one float per thread, through one float per warp in shared memory (fixed order); every
+/// thread gets it. Call it block-uniformly.
+__device__ inline float key_diff_block_sum(float x, float* parts, int warp, int lane) {
+  x = warp_sum(x);
+  if (lane == 0)
+    parts[warp] = x;
+  __syncthreads();
+  float sum = 0.0f;
+  for (int w = 0; w < key_diff_warps; ++w)
+    sum += parts[w];
+  return sum;
+}
+
+/// The anchor's rare path (the CPU's scale_anchor), for ||mu||^2 outside [2^-64, 2^64]: rewrites anchor[] as
+/// mean(i) * 2^e with the largest element in [1, 2) and returns max(||mu||, eps) * 2^e. Block-uniform.
+template <class Mean>
+__device__ float key_diff_scale_anchor(Mean const& mean, Index dim, float eps, float* anchor, float* parts, int warp,
+                                       int lane) {
+  __shared__ int top;  // the largest exponent of a nonzero mean(i): atomicMax, so the order does not matter
+  if (threadIdx.x == 0)
+    top = INT_MIN;
+  __syncthreads();  // also: every thread has read parts[]
+  for (Index i = threadIdx.x; i < dim; i += blockDim.x) {
+    double const m = mean(i);
+    if (m != 0.0)
+      atomicMax(&top, ilogb(m));
+  }
+  __syncthreads();
+  int const e = top == INT_MIN ? 0 : -top;
+  float sq = 0.0f;
+  for (Index i = threadIdx.x; i < dim; i += blockDim.x) {
+    float const mu = static_cast<float>(ldexp(mean(i), e));
+    anchor[i] = mu;
+    sq += mu * mu;
+  }
+  return fmaxf(sqrtf(key_diff_block_sum(sq, parts, warp, lane)),
+               static_cast<float>(ldexp(static_cast<double>(eps), e)));
+}
+
 /// Pass 2, same grid: every block rebuilds its head's anchor from the split partials (splits x dim reads, cheap),
-/// then each warp turns a stashed norm into the cosine score. Padding gets -inf.
+/// then each warp turns a stashed norm into the cosine score. Padding gets -inf. As on the CPU, an anchor out of
+/// range is scaled by a power of two, and a row whose stashed norm is out of range (norm_in_range) takes its
+/// cosine in fp64 (both block- or warp-uniform branches).
 template <class Keys>
 __global__ void key_diff_score_kernel(Keys keys, KeyDiffScorer s, ScoreSpan<DeviceSpace> out, double const* partial,
                                       Index splits) {
@@ -70,23 +124,22 @@ __global__ void key_diff_score_kernel(Keys keys, KeyDiffScorer s, ScoreSpan<Devi
   int const warp = static_cast<int>(threadIdx.x) / warp_size, lane = static_cast<int>(threadIdx.x) % warp_size;
   Index const n = clamp_length(out.length(b, h), out.tokens);
   float* norm_parts = anchor + dim;
-  float sq = 0.0f;
-  for (Index i = threadIdx.x; i < dim; i += blockDim.x) {
+  auto const mean = [&](Index i) {
     double sum = 0.0;
     for (Index p = 0; p < splits; ++p)
       sum += partial[((b * out.heads + h) * splits + p) * dim + i];
-    float const mu = static_cast<float>(sum / static_cast<double>(n > 0 ? n : 1));
+    return sum / static_cast<double>(n > 0 ? n : 1);
+  };
+  float sq = 0.0f;
+  for (Index i = threadIdx.x; i < dim; i += blockDim.x) {
+    float const mu = static_cast<float>(mean(i));
     anchor[i] = mu;
     sq += mu * mu;
   }
-  sq = warp_sum(sq);
-  if (lane == 0)
-    norm_parts[warp] = sq;
-  __syncthreads();
-  float mu_sq = 0.0f;
-  for (int w = 0; w < key_diff_warps; ++w)
-    mu_sq += norm_parts[w];
-  float const mu_norm = fmaxf(sqrtf(mu_sq), s.cosine_eps);
+  float const mu_sq = key_diff_block_sum(sq, norm_parts, warp, lane);
+  float mu_norm = fmaxf(sqrtf(mu_sq), s.cosine_eps);
+  if (!(mu_sq >= 0x1p-64f && mu_sq <= 0x1p64f)) [[unlikely]]
+    mu_norm = key_diff_scale_anchor(mean, dim, s.cosine_eps, anchor, norm_parts, warp, lane);
 
   Index const per = (out.tokens + splits - 1) / splits;
   Index const t0 = split * per, t1 = t0 + per < out.tokens ? t0 + per : out.tokens;
@@ -97,12 +150,27 @@ __global__ void key_diff_score_kernel(Keys keys, KeyDiffScorer s, ScoreSpan<Devi
       continue;
     }
     auto const* k = keys.row(b, h, t);
+    float const stashed = lane == 0 ? out(b, h, t) : 0.0f;  // lane 0 reads ||k|| (and later overwrites it)
     float dot = 0.0f;
     for (Index i = lane; i < dim; i += warp_size)
       dot += to_float(k[i]) * anchor[i];
     dot = warp_sum(dot);
+    float const norm = __shfl_sync(full_mask, stashed, 0);  // every lane: the rare branch below is warp-uniform
+    float score = -dot / (mu_norm * fmaxf(norm, s.cosine_eps));
+    if (!norm_in_range(norm)) [[unlikely]] {
+      double dot64 = 0.0, sq_k = 0.0;
+      for (Index i = lane; i < dim; i += warp_size) {
+        double const x = to_float(k[i]);
+        dot64 += x * anchor[i];
+        sq_k += x * x;
+      }
+      dot64 = warp_sum(dot64);
+      sq_k = warp_sum(sq_k);
+      score = static_cast<float>(-dot64 /
+                                 (static_cast<double>(mu_norm) * fmax(sqrt(sq_k), static_cast<double>(s.cosine_eps))));
+    }
     if (lane == 0)
-      out(b, h, t) = -dot / (mu_norm * fmaxf(out(b, h, t), s.cosine_eps));
+      out(b, h, t) = score;
   }
 }
 

@@ -1,0 +1,243 @@
+// SPDX-License-Identifier: Apache-2.0
+// kvc/io/file.hpp: reading untrusted input files and writing outputs that appear whole or not at all (POSIX).
+//
+// Inputs: only regular files are read, opened with O_NONBLOCK so that a FIFO without a writer or a device never
+// blocks, read whole with every short read and error checked. Outputs: written to a temporary file in the
+// destination's folder, synced and closed with every error checked, then renamed over the destination, so a reader
+// sees the old file or the whole new one, never a partial one. Errors are plain sentences without the path (callers
+// prefix it). Tool code, not a hot path: it allocates.
+#pragma once
+
+#include <cerrno>
+#include <cstddef>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <fcntl.h>
+#include <new>
+#include <optional>
+#include <span>
+#include <string>
+#include <sys/stat.h>
+#include <unistd.h>
+#include <utility>
+#include <vector>
+
+namespace kvc {
+
+/// A file's identity: equal ids are the same file, whatever the paths (symbolic or hard links).
+struct FileId {
+  dev_t device = 0;
+  ino_t inode = 0;
+  friend bool operator==(FileId const&, FileId const&) = default;
+};
+
+/// The identity of the file `path` names (links followed); empty when it does not exist or cannot be examined.
+inline std::optional<FileId> file_id(std::string const& path) {
+  struct stat st {};
+  if (::stat(path.c_str(), &st) != 0)
+    return std::nullopt;
+  return FileId{st.st_dev, st.st_ino};
+}
+
+namespace detail {
+
+inline std::string errno_text(char const* what, int err) {
+  return std::string(what) + " (" + std::strerror(err) + ")";
+}
+
+/// What a file that is not a regular file is, for messages.
+inline char const* file_kind(mode_t mode) noexcept {
+  if (S_ISDIR(mode))
+    return "a directory";
+  if (S_ISFIFO(mode))
+    return "a FIFO (named pipe)";
+  if (S_ISCHR(mode))
+    return "a character device";
+  if (S_ISBLK(mode))
+    return "a block device";
+  if (S_ISSOCK(mode))
+    return "a socket";
+  return "not a regular file";
+}
+
+/// Closes a descriptor on scope exit unless released.
+struct Descriptor {
+  int fd = -1;
+  explicit Descriptor(int f) noexcept : fd(f) {}
+  Descriptor(Descriptor const&) = delete;
+  Descriptor& operator=(Descriptor const&) = delete;
+  ~Descriptor() {
+    if (fd >= 0)
+      ::close(fd);
+  }
+  int release() noexcept { return std::exchange(fd, -1); }
+};
+
+}  // namespace detail
+
+/// Reads the whole regular file `path` into `out` (at most `max_bytes`). Refuses directories, FIFOs, devices and
+/// sockets without blocking on them; reports short reads, a file that changes size while read, and out of memory.
+/// On failure returns false and sets `error` (without the path).
+inline bool read_regular_file(std::string const& path, std::vector<std::byte>& out, std::string& error,
+                              std::uint64_t max_bytes = UINT64_MAX) {
+  detail::Descriptor f(::open(path.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC | O_NOCTTY));
+  if (f.fd < 0) {
+    error = detail::errno_text("cannot open the file for reading", errno);
+    return false;
+  }
+  struct stat st {};
+  if (::fstat(f.fd, &st) != 0) {
+    error = detail::errno_text("cannot examine the file", errno);
+    return false;
+  }
+  if (!S_ISREG(st.st_mode)) {
+    error = std::string("is ") + detail::file_kind(st.st_mode) + ", expected a regular file";
+    return false;
+  }
+  auto const size = static_cast<std::uint64_t>(st.st_size);
+  if (size > max_bytes) {
+    error = "the file has " + std::to_string(size) + " bytes, more than the reader's limit of " +
+            std::to_string(max_bytes) + " bytes";
+    return false;
+  }
+  try {
+    out.assign(static_cast<std::size_t>(size), std::byte{});
+  } catch (std::bad_alloc const&) {
+    error = "out of memory reading " + std::to_string(size) + " bytes";
+    return false;
+  }
+  std::size_t done = 0;
+  while (done < out.size()) {
+    ssize_t const n = ::read(f.fd, out.data() + done, out.size() - done);
+    if (n < 0 && errno == EINTR)
+      continue;
+    if (n < 0) {
+      error = detail::errno_text("read error", errno);
+      return false;
+    }
+    if (n == 0) {
+      error = "the file shrank while it was read (" + std::to_string(done) + " of " + std::to_string(size) + " bytes)";
+      return false;
+    }
+    done += static_cast<std::size_t>(n);
+  }
+  std::byte extra{};
+  ssize_t n = 0;
+  while ((n = ::read(f.fd, &extra, 1)) < 0 && errno == EINTR) {
+  }
+  if (n != 0) {
+    error = "the file grew while it was read";
+    return false;
+  }
+  return true;
+}
+
+/// An output file that appears whole or not at all: open() creates a temporary file beside `path`, write() appends,
+/// finish() syncs and closes it, commit() renames it over `path`. Destroyed before commit(), it removes the temporary,
+/// so a failure at any step leaves `path` as it was (absent, or the previous file). Not copyable.
+class StagedFile {
+ public:
+  StagedFile() = default;
+  StagedFile(StagedFile const&) = delete;
+  StagedFile& operator=(StagedFile const&) = delete;
+  StagedFile(StagedFile&& o) noexcept
+      : path_(std::move(o.path_)), temp_(std::move(o.temp_)), fd_(std::exchange(o.fd_, -1)) {}
+  ~StagedFile() { discard(); }
+
+  /// Creates the temporary file (mode 0666 less the umask, as a plain create would give).
+  bool open(std::string path, std::string& error) {
+    discard();
+    path_ = std::move(path);
+    std::size_t const slash = path_.rfind('/');
+    std::string const dir = slash == std::string::npos ? std::string() : path_.substr(0, slash + 1);
+    std::string const base = slash == std::string::npos ? path_ : path_.substr(slash + 1);
+    if (base.empty() || base == "." || base == "..") {
+      error = "expected a file name, not a directory";
+      return false;
+    }
+    temp_ = dir + "." + base + ".kvc-XXXXXX";
+    fd_ = ::mkstemp(temp_.data());
+    if (fd_ < 0) {
+      int const err = errno;
+      error = detail::errno_text(("cannot create a temporary file in the folder " + (dir.empty() ? "." : dir)).c_str(),
+                                 err);
+      temp_.clear();
+      return false;
+    }
+    mode_t const mask = ::umask(0);
+    ::umask(mask);
+    if (::fchmod(fd_, 0666 & ~mask) != 0) {
+      error = detail::errno_text("cannot set the output file's mode", errno);
+      discard();
+      return false;
+    }
+    return true;
+  }
+
+  /// Appends `bytes`; a short or failed write (a full disk, a file size limit) is an error.
+  bool write(std::span<std::byte const> bytes, std::string& error) {
+    std::size_t done = 0;
+    while (done < bytes.size()) {
+      ssize_t const n = ::write(fd_, bytes.data() + done, bytes.size() - done);
+      if (n < 0 && errno == EINTR)
+        continue;
+      if (n <= 0) {
+        error = detail::errno_text("write failed", n < 0 ? errno : EIO);
+        discard();
+        return false;
+      }
+      done += static_cast<std::size_t>(n);
+    }
+    return true;
+  }
+
+  /// Syncs the data to the device and closes the temporary file, checking both.
+  bool finish(std::string& error) {
+    if (::fsync(fd_) != 0) {
+      error = detail::errno_text("cannot sync the output to disk", errno);
+      discard();
+      return false;
+    }
+    int const fd = std::exchange(fd_, -1);
+    if (::close(fd) != 0) {
+      error = detail::errno_text("cannot close the output", errno);
+      discard();
+      return false;
+    }
+    return true;
+  }
+
+  /// Renames the finished temporary file over the destination.
+  bool commit(std::string& error) {
+    if (::rename(temp_.c_str(), path_.c_str()) != 0) {
+      error = detail::errno_text("cannot move the finished output into place", errno);
+      discard();
+      return false;
+    }
+    temp_.clear();
+    return true;
+  }
+
+  /// Removes the temporary file (if any) and leaves the destination untouched.
+  void discard() noexcept {
+    if (fd_ >= 0)
+      ::close(std::exchange(fd_, -1));
+    if (!temp_.empty()) {
+      ::unlink(temp_.c_str());
+      temp_.clear();
+    }
+  }
+
+ private:
+  std::string path_, temp_;
+  int fd_ = -1;
+};
+
+/// Writes `bytes` to `path` through a StagedFile: the old file or the whole new one, never a partial one.
+inline bool write_file_atomically(std::string const& path, std::span<std::byte const> bytes, std::string& error) {
+  StagedFile f;
+  return f.open(path, error) && f.write(bytes, error) && f.finish(error) && f.commit(error);
+}
+
+}  // namespace kvc

@@ -1,0 +1,285 @@
+// SPDX-License-Identifier: Apache-2.0
+// tools/fuzz/cli_fuzz.cpp: libFuzzer harness for the whole `kvc` path: parse -> validate -> score -> select ->
+// compact -> write, on small fuzzed files (keys, values, queries, positions) and fuzzed options.
+//   cmake -DCMAKE_CXX_COMPILER=clang++ -DKVC_BUILD_FUZZERS=ON ... && ./tools/kvc_cli_fuzz -max_total_time=60
+//
+// Each input chooses a command, a policy with parameters, and each file either as raw bytes (the parser's hostile
+// side) or as a well-formed header of a fuzzed dtype and small shape over fuzzed data (so that runs reach the
+// scorers, the selection and the writers with NaN, Inf, huge and tiny values and mismatched shapes). Beyond "no
+// crash, no sanitizer report", every run must keep the contract (docs/cli.md):
+//   - the exit code is 0, or 3 with one "kvc: error: " line (never 2: the options are well formed);
+//   - exit 0 writes every output, each a .npy file of the documented shape; exit 3 writes none;
+//   - no temporary file is left behind, and the inputs are unchanged.
+#include <kvc/io/npy.hpp>
+
+#include "cli.hpp"
+
+#include <cstddef>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <iterator>
+#include <string>
+#include <vector>
+
+namespace {
+
+namespace fs = std::filesystem;
+using kvc::Index;
+
+/// Reads the fuzz input front to back; past the end it yields zeros.
+struct Bytes {
+  std::uint8_t const* data;
+  std::size_t size;
+  std::size_t pos = 0;
+
+  std::uint8_t u8() { return pos < size ? data[pos++] : 0; }
+  std::vector<std::byte> take(std::size_t n) {
+    n = std::min(n, size - pos);
+    std::vector<std::byte> out(n);
+    if (n > 0)
+      std::memcpy(out.data(), data + pos, n);
+    pos += n;
+    return out;
+  }
+};
+
+[[noreturn]] void violated(char const* what, std::string const& detail = {}) {
+  std::fprintf(stderr, "cli_fuzz: contract violated: %s %s\n", what, detail.c_str());
+  std::abort();
+}
+
+/// The folder the harness works in: on tmpfs when there is one (outputs are fsync'ed).
+fs::path const& work_dir() {
+  static fs::path const dir = [] {
+    std::string base = fs::exists("/dev/shm") ? "/dev/shm" : fs::temp_directory_path().string();
+    std::string templ = base + "/kvc_cli_fuzz.XXXXXX";
+    if (::mkdtemp(templ.data()) == nullptr)
+      violated("cannot create the work folder");
+    static std::string const made = templ;
+    std::atexit([] {
+      std::error_code ec;
+      fs::remove_all(made, ec);
+    });
+    return fs::path(templ);
+  }();
+  return dir;
+}
+
+void write_file(fs::path const& path, std::vector<std::byte> const& bytes) {
+  std::ofstream(path, std::ios::binary)
+      .write(reinterpret_cast<char const*>(bytes.data()), static_cast<std::streamsize>(bytes.size()));
+}
+
+std::vector<std::byte> read_file(fs::path const& path) {
+  std::ifstream f(path, std::ios::binary);
+  std::vector<char> const c{std::istreambuf_iterator<char>(f), {}};
+  std::vector<std::byte> out(c.size());
+  if (!c.empty())
+    std::memcpy(out.data(), c.data(), c.size());
+  return out;
+}
+
+kvc::NpyArray read_output(fs::path const& path) {
+  kvc::NpyArray a;
+  std::string error;
+  if (!kvc::read_npy(path.string(), a, error))
+    violated("an output does not read back:", path.string() + ": " + error);
+  return a;
+}
+
+/// Exit 0: the outputs have the documented shapes for keys [B, H, N, d] and values [B, H, N, d_v]: scores
+/// float32 [B, H, N]; or counts int64 [B, H] in [0, N], indices int64 [B, H, n_kept] ascending in [0, N) then -1,
+/// keys and values [B, H, n_kept, d] in the input dtype.
+void check_outputs(bool compress, fs::path const& dir, kvc::NpyArray const& keys) {
+  std::vector<Index> const& k = keys.shape;
+  if (!compress) {
+    kvc::NpyArray const s = read_output(dir / "scores.npy");
+    if (s.dtype != kvc::NpyDtype::f32 || s.shape != std::vector<Index>{k[0], k[1], k[2]})
+      violated("scores.npy is not float32 [B, H, N]");
+    return;
+  }
+  kvc::NpyArray const counts = read_output(dir / "out" / "counts.npy"),
+                      indices = read_output(dir / "out" / "indices.npy"),
+                      kept_keys = read_output(dir / "out" / "keys.npy");
+  (void)read_output(dir / "out" / "values.npy");
+  if (counts.dtype != kvc::NpyDtype::i64 || counts.shape != std::vector<Index>{k[0], k[1]})
+    violated("counts.npy is not int64 [B, H]");
+  if (indices.dtype != kvc::NpyDtype::i64 || indices.shape.size() != 3 || indices.shape[0] != k[0] ||
+      indices.shape[1] != k[1])
+    violated("indices.npy is not int64 [B, H, n_kept]");
+  Index const kept = indices.shape[2];
+  if (kept_keys.dtype != keys.dtype || kept_keys.shape != std::vector<Index>{k[0], k[1], kept, k[3]})
+    violated("keys.npy is not [B, H, n_kept, d] in the input dtype");
+  for (Index bh = 0; bh < k[0] * k[1]; ++bh) {
+    Index const n = counts.as<std::int64_t>()[bh];
+    if (n < 0 || n > k[2] || n > kept)
+      violated("a count is outside [0, min(N, n_kept)]");
+    std::int64_t const* row = indices.as<std::int64_t>() + bh * kept;
+    for (Index j = 0; j < kept; ++j)
+      if (j < n ? (row[j] < 0 || row[j] >= k[2] || (j > 0 && row[j] <= row[j - 1])) : row[j] != -1)
+        violated("indices are not ascending in [0, N) followed by -1 padding");
+  }
+}
+
+/// A small dimension, now and then 0 or a large one.
+Index dimension(Bytes& in, Index usual) {
+  std::uint8_t const b = in.u8();
+  if (b < 200)
+    return usual;
+  if (b < 230)
+    return b % 6;
+  if (b < 250)
+    return Index{1} << (20 + b % 30);
+  return 0;
+}
+
+/// A file: raw fuzz bytes, or a well-formed header of a fuzzed dtype and (mostly `shape`) shape over fuzzed data.
+std::vector<std::byte> make_file(Bytes& in, std::vector<Index> shape, kvc::NpyDtype usual) {
+  std::uint8_t const mode = in.u8();
+  if (mode < 16)
+    return in.take(in.u8() * 4u);
+  kvc::NpyDtype dtype = usual;
+  if (mode < 32)
+    dtype = static_cast<kvc::NpyDtype>(in.u8() % 5);
+  for (Index& d : shape)
+    d = dimension(in, d);
+  if (mode < 40)
+    shape.resize(in.u8() % 6);
+  Index elements = 1;
+  for (Index d : shape)
+    elements = d > 4096 || elements > 4096 ? 4097 : elements * d;
+  std::size_t const want = elements > 4096 ? 64 : static_cast<std::size_t>(elements) * kvc::npy_itemsize(dtype);
+  std::vector<std::byte> data = in.take(want);
+  if (mode >= 48)
+    data.resize(want);  // zero-padded to the declared size (otherwise truncated: the parser's case)
+  std::vector<std::byte> file = kvc::npy_header(dtype, shape);
+  file.insert(file.end(), data.begin(), data.end());
+  return file;
+}
+
+bool has_temporary(fs::path const& dir) {
+  std::error_code ec;
+  for (auto const& entry : fs::directory_iterator(dir, ec))
+    if (entry.path().filename().string().find(".kvc-") != std::string::npos)
+      return true;
+  return false;
+}
+
+}  // namespace
+
+extern "C" int LLVMFuzzerTestOneInput(std::uint8_t const* data, std::size_t size) {
+  Bytes in{data, size};
+  fs::path const dir = work_dir();
+  std::error_code ec;
+  fs::remove_all(dir / "out", ec);
+  fs::remove(dir / "scores.npy", ec);
+
+  static char const* const policies[] = {"streaming_llm", "key_diff", "knorm", "snap_kv", "tova", "random"};
+  std::uint8_t const choice = in.u8(), flags = in.u8();
+  std::string const policy = policies[choice % 6];
+  bool const compress = flags & 1, queries = policy == "snap_kv" || policy == "tova";
+  bool const positions = queries && (flags & 2);
+
+  Index const batch = 1 + in.u8() % 2, heads = 1 + in.u8() % 2, tokens = 1 + in.u8() % 12, dim = 2 * (1 + in.u8() % 4);
+  Index const group = 1 + in.u8() % 2, window = 1 + in.u8() % 4;
+  kvc::NpyDtype const dtype = flags & 4 ? kvc::NpyDtype::f16 : kvc::NpyDtype::f32;
+
+  std::vector<std::string> args = {"kvc", compress ? "compress" : "score", "--policy", policy};
+  std::vector<fs::path> inputs = {dir / "keys.npy"};
+  write_file(inputs[0], make_file(in, {batch, heads, tokens, dim}, dtype));
+  args.insert(args.end(), {"--keys", inputs[0].string()});
+  if (compress || (flags & 8)) {
+    inputs.push_back(dir / "values.npy");
+    write_file(inputs.back(), make_file(in, {batch, heads, tokens, dim}, dtype));
+    args.insert(args.end(), {"--values", inputs.back().string()});
+  }
+  if (queries) {
+    inputs.push_back(dir / "queries.npy");
+    write_file(inputs.back(), make_file(in, {batch, heads * group, window, dim}, dtype));
+    args.insert(args.end(), {"--queries", inputs.back().string()});
+    if (flags & 16)
+      args.insert(args.end(), {"--param", "queries=post_rope"});
+    if (policy == "snap_kv") {
+      args.insert(args.end(), {"--param", "window_size=" + std::to_string(1 + in.u8() % 4)});
+      args.insert(args.end(), {"--param", "kernel_size=" + std::to_string(1 + 2 * (in.u8() % 3))});
+      args.insert(args.end(), {"--param", in.u8() % 2 ? "pooling=avg" : "pooling=max"});
+    } else if (flags & 32) {
+      args.insert(args.end(), {"--param", "reference=kvpress"});
+    }
+  }
+  if (positions) {
+    inputs.push_back(dir / "positions.npy");
+    write_file(inputs.back(), make_file(in, {batch, window}, kvc::NpyDtype::i64));
+    args.insert(args.end(), {"--positions", inputs.back().string()});
+  }
+  if (compress) {
+    if (flags & 64)
+      args.insert(args.end(), {"--ratio", std::to_string((in.u8() % 11) / 10.0)});
+    else
+      args.insert(args.end(), {"--budget", std::to_string(in.u8() % 16)});
+    if (policy != "streaming_llm" && (flags & 128))
+      args.insert(args.end(), {"--param", "n_sink=" + std::to_string(in.u8() % 3), "--param",
+                               "n_recent=" + std::to_string(in.u8() % 3)});
+    args.insert(args.end(), {"--out-dir", (dir / "out").string()});
+  } else {
+    args.insert(args.end(), {"--out", (dir / "scores.npy").string()});
+  }
+
+  std::vector<std::vector<std::byte>> before;
+  for (auto const& p : inputs)
+    before.push_back(read_file(p));
+  std::vector<char const*> argv;
+  for (auto const& a : args)
+    argv.push_back(a.c_str());
+
+  char* message = nullptr;
+  std::size_t message_size = 0;
+  std::FILE* err = ::open_memstream(&message, &message_size);
+  std::FILE* out = std::fopen("/dev/null", "w");
+  int const code = kvc::cli::run(static_cast<int>(argv.size()), argv.data(), out, err);
+  std::fclose(out);
+  std::fclose(err);
+  std::string const text(message, message_size);
+  std::free(message);
+
+  static bool const stats = std::getenv("KVC_FUZZ_STATS") != nullptr;
+  if (stats) {  // how often runs get through (exit 0) versus are refused (exit 3), per command
+    static long counts[2][4] = {};
+    ++counts[compress][code & 3];
+    static bool registered = std::atexit([] {
+                               std::fprintf(stderr, "cli_fuzz: score exit 0/3: %ld/%ld, compress exit 0/3: %ld/%ld\n",
+                                            counts[0][0], counts[0][3], counts[1][0], counts[1][3]);
+                             }) == 0;
+    (void)registered;
+  }
+  if (code != 0 && code != 3)
+    violated("exit code other than 0 or 3:", std::to_string(code) + " " + text);
+  if (code == 3 && (text.rfind("kvc: error: ", 0) != 0 || text.find('\n') + 1 != text.size()))
+    violated("exit 3 without exactly one 'kvc: error: ' line:", text);
+  std::vector<fs::path> const outputs =
+      compress ? std::vector<fs::path>{dir / "out" / "keys.npy", dir / "out" / "values.npy",
+                                       dir / "out" / "indices.npy", dir / "out" / "counts.npy"}
+               : std::vector<fs::path>{dir / "scores.npy"};
+  for (auto const& p : outputs)
+    if (code == 3 && fs::exists(p))
+      violated("an output exists after a failure:", p.string());
+  if (code == 0) {
+    kvc::NpyArray keys;
+    std::string error;
+    if (!kvc::read_npy(inputs[0].string(), keys, error) || keys.shape.size() != 4)
+      violated("exit 0 with keys that do not read as a rank-4 array");
+    check_outputs(compress, dir, keys);
+  }
+  if (has_temporary(dir) || (fs::exists(dir / "out") && has_temporary(dir / "out")))
+    violated("a temporary file was left behind");
+  if (code == 3 && compress && fs::exists(dir / "out"))
+    violated("compress left its output folder behind after a failure");
+  for (std::size_t i = 0; i < inputs.size(); ++i)
+    if (read_file(inputs[i]) != before[i])
+      violated("an input changed:", inputs[i].string());
+  return 0;
+}
