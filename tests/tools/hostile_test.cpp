@@ -612,7 +612,7 @@ TEST_CASE("hostile: a query head count whose workspace exceeds this machine's me
   auto const r = run("score --policy tova --keys " + k + " --queries " + q + " --out " + out);
   check_error(
       r, 3,
-      {"the workspace of policy tova over keys file " + k + " / queries file " + q, "more than this machine's memory"});
+      {"the workspace of policy tova over keys file " + k + " / queries file " + q, "more than the memory available"});
   CHECK(r.seconds < 10);
   check_nothing_left(dir, {out});
   inputs.check();
@@ -710,13 +710,16 @@ TEST_CASE("hostile: inputs that are not regular files are refused without blocki
 }
 
 // ---------------------------------------------------------------------------------------------------------------
-// 4. Numeric range.
+// 4. Numeric range (docs/numerics.md, "Range"). KeyDiff scores every finite key exactly; Knorm every key whose norm
+// is at most FLT_MAX, and the CLI refuses a key past it for knorm, naming the key; SnapKV and TOVA refuse keys or
+// queries with head_dim * x^2 >= 2^126 and score finitely below. Every outcome is fixed: no "or refused".
 
 namespace {
 
 /// Scores of one head of N rows of `d` values, in double: knorm (-||k||) or key_diff (-cos(k, anchor), the anchor
-/// the mean unit key or the raw mean key), with key_diff's documented floors (include/kvc/scorers/key_diff.hpp, as
-/// kvpress: F.normalize's 1e-12 on ||k|| for the unit keys, cosine_similarity's 1e-8 on both norms).
+/// the mean unit key or, for key_diff_raw, the raw mean key), with key_diff's documented floors
+/// (include/kvc/scorers/key_diff.hpp, as kvpress: F.normalize's 1e-12 on ||k|| for the unit keys,
+/// cosine_similarity's 1e-8 on both norms).
 std::vector<double> expected_scores(std::string const& policy, std::vector<double> const& k, std::size_t d) {
   std::size_t const n = k.size() / d;
   auto norm = [&](double const* r) {
@@ -748,79 +751,120 @@ std::vector<double> expected_scores(std::string const& policy, std::vector<doubl
   return s;
 }
 
-/// Exit 0 with the scores of expected_scores (knorm within 1e-5 relative, cosines within 1e-5), or, unless
-/// `must_score`, exit 3 naming the keys file and the range. A score whose true value is past FLT_MAX must be the
-/// infinity of its sign (its float32 rounding).
-void check_scores_or_range(std::string const& policy, std::string const& keys, std::vector<double> const& k,
-                           std::size_t d, std::string const& out, bool must_score = false) {
-  std::string const args = policy == "key_diff_raw" ? "key_diff --param anchor=raw_mean" : policy;
-  auto const r = run("score --policy " + args + " --keys " + keys + " --out " + out);
-  INFO(r.command << "\n" << r.output);
-  if (r.code == 3 && !must_score) {
-    check_error(r, 3, {"keys file " + keys + ": ", "range"});
-    CHECK(!exists(out));
-    return;
+/// The first row of `k` (rows of `d`) whose norm, in double, exceeds FLT_MAX; -1 when none does.
+long first_norm_past_flt_max(std::vector<double> const& k, std::size_t d) {
+  for (std::size_t t = 0; t < k.size() / d; ++t) {
+    double sq = 0;
+    for (std::size_t i = 0; i < d; ++i)
+      sq += k[t * d + i] * k[t * d + i];
+    if (std::sqrt(sq) > std::numeric_limits<float>::max())
+      return static_cast<long>(t);
   }
+  return -1;
+}
+
+std::string policy_args(std::string const& policy) {
+  return policy == "key_diff_raw" ? "key_diff --param anchor=raw_mean" : policy;
+}
+
+/// Exit 0, no output, and the scores of expected_scores, all finite: knorm within 1e-5 relative, the cosines within
+/// 1e-5 absolute.
+void check_scores(std::string const& policy, std::string const& keys, std::vector<double> const& k, std::size_t d,
+                  std::string const& out) {
+  auto const r = run("score --policy " + policy_args(policy) + " --keys " + keys + " --out " + out);
+  INFO(r.command << "\n--- output:\n" << r.output);
   REQUIRE(r.code == 0);
+  CHECK(r.output.empty());
   auto const a = read(out);
   auto const expected = expected_scores(policy, k, d);
+  REQUIRE(a.dtype == kvc::NpyDtype::f32);
   REQUIRE(a.shape == std::vector<Index>{1, 1, static_cast<Index>(expected.size())});
   for (std::size_t t = 0; t < expected.size(); ++t) {
     double const got = a.as<float>()[t], want = expected[t];
     INFO(policy << " token " << t << ": got " << got << ", expected " << want);
-    if (std::abs(want) > std::numeric_limits<float>::max())
-      CHECK(got == std::copysign(std::numeric_limits<double>::infinity(), want));
-    else if (policy == "knorm")
+    REQUIRE(std::abs(want) <= std::numeric_limits<float>::max());  // the case itself is in range
+    CHECK(std::isfinite(got));
+    if (policy == "knorm")
       CHECK(std::abs(got - want) <= 1e-5 * std::abs(want));
     else
       CHECK(std::abs(got - want) <= 1e-5);
   }
 }
 
+/// knorm refuses the keys: exit 3 naming the keys file and the first key whose norm is past FLT_MAX ("has norm").
+void check_norm_refused(std::string const& dir, std::string const& keys, long row, std::string const& out) {
+  auto const r = run("score --policy knorm --keys " + keys + " --out " + out);
+  check_error(r, 3, {"keys file " + keys + ": ", "the key at [0, 0, " + std::to_string(row) + "] has norm "});
+  check_nothing_left(dir, {out});
+}
+
 }  // namespace
 
-TEST_CASE("hostile: huge finite keys score correctly or are refused naming the range", "[tools][hostile]") {
+TEST_CASE(
+    "hostile: finite keys of any magnitude score exactly with key_diff, and with knorm while the norm fits a float",
+    "[tools][hostile]") {
   std::string const dir = fresh_dir("range");
   std::size_t const d = 4;
-  std::vector<float> k = values(8 * d, 27);
-  auto set_row = [&](std::size_t t, std::initializer_list<float> row) { std::copy(row.begin(), row.end(), &k[t * d]); };
+  auto const D = static_cast<Index>(d);
+  // Mixed: rows at 1e20 (squares overflow fp32), near 3e38 (norm 3.3e38, just below FLT_MAX), at 1e-20 (squares
+  // underflow fp32) and at 1e10 among ordinary rows. The raw anchor (~4e37) must be scaled for the 1e10 row.
+  std::vector<float> mixed = values(8 * d, 27);
+  auto set_row = [&](std::size_t t, std::initializer_list<float> row) {
+    std::copy(row.begin(), row.end(), &mixed[t * d]);
+  };
   set_row(1, {1e20f, 1.0f, -2.0f, 0.5f});
-  set_row(3, {3e38f, 1.0f, 1.0f, 1.0f});  // ||k|| = 3e38 < FLT_MAX
+  set_row(3, {3e38f, 1e38f, -1e38f, 1.0f});  // ||k|| = 3.32e38 < FLT_MAX = 3.40e38
+  set_row(4, {1e-20f, -2e-20f, 5e-21f, 1e-20f});
   set_row(5, {-1e20f, 1e20f, 3.0f, 1.0f});
   set_row(6, {0.0f, 0.25f, -3e38f, 2.0f});
-  auto const keys = npy(dir + "/huge.npy", kvc::NpyDtype::f32, {1, 1, 8, static_cast<Index>(d)}, k);
-  std::vector<double> const kd(k.begin(), k.end());
-  Snapshot const inputs{keys};
-  for (char const* policy : {"knorm", "key_diff", "key_diff_raw"}) {
-    INFO("huge keys");
-    check_scores_or_range(policy, keys, kd, d, dir + "/s_" + policy + ".npy");
+  set_row(7, {1e10f, -3e9f, 2e10f, 1.0f});  // in fp32's range, but its dot with the raw anchor (~4e37) is not
+  // Uniform scales: every row (and so every anchor component) at 1e20, 1e-20 or up to 3e38 (norms past FLT_MAX).
+  auto scaled = [&](float s, std::uint32_t seed) {
+    std::vector<float> v = values(8 * d, seed);
+    for (float& x : v)
+      x *= s;
+    return v;
+  };
+  struct Set {
+    std::string name;
+    std::vector<float> data;
+    bool knorm_refused;
+  };
+  std::vector<Set> const sets = {{"mixed", mixed, false},
+                                 {"big", scaled(1e20f, 28), false},
+                                 {"tiny", scaled(1e-20f, 28), false},
+                                 {"max", scaled(3e38f, 29), true}};
+  for (auto const& set : sets) {
+    INFO(set.name << " keys");
+    auto const path = npy(dir + "/" + set.name + ".npy", kvc::NpyDtype::f32, {1, 1, 8, D}, set.data);
+    Snapshot const input{path};
+    std::vector<double> const kd(set.data.begin(), set.data.end());
+    for (char const* policy : {"key_diff", "key_diff_raw"})
+      check_scores(policy, path, kd, d, dir + "/s_" + set.name + "_" + policy + ".npy");
+    long const past = first_norm_past_flt_max(kd, d);
+    REQUIRE((past >= 0) == set.knorm_refused);  // the case is what it claims
+    if (set.knorm_refused)
+      check_norm_refused(dir, path, past, dir + "/s_" + set.name + "_knorm.npy");
+    else
+      check_scores("knorm", path, kd, d, dir + "/s_" + set.name + "_knorm.npy");
+    input.check();
   }
 
-  // Only huge keys (every anchor component huge), and keys near 1e-20 (their squares underflow fp32; key_diff's
-  // floors then rule, as documented).
-  std::vector<float> big = values(8 * d, 28), tiny = big;
-  for (float& x : big)
-    x *= 1e20f;
-  for (float& x : tiny)
-    x *= 1e-20f;
-  for (auto const& [name, data] :
-       std::vector<std::pair<std::string, std::vector<float>>>{{"big", big}, {"tiny", tiny}}) {
-    auto const path = npy(dir + "/" + name + ".npy", kvc::NpyDtype::f32, {1, 1, 8, static_cast<Index>(d)}, data);
-    std::vector<double> const dd(data.begin(), data.end());
-    for (char const* policy : {"knorm", "key_diff", "key_diff_raw"}) {
-      INFO(name << " keys");
-      check_scores_or_range(policy, path, dd, d, dir + "/s_" + name + "_" + policy + ".npy");
-    }
-  }
-
-  // A row whose norm is past FLT_MAX: its knorm score is -inf in float32 (or the keys are refused).
-  std::vector<float> over = values(8 * d, 29);
-  std::fill_n(&over[2 * d], d, 3e38f);
-  auto const over_path = npy(dir + "/over.npy", kvc::NpyDtype::f32, {1, 1, 8, static_cast<Index>(d)}, over);
-  for (char const* policy : {"knorm", "key_diff"}) {
-    INFO("a norm past FLT_MAX");
-    check_scores_or_range(policy, over_path, std::vector<double>(over.begin(), over.end()), d,
-                          dir + "/s_over_" + policy + ".npy");
+  // One row of 3e38 everywhere: its norm 3e38 * sqrt(d) is past FLT_MAX at every d >= 2. knorm refuses it (its
+  // fp32 score would be -inf and tie), naming the key; key_diff scores it.
+  for (std::size_t dd : {std::size_t{2}, std::size_t{4}}) {
+    INFO("a norm past FLT_MAX at head_dim " << dd);
+    std::vector<float> over = values(8 * dd, 29);
+    std::fill_n(&over[2 * dd], dd, 3e38f);
+    std::string const name = "over" + std::to_string(dd);
+    auto const path = npy(dir + "/" + name + ".npy", kvc::NpyDtype::f32, {1, 1, 8, static_cast<Index>(dd)}, over);
+    Snapshot const input{path};
+    std::vector<double> const kd(over.begin(), over.end());
+    REQUIRE(first_norm_past_flt_max(kd, dd) == 2);
+    check_norm_refused(dir, path, 2, dir + "/s_" + name + "_knorm.npy");
+    for (char const* policy : {"key_diff", "key_diff_raw"})
+      check_scores(policy, path, kd, dd, dir + "/s_" + name + "_" + policy + ".npy");
+    input.check();
   }
 
   // float16 at its largest finite value, 65504, is ordinary input.
@@ -835,11 +879,12 @@ TEST_CASE("hostile: huge finite keys score correctly or are refused naming the r
   for (auto h : k16)
     k16d.push_back(static_cast<float>(h));
   REQUIRE(k16d[2 * d] == 65504.0);
-  auto const keys16 = npy(dir + "/max16.npy", kvc::NpyDtype::f16, {1, 1, 8, static_cast<Index>(d)}, k16);
+  auto const keys16 = npy(dir + "/max16.npy", kvc::NpyDtype::f16, {1, 1, 8, D}, k16);
+  Snapshot const inputs{keys16};
   for (char const* policy : {"knorm", "key_diff", "key_diff_raw"})
-    check_scores_or_range(policy, keys16, k16d, d, dir + "/s16_" + policy + ".npy", true);
-  auto const q16 = npy(dir + "/q16.npy", kvc::NpyDtype::f16, {1, 2, 4, static_cast<Index>(d)},
-                       std::vector<kvc::half>(2 * 4 * d, kvc::half(65504.0f)));
+    check_scores(policy, keys16, k16d, d, dir + "/s16_" + policy + ".npy");
+  auto const q16 =
+      npy(dir + "/q16.npy", kvc::NpyDtype::f16, {1, 2, 4, D}, std::vector<kvc::half>(2 * 4 * d, kvc::half(65504.0f)));
   for (char const* policy : {"snap_kv --param window_size=4", "tova"}) {
     std::string const out = dir + "/s16_window.npy";
     auto const r = run("score --policy " + std::string(policy) + " --param queries=post_rope --keys " + keys16 +
@@ -854,56 +899,74 @@ TEST_CASE("hostile: huge finite keys score correctly or are refused naming the r
   inputs.check();
 }
 
-TEST_CASE("hostile: window queries or keys past the attention's range are refused or score finitely",
+TEST_CASE("hostile: window keys or queries past the attention's exact range are refused, just inside it they score",
           "[tools][hostile]") {
   std::string const dir = fresh_dir("range_window");
   std::size_t const d = 4;
-  auto const keys = f32(dir + "/k.npy", {1, 1, 16, 4}, 31);
-  // [1, 2, 4, 4] queries with a huge component in the last row of each head (TOVA reads only that row).
-  auto huge_queries = [&](std::string const& name, float x) {
+  auto const D = static_cast<Index>(d);
+  // The bound: head_dim * x^2 < 2^126, |x| < 2^62 (4.6e18) at head_dim 4. 1e20 and 3e38 are past it; half the
+  // bound is inside.
+  double const bound = std::sqrt(0x1p126 / static_cast<double>(d));
+  auto const inside = static_cast<float>(bound * 0.5);
+  REQUIRE((1e20 > bound && 1e20 * 1e20 * static_cast<double>(d) >= 0x1p126));
+  // Keys [1, 1, 16, 4] with two components at +-x; queries [1, 2, 4, 4] with +-x in the last row of each head (TOVA
+  // reads only that row).
+  auto keys_with = [&](std::string const& name, float x) {
+    std::vector<float> kv = values(16 * d, 33);
+    kv[2 * d] = x;
+    kv[7 * d + 1] = -x;
+    return npy(dir + "/" + name, kvc::NpyDtype::f32, {1, 1, 16, D}, kv);
+  };
+  auto queries_with = [&](std::string const& name, float x) {
     std::vector<float> qv = values(2 * 4 * d, 32);
     qv[3 * d] = x;
     qv[(4 + 3) * d + 1] = -x;
-    return npy(dir + "/" + name, kvc::NpyDtype::f32, {1, 2, 4, static_cast<Index>(d)}, qv);
+    return npy(dir + "/" + name, kvc::NpyDtype::f32, {1, 2, 4, D}, qv);
   };
-  auto const q20 = huge_queries("q_1e20.npy", 1e20f), q38 = huge_queries("q_3e38.npy", 3e38f);
-  Snapshot const inputs{keys, q20, q38};
+  auto const k_ok = f32(dir + "/k_ok.npy", {1, 1, 16, 4}, 31), q_ok = f32(dir + "/q_ok.npy", {1, 2, 4, 4}, 34);
+  auto const k20 = keys_with("k_1e20.npy", 1e20f), k38 = keys_with("k_3e38.npy", 3e38f);
+  auto const q20 = queries_with("q_1e20.npy", 1e20f), q38 = queries_with("q_3e38.npy", 3e38f);
+  auto const k_in = keys_with("k_inside.npy", inside), q_in = queries_with("q_inside.npy", inside);
+  Snapshot const inputs{k_ok, q_ok, k20, k38, q20, q38, k_in, q_in};
   std::string const out = dir + "/s.npy";
-  for (auto const& [policy, queries, q] : std::vector<std::tuple<std::string, std::string, std::string>>{
-           {"snap_kv --param window_size=4", "pre_rope", q20},
-           {"tova", "post_rope", q20},
-           {"snap_kv --param window_size=4", "post_rope", q38},
-           {"tova", "pre_rope", q38}}) {
-    auto const r = run("score --policy " + policy + " --param queries=" + queries + " --keys " + keys + " --queries " +
-                       q + " --out " + out);
-    check_error(r, 3, {"queries file " + q + ": ", "range"});
-    check_nothing_left(dir, {out});
-  }
-
-  // Keys of 1e20 with ordinary queries: logits of 1e20 are past fp32's softmax; refused, or finite and sane scores
-  // (SnapKV authors with kernel_size=1: a prefix token's score is a sum of w probabilities, in [0, w]).
-  std::vector<float> kv = values(16 * d, 33);
-  kv[2 * d] = 1e20f;
-  kv[7 * d + 1] = -1e20f;
-  auto const huge_k = npy(dir + "/k_huge.npy", kvc::NpyDtype::f32, {1, 1, 16, static_cast<Index>(d)}, kv);
-  auto const q_ok = f32(dir + "/q_ok.npy", {1, 2, 4, 4}, 34);
-  auto const r =
-      run("score --policy snap_kv --param window_size=4 --param kernel_size=1 --param queries=post_rope "
-          "--keys " +
-          huge_k + " --queries " + q_ok + " --out " + out);
-  INFO(r.output);
-  if (r.code == 3) {
-    check_error(r, 3, {"keys file " + huge_k + ": ", "range"});
-    CHECK(!exists(out));
-  } else {
-    REQUIRE(r.code == 0);
-    auto const a = read(out);
-    REQUIRE(a.size() == 16);
-    for (Index t = 0; t < 12; ++t) {
-      float const s = a.as<float>()[t];
-      CHECK((std::isfinite(s) && s >= 0.0f && s <= 4.0f + 1e-5f));
+  std::vector<std::string> const policies = {"snap_kv --param window_size=4 --param kernel_size=1", "tova"};
+  auto score = [&](std::string const& policy, std::string const& queries, std::string const& k, std::string const& q) {
+    return run("score --policy " + policy + " --param queries=" + queries + " --keys " + k + " --queries " + q +
+               " --out " + out);
+  };
+  for (auto const& policy : policies)
+    for (char const* queries : {"pre_rope", "post_rope"}) {
+      INFO(policy << ", " << queries);
+      // Past the bound: refused naming the file and the range.
+      for (auto const& k : {k20, k38}) {
+        check_error(score(policy, queries, k, q_ok), 3, {"keys file " + k + ": ", "exact range"});
+        check_nothing_left(dir, {out});
+      }
+      for (auto const& q : {q20, q38}) {
+        check_error(score(policy, queries, k_ok, q), 3, {"queries file " + q + ": ", "exact range"});
+        check_nothing_left(dir, {out});
+      }
+      // Inside it (keys, queries or both at half the bound): finite scores in their range (SnapKV with
+      // kernel_size=1: a prefix token's score is a sum of w = 4 probabilities; TOVA: a probability).
+      for (auto const& [k, q] :
+           std::vector<std::pair<std::string, std::string>>{{k_in, q_ok}, {k_ok, q_in}, {k_in, q_in}}) {
+        auto const r = score(policy, queries, k, q);
+        INFO(r.command << "\n--- output:\n" << r.output);
+        REQUIRE(r.code == 0);
+        auto const a = read(out);
+        REQUIRE(a.shape == std::vector<Index>{1, 1, 16});
+        bool const snap = policy.rfind("snap_kv", 0) == 0;
+        for (Index t = 0; t < 16; ++t) {
+          float const s = a.as<float>()[t];
+          INFO("token " << t << ": " << s);
+          CHECK(std::isfinite(s));
+          if (!snap || t < 12)
+            CHECK((s >= 0.0f && s <= (snap ? 4.0f : 1.0f) + 1e-5f));
+        }
+        fs::remove(out);
+      }
     }
-  }
+  CHECK(temporaries(dir).empty());
   inputs.check();
 }
 

@@ -27,10 +27,12 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <filesystem>
 #include <initializer_list>
 #include <limits>
 #include <map>
+#include <memory>
 #include <new>
 #include <optional>
 #include <span>
@@ -53,6 +55,7 @@ struct Streams {
 
 constexpr int exit_usage = 2;
 constexpr int exit_invalid = 3;
+constexpr int exit_internal = 70;  ///< EX_SOFTWARE: a bug in kvc (e.g. the policy table and a scorer disagree)
 
 /// An error that ends the program with a message and an exit code.
 struct Failure {
@@ -522,8 +525,19 @@ void check_query_options(PolicyInfo const& policy, Options const& o, Params cons
 // ---------------------------------------------------------------------------------------------------------------
 // Memory and outputs.
 
-/// This machine's memory in bytes: the most any one buffer may take.
+/// The memory this program may take, in bytes: the kernel's estimate of memory available without swapping
+/// (MemAvailable), or the physical memory where that is unknown. No buffer may be larger.
 std::size_t memory_bytes() {
+  if (std::FILE* f = std::fopen("/proc/meminfo", "r")) {
+    char line[256];
+    unsigned long long kib = 0;
+    bool found = false;
+    while (!found && std::fgets(line, sizeof line, f))
+      found = std::sscanf(line, "MemAvailable: %llu kB", &kib) == 1;
+    std::fclose(f);
+    if (found && kib > 0)
+      return static_cast<std::size_t>(kib) * 1024;
+  }
   long const pages = ::sysconf(_SC_PHYS_PAGES), page = ::sysconf(_SC_PAGESIZE);
   return pages > 0 && page > 0 ? static_cast<std::size_t>(pages) * static_cast<std::size_t>(page) : SIZE_MAX;
 }
@@ -539,9 +553,10 @@ std::string bytes_text(double bytes) {
 template <class T>
 std::vector<T> buffer(std::size_t count, std::string const& what, T fill = T{}) {
   double const bytes = static_cast<double>(count) * sizeof(T);
-  if (count > memory_bytes() / sizeof(T))
-    fail(exit_invalid, what + " needs " + bytes_text(bytes) + ", more than this machine's memory (" +
-                           bytes_text(static_cast<double>(memory_bytes())) + ")");
+  std::size_t const available = memory_bytes();
+  if (count > available / sizeof(T))
+    fail(exit_invalid, what + " needs " + bytes_text(bytes) + ", more than the memory available (" +
+                           bytes_text(static_cast<double>(available)) + ")");
   try {
     return std::vector<T>(count, fill);
   } catch (std::bad_alloc const&) {
@@ -602,9 +617,32 @@ void write_outputs(std::vector<Output> const& outputs) {
     if (!kvc::stage_npy(staged[i], destinations[i], out.dtype, out.shape, out.data, error))
       fail(exit_invalid, "output file " + out.path + ": " + error);
   }
-  for (std::size_t i = 0; i < outputs.size(); ++i)
-    if (!staged[i].commit(error))
-      fail(exit_invalid, "output file " + outputs[i].path + ": " + error);
+  std::size_t failed = 0;
+  if (!kvc::commit_together(staged, error, failed))
+    fail(exit_invalid, "output file " + outputs[failed].path + ": " + error);
+}
+
+/// Creates `dir` and any missing parents, one component at a time, and records the folders it made (parents
+/// first) so that a failure can remove exactly those.
+void make_folders(std::string const& dir, std::vector<std::string>& made) {
+  std::string prefix;
+  std::size_t start = 0;
+  while (start <= dir.size()) {
+    std::size_t const slash = std::min(dir.find('/', start), dir.size());
+    prefix = dir.substr(0, slash);
+    start = slash + 1;
+    if (prefix.empty() || prefix.back() == '/')
+      continue;  // the root, or a doubled slash
+    if (::mkdir(prefix.c_str(), 0777) == 0) {
+      made.push_back(prefix);
+    } else if (errno != EEXIST) {
+      int const err = errno;
+      fail(exit_invalid, "--out-dir " + dir + ": cannot create the folder " + prefix + " (" + std::strerror(err) + ")");
+    }
+  }
+  struct stat st {};
+  if (::stat(dir.c_str(), &st) != 0 || !S_ISDIR(st.st_mode))
+    fail(exit_invalid, "--out-dir " + dir + " is not a directory");
 }
 
 // ---------------------------------------------------------------------------------------------------------------
@@ -677,10 +715,7 @@ void check_key_norms(Rows const& rows, std::string const& path) {
   kvc::KVExtents const e = rows.extents();
   for (kvc::Index r = 0; r < e.rows(); ++r) {
     kvc::Index const b = r / (e.heads * e.tokens), h = r / e.tokens % e.heads, t = r % e.tokens;
-    auto const* x = rows.row(b, h, t);
-    double sum = 0;
-    for (kvc::Index i = 0; i < e.dim; ++i)
-      sum += static_cast<double>(kvc::to_float(x[i])) * kvc::to_float(x[i]);
+    double const sum = kvc::detail::sum_squares_fp64(rows.row(b, h, t), e.dim);
     if (!(std::sqrt(sum) <= std::numeric_limits<float>::max()))
       fail(exit_invalid, "keys file " + path + ": field 'data': the key at [" + std::to_string(b) + ", " +
                              std::to_string(h) + ", " + std::to_string(t) + "] has norm " +
@@ -796,7 +831,8 @@ void load_queries(Options const& o, kvc::KVExtents const& k, std::string const& 
       fail(exit_invalid, pw + "field 'shape' has " + std::to_string(p.shape.size()) +
                              " dimensions or other sizes, expected [batch, window] = [" + std::to_string(q.ext.batch) +
                              ", " + std::to_string(q.ext.tokens) + "] (the queries' shape[0] and shape[2])");
-    q.positions.assign(p.as<std::int64_t>(), p.as<std::int64_t>() + p.size());
+    q.positions = buffer<kvc::Index>(static_cast<std::size_t>(p.size()), "the positions of " + q.positions_path);
+    std::copy_n(p.as<std::int64_t>(), p.size(), q.positions.data());
     max_position = 0;
     std::size_t const per_position = static_cast<std::size_t>(q.ext.dim) * sizeof(float);
     for (std::size_t i = 0; i < q.positions.size(); ++i) {
@@ -931,9 +967,26 @@ void load_job(Options const& o, Job& job) {
     load_queries(o, extents_of(job.keys), job.keys.path, job.rotate, job.rope, job.queries);
 }
 
-/// The workspace `what` needs (see buffer()).
-std::vector<std::byte> workspace(std::size_t bytes, Job const& job) {
-  return buffer<std::byte>(bytes, "the workspace of policy " + std::string(job.policy.name) + " over " + job.context());
+/// A kernel's workspace: uninitialised (kernels write before they read, so untouched pages cost nothing), within
+/// the memory available, and refused with a message when its size saturated (a product of two inputs' sizes).
+struct Scratch {
+  std::unique_ptr<std::byte[]> data;
+  std::size_t size = 0;
+  kvc::Workspace span() const { return {data.get(), size}; }
+};
+
+Scratch workspace(std::size_t bytes, Job const& job) {
+  std::string const what = "the workspace of policy " + std::string(job.policy.name) + " over " + job.context();
+  std::size_t const available = memory_bytes();
+  if (bytes > available)
+    fail(exit_invalid,
+         what + " needs " +
+             (bytes == SIZE_MAX ? std::string("more than 2^64 bytes") : bytes_text(static_cast<double>(bytes))) +
+             ", more than the memory available (" + bytes_text(static_cast<double>(available)) + ")");
+  Scratch s{std::unique_ptr<std::byte[]>(new (std::nothrow) std::byte[bytes == 0 ? 1 : bytes]), bytes};
+  if (!s.data)
+    fail(exit_invalid, "out of memory: " + what + " needs " + bytes_text(static_cast<double>(bytes)));
+  return s;
 }
 
 int cmd_score(Options const& o) {
@@ -946,11 +999,9 @@ int cmd_score(Options const& o) {
   kvc::KVExtents const e = extents_of(job.keys);
   std::vector<float> scores = buffer<float>(static_cast<std::size_t>(e.rows()), "the scores of " + job.context());
   job.run([&](auto const& scorer, Selection, auto const& cache, auto const& obs) {
-    std::vector<std::byte> ws = workspace(kvc::score_workspace_bytes(kvc::Cpu{}, scorer, e, obs), job);
+    Scratch const ws = workspace(kvc::score_workspace_bytes(kvc::Cpu{}, scorer, e, obs), job);
     kvc::ScoreSpan<> out{scores.data(), e.batch, e.heads, e.tokens};
-    auto once = [&] {
-      check_status(kvc::score(kvc::Cpu{}, scorer, cache, obs, out, {ws.data(), ws.size()}), job.context());
-    };
+    auto once = [&] { check_status(kvc::score(kvc::Cpu{}, scorer, cache, obs, out, ws.span()), job.context()); };
     once();
     if (o.time)
       print_time("score", job.policy, median_seconds(timing_repeats, once), timing_repeats, job.bytes_read());
@@ -991,10 +1042,8 @@ int cmd_compress(Options const& o) {
   job.run([&](auto const& scorer, Selection sel, auto const& cache, auto const& obs) {
     auto run = [&](auto budget_value) {
       kvc::Press press{scorer, kvc::TopKSelector<decltype(budget_value)>{budget_value, sel.n_sink, sel.n_recent}};
-      std::vector<std::byte> ws = workspace(kvc::compress_workspace_bytes(kvc::Cpu{}, press, e, obs), job);
-      auto once = [&] {
-        check_status(kvc::compress(kvc::Cpu{}, press, cache, obs, plan, {ws.data(), ws.size()}), job.context());
-      };
+      Scratch const ws = workspace(kvc::compress_workspace_bytes(kvc::Cpu{}, press, e, obs), job);
+      auto once = [&] { check_status(kvc::compress(kvc::Cpu{}, press, cache, obs, plan, ws.span()), job.context()); };
       once();
       if (o.time)
         print_time("compress", job.policy, median_seconds(timing_repeats, once), timing_repeats, job.bytes_read());
@@ -1026,17 +1075,10 @@ int cmd_compress(Options const& o) {
     std::copy_n(index.data() + bh * e.tokens, count[static_cast<std::size_t>(bh)], kept_index.data() + bh * kept_max);
   auto const k_out = repack(keys), v_out = repack(values);
 
-  // The folders this call creates (deepest first), removed again if the outputs cannot be written.
-  std::vector<std::filesystem::path> created;
-  std::error_code ec;
-  for (std::filesystem::path p = std::filesystem::absolute(out_dir, ec).lexically_normal();
-       !ec && !p.empty() && !std::filesystem::exists(p, ec) && p != p.parent_path(); p = p.parent_path())
-    created.push_back(p);
-  std::filesystem::create_directories(out_dir, ec);
-  if (ec)
-    fail(exit_invalid, "--out-dir " + out_dir + ": cannot create the directory (" + ec.message() + ")");
+  std::vector<std::string> made;  // the folders this call creates, removed again if the outputs cannot be written
   std::string const dir = out_dir + "/";
   try {
+    make_folders(out_dir, made);
     write_outputs({{dir + compress_outputs[0], keys.array.dtype, {e.batch, e.heads, kept_max, e.dim}, k_out.data()},
                    {dir + compress_outputs[1],
                     values.array.dtype,
@@ -1045,8 +1087,8 @@ int cmd_compress(Options const& o) {
                    {dir + compress_outputs[2], kvc::NpyDtype::i64, {e.batch, e.heads, kept_max}, kept_index.data()},
                    {dir + compress_outputs[3], kvc::NpyDtype::i64, {e.batch, e.heads}, count.data()}});
   } catch (Failure const&) {
-    for (auto const& folder : created)  // nothing was committed into them: leave no empty folder behind
-      std::filesystem::remove(folder, ec);
+    for (auto folder = made.rbegin(); folder != made.rend(); ++folder)  // deepest first; each is empty
+      ::rmdir(folder->c_str());
     throw;
   }
   return 0;
@@ -1113,6 +1155,9 @@ int run(int argc, char const* const* argv, std::FILE* out, std::FILE* err) {
   } catch (std::bad_alloc const&) {  // every large buffer is named by buffer(); this is a last resort
     std::fprintf(io.err, "kvc: error: out of memory\n");
     return exit_invalid;
+  } catch (std::logic_error const& e) {  // a bug in kvc, not in the input: its own exit code (the fuzzer stops)
+    std::fprintf(io.err, "kvc: internal error: %s\n", e.what());
+    return exit_internal;
   } catch (std::exception const& e) {
     std::fprintf(io.err, "kvc: error: %s\n", e.what());
     return exit_invalid;

@@ -52,7 +52,7 @@ std::size_t attend_workspace_bytes(B const& backend, Attention const& op,
                 "kvc::attend: include <kvc/backend/cpu/attention/attend.hpp> (kvc::Cpu) or "
                 "<kvc/backend/cuda/attention/attend.cuh> (kvc::Cuda)");
   if constexpr (HasKernel<Attention, B>)
-    return Kernel<Attention, B>::workspace_bytes(backend, op, q, cache) + workspace_slack;
+    return bytes_sum(Kernel<Attention, B>::workspace_bytes(backend, op, q, cache), workspace_slack);
   else
     return 0;
 }
@@ -78,6 +78,8 @@ Status attend(B const& backend, Attention const& op, AttendQueries<T, typename B
       return {Errc::invalid_argument, "kvc::attend: the queries' data pointer is null"};
     KVC_RETURN_IF_ERROR(
         check_length_table(cache.lengths, k.heads, "kvc::attend: a per-head length table must be [batch, KV heads]"));
+    if (ws.bytes < Kernel<Attention, B>::workspace_bytes(backend, op, queries, cache))
+      return {Errc::out_of_capacity, "kvc::attend: workspace smaller than attend_workspace_bytes()"};
     return Kernel<Attention, B>::run(backend, op, queries, cache, out, ws);
   } else {
     return {Errc::invalid_argument, "unreachable"};

@@ -113,7 +113,7 @@ std::size_t score_workspace_bytes(B const& backend, S const& scorer, KVExtents c
                 "kvc::score: this scorer has no kernel for this backend; include "
                 "<kvc/backend/cpu/scorers/NAME.hpp> (kvc::Cpu) or <kvc/backend/cuda/scorers/NAME.cuh> (kvc::Cuda)");
   if constexpr (HasKernel<S, B>)
-    return Kernel<S, B>::workspace_bytes(backend, scorer, keys, obs) + workspace_slack;
+    return bytes_sum(Kernel<S, B>::workspace_bytes(backend, scorer, keys, obs), workspace_slack);
   else
     return 0;
 }
@@ -139,6 +139,9 @@ Status score(B const& backend, S const& scorer, C const& cache, Obs const& obs, 
       return {Errc::invalid_argument, "kvc::score: `out.data` is null"};
     KVC_RETURN_IF_ERROR(check_length_table(cache.lengths, e.heads,
                                            "kvc::score: the cache's per-head length table must be [batch, KV heads]"));
+    // Checked before a kernel multiplies extents to carve it (a saturated size is never satisfied; slack aside).
+    if (ws.bytes < Kernel<S, B>::workspace_bytes(backend, scorer, e, obs))
+      return {Errc::out_of_capacity, "kvc::score: workspace smaller than score_workspace_bytes()"};
     out.lengths = cache.lengths;
     return Kernel<S, B>::run(backend, scorer, cache, obs, out, ws);
   } else {

@@ -34,7 +34,7 @@ std::size_t select_workspace_bytes(B const& backend, S const& selector, Index ba
                 "kvc::select: this selector has no kernel for this backend; include "
                 "<kvc/backend/cpu/selectors/NAME.hpp> or <kvc/backend/cuda/selectors/NAME.cuh>");
   if constexpr (HasKernel<S, B>)
-    return Kernel<S, B>::workspace_bytes(backend, selector, batch, heads, tokens) + workspace_slack;
+    return bytes_sum(Kernel<S, B>::workspace_bytes(backend, selector, batch, heads, tokens), workspace_slack);
   else
     return 0;
 }
@@ -63,6 +63,8 @@ Status select(B const& backend, S const& selector, ScoreSpan<typename B::memory_
     if constexpr (requires { selector.budget.heads; })
       if (selector.budget.heads != scores.heads)
         return {Errc::invalid_argument, "kvc::select: the per-head budget table must be [batch, heads of the scores]"};
+    if (ws.bytes < Kernel<S, B>::workspace_bytes(backend, selector, scores.batch, scores.heads, scores.tokens))
+      return {Errc::out_of_capacity, "kvc::select: workspace smaller than select_workspace_bytes()"};
     return Kernel<S, B>::run(backend, selector, scores, plan, ws);
   } else {
     return {Errc::invalid_argument, "unreachable"};

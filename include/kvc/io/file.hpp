@@ -8,6 +8,7 @@
 // prefix it). Tool code, not a hot path: it allocates.
 #pragma once
 
+#include <atomic>
 #include <cerrno>
 #include <cstddef>
 #include <cstdint>
@@ -76,11 +77,22 @@ struct Descriptor {
 
 }  // namespace detail
 
-/// Reads the whole regular file `path` into `out` (at most `max_bytes`). Refuses directories, FIFOs, devices and
-/// sockets without blocking on them; reports short reads, a file that changes size while read, and out of memory.
-/// On failure returns false and sets `error` (without the path).
+/// Reads the whole regular file `path` into `out` (at most `max_bytes`). Anything else (directory, FIFO, device,
+/// socket) is refused from stat() before it is opened, since opening a device can act on it (a serial port raises
+/// DTR, a tape rewinds); the regular file is then opened with O_NONBLOCK and must be the one examined (same device
+/// and inode), so a swap in between never blocks. Reports short reads, a file that changes size while read, and
+/// out of memory. On failure returns false and sets `error` (without the path).
 inline bool read_regular_file(std::string const& path, std::vector<std::byte>& out, std::string& error,
                               std::uint64_t max_bytes = UINT64_MAX) {
+  struct stat named {};
+  if (::stat(path.c_str(), &named) != 0) {
+    error = detail::errno_text("cannot open the file for reading", errno);
+    return false;
+  }
+  if (!S_ISREG(named.st_mode)) {
+    error = std::string("is ") + detail::file_kind(named.st_mode) + ", expected a regular file";
+    return false;
+  }
   detail::Descriptor f(::open(path.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC | O_NOCTTY));
   if (f.fd < 0) {
     error = detail::errno_text("cannot open the file for reading", errno);
@@ -91,8 +103,8 @@ inline bool read_regular_file(std::string const& path, std::vector<std::byte>& o
     error = detail::errno_text("cannot examine the file", errno);
     return false;
   }
-  if (!S_ISREG(st.st_mode)) {
-    error = std::string("is ") + detail::file_kind(st.st_mode) + ", expected a regular file";
+  if (st.st_dev != named.st_dev || st.st_ino != named.st_ino || !S_ISREG(st.st_mode)) {
+    error = "the file was replaced while it was opened";
     return false;
   }
   auto const size = static_cast<std::uint64_t>(st.st_size);
@@ -135,7 +147,8 @@ inline bool read_regular_file(std::string const& path, std::vector<std::byte>& o
 
 /// An output file that appears whole or not at all: open() creates a temporary file beside `path`, write() appends,
 /// finish() syncs and closes it, commit() renames it over `path`. Destroyed before commit(), it removes the temporary,
-/// so a failure at any step leaves `path` as it was (absent, or the previous file). Not copyable.
+/// so a failure at any step leaves `path` as it was (absent, or the previous file). The temporary is created with
+/// mode 0666 less the umask, or with the mode of the file it replaces. Not copyable.
 class StagedFile {
  public:
   StagedFile() = default;
@@ -145,7 +158,11 @@ class StagedFile {
       : path_(std::move(o.path_)), temp_(std::move(o.temp_)), fd_(std::exchange(o.fd_, -1)) {}
   ~StagedFile() { discard(); }
 
-  /// Creates the temporary file (mode 0666 less the umask, as a plain create would give).
+  /// The destination and the temporary file's name (empty once committed or discarded).
+  std::string const& path() const noexcept { return path_; }
+  std::string const& temporary() const noexcept { return temp_; }
+
+  /// Creates the temporary file `.NAME.kvc-PID-N` in the destination's folder.
   bool open(std::string path, std::string& error) {
     discard();
     path_ = std::move(path);
@@ -156,8 +173,17 @@ class StagedFile {
       error = "expected a file name, not a directory";
       return false;
     }
-    temp_ = dir + "." + base + ".kvc-XXXXXX";
-    fd_ = ::mkstemp(temp_.data());
+    struct stat old {};
+    bool const replaces = ::stat(path_.c_str(), &old) == 0 && S_ISREG(old.st_mode);
+    static std::atomic<unsigned> serial{0};
+    for (int attempt = 0; attempt < 64 && fd_ < 0; ++attempt) {
+      // O_EXCL with a fresh name: the kernel applies the umask (no process-wide umask() call, which would race with
+      // other threads), and an existing file is never opened.
+      temp_ = dir + "." + base + ".kvc-" + std::to_string(::getpid()) + "-" + std::to_string(serial++);
+      fd_ = ::open(temp_.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC | O_NOCTTY, 0666);
+      if (fd_ < 0 && errno != EEXIST)
+        break;
+    }
     if (fd_ < 0) {
       int const err = errno;
       error = detail::errno_text(("cannot create a temporary file in the folder " + (dir.empty() ? "." : dir)).c_str(),
@@ -165,10 +191,8 @@ class StagedFile {
       temp_.clear();
       return false;
     }
-    mode_t const mask = ::umask(0);
-    ::umask(mask);
-    if (::fchmod(fd_, 0666 & ~mask) != 0) {
-      error = detail::errno_text("cannot set the output file's mode", errno);
+    if (replaces && ::fchmod(fd_, old.st_mode & 07777) != 0) {  // keep the replaced file's permissions
+      error = detail::errno_text("cannot give the output the mode of the file it replaces", errno);
       discard();
       return false;
     }
@@ -208,7 +232,8 @@ class StagedFile {
     return true;
   }
 
-  /// Renames the finished temporary file over the destination.
+  /// Renames the finished temporary file over the destination, then syncs the folder (best effort: the rename
+  /// itself is what readers see).
   bool commit(std::string& error) {
     if (::rename(temp_.c_str(), path_.c_str()) != 0) {
       error = detail::errno_text("cannot move the finished output into place", errno);
@@ -216,6 +241,11 @@ class StagedFile {
       return false;
     }
     temp_.clear();
+    std::size_t const slash = path_.rfind('/');
+    detail::Descriptor dir(::open(slash == std::string::npos ? "." : path_.substr(0, slash + 1).c_str(),
+                                  O_RDONLY | O_DIRECTORY | O_CLOEXEC));
+    if (dir.fd >= 0)
+      (void)::fsync(dir.fd);
     return true;
   }
 
@@ -233,6 +263,45 @@ class StagedFile {
   std::string path_, temp_;
   int fd_ = -1;
 };
+
+/// Commits finished StagedFiles as a group: all of them, or none. Each existing destination is first kept under a
+/// hard link beside it (`TEMP.old`); if a rename fails, the destinations already replaced get their old file back
+/// (or are removed, where there was none) and every temporary is discarded. On failure returns false, sets `error`
+/// and `failed` (the index of the file that could not be committed). Where hard links are not supported the group
+/// is committed file by file.
+inline bool commit_together(std::span<StagedFile> files, std::string& error, std::size_t& failed) {
+  std::vector<std::string> backups(files.size());
+  std::vector<char> existed(files.size(), 1);
+  auto drop_backups = [&] {
+    for (std::string const& b : backups)
+      if (!b.empty())
+        ::unlink(b.c_str());
+  };
+  for (std::size_t i = 0; i < files.size(); ++i) {
+    std::string const backup = files[i].temporary() + ".old";
+    if (::link(files[i].path().c_str(), backup.c_str()) == 0)
+      backups[i] = backup;
+    else
+      existed[i] = errno != ENOENT;
+  }
+  for (std::size_t i = 0; i < files.size(); ++i) {
+    if (files[i].commit(error))
+      continue;
+    failed = i;
+    for (std::size_t j = 0; j < i; ++j) {  // put back what the committed ones replaced
+      if (!backups[j].empty() && ::rename(backups[j].c_str(), files[j].path().c_str()) == 0)
+        backups[j].clear();
+      else if (!existed[j])
+        ::unlink(files[j].path().c_str());
+    }
+    for (std::size_t j = i + 1; j < files.size(); ++j)
+      files[j].discard();
+    drop_backups();
+    return false;
+  }
+  drop_backups();
+  return true;
+}
 
 /// Writes `bytes` to `path` through a StagedFile: the old file or the whole new one, never a partial one.
 inline bool write_file_atomically(std::string const& path, std::span<std::byte const> bytes, std::string& error) {

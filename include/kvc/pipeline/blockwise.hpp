@@ -33,9 +33,9 @@ inline constexpr Index blockwise_capacity(TopKSelector<FixedBudget> const& sel, 
 template <Backend B, Scorer S>
 std::size_t blockwise_workspace_bytes(B const& backend, Press<S, TopKSelector<FixedBudget>> const& press,
                                       KVExtents const& work) {
-  auto const heads = static_cast<std::size_t>(work.batch * work.heads);
-  return workspace_round(heads * static_cast<std::size_t>(work.tokens) * sizeof(Index)) +
-         workspace_round(heads * sizeof(Index)) + compress_workspace_bytes(backend, press, work) + workspace_slack;
+  return bytes_sum(workspace_round(bytes_product(work.batch, work.heads, work.tokens, sizeof(Index))),
+                   workspace_round(bytes_product(work.batch, work.heads, sizeof(Index))),
+                   compress_workspace_bytes(backend, press, work), workspace_slack);
 }
 
 /// Runs Eq. 6 over `src` ([B, H, T, d], lengths per head or per sequence allowed) in blocks of `block_size` tokens.

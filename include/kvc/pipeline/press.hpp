@@ -25,10 +25,11 @@ Press(S, Sel) -> Press<S, Sel>;
 template <Backend B, Scorer S, Selector Sel, ObservationSet Obs = NoObservations>
 std::size_t compress_workspace_bytes(B const& backend, Press<S, Sel> const& press, KVExtents const& keys,
                                      Obs const& obs = {}) {
-  return workspace_round(static_cast<std::size_t>(keys.rows()) * sizeof(float)) +
-         workspace_round(score_workspace_bytes(backend, press.scorer, keys, obs)) +
-         workspace_round(select_workspace_bytes(backend, press.selector, keys.batch, keys.heads, keys.tokens)) +
-         workspace_slack;
+  return bytes_sum(
+      workspace_round(bytes_product(keys.batch, keys.heads, keys.tokens, sizeof(float))),
+      workspace_round(score_workspace_bytes(backend, press.scorer, keys, obs)),
+      workspace_round(select_workspace_bytes(backend, press.selector, keys.batch, keys.heads, keys.tokens)),
+      workspace_slack);
 }
 
 /// One-shot compression decision: scores every token, then selects into `plan` (nothing is moved; follow with

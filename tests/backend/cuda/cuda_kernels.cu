@@ -238,6 +238,8 @@ std::string scores(std::string const& policy, Case const& c, std::vector<float>&
     Index const w = c.q_ext.tokens;
     if (policy == "key_diff")
       return score_with(KeyDiffScorer{}, m, out);
+    if (policy == "key_diff_raw")
+      return score_with(KeyDiffScorer{.anchor = KeyDiffAnchor::raw_mean}, m, out);
     if (policy == "knorm")
       return score_with(KnormScorer{}, m, out);
     if (policy == "streaming_llm")

@@ -35,8 +35,8 @@ struct Case {
 /// Whether a CUDA device is present (the tests skip with "SKIPPED: no CUDA device" otherwise).
 bool device_available();
 
-/// Scores with the named policy: key_diff, knorm, streaming_llm, random, snap_kv, snap_kv_kvpress, tova,
-/// tova_kvpress (window policies read Case::queries with window_size = q_ext.tokens).
+/// Scores with the named policy: key_diff, key_diff_raw (the raw-mean anchor), knorm, streaming_llm, random,
+/// snap_kv, snap_kv_kvpress, tova, tova_kvpress (window policies read Case::queries with window_size = q_ext.tokens).
 std::string scores(std::string const& policy, Case const& c, std::vector<float>& out);
 
 /// Attention of Case::queries over the cache (causal by the cache's positions, queries at the context's last).

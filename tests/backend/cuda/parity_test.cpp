@@ -18,6 +18,7 @@
 #include "support/catch.hpp"
 #include "support/helpers.hpp"
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <string>
@@ -96,6 +97,8 @@ std::vector<float> cpu_scores(std::string const& policy, kc::Case const& c) {
   Index const w = c.q_ext.tokens;
   if (policy == "key_diff")
     run(kvc::KeyDiffScorer{});
+  else if (policy == "key_diff_raw")
+    run(kvc::KeyDiffScorer{.anchor = kvc::KeyDiffAnchor::raw_mean});
   else if (policy == "knorm")
     run(kvc::KnormScorer{});
   else if (policy == "streaming_llm")
@@ -156,6 +159,87 @@ TEST_CASE(
           float const rel = dtype == kc::Dtype::f32 ? 1e-5f : 1e-4f;
           require_close(gpu, cpu, rel, rel);
         }
+}
+
+TEST_CASE(
+    "cuda: Knorm and KeyDiff (both anchors) match the CPU on their range paths: fp32 keys at 1e20, 3e38 and "
+    "1e-25, bf16 keys at 1e30 (1e-5 / 1e-4 relative)",
+    "[cuda][scorers][range]") {
+  KVC_REQUIRE_DEVICE();
+  // Six heads, one flavour each (docs/numerics.md, "Range"); `big` is 1e20 for fp32 keys and 1e30 for bf16 keys.
+  //   (0, 0) ordinary rows mixed with rows at big (squares overflow fp32: fp64 norms and cosines), rows with one
+  //          element at -3e38, one row of 3e38 everywhere (a norm past FLT_MAX: Knorm's -inf), rows at 1e-25
+  //          (squares underflow fp32: fp64) and rows at 1e10 (in range, but their dot with the raw anchor, ~1e36,
+  //          overflows fp32 unless it is scaled);
+  //   (0, 1) every row at big;
+  //   (0, 2) rows on either side of the fp32 range's edges: |x| = 2^-48 (sum of squares 2^-90 at d = 64: in
+  //          range), 2^-48 (1 - 2^-8) (just below: fp64), 2^61 (1 - 2^-8) (just below FLT_MAX: fp32), 2^61
+  //          (2^128: fp64), with every sum exact in any order;
+  //   (1, 0) every row at 1e-25;
+  //   (1, 1) every element at 3e38 / 8 (norms around FLT_MAX, some past it);
+  //   (1, 2) rows of +-2^-14 in pairs that cancel exactly and one last row of 2^-26 * {+-1, +-2, +-3}: the raw
+  //          anchor is ~1e-10 (below the 1e-8 floor), exact in any order, and the scores are ~1e-2, not ~0.
+  // Every raw anchor, and (1, 0)'s unit anchor, leaves [2^-64, 2^64]: the power-of-two scaling (CUDA: the
+  // shared-memory atomicMax of the exponents) runs. 2500 tokens: two splits, so the fp64 partial anchors combine.
+  for (auto dtype : {kc::Dtype::f32, kc::Dtype::bf16})
+    for (auto layout : {kc::Layout::bhtd, kc::Layout::paged})
+      for (bool per_head : {false, true}) {
+        auto c = random_case({2, 3, 2500, 64}, 6, 8, per_head, 23);
+        c.dtype = dtype;
+        c.layout = layout;
+        float const big = dtype == kc::Dtype::bf16 ? 1e30f : 1e20f;
+        Index const d = c.e.dim, heads = c.e.heads, tokens = c.e.tokens;
+        for (Index b = 0; b < 2; ++b)
+          for (Index h = 0; h < heads; ++h) {
+            Index const n = c.lengths[static_cast<std::size_t>(per_head ? b * heads + h : b)];
+            Index const pairs_end = (n - 1) / 2 * 2;  // (1, 2): rows [0, pairs_end) in pairs, then the last row
+            for (Index t = 0; t < tokens; ++t) {
+              float* row = &c.k[static_cast<std::size_t>(((b * heads + h) * tokens + t) * d)];
+              auto const flavour = b * heads + h;
+              if (flavour == 2) {
+                float const edge[] = {0x1p-48f, 0x1p-48f * (1.0f - 0x1p-8f), 0x1p61f * (1.0f - 0x1p-8f), 0x1p61f};
+                if (t % 5 < 4)
+                  for (Index i = 0; i < d; ++i)
+                    row[i] = std::copysign(edge[t % 5], row[i]);
+                continue;
+              }
+              if (flavour == 5) {
+                for (Index i = 0; i < d; ++i) {
+                  if (t < pairs_end)  // row 2j + 1 is -row 2j: the sign pattern of row 2j
+                    row[i] = ((t % 2 == 1) != ((((t / 2) * 7 + i * 3) % 5) < 2) ? 0x1p-14f : -0x1p-14f);
+                  else if (t < n - 1)
+                    row[i] = 0.0f;
+                  else if (t == n - 1)
+                    row[i] = 0x1p-26f * static_cast<float>(static_cast<int>((i * 5 + 1) % 7) - 3);
+                }
+                continue;
+              }
+              float scale = 1.0f;
+              if (flavour == 0)
+                scale = t % 7 == 1 ? big : t % 11 == 5 ? 1e-25f : t % 13 == 6 ? 1e10f : 1.0f;
+              else
+                scale = flavour == 1 ? big : flavour == 3 ? 1e-25f : 3e38f / 8.0f;
+              for (Index i = 0; i < d; ++i)
+                row[i] *= scale;
+              if (flavour == 0 && t == 8)
+                std::fill_n(row, d, 3e38f);
+              else if (flavour == 0 && scale == 1.0f && t % 7 == 3)
+                row[t % d] = -3e38f;
+            }
+          }
+        for (char const* policy : {"knorm", "key_diff", "key_diff_raw"}) {
+          INFO(policy << " dtype " << static_cast<int>(dtype) << " layout " << static_cast<int>(layout) << " per_head "
+                      << per_head);
+          std::vector<float> gpu;
+          REQUIRE(kc::scores(policy, c, gpu) == "");
+          std::vector<float> const cpu =
+              dtype == kc::Dtype::f32 ? cpu_scores<float>(policy, c) : cpu_scores<kvc::bfloat16>(policy, c);
+          for (float x : cpu)  // the oracle itself: finite, but for Knorm past FLT_MAX and the -inf padding
+            REQUIRE((std::isfinite(x) || x == -std::numeric_limits<float>::infinity()));
+          float const rel = dtype == kc::Dtype::f32 ? 1e-5f : 1e-4f;
+          require_close(gpu, cpu, rel, rel);
+        }
+      }
 }
 
 TEST_CASE("cuda: attention matches the CPU (causal by position, GQA, 16-bit caches)", "[cuda][attention]") {

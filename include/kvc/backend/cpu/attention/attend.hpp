@@ -22,14 +22,14 @@ template <>
 struct Kernel<Attention, Cpu> {
   /// Per worker: one logit per slot, one widened query row, one widened value row.
   static std::size_t worker_bytes(Index tokens, Index dk, Index dv) {
-    return workspace_round(static_cast<std::size_t>(tokens) * sizeof(float)) +
-           workspace_round(static_cast<std::size_t>(dk) * sizeof(float)) +
-           workspace_round(static_cast<std::size_t>(dv) * sizeof(float));
+    return bytes_sum(workspace_round(bytes_product(tokens, sizeof(float))),
+                     workspace_round(bytes_product(dk, sizeof(float))),
+                     workspace_round(bytes_product(dv, sizeof(float))));
   }
   template <class Q, KVCacheView C>
   static std::size_t workspace_bytes(Cpu const& cpu, Attention const&, Q const&, C const& cache) {
-    return static_cast<std::size_t>(cpu.workers()) *
-           worker_bytes(cache.keys.extents().tokens, cache.keys.extents().dim, cache.values.extents().dim);
+    return bytes_product(
+        cpu.workers(), worker_bytes(cache.keys.extents().tokens, cache.keys.extents().dim, cache.values.extents().dim));
   }
 
   template <Element T, KVCacheView C>

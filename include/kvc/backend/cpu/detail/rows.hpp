@@ -4,10 +4,10 @@
 
 #include <kvc/core/element.hpp>
 #include <kvc/core/extents.hpp>
+#include <kvc/core/norm_range.hpp>  // sum_squares_in_range, norm_in_range: the fp64 paths below
 
 #include <Eigen/Core>
 
-#include <limits>
 #include <type_traits>
 
 namespace kvc::detail {
@@ -62,21 +62,6 @@ inline float sum_squares(T const* a, Index dim) noexcept {
     for (Index j = 0; j < width; ++j)
       acc[j] += acc[j + width];
   return acc[0];
-}
-
-/// Range guard of the fp32 norms (Knorm, KeyDiff). An fp32 sum of squares in [2^-90, FLT_MAX] is trusted: above,
-/// it overflowed (|x| past about 1.8e19 / sqrt(dim)); below (a zero row too), squares that underflowed to subnormals
-/// or zero could be a visible share of it (each loses under 2^-126 even with flush-to-zero: at most d * 2^-36 of
-/// the sum). Rows outside it, never ordinary keys, take the fp64 path: every finite fp32 square lies within
-/// [2^-298, 2^256], so fp64 sums them exactly in range without scaling.
-inline bool sum_squares_in_range(float sq) noexcept {
-  return sq >= 0x1p-90f && sq <= std::numeric_limits<float>::max();
-}
-
-/// The same range for a norm sqrtf(sq): [2^-45, 2^64] (sqrtf(FLT_MAX) is just below 2^64). A norm in it came from
-/// a trusted sum, or lies in the range where fp32 is safe anyway.
-inline bool norm_in_range(float norm) noexcept {
-  return norm >= 0x1p-45f && norm <= 0x1p64f;
 }
 
 /// sum_i a[i]^2 in fp64, in index order: the rare path for rows outside sum_squares_in_range().

@@ -40,11 +40,11 @@ constexpr Index window_tile_for(Index dim) noexcept {
 
 /// Scratch of one worker for `rows` query rows (g heads x R queries) of head dim `dim`.
 inline std::size_t window_attention_bytes(Index rows, Index dim) noexcept {
-  auto const r = static_cast<std::size_t>(rows), d = static_cast<std::size_t>(dim);
-  auto const t = static_cast<std::size_t>(window_tile);
-  return workspace_round(r * d * sizeof(float)) + workspace_round(t * d * sizeof(float)) +
-         workspace_round(r * t * sizeof(float)) + 2 * workspace_round(r * sizeof(float)) +
-         workspace_round(r * sizeof(Index));
+  constexpr auto f = sizeof(float);
+  std::size_t const row_floats = workspace_round(bytes_product(rows, f));
+  return bytes_sum(workspace_round(bytes_product(rows, dim, f)), workspace_round(bytes_product(window_tile, dim, f)),
+                   workspace_round(bytes_product(rows, window_tile, f)), row_floats, row_floats,
+                   workspace_round(bytes_product(rows, sizeof(Index))));
 }
 
 /// Absolute positions of window query rows [first, first + count) of sequence b (rows of a w-row window).

@@ -57,13 +57,13 @@ struct Kernel<KeyDiffScorer, Cpu> {
 
   /// Per worker: one tile of widened rows, the block sum, the anchor and the fp64 total.
   static std::size_t worker_bytes(Index dim) {
-    auto const d = static_cast<std::size_t>(dim);
-    return workspace_round(tile_rows * d * sizeof(float)) + 2 * workspace_round(d * sizeof(float)) +
-           workspace_round(d * sizeof(double));
+    std::size_t const row = workspace_round(bytes_product(dim, sizeof(float)));
+    return bytes_sum(workspace_round(bytes_product(tile_rows, dim, sizeof(float))), row, row,
+                     workspace_round(bytes_product(dim, sizeof(double))));
   }
   template <class Obs>
   static std::size_t workspace_bytes(Cpu const& cpu, KeyDiffScorer const&, KVExtents const& keys, Obs const&) {
-    return static_cast<std::size_t>(cpu.workers()) * worker_bytes(keys.dim);
+    return bytes_product(cpu.workers(), worker_bytes(keys.dim));
   }
 
   template <KVCacheView C, class Obs>

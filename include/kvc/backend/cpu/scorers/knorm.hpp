@@ -11,10 +11,11 @@
 
 namespace kvc {
 
-/// One pass over K; fp32 sums of squares in fixed-order lanes, 16-bit keys widened in registers. Then a check of
-/// the n scores: a row whose norm is out of range (detail::norm_in_range: its fp32 sum overflowed or underflowed)
-/// is summed again in fp64, so every finite key scores its correctly rounded norm (-inf above FLT_MAX). The check
-/// sits outside the row loop so that loop compiles as before. No workspace.
+/// One pass over K; fp32 sums of squares in fixed-order lanes, 16-bit keys widened in registers. A row whose fp32
+/// sum is out of range (detail::sum_squares_in_range, the test CUDA makes: it overflowed or underflowed) gets a
+/// positive placeholder score in that pass (one select per row, nothing per element), and a check of the n scores
+/// afterwards sums those rows again in fp64, so every finite key scores its correctly rounded norm (-inf above
+/// FLT_MAX). The fp64 path sits outside the row loop, which keeps its per-element code. No workspace.
 template <>
 struct Kernel<KnormScorer, Cpu> {
   template <class Obs>
@@ -28,10 +29,12 @@ struct Kernel<KnormScorer, Cpu> {
     auto const& keys = cache.keys;
     Index const dim = keys.extents().dim;
     return detail::for_each_head(cpu, out, [&](Index b, Index h, Index n, float* score, Index) {
+      for (Index t = 0; t < n; ++t) {
+        float const sq = detail::sum_squares(keys.row(b, h, t), dim);
+        score[t] = detail::sum_squares_in_range(sq) ? -std::sqrt(sq) : 1.0f;  // every real score is <= 0
+      }
       for (Index t = 0; t < n; ++t)
-        score[t] = -std::sqrt(detail::sum_squares(keys.row(b, h, t), dim));
-      for (Index t = 0; t < n; ++t)
-        if (!detail::norm_in_range(-score[t])) [[unlikely]]
+        if (score[t] > 0.0f) [[unlikely]]
           score[t] = -static_cast<float>(std::sqrt(detail::sum_squares_fp64(keys.row(b, h, t), dim)));
     });
   }

@@ -46,14 +46,17 @@ struct Kernel<SnapKVScorer, Cpu> {
   /// Per worker: the window attention's scratch, column sums [g, tokens] and one pooled row [tokens].
   static std::size_t worker_bytes(SnapKVScorer const& s, KVExtents const& keys, Index query_heads) {
     Index const g = keys.heads > 0 ? std::max<Index>(1, query_heads / keys.heads) : 1;
-    return detail::window_attention_bytes(g * std::max<Index>(s.window_size, 0), keys.dim) +  // w < 1: rejected later
-           workspace_round(static_cast<std::size_t>(g * keys.tokens) * sizeof(float)) +
-           workspace_round(static_cast<std::size_t>(keys.tokens) * sizeof(float));
+    Index rows = 0;  // g * w query rows; w < 1 is rejected by run()
+    if (__builtin_mul_overflow(g, std::max<Index>(s.window_size, 0), &rows))
+      return saturated_bytes;
+    return bytes_sum(detail::window_attention_bytes(rows, keys.dim),
+                     workspace_round(bytes_product(g, keys.tokens, sizeof(float))),
+                     workspace_round(bytes_product(keys.tokens, sizeof(float))));
   }
   template <class Obs>
   static std::size_t workspace_bytes(Cpu const& cpu, SnapKVScorer const& s, KVExtents const& keys, Obs const& obs) {
     Index const query_heads = window_query_heads(obs, keys.heads);
-    return static_cast<std::size_t>(cpu.workers()) * worker_bytes(s, keys, query_heads);
+    return bytes_product(cpu.workers(), worker_bytes(s, keys, query_heads));
   }
 
   template <KVCacheView C, class Obs>
@@ -113,13 +116,13 @@ struct Kernel<TOVAScorer, Cpu> {
   /// Per worker: the window attention's scratch for one query row per head, and column sums [g, tokens].
   static std::size_t worker_bytes(KVExtents const& keys, Index query_heads) {
     Index const g = keys.heads > 0 ? std::max<Index>(1, query_heads / keys.heads) : 1;
-    return detail::window_attention_bytes(g, keys.dim) +
-           workspace_round(static_cast<std::size_t>(g * keys.tokens) * sizeof(float));
+    return bytes_sum(detail::window_attention_bytes(g, keys.dim),
+                     workspace_round(bytes_product(g, keys.tokens, sizeof(float))));
   }
   template <class Obs>
   static std::size_t workspace_bytes(Cpu const& cpu, TOVAScorer const&, KVExtents const& keys, Obs const& obs) {
     Index const query_heads = window_query_heads(obs, keys.heads);
-    return static_cast<std::size_t>(cpu.workers()) * worker_bytes(keys, query_heads);
+    return bytes_product(cpu.workers(), worker_bytes(keys, query_heads));
   }
 
   /// One sequence per item: its score is the mean over every query head, so all its KV heads are needed at once.

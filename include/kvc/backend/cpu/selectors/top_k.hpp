@@ -29,7 +29,7 @@ struct ScoreOrder {
 template <Budget B>
 struct Kernel<TopKSelector<B>, Cpu> {
   static std::size_t workspace_bytes(Cpu const& cpu, TopKSelector<B> const&, Index, Index, Index tokens) {
-    return static_cast<std::size_t>(cpu.workers()) * workspace_round(static_cast<std::size_t>(tokens) * sizeof(Index));
+    return bytes_product(cpu.workers(), workspace_round(bytes_product(tokens, sizeof(Index))));
   }
 
   static Status run(Cpu const& cpu, TopKSelector<B> const& sel, ScoreSpan<HostSpace> scores, KeepPlan<HostSpace> plan,

@@ -30,11 +30,10 @@ struct WindowScratch {
   float* colsum = nullptr;  ///< [B, Hq, N]
 
   static std::size_t bytes(Index batch, Index query_heads, Index rows, Index dim, Index tokens) noexcept {
-    auto const b = static_cast<std::size_t>(batch), hq = static_cast<std::size_t>(query_heads),
-               r = static_cast<std::size_t>(rows);
-    return workspace_round(b * hq * r * static_cast<std::size_t>(dim) * sizeof(float)) +
-           workspace_round(b * r * sizeof(Index)) + workspace_round(b * hq * r * sizeof(float)) +
-           workspace_round(b * hq * static_cast<std::size_t>(tokens) * sizeof(float));
+    return bytes_sum(workspace_round(bytes_product(batch, query_heads, rows, dim, sizeof(float))),
+                     workspace_round(bytes_product(batch, rows, sizeof(Index))),
+                     workspace_round(bytes_product(batch, query_heads, rows, sizeof(float))),
+                     workspace_round(bytes_product(batch, query_heads, tokens, sizeof(float))));
   }
   static WindowScratch carve(WorkspaceCarver& c, Index batch, Index query_heads, Index rows, Index dim, Index tokens) {
     WindowScratch s;

@@ -3,7 +3,8 @@
 #pragma once
 
 #include <kvc/backend/cuda/config.cuh>
-#include <kvc/backend/cuda/scorers/knorm.cuh>  // the norms' range guard and fp64 rare path, shared with Knorm
+#include <kvc/backend/cuda/scorers/knorm.cuh>  // warp_sum_squares_fp64: the fp64 rare path, shared with Knorm
+#include <kvc/core/norm_range.hpp>             // the norms' range guard, shared with Knorm and the CPU
 #include <kvc/scorers/key_diff.hpp>
 
 #include <climits>
@@ -24,7 +25,7 @@ inline constexpr int key_diff_warps = 8;
 /// Pass 1, grid (splits, heads, batch): each warp takes one token at a time (lanes read the row coalesced), sums
 /// unit keys into its own shared-memory row in fp64 (no atomics, and long caches keep the anchor's direction),
 /// and stashes ||k|| in the score output. The block's sum goes to partial[b, h, split, :]. A row whose fp32 sum of
-/// squares is out of range (sum_squares_in_range) takes a warp-uniform fp64 branch and stashes its fp64 norm.
+/// squares is out of range (detail::sum_squares_in_range) takes a warp-uniform fp64 branch and stashes its fp64 norm.
 template <class Keys>
 __global__ void key_diff_anchor_kernel(Keys keys, KeyDiffScorer s, ScoreSpan<DeviceSpace> out, double* partial,
                                        Index splits) {
@@ -47,7 +48,7 @@ __global__ void key_diff_anchor_kernel(Keys keys, KeyDiffScorer s, ScoreSpan<Dev
       sq += x * x;
     }
     sq = warp_sum(sq);
-    if (sum_squares_in_range(sq)) [[likely]] {
+    if (detail::sum_squares_in_range(sq)) [[likely]] {
       float const norm = sqrtf(sq);
       float const inv = unit ? 1.0f / fmaxf(norm, s.unit_eps) : 1.0f;
       for (Index i = lane; i < dim; i += warp_size)
@@ -113,7 +114,7 @@ __device__ float key_diff_scale_anchor(Mean const& mean, Index dim, float eps, f
 
 /// Pass 2, same grid: every block rebuilds its head's anchor from the split partials (splits x dim reads, cheap),
 /// then each warp turns a stashed norm into the cosine score. Padding gets -inf. As on the CPU, an anchor out of
-/// range is scaled by a power of two, and a row whose stashed norm is out of range (norm_in_range) takes its
+/// range is scaled by a power of two, and a row whose stashed norm is out of range (detail::norm_in_range) takes its
 /// cosine in fp64 (both block- or warp-uniform branches).
 template <class Keys>
 __global__ void key_diff_score_kernel(Keys keys, KeyDiffScorer s, ScoreSpan<DeviceSpace> out, double const* partial,
@@ -157,7 +158,7 @@ __global__ void key_diff_score_kernel(Keys keys, KeyDiffScorer s, ScoreSpan<Devi
     dot = warp_sum(dot);
     float const norm = __shfl_sync(full_mask, stashed, 0);  // every lane: the rare branch below is warp-uniform
     float score = -dot / (mu_norm * fmaxf(norm, s.cosine_eps));
-    if (!norm_in_range(norm)) [[unlikely]] {
+    if (!detail::norm_in_range(norm)) [[unlikely]] {
       double dot64 = 0.0, sq_k = 0.0;
       for (Index i = lane; i < dim; i += warp_size) {
         double const x = to_float(k[i]);

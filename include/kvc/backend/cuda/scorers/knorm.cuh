@@ -3,28 +3,17 @@
 #pragma once
 
 #include <kvc/backend/cuda/config.cuh>
+#include <kvc/core/norm_range.hpp>
 #include <kvc/scorers/knorm.hpp>
 
-#include <cfloat>
 #include <cstddef>
 #include <math_constants.h>
 
 namespace kvc::backend::cuda {
 
-/// Range guard of the fp32 norms (Knorm, KeyDiff), as on the CPU (kvc::detail::sum_squares_in_range): an fp32 sum
-/// of squares outside [2^-90, FLT_MAX] overflowed, or may have lost underflowed squares, and the row is summed
-/// again in fp64 (every finite fp32 square lies in [2^-298, 2^256]: no scaling needed). Ordinary keys never are.
-__device__ inline bool sum_squares_in_range(float sq) {
-  return sq >= 0x1p-90f && sq <= FLT_MAX;
-}
-
-/// The same range for a norm sqrtf(sq): [2^-45, 2^64] (sqrtf(FLT_MAX) is just below 2^64).
-__device__ inline bool norm_in_range(float norm) {
-  return norm >= 0x1p-45f && norm <= 0x1p64f;
-}
-
 /// sum_i k[i]^2 in fp64 over a warp, every lane gets it (lane-strided sums, then the shuffle tree: deterministic).
-/// The rare path for rows outside sum_squares_in_range(); call it warp-uniformly.
+/// The rare path for rows outside kvc::detail::sum_squares_in_range() (core/norm_range.hpp, the CPU's guard too);
+/// call it warp-uniformly.
 template <class T>
 __device__ double warp_sum_squares_fp64(T const* k, Index dim, int lane) {
   double sq = 0.0;
@@ -38,7 +27,7 @@ __device__ double warp_sum_squares_fp64(T const* k, Index dim, int lane) {
 inline constexpr int knorm_warps = 8;
 
 /// Grid (token blocks, heads, batch); one warp per token row, lanes read the row coalesced. A row whose fp32 sum
-/// is out of range is summed again in fp64 (a warp-uniform branch).
+/// is out of range (detail::sum_squares_in_range, as on the CPU) is summed again in fp64 (a warp-uniform branch).
 template <class Keys>
 __global__ void knorm_kernel(Keys keys, ScoreSpan<DeviceSpace> out) {
   Index const dim = keys.extents().dim;
@@ -57,7 +46,7 @@ __global__ void knorm_kernel(Keys keys, ScoreSpan<DeviceSpace> out) {
     }
     sq = warp_sum(sq);
     float norm = sqrtf(sq);
-    if (t < n && !sum_squares_in_range(sq)) [[unlikely]]
+    if (t < n && !detail::sum_squares_in_range(sq)) [[unlikely]]
       norm = static_cast<float>(sqrt(warp_sum_squares_fp64(keys.row(b, h, t), dim, lane)));
     if (lane == 0)
       out(b, h, t) = t < n ? -norm : -CUDART_INF_F;

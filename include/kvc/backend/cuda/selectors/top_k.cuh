@@ -332,9 +332,9 @@ struct Kernel<TopKSelector<B>, Cuda> {
     namespace bc = backend::cuda;
     if (tokens <= bc::top_k_split_tokens)
       return 0;
-    auto const h = static_cast<std::size_t>(batch * heads);
-    return workspace_round(h * sizeof(bc::TopKState)) + workspace_round(h * 256 * sizeof(unsigned)) +
-           workspace_round(h * static_cast<std::size_t>(bc::top_k_chunks(tokens)) * 2 * sizeof(Index));
+    return bytes_sum(workspace_round(bytes_product(batch, heads, sizeof(bc::TopKState))),
+                     workspace_round(bytes_product(batch, heads, 256, sizeof(unsigned))),
+                     workspace_round(bytes_product(batch, heads, bc::top_k_chunks(tokens), 2, sizeof(Index))));
   }
 
   static Status run(Cuda const& cuda, TopKSelector<B> const& sel, ScoreSpan<DeviceSpace> scores,
