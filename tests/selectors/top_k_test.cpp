@@ -90,6 +90,38 @@ TEST_CASE("top_k: agrees with a brute-force sort on random scores with many ties
   }
 }
 
+TEST_CASE("top_k: the radix selection resolves keys that share their high bits, NaN, signed zeros and infinities",
+          "[selectors][top_k]") {
+  // Scores 1 + j * 2^-23 (j < 3000) differ only in their low mantissa bits, so the threshold is found in the second
+  // or third radix pass; duplicates, NaN (= -inf), -0 (= +0) and infinities mix in.
+  kvc::tools::Rng rng(11);
+  float const special[] = {std::numeric_limits<float>::quiet_NaN(), -0.0f, 0.0f, inf, -inf, 1.0f};
+  for (int trial = 0; trial < 300; ++trial) {
+    Index const n = 1 + static_cast<Index>(rng.next() % 5000);
+    std::vector<float> s(static_cast<std::size_t>(n));
+    for (float& x : s) {
+      std::uint64_t const r = rng.next() % 100;
+      x = r < 6 ? special[r] : 1.0f + static_cast<float>(rng.next() % (trial % 3 == 0 ? 40 : 3000)) * 0x1p-23f;
+      if (trial % 5 == 0)
+        x = -x;  // the negative half of the key space
+    }
+    Index const k = static_cast<Index>(rng.next() % static_cast<std::uint64_t>(n + 1));
+    Index const sink = static_cast<Index>(rng.next() % 4), recent = static_cast<Index>(rng.next() % 4);
+    // Reference: protected sinks and recent tokens, plus the best of the middle by a stable sort.
+    Index const sink_end = std::min(sink, n), recent_begin = std::max(n - recent, sink_end);
+    Index const keep = std::min(n, std::max(k, sink_end + (n - recent_begin)));
+    std::vector<float> const middle(s.begin() + sink_end, s.begin() + recent_begin);
+    std::vector<Index> expected;
+    for (Index t = 0; t < sink_end; ++t)
+      expected.push_back(t);
+    for (Index i : reference(middle, keep - sink_end - (n - recent_begin)))
+      expected.push_back(sink_end + i);
+    for (Index t = recent_begin; t < n; ++t)
+      expected.push_back(t);
+    CHECK(run(kvc::TopKSelector{kvc::FixedBudget{k}, sink, recent}, s) == expected);
+  }
+}
+
 TEST_CASE("top_k: ragged lengths never keep padding, per-head budgets", "[selectors][top_k]") {
   std::vector<float> s = {5, 4, 3, 2, 1, 0, /* row 1 */ 0, 1, 2, 9, 9, 9};
   std::vector<Index> lengths = {6, 3};

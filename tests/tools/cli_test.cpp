@@ -84,7 +84,8 @@ TEST_CASE("cli: score and compress write the documented shapes, and --time print
   auto const r = run("score --policy key_diff --keys " + k + " --out " + work("s.npy") + " --time");
   REQUIRE(r.code == 0);
   CHECK(r.output.find("{\"command\": \"score\", \"policy\": \"key_diff\", \"seconds\": ") != std::string::npos);
-  CHECK(r.output.find("\"bytes_read\": 320}") != std::string::npos);
+  CHECK(r.output.find("\"bytes_read\": 320, \"threads\": 1}") != std::string::npos);
+  CHECK(r.output.find("select_seconds") == std::string::npos);  // score does not select
   kvc::NpyArray a;
   std::string error;
   REQUIRE(kvc::read_npy(work("s.npy"), a, error));
@@ -98,6 +99,20 @@ TEST_CASE("cli: score and compress write the documented shapes, and --time print
         std::vector<std::int64_t>{0, 1, 6, 7, 8, 9});
   REQUIRE(kvc::read_npy(work("out/keys.npy"), a, error));
   CHECK(a.shape == std::vector<Index>{1, 2, 6, 4});
+  // compress --time reports scoring and selection apart; --threads changes no result.
+  auto const t = run("compress --policy key_diff --ratio 0.5 --keys " + k + " --values " + v + " --out-dir " +
+                     work("out2") + " --time --threads 2");
+  REQUIRE(t.code == 0);
+  CHECK(t.output.find("{\"command\": \"compress\", \"policy\": \"key_diff\", \"seconds\": ") != std::string::npos);
+  CHECK(t.output.find("\"select_seconds\": ") != std::string::npos);
+  CHECK(t.output.find("\"threads\": 2}") != std::string::npos);
+  REQUIRE(run("compress --policy key_diff --ratio 0.5 --keys " + k + " --values " + v + " --out-dir " + work("out1"))
+              .code == 0);
+  kvc::NpyArray one, two;
+  REQUIRE(kvc::read_npy(work("out1/indices.npy"), one, error));
+  REQUIRE(kvc::read_npy(work("out2/indices.npy"), two, error));
+  CHECK(one.data == two.data);
+  CHECK(run("score --policy knorm --keys " + k + " --out " + work("s.npy") + " --threads 0").code == 3);
   REQUIRE(kvc::read_npy(work("out/counts.npy"), a, error));
   CHECK(a.as<std::int64_t>()[1] == 6);
   // float16 input stays float16 on output.
@@ -488,9 +503,9 @@ TEST_CASE("cli: snap_kv, tova and random follow the documented contract", "[tool
   // --time counts K and Q bytes for the window policies, nothing for random.
   r = run("score --policy snap_kv" + f.kq() + " --out " + f.out("x.npy") + " --time");
   CHECK(contains(r.output, "\"policy\": \"snap_kv\""));
-  CHECK(contains(r.output, "\"bytes_read\": " + std::to_string((2 * n * 4 + 4 * w * 4) * 4) + "}"));
+  CHECK(contains(r.output, "\"bytes_read\": " + std::to_string((2 * n * 4 + 4 * w * 4) * 4) + ", "));
   r = run("score --policy random --keys " + f.keys + " --out " + f.out("x.npy") + " --time");
-  CHECK(contains(r.output, "\"bytes_read\": 0}"));
+  CHECK(contains(r.output, "\"bytes_read\": 0, "));
 
   // random: deterministic per seed, in [0, 1), different for another seed.
   auto const r0 = scores("--policy random --keys " + f.keys);

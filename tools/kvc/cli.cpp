@@ -14,6 +14,7 @@
 #include <kvc/backend/cpu/scorers/streaming_llm.hpp>
 #include <kvc/backend/cpu/scorers/tova.hpp>
 #include <kvc/backend/cpu/selectors/top_k.hpp>
+#include <kvc/backend/cpu/thread_pool.hpp>
 #include <kvc/core/rope.hpp>
 #include <kvc/core/validate.hpp>
 #include <kvc/io/file.hpp>
@@ -356,22 +357,26 @@ char const* const input_details =
     "  --rope theta=T,style=S the RoPE that rotates pre-RoPE queries (default theta=10000,style=neox); style neox\n"
     "                         (rotate-half: Hugging Face Llama, Qwen, Mistral) or interleaved (GPT-J, llama.cpp);\n"
     "                         rejected with --param queries=post_rope\n"
-    "  --time                 print one JSON line to stderr: {\"command\", \"policy\", \"seconds\" (median of 7\n"
-    "                         calls, file I/O excluded), \"repeats\", \"bytes_read\" (K and Q bytes read per call)}\n";
+    "  --time                 print one JSON line to stderr: {\"command\", \"policy\", \"seconds\" (scoring, median "
+    "of\n"
+    "                         7 calls, file I/O excluded), \"select_seconds\" (compress: the selection, likewise),\n"
+    "                         \"repeats\", \"bytes_read\" (K and Q bytes read per scoring call), \"threads\"}\n"
+    "  --threads N            worker threads over (sequence, KV head) (default 1; results do not depend on it)\n";
 
 std::vector<CommandInfo> const& commands() {
   static std::vector<CommandInfo> const list = {
       {"score",
        "usage: kvc score --policy NAME [--param NAME=VALUE]... --keys K.npy [--values V.npy]\n"
        "                 [--queries Q.npy [--positions P.npy] [--rope theta=T,style=neox|interleaved]]\n"
-       "                 --out scores.npy [--time]\n",
+       "                 --out scores.npy [--time] [--threads N]\n",
        "Scores every cached token with a policy: writes [B, Hkv, N] float32, higher = keep.\n",
        "  --out scores.npy       the scores\n",
-       {"--policy", "--param", "--keys", "--values", "--queries", "--positions", "--rope", "--out", "--time"}},
+       {"--policy", "--param", "--keys", "--values", "--queries", "--positions", "--rope", "--out", "--time",
+        "--threads"}},
       {"compress",
        "usage: kvc compress --policy NAME (--ratio R | --budget N) [--param NAME=VALUE]... --keys K.npy\n"
        "                    --values V.npy [--queries Q.npy [--positions P.npy] [--rope theta=T,style=S]]\n"
-       "                    --out-dir DIR [--time]\n",
+       "                    --out-dir DIR [--time] [--threads N]\n",
        "Keeps the best-scored tokens of each (sequence, KV head) and writes, in DIR: keys.npy and values.npy\n"
        "([B, Hkv, n_kept, d], input dtype), indices.npy (int64 [B, Hkv, n_kept], ascending, -1 padding where heads\n"
        "keep different counts) and counts.npy (int64 [B, Hkv]).\n",
@@ -379,7 +384,7 @@ std::vector<CommandInfo> const& commands() {
        "  --budget N             tokens kept per head\n"
        "  --out-dir DIR          created if absent\n",
        {"--policy", "--param", "--keys", "--values", "--queries", "--positions", "--rope", "--ratio", "--budget",
-        "--out-dir", "--time"}},
+        "--out-dir", "--time", "--threads"}},
       {"policies",
        "usage: kvc policies\n",
        "Lists every policy with every parameter (--param NAME=DEFAULT) and what it reads.\n",
@@ -905,10 +910,24 @@ double median_seconds(int repeats, Fn&& fn) {
   return s[s.size() / 2];
 }
 
-void print_time(char const* command, PolicyInfo const& policy, double seconds, int repeats, std::size_t bytes) {
+/// The --time line: scoring seconds, and for compress the selection's (a negative select_seconds is left out).
+void print_time(char const* command, PolicyInfo const& policy, double seconds, double select_seconds, int repeats,
+                std::size_t bytes, kvc::Index threads) {
+  char selection[64] = "";
+  if (select_seconds >= 0)
+    std::snprintf(selection, sizeof selection, ", \"select_seconds\": %.9g", select_seconds);
   std::fprintf(io.err,
-               "{\"command\": \"%s\", \"policy\": \"%s\", \"seconds\": %.9g, \"repeats\": %d, \"bytes_read\": %zu}\n",
-               command, policy.name, seconds, repeats, bytes);
+               "{\"command\": \"%s\", \"policy\": \"%s\", \"seconds\": %.9g%s, \"repeats\": %d, \"bytes_read\": %zu, "
+               "\"threads\": %lld}\n",
+               command, policy.name, seconds, selection, repeats, bytes, static_cast<long long>(threads));
+}
+
+/// --threads N (default 1): the worker threads of kvc::ThreadPool the kernels spread (sequence, head) items over.
+kvc::Index thread_count(Options const& o) {
+  kvc::Index const n = o.has("--threads") ? parse_count(o.get("--threads"), "--threads", 1) : 1;
+  if (n > 1024)
+    fail(exit_invalid, "--threads " + o.get("--threads") + ": expected at most 1024");
+  return n;
 }
 
 void check_status(kvc::Status st, std::string const& context) {
@@ -997,14 +1016,18 @@ int cmd_score(Options const& o) {
   check_outputs(o, {o.get("--out")}, "--out");
   load_job(o, job);
   kvc::KVExtents const e = extents_of(job.keys);
+  kvc::Index const threads = thread_count(o);
+  kvc::ThreadPool pool(threads);
+  kvc::Cpu const cpu = threads > 1 ? pool.cpu() : kvc::Cpu{};
   std::vector<float> scores = buffer<float>(static_cast<std::size_t>(e.rows()), "the scores of " + job.context());
   job.run([&](auto const& scorer, Selection, auto const& cache, auto const& obs) {
-    Scratch const ws = workspace(kvc::score_workspace_bytes(kvc::Cpu{}, scorer, e, obs), job);
+    Scratch const ws = workspace(kvc::score_workspace_bytes(cpu, scorer, e, obs), job);
     kvc::ScoreSpan<> out{scores.data(), e.batch, e.heads, e.tokens};
-    auto once = [&] { check_status(kvc::score(kvc::Cpu{}, scorer, cache, obs, out, ws.span()), job.context()); };
+    auto once = [&] { check_status(kvc::score(cpu, scorer, cache, obs, out, ws.span()), job.context()); };
     once();
     if (o.time)
-      print_time("score", job.policy, median_seconds(timing_repeats, once), timing_repeats, job.bytes_read());
+      print_time("score", job.policy, median_seconds(timing_repeats, once), -1, timing_repeats, job.bytes_read(),
+                 threads);
   });
   write_outputs({{o.get("--out"), kvc::NpyDtype::f32, {e.batch, e.heads, e.tokens}, scores.data()}});
   return 0;
@@ -1038,21 +1061,33 @@ int cmd_compress(Options const& o) {
   std::vector<kvc::Index> index = buffer<kvc::Index>(rows, "the keep plan of " + job.context());
   std::vector<kvc::Index> count = buffer<kvc::Index>(heads, "the keep plan of " + job.context());
   kvc::KeepPlan<> plan{index.data(), count.data(), e.batch, e.heads, e.tokens};
+  kvc::Index const threads = thread_count(o);
+  kvc::ThreadPool pool(threads);
+  kvc::Cpu const cpu = threads > 1 ? pool.cpu() : kvc::Cpu{};
+  std::vector<float> scores = buffer<float>(rows, "the scores of " + job.context());
 
+  // kvc::compress is kvc::score then kvc::select; they are called one by one so that --time reports each.
   job.run([&](auto const& scorer, Selection sel, auto const& cache, auto const& obs) {
     auto run = [&](auto budget_value) {
-      kvc::Press press{scorer, kvc::TopKSelector<decltype(budget_value)>{budget_value, sel.n_sink, sel.n_recent}};
-      Scratch const ws = workspace(kvc::compress_workspace_bytes(kvc::Cpu{}, press, e, obs), job);
-      auto once = [&] { check_status(kvc::compress(kvc::Cpu{}, press, cache, obs, plan, ws.span()), job.context()); };
-      once();
+      kvc::TopKSelector<decltype(budget_value)> const selector{budget_value, sel.n_sink, sel.n_recent};
+      Scratch const score_ws = workspace(kvc::score_workspace_bytes(cpu, scorer, e, obs), job);
+      Scratch const select_ws = workspace(kvc::select_workspace_bytes(cpu, selector, e.batch, e.heads, e.tokens), job);
+      kvc::ScoreSpan<> span{scores.data(), e.batch, e.heads, e.tokens, cache.lengths};
+      auto score_once = [&] {
+        check_status(kvc::score(cpu, scorer, cache, obs, span, score_ws.span()), job.context());
+      };
+      auto select_once = [&] { check_status(kvc::select(cpu, selector, span, plan, select_ws.span()), job.context()); };
+      score_once();
+      select_once();
       if (o.time)
-        print_time("compress", job.policy, median_seconds(timing_repeats, once), timing_repeats, job.bytes_read());
+        print_time("compress", job.policy, median_seconds(timing_repeats, score_once),
+                   median_seconds(timing_repeats, select_once), timing_repeats, job.bytes_read(), threads);
     };
     if (ratio)
       run(kvc::RatioBudget{*ratio});
     else
       run(kvc::FixedBudget{budget});
-    check_status(kvc::compact(kvc::Cpu{}, plan, cache), "compact");
+    check_status(kvc::compact(cpu, plan, cache), "compact");
   });
   kvc::Index kept_max = 0;
   for (kvc::Index c : count)

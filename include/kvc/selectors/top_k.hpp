@@ -6,6 +6,7 @@
 #include <kvc/core/extents.hpp>
 #include <kvc/core/selector.hpp>
 
+#include <cstdint>
 #include <type_traits>
 
 namespace kvc {
@@ -55,6 +56,16 @@ KVC_HOST_DEVICE constexpr TopKCounts top_k_counts(TopKSelector<B> const& sel, In
   Index k = sel.budget.keep(b, h, n);
   k = k < 0 ? 0 : (k > n ? n : k);
   return {sink_end, recent_begin, k > protected_count ? k : protected_count};
+}
+
+/// Maps a score to an unsigned key with the same total order as the selection (NaN -> the key of -inf; -0 -> the
+/// key of +0): a higher score has a higher key, equal scores equal keys. Both backends' radix selections use it.
+KVC_HOST_DEVICE constexpr std::uint32_t score_order_key(float s) noexcept {
+  // Branch-free (selects, integer compares): scores are random, so branches on them would mispredict.
+  std::uint32_t u = __builtin_bit_cast(std::uint32_t, s);
+  u = (u & 0x7fffffffu) > 0x7f800000u ? 0xff800000u : u;  // NaN -> -inf
+  u = u == 0x80000000u ? 0u : u;                          // -0 -> +0
+  return u ^ (static_cast<std::uint32_t>(static_cast<std::int32_t>(u) >> 31) | 0x80000000u);
 }
 
 /// The most tokens any head can keep for scores with `tokens` slots, known on the host without reading the data:

@@ -18,12 +18,9 @@ namespace kvc::backend::cuda {
 
 inline constexpr int top_k_threads = 512;
 
-/// Maps a score to an unsigned key with the same order (NaN -> the key of -inf; -0 -> the key of +0).
+/// The selection's order key (kvc::detail::score_order_key, shared with the CPU).
 __device__ inline std::uint32_t order_key(float s) {
-  std::uint32_t u = isnan(s) ? 0xff800000u : __float_as_uint(s);
-  if (u == 0x80000000u)
-    u = 0;
-  return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+  return kvc::detail::score_order_key(s);
 }
 
 /// Block-wide: writes the kept slots of [t0, t1) in ascending order, one tile of threads at a time: every key above
