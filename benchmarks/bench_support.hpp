@@ -52,14 +52,15 @@ inline void report(benchmark::State& state, double bytes, double tokens) {
 /// Scores the cached [1, 8, tokens, dim] cache of T with `scorer` on the CPU (args: tokens, dim). bytes/s counts
 /// one read of K when the scorer reads keys (what it must at least read: compare with BM_MemoryRead), else the
 /// fp32 scores it writes.
+/// Scores the cached [1, 8, tokens, dim] cache of T; `cpu` serial by default, or a kvc::ThreadPool's.
 template <class T, class S>
-void score_cpu(benchmark::State& state, S scorer) {
+void score_cpu(benchmark::State& state, S scorer, Cpu const& cpu = Cpu{}) {
   auto const& c = cache<T>(state.range(0), state.range(1));
   std::vector<float> out(static_cast<std::size_t>(c.ext.rows()));
-  std::vector<std::byte> ws(score_workspace_bytes(Cpu{}, scorer, c.ext));
+  std::vector<std::byte> ws(score_workspace_bytes(cpu, scorer, c.ext));
   ScoreSpan<> span{out.data(), c.ext.batch, c.ext.heads, c.ext.tokens};
   for (auto _ : state) {
-    auto const st = score(Cpu{}, scorer, c.view(), span, {ws.data(), ws.size()});
+    auto const st = score(cpu, scorer, c.view(), span, {ws.data(), ws.size()});
     benchmark::DoNotOptimize(st);
     benchmark::DoNotOptimize(out.data());
   }

@@ -360,7 +360,8 @@ char const* const input_details =
     "  --time                 print one JSON line to stderr: {\"command\", \"policy\", \"seconds\" (scoring, median "
     "of\n"
     "                         7 calls, file I/O excluded), \"select_seconds\" (compress: the selection, likewise),\n"
-    "                         \"repeats\", \"bytes_read\" (K and Q bytes read per scoring call), \"threads\"}\n"
+    "                         \"repeats\", \"bytes_read\" (K and Q bytes read per scoring call),\n"
+    "                         \"workspace_bytes\" (kvc's scratch for those calls), \"threads\"}\n"
     "  --threads N            worker threads over (sequence, KV head) (default 1; results do not depend on it)\n";
 
 std::vector<CommandInfo> const& commands() {
@@ -910,16 +911,25 @@ double median_seconds(int repeats, Fn&& fn) {
   return s[s.size() / 2];
 }
 
-/// The --time line: scoring seconds, and for compress the selection's (a negative select_seconds is left out).
-void print_time(char const* command, PolicyInfo const& policy, double seconds, double select_seconds, int repeats,
-                std::size_t bytes, kvc::Index threads) {
+constexpr int timing_repeats = 7;
+
+/// What --time prints (one JSON line on stderr).
+struct Timing {
+  double seconds = 0;               ///< scoring, median
+  double select_seconds = -1;       ///< compress: the selection, median (left out when negative)
+  std::size_t workspace_bytes = 0;  ///< kvc's workspaces for the calls timed (score, and select for compress)
+  kvc::Index threads = 1;
+};
+
+void print_time(char const* command, PolicyInfo const& policy, Timing const& t, std::size_t bytes_read) {
   char selection[64] = "";
-  if (select_seconds >= 0)
-    std::snprintf(selection, sizeof selection, ", \"select_seconds\": %.9g", select_seconds);
+  if (t.select_seconds >= 0)
+    std::snprintf(selection, sizeof selection, ", \"select_seconds\": %.9g", t.select_seconds);
   std::fprintf(io.err,
                "{\"command\": \"%s\", \"policy\": \"%s\", \"seconds\": %.9g%s, \"repeats\": %d, \"bytes_read\": %zu, "
-               "\"threads\": %lld}\n",
-               command, policy.name, seconds, selection, repeats, bytes, static_cast<long long>(threads));
+               "\"workspace_bytes\": %zu, \"threads\": %lld}\n",
+               command, policy.name, t.seconds, selection, timing_repeats, bytes_read, t.workspace_bytes,
+               static_cast<long long>(t.threads));
 }
 
 /// --threads N (default 1): the worker threads of kvc::ThreadPool the kernels spread (sequence, head) items over.
@@ -934,8 +944,6 @@ void check_status(kvc::Status st, std::string const& context) {
   if (!st.ok())
     fail(exit_invalid, context + ": " + st.message());
 }
-
-constexpr int timing_repeats = 7;
 
 /// What score and compress share: the policy, its parameters, the keys (and values) and the queries.
 struct Job {
@@ -1026,8 +1034,7 @@ int cmd_score(Options const& o) {
     auto once = [&] { check_status(kvc::score(cpu, scorer, cache, obs, out, ws.span()), job.context()); };
     once();
     if (o.time)
-      print_time("score", job.policy, median_seconds(timing_repeats, once), -1, timing_repeats, job.bytes_read(),
-                 threads);
+      print_time("score", job.policy, {median_seconds(timing_repeats, once), -1, ws.size, threads}, job.bytes_read());
   });
   write_outputs({{o.get("--out"), kvc::NpyDtype::f32, {e.batch, e.heads, e.tokens}, scores.data()}});
   return 0;
@@ -1080,8 +1087,10 @@ int cmd_compress(Options const& o) {
       score_once();
       select_once();
       if (o.time)
-        print_time("compress", job.policy, median_seconds(timing_repeats, score_once),
-                   median_seconds(timing_repeats, select_once), timing_repeats, job.bytes_read(), threads);
+        print_time("compress", job.policy,
+                   {median_seconds(timing_repeats, score_once), median_seconds(timing_repeats, select_once),
+                    score_ws.size + select_ws.size, threads},
+                   job.bytes_read());
     };
     if (ratio)
       run(kvc::RatioBudget{*ratio});

@@ -19,71 +19,85 @@ namespace detail {
 /// histograms of the order keys (detail::score_order_key: 11, 11 and 10 bits, most significant first) narrow the
 /// threshold key T, stopping as soon as the bucket that holds the m-th key is taken whole; the second pass keeps
 /// the indices of that bucket, so the third reads only those. One ordered pass then writes every key above T and
-/// the first `need` keys equal to T (ties keep the lower index). `hist`: 2048 counters; `candidates`: end - begin.
+/// the first `need` keys equal to T (ties keep the lower index). Every loop is branch-free on the data (random
+/// keys would mispredict): matches are added, not tested. Scratch (RadixTop::bytes): two 2049-counter histograms
+/// (alternate tokens count into alternate copies, so runs of equal digits do not serialise on one counter; the
+/// last counter absorbs non-matches), the keys and the bucket's candidates.
 struct RadixTop {
-  std::uint32_t* hist;
-  Index* candidates;
+  static constexpr std::uint32_t bins = 2048;
+  std::uint32_t* hist;  ///< [2, bins + 1]
+  std::uint32_t* keys;  ///< [end - begin]
+  Index* candidates;    ///< [end - begin], offsets from begin
 
-  /// Picks the digit holding the m-th key from the top; `need` becomes how many to take from it.
-  static std::uint32_t pick(std::uint32_t const* hist, std::uint32_t digits, Index& need, Index& in_bucket) {
+  static std::size_t bytes(Index tokens) {
+    return bytes_sum(workspace_round(2 * (bins + 1) * sizeof(std::uint32_t)),
+                     workspace_round(bytes_product(tokens, sizeof(std::uint32_t))),
+                     workspace_round(bytes_product(tokens, sizeof(Index))));
+  }
+
+  /// Sums the two copies into the first and picks the digit holding the m-th key from the top: `need` becomes how
+  /// many to take from it, `in_bucket` how many it holds.
+  std::uint32_t pick(std::uint32_t digits, Index& need, Index& in_bucket) const {
+    for (std::uint32_t d = 0; d < digits; ++d)
+      hist[d] += hist[bins + 1 + d];
     Index above = 0;
     std::uint32_t d = digits - 1;
-    for (;; --d) {
-      if (above + hist[d] >= need || d == 0)
-        break;
+    for (; d > 0 && above + hist[d] < need; --d)
       above += hist[d];
-    }
     need -= above;
     in_bucket = hist[d];
     return d;
   }
+  void clear() const { std::fill(hist, hist + 2 * (bins + 1), 0u); }
 
   Index operator()(float const* s, Index begin, Index end, Index m, Index* out) const {
+    Index const n = end - begin;
     Index need = m, in_bucket = 0;
-    std::fill(hist, hist + 2048, 0u);
-    for (Index t = begin; t < end; ++t)
-      ++hist[score_order_key(s[t]) >> 21];
-    std::uint32_t prefix = pick(hist, 2048, need, in_bucket);
+    clear();
+    for (Index i = 0; i < n; ++i) {
+      std::uint32_t const k = score_order_key(s[begin + i]);
+      keys[i] = k;
+      ++hist[(i & 1) * (bins + 1) + (k >> 21)];
+    }
+    std::uint32_t prefix = pick(bins, need, in_bucket);
     int shift = 21;
     if (in_bucket != need) {  // the bucket is split: refine its next 11 bits, keeping its indices
-      std::fill(hist, hist + 2048, 0u);
+      clear();
       Index c = 0;
-      for (Index t = begin; t < end; ++t) {
-        std::uint32_t const k = score_order_key(s[t]);
-        if ((k >> 21) == prefix) {
-          candidates[c++] = t;
-          ++hist[(k >> 10) & 2047u];
-        }
+      for (Index i = 0; i < n; ++i) {
+        std::uint32_t const k = keys[i];
+        bool const match = (k >> 21) == prefix;
+        candidates[c] = i;
+        c += match;
+        ++hist[(i & 1) * (bins + 1) + (match ? (k >> 10) & (bins - 1) : bins)];
       }
-      prefix = prefix << 11 | pick(hist, 2048, need, in_bucket);
+      prefix = prefix << 11 | pick(bins, need, in_bucket);
       shift = 10;
       if (in_bucket != need) {  // the last 10 bits, over the bucket's indices only
-        std::fill(hist, hist + 1024, 0u);
+        clear();
         for (Index i = 0; i < c; ++i) {
-          std::uint32_t const k = score_order_key(s[candidates[i]]);
-          if ((k >> 10) == prefix)
-            ++hist[k & 1023u];
+          std::uint32_t const k = keys[candidates[i]];
+          ++hist[(i & 1) * (bins + 1) + ((k >> 10) == prefix ? k & 1023u : bins)];
         }
-        prefix = prefix << 10 | pick(hist, 1024, need, in_bucket);
+        prefix = prefix << 10 | pick(1024, need, in_bucket);
         shift = 0;
       }
     }
-    // Ordered pass, branch-free (bitwise, not ||: random keys would mispredict every branch): out[j] is rewritten
-    // until a key is kept, and j < m keeps every write inside `out`. When the threshold's bucket is taken whole,
-    // a key at or above the prefix is kept; otherwise the first `need` keys equal to it.
+    // Ordered pass: out[j] is rewritten until a key is kept, and j < m keeps every write inside `out`. When the
+    // threshold's bucket is taken whole, a key at or above the prefix is kept; otherwise the first `need` equal.
     Index j = 0;
     if (in_bucket == need) {
-      for (Index t = begin; t < end && j < m; ++t) {
-        out[j] = t;
-        j += (score_order_key(s[t]) >> shift) >= prefix;
+      for (Index i = 0; i < n && j < m; ++i) {
+        out[j] = begin + i;
+        j += (keys[i] >> shift) >= prefix;
       }
     } else {
       Index ties = 0;
-      for (Index t = begin; t < end && j < m; ++t) {
-        std::uint32_t const p = score_order_key(s[t]) >> shift;
+      for (Index i = 0; i < n && j < m; ++i) {
+        std::uint32_t const p = keys[i] >> shift;
         Index const take_tie = static_cast<Index>(p == prefix) & static_cast<Index>(ties < need);
         ties += take_tie;
-        out[j] = t;
+        out[j] = begin + i;
         j += static_cast<Index>(p > prefix) | take_tie;
       }
     }
@@ -95,12 +109,8 @@ struct RadixTop {
 
 template <Budget B>
 struct Kernel<TopKSelector<B>, Cpu> {
-  static constexpr std::size_t histogram_bytes = 2048 * sizeof(std::uint32_t);
-
-  /// Per worker: the radix histogram and one candidate index per token.
-  static std::size_t worker_bytes(Index tokens) {
-    return bytes_sum(histogram_bytes, workspace_round(bytes_product(tokens, sizeof(Index))));
-  }
+  /// Per worker: the radix selection's scratch.
+  static std::size_t worker_bytes(Index tokens) { return detail::RadixTop::bytes(tokens); }
   static std::size_t workspace_bytes(Cpu const& cpu, TopKSelector<B> const&, Index, Index, Index tokens) {
     return bytes_product(cpu.workers(), worker_bytes(tokens));
   }
@@ -122,8 +132,8 @@ struct Kernel<TopKSelector<B>, Cpu> {
     detail::parallel_for(cpu, scores.batch * scores.heads, [&](Index item, Index worker) {
       Index const b = item / scores.heads, h = item % scores.heads;
       WorkspaceCarver carve({base + static_cast<std::size_t>(worker) * per_worker, per_worker});
-      auto* hist = carve.take<std::uint32_t>(2048);
-      Index* candidates = carve.take<Index>(scores.tokens);
+      detail::RadixTop const radix{carve.take<std::uint32_t>(2 * (detail::RadixTop::bins + 1)),
+                                   carve.take<std::uint32_t>(scores.tokens), carve.take<Index>(scores.tokens)};
       Index const n = scores.length(b, h);
       auto const c = detail::top_k_counts(sel, b, h, n);
       Index* out = plan.indices(b, h);
@@ -138,7 +148,7 @@ struct Kernel<TopKSelector<B>, Cpu> {
         for (Index t = c.sink_end; t < c.recent_begin; ++t)
           out[j++] = t;
       } else if (m > 0) {
-        j += detail::RadixTop{hist, candidates}(scores.row(b, h), c.sink_end, c.recent_begin, m, out + j);
+        j += radix(scores.row(b, h), c.sink_end, c.recent_begin, m, out + j);
       }
       for (Index t = c.recent_begin; t < n; ++t)
         out[j++] = t;

@@ -1,0 +1,101 @@
+// SPDX-License-Identifier: Apache-2.0
+// kvc/backend/cpu/detail/widen.hpp: widening 16-bit K/V elements to fp32 on the CPU, 8 at a time.
+//
+// fp16 uses the hardware conversion where the compile target has it: F16C on x86 (vcvtph2ps, 8 halves per
+// instruction, 16 with AVX-512; -mf16c, implied by -march=haswell and later or -march=native on such a CPU) or the
+// fp16 conversions of AArch64 NEON (vcvt_f32_f16). Measured (docs/benchmarks.md): the 8-wide conversion through a
+// store was slower than the portable loop the compiler vectorises 16-wide under AVX-512 (KeyDiff fp16, d = 64:
+// 12.9 ms against 9.8 ms), hence the 16-wide path; the reductions (f16c_lanes) convert in registers. Elsewhere, or with
+// KVC_PORTABLE_F16 defined, it uses the portable bit manipulation of element.hpp, which the compiler vectorises but
+// which costs about ten integer operations per element. The choice is made at compile time, per translation unit. Both
+// paths are exact, so every result is the same bit for bit whichever is compiled (tests/core/widen_test.cpp builds
+// both). bfloat16 needs no instruction: a 16-bit shift, which compilers vectorise on every target.
+#pragma once
+
+#include <kvc/core/element.hpp>
+#include <kvc/core/extents.hpp>
+
+#include <cstring>
+#include <type_traits>
+
+#if !defined(KVC_PORTABLE_F16) && defined(__F16C__)
+#  define KVC_CPU_F16_CONVERT 1  // x86 F16C
+#  include <immintrin.h>
+#elif !defined(KVC_PORTABLE_F16) && defined(__aarch64__) && defined(__ARM_NEON)
+#  define KVC_CPU_F16_CONVERT 2  // AArch64 NEON
+#  include <arm_neon.h>
+#else
+#  define KVC_CPU_F16_CONVERT 0  // portable
+#endif
+
+namespace kvc::detail {
+
+/// Which fp16 conversion this translation unit compiled: "f16c", "neon" or "portable" (benchmarks report it).
+inline constexpr char const* f16_conversion = KVC_CPU_F16_CONVERT == 1   ? "f16c"
+                                              : KVC_CPU_F16_CONVERT == 2 ? "neon"
+                                                                         : "portable";
+
+/// Widens src[0, 8) into dst[0, 8).
+template <class T>
+inline void widen8(T const* src, float* dst) noexcept {
+  using E = std::remove_const_t<T>;
+  if constexpr (std::is_same_v<E, float>) {
+    std::memcpy(dst, src, 8 * sizeof(float));
+#if KVC_CPU_F16_CONVERT == 1
+  } else if constexpr (std::is_same_v<E, half>) {
+    _mm256_storeu_ps(dst, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<__m128i const*>(src))));
+#elif KVC_CPU_F16_CONVERT == 2
+  } else if constexpr (std::is_same_v<E, half>) {
+    float16x8_t const h = vreinterpretq_f16_u16(vld1q_u16(reinterpret_cast<std::uint16_t const*>(src)));
+    vst1q_f32(dst, vcvt_f32_f16(vget_low_f16(h)));
+    vst1q_f32(dst + 4, vcvt_high_f32_f16(h));
+#endif
+  } else {
+    for (int i = 0; i < 8; ++i)
+      dst[i] = to_float(src[i]);
+  }
+}
+
+/// Widens src[0, n) into dst[0, n) (exact).
+template <class T>
+inline void widen(T const* src, float* dst, Index n) noexcept {
+  Index i = 0;
+#if KVC_CPU_F16_CONVERT == 1 && defined(__AVX512F__)
+  if constexpr (std::is_same_v<std::remove_const_t<T>, half>)  // 16 per instruction where the target has AVX-512
+    for (; i + 16 <= n; i += 16)
+      _mm512_storeu_ps(dst + i, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<__m256i const*>(src + i))));
+#endif
+  for (; i + 8 <= n; i += 8)
+    widen8(src + i, dst + i);
+  for (; i < n; ++i)
+    dst[i] = to_float(src[i]);
+}
+
+/// Whether dot() and sum_squares() over T rows use the hardware lanes below (fp16 where F16C is compiled).
+template <class T>
+inline constexpr bool hardware_lanes = KVC_CPU_F16_CONVERT == 1 && std::is_same_v<std::remove_const_t<T>, half>;
+
+/// The 16 accumulator lanes of rows.hpp's reductions over whole blocks of 16 fp16 elements, as two 8-wide vectors
+/// widened by F16C: acc[j] += a[i + j] * b[i + j] (or a[i + j]^2), in the same order as the portable loop (no
+/// FMA, as the portable loop under ISO C++'s default contraction). Returns the index after the last whole block.
+#if KVC_CPU_F16_CONVERT == 1
+inline Index f16c_lanes(half const* a, float const* b, Index dim, float* acc) noexcept {
+  __m256 lo = _mm256_loadu_ps(acc), hi = _mm256_loadu_ps(acc + 8);
+  Index i = 0;
+  for (; i + 16 <= dim; i += 16) {
+    __m256 const x = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<__m128i const*>(a + i)));
+    __m256 const y = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<__m128i const*>(a + i + 8)));
+    lo = _mm256_add_ps(lo, _mm256_mul_ps(x, b ? _mm256_loadu_ps(b + i) : x));
+    hi = _mm256_add_ps(hi, _mm256_mul_ps(y, b ? _mm256_loadu_ps(b + i + 8) : y));
+  }
+  _mm256_storeu_ps(acc, lo);
+  _mm256_storeu_ps(acc + 8, hi);
+  return i;
+}
+#else
+inline Index f16c_lanes(half const*, float const*, Index, float*) noexcept {
+  return 0;  // never called: hardware_lanes<T> is false without F16C
+}
+#endif
+
+}  // namespace kvc::detail

@@ -1,0 +1,94 @@
+// SPDX-License-Identifier: Apache-2.0
+// tests/core/widen_test.cpp: 16-bit -> fp32 widening on the CPU is exact on whichever path this translation unit
+// compiled: the portable one (default flags) or the hardware ones (tests/CMakeLists.txt builds this file again as
+// kvc.core.widen_f16c with -mf16c -mavx and as kvc.core.widen_avx512 with -mf16c -mavx512f, and checks that the F16C
+// path was really taken).
+#include <kvc/backend/cpu/detail/rows.hpp>
+#include <kvc/backend/cpu/detail/widen.hpp>
+
+#include "support/catch.hpp"
+
+#include <cmath>
+#ifdef KVC_EXPECT_F16_CONVERSION
+#  include <cpuid.h>
+#endif
+#include <cstdint>
+#include <cstring>
+#include <string_view>
+#include <vector>
+
+using kvc::Index;
+
+namespace {
+
+std::uint32_t bits_of(float f) {
+  std::uint32_t u = 0;
+  std::memcpy(&u, &f, sizeof u);
+  return u;
+}
+
+/// Exact value of a binary16 pattern, computed from its fields (independent of element.hpp).
+double half_value(std::uint16_t h) {
+  int const exponent = (h >> 10) & 0x1f, mantissa = h & 0x3ff;
+  double const sign = (h & 0x8000) ? -1.0 : 1.0;
+  if (exponent == 0)
+    return sign * std::ldexp(mantissa, -24);
+  if (exponent == 31)
+    return mantissa ? std::nan("") : sign * INFINITY;
+  return sign * std::ldexp(1024 + mantissa, exponent - 25);
+}
+
+}  // namespace
+
+TEST_CASE("widen: every binary16 pattern widens to its exact value", "[core][widen]") {
+#ifdef KVC_EXPECT_F16_CONVERSION
+  unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;  // CPUID leaf 1: ECX bit 28 AVX, bit 29 F16C
+  if (!__get_cpuid(1, &eax, &ebx, &ecx, &edx) || !(ecx & (1u << 28)) || !(ecx & (1u << 29))) {
+    WARN("SKIPPED: this CPU has no F16C");
+    return;
+  }
+#  ifdef __AVX512F__  // the 16-wide conversion: CPUID leaf 7, EBX bit 16
+  if (!__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx) || !(ebx & (1u << 16))) {
+    WARN("SKIPPED: this CPU has no AVX-512");
+    return;
+  }
+#  endif
+  REQUIRE(std::string_view(kvc::detail::f16_conversion) == KVC_EXPECT_F16_CONVERSION);
+#endif
+  std::vector<kvc::half> all(65536 + 5);  // + 5: a tail that is not a multiple of 8
+  for (std::uint32_t i = 0; i < all.size(); ++i)
+    all[i] = kvc::half::from_bits(static_cast<std::uint16_t>(i & 0xffff));
+  std::vector<float> wide(all.size());
+  kvc::detail::widen(all.data(), wide.data(), static_cast<Index>(all.size()));
+  Index mismatches = 0;
+  for (std::uint32_t i = 0; i < all.size(); ++i) {
+    double const expected = half_value(static_cast<std::uint16_t>(i & 0xffff));
+    bool const ok = std::isnan(expected)
+                        ? std::isnan(wide[i])
+                        : static_cast<double>(wide[i]) == expected && std::signbit(wide[i]) == std::signbit(expected);
+    mismatches += ok ? 0 : 1;
+  }
+  CHECK(mismatches == 0);
+  // Non-NaN patterns give the very bits of the portable conversion.
+  for (std::uint32_t i = 0; i < 65536; i += 97)
+    if (!std::isnan(wide[i]))
+      CHECK(bits_of(wide[i]) == bits_of(kvc::detail::half_bits_to_float(static_cast<std::uint16_t>(i))));
+}
+
+TEST_CASE("widen: dot and sum_squares of fp16 rows equal the fp64 sums of the exact values", "[core][widen]") {
+  std::vector<kvc::half> a(45);
+  std::vector<float> b(45);
+  for (std::size_t i = 0; i < a.size(); ++i) {
+    a[i] = kvc::half(static_cast<float>(i % 7) * 0.25f - 0.75f);  // exact in fp16, small integers times 1/4
+    b[i] = static_cast<float>(i % 5) - 2.0f;
+  }
+  double dot = 0, squares = 0;
+  for (std::size_t i = 0; i < a.size(); ++i) {
+    double const x = half_value(a[i].bits);
+    dot += x * b[i];
+    squares += x * x;
+  }
+  // Every partial sum is a multiple of 1/16 below 2^10: exact in fp32 in any order.
+  CHECK(kvc::detail::dot(a.data(), b.data(), 45) == static_cast<float>(dot));
+  CHECK(kvc::detail::sum_squares(a.data(), 45) == static_cast<float>(squares));
+}
