@@ -1,8 +1,8 @@
 // SPDX-License-Identifier: Apache-2.0
 // tests/core/widen_test.cpp: 16-bit -> fp32 widening on the CPU is exact on whichever path this translation unit
 // compiled: the portable one (default flags) or the hardware ones (tests/CMakeLists.txt builds this file again as
-// kvc.core.widen_f16c with -mf16c -mavx and as kvc.core.widen_avx512 with -mf16c -mavx512f, and checks that the F16C
-// path was really taken).
+// kvc.core.widen_f16c with -mf16c -mavx and as kvc.core.widen_avx512 with -mf16c -mfma -mavx512f, and checks that the
+// F16C path was really taken).
 #include <kvc/backend/cpu/detail/rows.hpp>
 #include <kvc/backend/cpu/detail/widen.hpp>
 

@@ -63,7 +63,10 @@ inline void widen(T const* src, float* dst, Index n) noexcept {
 #if KVC_CPU_F16_CONVERT == 1 && defined(__AVX512F__)
   if constexpr (std::is_same_v<std::remove_const_t<T>, half>)  // 16 per instruction where the target has AVX-512
     for (; i + 16 <= n; i += 16)
-      _mm512_storeu_ps(dst + i, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<__m256i const*>(src + i))));
+      // maskz with a full mask: the same instruction, without _mm512_cvtph_ps's undefined source operand, which
+      // GCC 12 reports as maybe-uninitialized (an error under -Werror in the engines that include this header).
+      _mm512_storeu_ps(dst + i,
+                       _mm512_maskz_cvtph_ps(0xffff, _mm256_loadu_si256(reinterpret_cast<__m256i const*>(src + i))));
 #endif
   for (; i + 8 <= n; i += 8)
     widen8(src + i, dst + i);
