@@ -51,8 +51,7 @@ inline void report(benchmark::State& state, double bytes, double tokens) {
 
 /// Scores the cached [1, 8, tokens, dim] cache of T with `scorer` on the CPU (args: tokens, dim). bytes/s counts
 /// one read of K when the scorer reads keys (what it must at least read: compare with BM_MemoryRead), else the
-/// fp32 scores it writes.
-/// Scores the cached [1, 8, tokens, dim] cache of T; `cpu` serial by default, or a kvc::ThreadPool's.
+/// fp32 scores it writes. `cpu` is serial by default, or a kvc::ThreadPool's.
 template <class T, class S>
 void score_cpu(benchmark::State& state, S scorer, Cpu const& cpu = Cpu{}) {
   auto const& c = cache<T>(state.range(0), state.range(1));

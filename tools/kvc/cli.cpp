@@ -362,7 +362,8 @@ char const* const input_details =
     "                         7 calls, file I/O excluded), \"select_seconds\" (compress: the selection, likewise),\n"
     "                         \"repeats\", \"bytes_read\" (K and Q bytes read per scoring call),\n"
     "                         \"workspace_bytes\" (kvc's scratch for those calls), \"threads\"}\n"
-    "  --threads N            worker threads over (sequence, KV head) (default 1; results do not depend on it)\n";
+    "  --threads N            worker threads over (sequence, KV head) items, over sequences for tova (default 1;\n"
+    "                         results do not depend on it)\n";
 
 std::vector<CommandInfo> const& commands() {
   static std::vector<CommandInfo> const list = {

@@ -79,8 +79,9 @@ template <class T>
 inline constexpr bool hardware_lanes = KVC_CPU_F16_CONVERT == 1 && std::is_same_v<std::remove_const_t<T>, half>;
 
 /// The 16 accumulator lanes of rows.hpp's reductions over whole blocks of 16 fp16 elements, as two 8-wide vectors
-/// widened by F16C: acc[j] += a[i + j] * b[i + j] (or a[i + j]^2), in the same order as the portable loop (no
-/// FMA, as the portable loop under ISO C++'s default contraction). Returns the index after the last whole block.
+/// widened by F16C: acc[j] += a[i + j] * b[i + j] (or a[i + j]^2), in the same order as the portable loop, with a
+/// separate multiply and add (the portable loop may be contracted to FMAs; see the top of this file). Returns the
+/// index after the last whole block.
 #if KVC_CPU_F16_CONVERT == 1
 inline Index f16c_lanes(half const* a, float const* b, Index dim, float* acc) noexcept {
   __m256 lo = _mm256_loadu_ps(acc), hi = _mm256_loadu_ps(acc + 8);

@@ -109,8 +109,8 @@ struct RadixTop {
 
 template <Budget B>
 struct Kernel<TopKSelector<B>, Cpu> {
-  /// Per worker: the radix selection's scratch.
-  static std::size_t worker_bytes(Index tokens) { return detail::RadixTop::bytes(tokens); }
+  /// Per worker: the radix selection's scratch (none without tokens).
+  static std::size_t worker_bytes(Index tokens) { return tokens > 0 ? detail::RadixTop::bytes(tokens) : 0; }
   static std::size_t workspace_bytes(Cpu const& cpu, TopKSelector<B> const&, Index, Index, Index tokens) {
     return bytes_product(cpu.workers(), worker_bytes(tokens));
   }
@@ -118,6 +118,8 @@ struct Kernel<TopKSelector<B>, Cpu> {
   static Status run(Cpu const& cpu, TopKSelector<B> const& sel, ScoreSpan<HostSpace> scores, KeepPlan<HostSpace> plan,
                     Workspace ws) {
     KVC_RETURN_IF_ERROR(sel.check());
+    if (scores.tokens > Index{UINT32_MAX})  // the histograms count in 32 bits
+      return {Errc::invalid_argument, "kvc::select: heads of more than 2^32 - 1 tokens are not supported on the CPU"};
     std::size_t const per_worker = worker_bytes(scores.tokens);
     auto* base =
         WorkspaceCarver(ws).take<std::byte>(static_cast<Index>(workspace_bytes(cpu, sel, 0, 0, scores.tokens)));
