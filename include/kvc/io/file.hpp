@@ -303,10 +303,4 @@ inline bool commit_together(std::span<StagedFile> files, std::string& error, std
   return true;
 }
 
-/// Writes `bytes` to `path` through a StagedFile: the old file or the whole new one, never a partial one.
-inline bool write_file_atomically(std::string const& path, std::span<std::byte const> bytes, std::string& error) {
-  StagedFile f;
-  return f.open(path, error) && f.write(bytes, error) && f.finish(error) && f.commit(error);
-}
-
 }  // namespace kvc
