@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
 # tools/demo.sh: the main job. Installs what is missing (Debian 12, as root), builds the demo and runs it:
-# every policy at several ratios on the documented synthetic cache, or on a dump directory.
-#   bash tools/demo.sh                   # synthetic cache
-#   bash tools/demo.sh --dump DIR        # real keys/values/queries (.npy), e.g. from tools/reference/model.py
-#   bash tools/demo.sh --model ../shared/models/tinystories-656k   # dumps that model's cache first (needs numpy)
+# kvc-eval on a real model (every policy at four ratios: quality against memory, plots, a generation side by side)
+# when one is at hand, else every policy on the documented synthetic cache.
+#   bash tools/demo.sh                   # kvc-eval on both models of ../shared/models when that folder exists
+#                                        # next to the repository, else the synthetic cache
+#   bash tools/demo.sh --model DIR       # kvc-eval on your model (Hugging Face Llama directory or llama2.c .bin)
+#   bash tools/demo.sh --synthetic       # the synthetic cache, even when a model is at hand
+#   bash tools/demo.sh --dump DIR        # real keys/values/queries (.npy), e.g. from `kvc-eval dump`
 # Relative DIRs are taken from the directory you run the script in (the script itself works in the repo root).
 set -euo pipefail
 
@@ -11,7 +14,8 @@ here=$PWD
 absolute() { realpath -m -s -- "$([[ "$1" == /* ]] || printf '%s/' "$here")$1"; }  # need not exist (yet)
 
 # Parse before cd'ing to the repo root, so relative --model/--dump paths still mean what the user typed.
-model=""
+models=()
+synthetic=0
 args=()
 while (($#)); do
   case "$1" in
@@ -20,11 +24,15 @@ while (($#)); do
         echo "demo: $1 needs a directory" >&2
         exit 2
       fi
-      if [[ "$1" == --model ]]; then model=$(absolute "$2"); else args+=(--dump "$(absolute "$2")"); fi
+      if [[ "$1" == --model ]]; then models+=("$(absolute "$2")"); else args+=(--dump "$(absolute "$2")"); fi
       shift 2
       ;;
     --model=* | --dump=*)
       set -- "${1%%=*}" "${1#*=}" "${@:2}"
+      ;;
+    --synthetic)
+      synthetic=1
+      shift
       ;;
     *)
       args+=("$1")
@@ -36,11 +44,11 @@ done
 cd "$(dirname "$0")/.."
 bash tools/install_deps.sh
 mkdir -p build-demo
-if [[ -n "$model" ]]; then
-  dump=$PWD/build-demo/tinystories_dump
-  echo "demo: generating a story with $model and dumping its KV cache to $dump"
-  /usr/bin/python3 tools/reference/model.py --model "$model" --out "$dump" --tokens 256
-  args+=(--dump "$dump")
+# No --model, --dump or --synthetic: the shared models next to the repository, when they are there.
+if ((${#models[@]} == 0 && ${#args[@]} == 0 && synthetic == 0)) && [[ -d ../shared/models ]]; then
+  for m in ../shared/models/tinystories-656k ../shared/models/stories260k; do
+    [[ -d "$m" ]] && models+=("$(realpath "$m")")
+  done
 fi
 
 # Quiet build, but never silent: say what is happening, and on failure show the end of the log.
@@ -54,6 +62,18 @@ run_logged() {
 }
 echo "demo: configuring (build-demo/)..."
 run_logged cmake -S . -B build-demo -DCMAKE_BUILD_TYPE=Release -DKVC_BUILD_TESTS=OFF -DKVC_BUILD_BENCHMARKS=OFF
+if ((${#models[@]} > 0)); then
+  echo "demo: building kvc-eval (first build takes a minute)..."
+  run_logged cmake --build build-demo -j "$(nproc)" --target kvc_eval
+  for m in "${models[@]}"; do
+    out=$PWD/build-demo/eval/$(basename "$m" .bin)
+    echo
+    echo "demo: build-demo/tools/eval/kvc-eval run --model $m --out-dir $out"
+    build-demo/tools/eval/kvc-eval run --model "$m" --out-dir "$out"
+    echo "demo: plots written to $out/kl.svg and $out/top1.svg (open them in a browser); table in $out/results.csv"
+  done
+  exit 0
+fi
 echo "demo: building kvc_demo (first build takes a minute)..."
 run_logged cmake --build build-demo -j "$(nproc)" --target kvc_demo
 echo "demo: running build-demo/examples/kvc_demo ${args[*]}"

@@ -1,5 +1,6 @@
 // SPDX-License-Identifier: Apache-2.0
-// tools/kvc/cli.cpp: the `kvc` command-line tool: score and compress .npy KV dumps with any kvc policy.
+// tools/kvc/cli.cpp: the `kvc` command-line tool: score and compress .npy or .safetensors KV dumps with any kvc
+// policy.
 // Contract (docs/cli.md, DESIGN.md §6): exit 0 success, 2 usage error, 3 invalid input (the message names the file,
 // the field and what was expected). Every policy is one row of policies() and one branch of with_policy().
 // Files are untrusted (docs/cli.md "Untrusted input"): inputs must be regular files whose sizes bound every
@@ -18,8 +19,12 @@
 #include <kvc/core/rope.hpp>
 #include <kvc/core/validate.hpp>
 #include <kvc/io/file.hpp>
+#include <kvc/io/json.hpp>
 #include <kvc/io/npy.hpp>
+#include <kvc/io/safetensors.hpp>
 #include <kvc/pipeline/press.hpp>
+
+#include "common/policies.hpp"
 
 #include <algorithm>
 #include <cerrno>
@@ -48,276 +53,13 @@
 
 namespace {
 
+using namespace kvc::tools;  // the policy table, Failure and the exit codes (tools/common/policies.hpp)
+
 /// Where the tool prints: the standard streams for the program, others for the fuzzer.
 struct Streams {
   std::FILE* out = stdout;
   std::FILE* err = stderr;
 } io;
-
-constexpr int exit_usage = 2;
-constexpr int exit_invalid = 3;
-constexpr int exit_internal = 70;  ///< EX_SOFTWARE: a bug in kvc (e.g. the policy table and a scorer disagree)
-
-/// An error that ends the program with a message and an exit code.
-struct Failure {
-  int code;
-  std::string message;
-};
-
-[[noreturn]] void fail(int code, std::string message) {
-  throw Failure{code, std::move(message)};
-}
-
-// ---------------------------------------------------------------------------------------------------------------
-// Policies: the one table of names, summaries, parameters (with defaults and help) and inputs read.
-
-/// Where a parameter acts: the scorer, compress's top-k selection (compress only), or how the queries are read.
-enum class Stage : std::uint8_t { scorer, selection, queries };
-
-struct ParamInfo {
-  char const* name;
-  char const* default_value;
-  char const* help;
-  Stage stage = Stage::scorer;
-  char const* kvpress_default = nullptr;  ///< the default under reference=kvpress, where it differs
-};
-
-struct PolicyInfo {
-  char const* name;
-  char const* summary;
-  std::vector<ParamInfo> params;
-  bool reads_keys;
-  bool reads_queries;  ///< needs --queries (and accepts --positions, --rope and the `queries` parameter)
-};
-
-ParamInfo const n_sink_param{"n_sink", "0", "first tokens always kept (compress only)", Stage::selection};
-ParamInfo const n_recent_param{"n_recent", "0", "last tokens always kept (compress only)", Stage::selection};
-ParamInfo const queries_param{
-    "queries", "pre_rope", "pre_rope (rotated with --rope at their positions) or post_rope (as given)", Stage::queries};
-
-std::vector<PolicyInfo> const& policies() {
-  static std::vector<PolicyInfo> const list = {
-      {"streaming_llm",
-       "attention sinks + most recent tokens (Xiao et al., arXiv 2309.17453)",
-       {{"n_sink", "4", "first tokens always kept"}},
-       false,
-       false},
-      {"key_diff",
-       "keep keys least similar to the mean unit key (Park et al., arXiv 2504.15364, Eq. 8)",
-       {{"anchor", "normalized_mean", "normalized_mean (paper, kvpress) or raw_mean"},
-        {"n_sink", "0", "first tokens always kept (KeyDiff + sinks; compress only)", Stage::selection},
-        {"n_recent", "0", "last tokens always kept (KeyDiff + Recent, paper Table 11; compress only)",
-         Stage::selection}},
-       true,
-       false},
-      {"knorm",
-       "keep the lowest-norm keys (Devoto et al., EMNLP 2024; kvpress KnormPress)",
-       {n_sink_param, n_recent_param},
-       true,
-       false},
-      {"snap_kv",
-       "the last window_size queries vote for the prefix keys they attend to (Li et al., arXiv 2404.14469)",
-       {{"reference", "authors", "authors (paper code) or kvpress (SnapKVPress, with the kvpress defaults below)"},
-        {"window_size", "32", "observation window w: the last w rows of --queries vote", Stage::scorer, "64"},
-        {"kernel_size", "7", "pooling kernel along the tokens, odd", Stage::scorer, "5"},
-        {"pooling", "max", "max or avg (avg always divides by kernel_size, as PyTorch)", Stage::scorer, "avg"},
-        {"gqa", "mean", "GQA reduction: mean, max, sum or per_query_head (Hq = Hkv); kvpress: mean"},
-        queries_param,
-        n_sink_param,
-        n_recent_param},
-       true,
-       true},
-      {"tova",
-       "keep the tokens the newest query attends to most, mean over query heads (Oren et al., arXiv 2401.06104)",
-       {{"reference", "authors", "authors (the newest token competes) or kvpress (TOVAPress: it is always kept)"},
-        queries_param,
-        n_sink_param,
-        n_recent_param},
-       true,
-       true},
-      {"random",
-       "uniform random eviction, the baseline every policy must beat (kvpress RandomPress)",
-       {{"seed", "0", "64-bit; scores hash (seed, b, h, t): the same on every run and backend"},
-        n_sink_param,
-        n_recent_param},
-       false,
-       false},
-  };
-  return list;
-}
-
-std::string policy_names(bool queries_only = false) {
-  std::string names;
-  for (auto const& p : policies())
-    if (!queries_only || p.reads_queries)
-      names += std::string(names.empty() ? "" : ", ") + p.name;
-  return names;
-}
-
-PolicyInfo const& find_policy(std::string const& name) {
-  for (auto const& p : policies())
-    if (name == p.name)
-      return p;
-  fail(exit_usage, "unknown --policy '" + name + "' (expected one of: " + policy_names() + ")");
-}
-
-ParamInfo const* find_param(PolicyInfo const& policy, std::string_view name) {
-  for (auto const& p : policy.params)
-    if (name == p.name)
-      return &p;
-  return nullptr;
-}
-
-using Params = std::map<std::string, std::string, std::less<>>;
-
-/// Parameter values after --param overrides and the defaults (kvpress's where reference=kvpress). Unknown names,
-/// repeats, and selection parameters given to `score` are usage errors.
-Params resolve_params(PolicyInfo const& policy, std::vector<std::string> const& given, bool compress) {
-  Params set;
-  for (auto const& kv : given) {
-    auto const eq = kv.find('=');
-    if (eq == std::string::npos || eq == 0)
-      fail(exit_usage, "--param '" + kv + "': expected NAME=VALUE");
-    std::string const key = kv.substr(0, eq);
-    ParamInfo const* info = find_param(policy, key);
-    if (info == nullptr) {
-      std::string names;
-      for (auto const& p : policy.params)
-        names += std::string(names.empty() ? "" : ", ") + p.name;
-      fail(exit_usage, "--param '" + key + "' is not a parameter of policy " + policy.name +
-                           " (its parameters: " + (names.empty() ? "none" : names) + "; see `kvc policies`)");
-    }
-    if (!compress && info->stage == Stage::selection)
-      fail(exit_usage, "--param '" + key + "' of policy " + policy.name +
-                           " protects tokens in compress's selection; it does not change scores (use kvc compress)");
-    if (!set.emplace(key, kv.substr(eq + 1)).second)
-      fail(exit_usage, "--param '" + key + "' given twice");
-  }
-  auto const ref = set.find("reference");
-  bool const kvpress = ref != set.end() && ref->second == "kvpress";
-  Params values;
-  for (auto const& p : policy.params) {
-    auto const it = set.find(p.name);
-    values[p.name] =
-        it != set.end() ? it->second : (kvpress && p.kvpress_default ? p.kvpress_default : p.default_value);
-  }
-  return values;
-}
-
-kvc::Index parse_count(std::string const& text, std::string const& what, kvc::Index min = 0) {
-  char* end = nullptr;
-  errno = 0;
-  long long const v = std::strtoll(text.c_str(), &end, 10);
-  if (text.empty() || *end != '\0' || errno == ERANGE)
-    fail(exit_invalid, what + " = '" + text + "': expected an integer");
-  if (v < min)
-    fail(exit_invalid, what + " = " + text + ": expected an integer >= " + std::to_string(min));
-  return v;
-}
-
-double parse_ratio(std::string const& text) {
-  char* end = nullptr;
-  double const r = std::strtod(text.c_str(), &end);
-  if (text.empty() || *end != '\0')
-    fail(exit_invalid, "--ratio '" + text + "': expected a number in [0, 1]");
-  if (!(r >= 0.0 && r <= 1.0))
-    fail(exit_invalid, "--ratio " + text + ": expected a number in [0, 1] (the fraction of tokens removed)");
-  return r;
-}
-
-/// Parameter `name` as one of the named choices (bad values exit 3, naming the parameter and the choices).
-template <class E>
-E choice(Params const& p, char const* name, std::initializer_list<std::pair<std::string_view, E>> options) {
-  std::string const& value = p.at(name);
-  std::string expected;  // "a, b or c"
-  std::size_t i = 0;
-  for (auto const& [text, e] : options) {
-    if (value == text)
-      return e;
-    expected += (i == 0 ? "" : (i + 1 == options.size() ? " or " : ", ")) + std::string(text);
-    ++i;
-  }
-  fail(exit_invalid, std::string("--param ") + name + " = '" + value + "': expected " + expected);
-}
-
-kvc::Reference reference_of(Params const& p) {
-  return choice<kvc::Reference>(p, "reference",
-                                {{"authors", kvc::Reference::authors}, {"kvpress", kvc::Reference::kvpress}});
-}
-
-/// Whether --queries are pre-RoPE (rotated to their positions) or post-RoPE (used as given).
-bool pre_rope(Params const& p) {
-  return choice<bool>(p, "queries", {{"pre_rope", true}, {"post_rope", false}});
-}
-
-/// Tokens the top-k selection protects (compress only).
-struct Selection {
-  kvc::Index n_sink = 0;
-  kvc::Index n_recent = 0;
-};
-
-/// The one place scorers are built: calls fn(scorer, selection) with the policy's scorer and its protections.
-template <class Fn>
-void with_policy(PolicyInfo const& policy, Params const& p, Fn&& fn) {
-  auto count = [&](char const* name, kvc::Index min = 0) {
-    return parse_count(p.at(name), std::string("--param ") + name, min);
-  };
-  auto selection_count = [&](char const* name) {
-    ParamInfo const* info = find_param(policy, name);
-    return info && info->stage == Stage::selection ? count(name) : kvc::Index{0};
-  };
-  Selection const sel{selection_count("n_sink"), selection_count("n_recent")};
-  auto emit = [&](auto const& scorer) {  // the table and the scorer agree on the name and on reading queries
-    using S = std::remove_cvref_t<decltype(scorer)>;
-    if (S::name != policy.name || kvc::has_need(S::needs, kvc::Needs::window_queries) != policy.reads_queries)
-      throw std::logic_error(std::string("kvc: the policy table disagrees with scorer ") + std::string(S::name));
-    fn(scorer, sel);
-  };
-  std::string_view const name = policy.name;
-  if (name == "streaming_llm") {
-    emit(kvc::StreamingLLMScorer{count("n_sink")});
-  } else if (name == "key_diff") {
-    kvc::KeyDiffScorer s;
-    s.anchor = choice<kvc::KeyDiffAnchor>(
-        p, "anchor",
-        {{"normalized_mean", kvc::KeyDiffAnchor::normalized_mean}, {"raw_mean", kvc::KeyDiffAnchor::raw_mean}});
-    emit(s);
-  } else if (name == "knorm") {
-    emit(kvc::KnormScorer{});
-  } else if (name == "snap_kv") {
-    kvc::SnapKVScorer s;
-    s.reference = reference_of(p);
-    s.window_size = count("window_size", 1);
-    s.kernel_size = count("kernel_size", 1);
-    if (s.kernel_size % 2 == 0)
-      fail(exit_invalid, "--param kernel_size = " + p.at("kernel_size") +
-                             ": expected an odd integer (an even kernel shifts the pooled scores)");
-    s.pooling = choice<kvc::Pooling>(p, "pooling", {{"max", kvc::Pooling::max}, {"avg", kvc::Pooling::avg}});
-    s.gqa = choice<kvc::GqaReduce>(p, "gqa",
-                                   {{"mean", kvc::GqaReduce::mean},
-                                    {"max", kvc::GqaReduce::max},
-                                    {"sum", kvc::GqaReduce::sum},
-                                    {"per_query_head", kvc::GqaReduce::per_query_head}});
-    if (s.reference == kvc::Reference::kvpress && s.gqa != kvc::GqaReduce::mean)
-      fail(exit_invalid, "--param gqa = " + p.at("gqa") +
-                             ": reference=kvpress averages over the GQA group (use gqa=mean, or reference=authors)");
-    if (auto const st = s.check(); !st.ok())
-      fail(exit_invalid, "policy snap_kv: " + std::string(st.message()));
-    emit(s);
-  } else if (name == "tova") {
-    emit(kvc::TOVAScorer{reference_of(p)});
-  } else if (name == "random") {
-    std::string const& seed = p.at("seed");
-    char* end = nullptr;
-    errno = 0;
-    unsigned long long const v = std::strtoull(seed.c_str(), &end, 10);
-    if (seed.empty() || seed[0] == '-' || seed[0] == '+' || *end != '\0' || errno == ERANGE)
-      fail(exit_invalid, "--param seed = '" + seed + "': expected an integer in [0, 2^64)");
-    emit(kvc::RandomScorer{static_cast<std::uint64_t>(v)});
-  } else {
-    throw std::logic_error("kvc: policy " + std::string(name) + " is in the table but has no scorer");
-  }
-}
 
 // ---------------------------------------------------------------------------------------------------------------
 // Commands and options.
@@ -331,14 +73,16 @@ struct CommandInfo {
 };
 
 char const* const overview_text =
-    "kvc: score and compress .npy KV-cache dumps with kvc's policies.\n"
+    "kvc: score and compress .npy or .safetensors KV-cache dumps with kvc's policies.\n"
     "usage:\n"
     "  kvc score    --policy NAME [--param NAME=VALUE]... --keys K.npy [--queries Q.npy] --out scores.npy\n"
     "  kvc compress --policy NAME (--ratio R | --budget N) [--param NAME=VALUE]... --keys K.npy --values V.npy\n"
     "               [--queries Q.npy] --out-dir DIR\n"
     "  kvc policies        every policy with its parameters and defaults\n"
     "  kvc COMMAND --help  the options of one command\n"
-    "Keys and values are [B, Hkv, N, d] float32 or float16 .npy (C order), post-RoPE as an engine caches them.\n"
+    "Keys and values are [B, Hkv, N, d] float32 or float16 .npy (C order), post-RoPE as an engine caches them, or\n"
+    "a tensor of a .safetensors file (FILE.safetensors:TENSOR, or FILE.safetensors holding one tensor; F32, F16\n"
+    "or BF16). Outputs are .npy.\n"
     "Exit codes: 0 success, 2 usage error, 3 invalid input (the message names the file, the field and what was\n"
     "expected).\n";
 
@@ -346,7 +90,9 @@ char const* const input_details =
     "  --policy NAME          a policy from `kvc policies`\n"
     "  --param NAME=VALUE     a parameter of the policy (repeatable); names the policy does not have are rejected\n"
     "  --keys K.npy           [B, Hkv, N, d] float32 or float16, C order, post-RoPE as an engine caches them;\n"
-    "                         slot t holds position t\n"
+    "                         slot t holds position t. Every input may instead be FILE.safetensors:TENSOR (split\n"
+    "                         at the last ':' after \".safetensors\"), or FILE.safetensors when it holds one\n"
+    "                         tensor; F32, F16 or BF16 (I64 for --positions)\n"
     "  --values V.npy         [B, Hkv, N, d_v], the keys' dtype\n"
     "  --queries Q.npy        [B, Hq, w, d] float32 or float16 (Hq a multiple of Hkv; query head q reads KV head\n"
     "                         q / (Hq / Hkv)): the last w queries of the context. Required by the policies that\n"
@@ -571,6 +317,29 @@ std::vector<T> buffer(std::size_t count, std::string const& what, T fill = T{}) 
   }
 }
 
+/// An input argument: FILE (a .npy file), FILE.safetensors (its only tensor) or FILE.safetensors:TENSOR. The split
+/// is at the last ':' and only when the text before it ends in ".safetensors", so a tensor whose name holds ':'
+/// cannot be named (a file holding only that tensor can still be read without a name).
+struct InputSpec {
+  std::string file;    ///< the file part: what is opened, and compared with the outputs
+  std::string tensor;  ///< the tensor's name; empty: the file's only tensor (or a .npy file)
+  bool safetensors = false;
+  bool named = false;  ///< a ':TENSOR' suffix was given (possibly empty)
+};
+
+InputSpec input_spec(std::string const& arg) {
+  constexpr std::string_view ext = ".safetensors";
+  auto ends_with_ext = [&](std::string_view s) {
+    return s.size() >= ext.size() && s.substr(s.size() - ext.size()) == ext;
+  };
+  if (ends_with_ext(arg))
+    return {arg, {}, true, false};
+  std::size_t const colon = arg.rfind(':');
+  if (colon != std::string::npos && ends_with_ext(std::string_view(arg).substr(0, colon)))
+    return {arg.substr(0, colon), arg.substr(colon + 1), true, true};
+  return {arg, {}, false, false};
+}
+
 /// The options naming input files, in the order they are read.
 constexpr char const* input_options[] = {"--keys", "--values", "--queries", "--positions"};
 
@@ -587,7 +356,7 @@ void check_outputs(Options const& o, std::vector<std::string> const& paths, std:
            what + " " + path + " exists and is not a regular file; expected a new path or a file to replace");
     std::optional<kvc::FileId> const id = kvc::file_id(path);
     for (char const* opt : input_options)
-      if (id && o.has(opt) && kvc::file_id(o.get(opt)) == id)
+      if (id && o.has(opt) && kvc::file_id(input_spec(o.get(opt)).file) == id)
         fail(exit_invalid, what + " " + path + " is the same file as " + opt + " " + o.get(opt) +
                                ": refusing to overwrite an input (choose another output path)");
     for (std::size_t i = 0; i < ids.size(); ++i)
@@ -655,27 +424,117 @@ void make_folders(std::string const& dir, std::vector<std::string>& made) {
 // ---------------------------------------------------------------------------------------------------------------
 // Inputs.
 
-struct Input {
-  std::string path;
-  kvc::NpyArray array;
+/// The element types the tool reads; `other` is any dtype it does not (named in messages by Array::dtype_text).
+enum class Elem : std::uint8_t { f32, f16, bf16, i64, other };
+
+/// An array read from a .npy file or from one tensor of a .safetensors file: C order, little-endian.
+struct Array {
+  Elem elem = Elem::other;
+  bool safetensors = false;  ///< where it came from: messages name the .npy field 'descr' or the tensor's 'dtype'
+  std::string dtype_text;    ///< the dtype as the file writes it: "<f8" (.npy) or "F64" (.safetensors)
+  std::vector<kvc::Index> shape;
+  std::vector<std::byte> data;
+
+  kvc::Index size() const noexcept {
+    kvc::Index n = 1;
+    for (kvc::Index d : shape)
+      n *= d;
+    return n;
+  }
+  kvc::Index itemsize() const noexcept {
+    return elem == Elem::f16 || elem == Elem::bf16 ? 2 : elem == Elem::f32 ? 4 : 8;
+  }
+  template <class T>
+  T const* as() const noexcept {
+    return reinterpret_cast<T const*>(data.data());
+  }
+  /// "field 'descr' is <f8, expected '<f4' (float32) or '<f2' (float16)", or the .safetensors wording.
+  std::string dtype_error(char const* npy_expected, char const* safetensors_expected) const {
+    return safetensors ? "field 'dtype' is " + dtype_text + ", expected " + safetensors_expected
+                       : "field 'descr' is " + dtype_text + ", expected " + npy_expected;
+  }
 };
 
-/// Reads a rank-4 float32/float16 tensor; `role` names it in messages ("keys file K.npy: ..."). The file's size
-/// bounds the array, and every dimension must be >= 1, so that no size derived from the shape (scores, plans,
-/// workspaces) exceeds what the file holds.
+/// "'a', 'b', 'c'" for the first 16 tensors of `h`, then "and N more".
+std::string tensor_names(kvc::SafetensorsHeader const& h) {
+  std::string names;
+  for (std::size_t i = 0; i < h.tensors.size() && i < 16; ++i)
+    names += (i ? ", '" : "'") + kvc::json::printable(h.tensors[i].name) + "'";
+  if (h.tensors.size() > 16)
+    names += " and " + std::to_string(h.tensors.size() - 16) + " more";
+  return names;
+}
+
+/// Reads the array `arg` names (see InputSpec) into `out`, or fails (exit 3) with `where` (e.g. "keys file K.npy: ")
+/// before the reader's message. The file's size bounds every allocation, and no file larger than the memory
+/// available is read (a sparse file may claim more than memory).
+void read_array(std::string const& arg, std::string const& where, Array& out) {
+  InputSpec const spec = input_spec(arg);
+  std::string error;
+  if (!spec.safetensors) {
+    kvc::NpyArray a;
+    if (!kvc::read_npy(spec.file, a, error, memory_bytes()))
+      fail(exit_invalid, where + error);
+    out.elem = a.dtype == kvc::NpyDtype::f32   ? Elem::f32
+               : a.dtype == kvc::NpyDtype::f16 ? Elem::f16
+               : a.dtype == kvc::NpyDtype::i64 ? Elem::i64
+                                               : Elem::other;
+    out.safetensors = false;
+    out.dtype_text = std::string(kvc::npy_descr(a.dtype));
+    out.shape = std::move(a.shape);
+    out.data = std::move(a.data);
+    return;
+  }
+  kvc::SafetensorsFile f;
+  if (!kvc::read_safetensors(spec.file, f, error, memory_bytes()))
+    fail(exit_invalid, where + error);
+  kvc::SafetensorsTensor const* t = nullptr;
+  if (spec.named) {
+    t = f.header.find(spec.tensor);
+    if (t == nullptr)
+      fail(exit_invalid, where + "no tensor named '" + kvc::json::printable(spec.tensor) + "'; the file holds " +
+                             (f.header.tensors.empty() ? std::string("no tensor") : tensor_names(f.header)));
+  } else if (f.header.tensors.size() != 1) {
+    fail(exit_invalid, where + "the file holds " + std::to_string(f.header.tensors.size()) + " tensors" +
+                           (f.header.tensors.empty() ? std::string() : " (" + tensor_names(f.header) + ")") +
+                           "; name one as " + spec.file + ":TENSOR");
+  } else {
+    t = &f.header.tensors[0];
+  }
+  using kvc::SafetensorsDtype;
+  out.elem = t->dtype == SafetensorsDtype::f32    ? Elem::f32
+             : t->dtype == SafetensorsDtype::f16  ? Elem::f16
+             : t->dtype == SafetensorsDtype::bf16 ? Elem::bf16
+             : t->dtype == SafetensorsDtype::i64  ? Elem::i64
+                                                  : Elem::other;
+  out.safetensors = true;
+  out.dtype_text = std::string(kvc::safetensors_dtype_name(t->dtype));
+  out.shape = t->shape;
+  // The tensor's bytes, moved to the front of the file's buffer (no second copy of the file).
+  auto const begin = static_cast<std::ptrdiff_t>(t->begin), bytes = static_cast<std::ptrdiff_t>(t->bytes);
+  out.data = std::move(f.bytes);
+  out.data.erase(out.data.begin(), out.data.begin() + begin);
+  out.data.resize(static_cast<std::size_t>(bytes));
+}
+
+struct Input {
+  std::string path;  ///< the argument as given (FILE, or FILE.safetensors:TENSOR), for messages
+  Array array;
+};
+
+/// Reads a rank-4 float32/float16 (or bfloat16, from .safetensors) tensor; `role` names it in messages ("keys file
+/// K.npy: ..."). The file's size bounds the array, and every dimension must be >= 1, so that no size derived from
+/// the shape (scores, plans, workspaces) exceeds what the file holds.
 Input load_tensor(std::string const& path, char const* role, char const* dims) {
   Input in{path, {}};
-  std::string error;
   std::string const where = std::string(role) + " file " + path + ": ";
-  if (!kvc::read_npy(path, in.array, error, memory_bytes()))  // the limit: a sparse file may claim more than memory
-    fail(exit_invalid, where + error);
+  read_array(path, where, in.array);
   auto const& s = in.array.shape;
   if (s.size() != 4)
     fail(exit_invalid,
          where + "field 'shape' has " + std::to_string(s.size()) + " dimensions, expected 4 (" + dims + ")");
-  if (in.array.dtype != kvc::NpyDtype::f32 && in.array.dtype != kvc::NpyDtype::f16)
-    fail(exit_invalid, where + "field 'descr' is " + std::string(kvc::npy_descr(in.array.dtype)) +
-                           ", expected '<f4' (float32) or '<f2' (float16)");
+  if (in.array.elem != Elem::f32 && in.array.elem != Elem::f16 && in.array.elem != Elem::bf16)
+    fail(exit_invalid, where + in.array.dtype_error("'<f4' (float32) or '<f2' (float16)", "F32, F16 or BF16"));
   if (std::find(s.begin(), s.end(), 0) != s.end())
     fail(exit_invalid, where + "field 'shape' is (" + std::to_string(s[0]) + ", " + std::to_string(s[1]) + ", " +
                            std::to_string(s[2]) + ", " + std::to_string(s[3]) +
@@ -744,8 +603,9 @@ void with_cache(Input const& keys, Input const* values, KeyRange range, Fn&& fn)
       fail(exit_invalid, "values file " + values->path + ": field 'shape' [B, Hkv, N] must equal the keys' (" +
                              std::to_string(ek.batch) + ", " + std::to_string(ek.heads) + ", " +
                              std::to_string(ek.tokens) + ")");
-    if (values->array.dtype != keys.array.dtype)
-      fail(exit_invalid, "values file " + values->path + ": field 'descr' must equal the keys' dtype");
+    if (values->array.elem != keys.array.elem)
+      fail(exit_invalid, "values file " + values->path + ": field '" + (values->array.safetensors ? "dtype" : "descr") +
+                             "' must equal the keys' dtype");
   }
   Input const& v = values ? *values : keys;
   auto run = [&](auto tag) {
@@ -765,8 +625,10 @@ void with_cache(Input const& keys, Input const* values, KeyRange range, Fn&& fn)
       check_key_norms(cache.keys, keys.path);
     fn(cache);
   };
-  if (keys.array.dtype == kvc::NpyDtype::f16)
+  if (keys.array.elem == Elem::f16)
     run(kvc::half{});
+  else if (keys.array.elem == Elem::bf16)
+    run(kvc::bfloat16{});
   else
     run(float{});
 }
@@ -814,8 +676,9 @@ void load_queries(Options const& o, kvc::KVExtents const& k, std::string const& 
                            std::to_string(k.dim) + " (" + keys_path + ")");
   q.rows = buffer<float>(static_cast<std::size_t>(q.ext.rows() * q.ext.dim), "the fp32 copy of queries file " + q.path);
   for (std::size_t i = 0; i < q.rows.size(); ++i) {
-    q.rows[i] =
-        in.array.dtype == kvc::NpyDtype::f16 ? kvc::to_float(in.array.as<kvc::half>()[i]) : in.array.as<float>()[i];
+    q.rows[i] = in.array.elem == Elem::f16    ? kvc::to_float(in.array.as<kvc::half>()[i])
+                : in.array.elem == Elem::bf16 ? kvc::to_float(in.array.as<kvc::bfloat16>()[i])
+                                              : in.array.as<float>()[i];
     if (!std::isfinite(q.rows[i]))
       fail(exit_invalid, "queries file " + q.path + ": field 'data' holds NaN or Inf (element " + std::to_string(i) +
                              "), expected finite values");
@@ -828,12 +691,10 @@ void load_queries(Options const& o, kvc::KVExtents const& k, std::string const& 
   if (o.has("--positions")) {
     q.positions_path = o.get("--positions");
     std::string const pw = "positions file " + q.positions_path + ": ";
-    kvc::NpyArray p;
-    std::string error;
-    if (!kvc::read_npy(q.positions_path, p, error, memory_bytes()))
-      fail(exit_invalid, pw + error);
-    if (p.dtype != kvc::NpyDtype::i64)
-      fail(exit_invalid, pw + "field 'descr' is " + std::string(kvc::npy_descr(p.dtype)) + ", expected '<i8' (int64)");
+    Array p;
+    read_array(q.positions_path, pw, p);
+    if (p.elem != Elem::i64)
+      fail(exit_invalid, pw + p.dtype_error("'<i8' (int64)", "I64"));
     if (p.shape != std::vector<kvc::Index>{q.ext.batch, q.ext.tokens})
       fail(exit_invalid, pw + "field 'shape' has " + std::to_string(p.shape.size()) +
                              " dimensions or other sizes, expected [batch, window] = [" + std::to_string(q.ext.batch) +
@@ -1105,15 +966,28 @@ int cmd_compress(Options const& o) {
 
   // Repack [B, H, kept_max, d]: compaction left each head's kept rows in its first slots. Every size is at most the
   // input's (kept_max <= tokens).
+  // bfloat16 (from .safetensors) is written as float32, exactly: .npy has no bfloat16.
   auto repack = [&](Input const& in) {
-    kvc::Index const d = in.array.shape[3], item = kvc::npy_itemsize(in.array.dtype);
-    std::vector<std::byte> out =
-        buffer<std::byte>(heads * static_cast<std::size_t>(kept_max * d * item), "the compressed copy of " + in.path);
-    for (kvc::Index bh = 0; bh < e.batch * e.heads; ++bh)
-      std::copy_n(in.array.data.data() + bh * e.tokens * d * item, count[static_cast<std::size_t>(bh)] * d * item,
-                  out.data() + bh * kept_max * d * item);
+    kvc::Index const d = in.array.shape[3], item = in.array.itemsize();
+    bool const widen = in.array.elem == Elem::bf16;
+    kvc::Index const out_item = widen ? 4 : item;
+    std::vector<std::byte> out = buffer<std::byte>(heads * static_cast<std::size_t>(kept_max * d * out_item),
+                                                   "the compressed copy of " + in.path);
+    for (kvc::Index bh = 0; bh < e.batch * e.heads; ++bh) {
+      kvc::Index const n = count[static_cast<std::size_t>(bh)] * d;
+      if (widen) {
+        kvc::bfloat16 const* src = in.array.as<kvc::bfloat16>() + bh * e.tokens * d;
+        for (kvc::Index i = 0; i < n; ++i) {
+          float const x = kvc::to_float(src[i]);
+          std::memcpy(out.data() + (bh * kept_max * d + i) * 4, &x, 4);
+        }
+      } else {
+        std::copy_n(in.array.data.data() + bh * e.tokens * d * item, n * item, out.data() + bh * kept_max * d * item);
+      }
+    }
     return out;
   };
+  auto npy_dtype = [](Input const& in) { return in.array.elem == Elem::f16 ? kvc::NpyDtype::f16 : kvc::NpyDtype::f32; };
   std::vector<kvc::Index> kept_index =
       buffer<kvc::Index>(heads * static_cast<std::size_t>(kept_max), "the kept indices of " + job.context(), -1);
   for (kvc::Index bh = 0; bh < e.batch * e.heads; ++bh)
@@ -1124,9 +998,9 @@ int cmd_compress(Options const& o) {
   std::string const dir = out_dir + "/";
   try {
     make_folders(out_dir, made);
-    write_outputs({{dir + compress_outputs[0], keys.array.dtype, {e.batch, e.heads, kept_max, e.dim}, k_out.data()},
+    write_outputs({{dir + compress_outputs[0], npy_dtype(keys), {e.batch, e.heads, kept_max, e.dim}, k_out.data()},
                    {dir + compress_outputs[1],
-                    values.array.dtype,
+                    npy_dtype(values),
                     {e.batch, e.heads, kept_max, values.array.shape[3]},
                     v_out.data()},
                    {dir + compress_outputs[2], kvc::NpyDtype::i64, {e.batch, e.heads, kept_max}, kept_index.data()},

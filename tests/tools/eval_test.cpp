@@ -1,0 +1,324 @@
+// SPDX-License-Identifier: Apache-2.0
+// tests/tools/eval_test.cpp: kvc-eval's measurement (tools/eval/): metrics against hand-computed values, the
+// guarantees of a run on the real models (ratio 0 is exactly lossless, runs are deterministic for a seed, paged and
+// dense caches give identical numbers, compression costs quality), the outputs' format, the model loader's checks
+// on damaged files, and the program's exit codes.
+#include "eval/engine.hpp"
+#include "eval/metrics.hpp"
+#include "eval/model.hpp"
+#include "eval/report.hpp"
+#include "eval/run.hpp"
+
+#include <kvc/io/json.hpp>
+#include <kvc/io/npy.hpp>
+
+#include "support/catch.hpp"
+
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <string>
+#include <vector>
+
+namespace {
+
+using kvc::Index;
+using namespace kvc::eval;
+namespace fs = std::filesystem;
+
+std::string const tinystories = std::string(KVC_SHARED_DIR) + "/models/tinystories-656k";
+std::string const stories260k = std::string(KVC_SHARED_DIR) + "/models/stories260k";
+
+bool have(std::string const& dir) {
+  if (fs::exists(dir))
+    return true;
+  WARN("SKIPPED: " << dir << " is absent (the shared models folder)");
+  return false;
+}
+
+Model load(std::string const& path) {
+  Model m;
+  std::string error;
+  bool const loaded = Model::load(path, m, error);
+  INFO(error);
+  REQUIRE(loaded);
+  return m;
+}
+
+RunOptions options_for(std::vector<std::string> const& names, std::vector<double> const& ratios, CacheOptions cache) {
+  RunOptions o;
+  for (auto const& n : names) {
+    auto const& info = kvc::tools::find_policy(n);
+    o.policies.push_back({&info, kvc::tools::resolve_params(info, {}, true)});
+  }
+  o.ratios = ratios;
+  o.prompt_tokens = 48;
+  o.continuation = 16;
+  o.cache = cache;
+  return o;
+}
+
+std::string work_dir(char const* name) {
+  std::string const dir = std::string(KVC_EVAL_WORK) + "/" + name;
+  fs::remove_all(dir);
+  fs::create_directories(dir);
+  return dir;
+}
+
+void write_bytes(std::string const& path, std::string const& bytes) {
+  std::ofstream(path, std::ios::binary).write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+}
+
+std::string read_text(std::string const& path) {
+  std::ifstream f(path, std::ios::binary);
+  return {std::istreambuf_iterator<char>(f), {}};
+}
+
+/// Runs a shell command; returns its exit code and (in `output`) its stdout + stderr.
+int run_command(std::string const& command, std::string& output) {
+  output.clear();
+  std::FILE* p = popen((command + " 2>&1").c_str(), "r");
+  REQUIRE(p != nullptr);
+  char buf[4096];
+  while (std::size_t n = std::fread(buf, 1, sizeof buf, p))
+    output.append(buf, n);
+  int const status = pclose(p);
+  return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+}
+
+}  // namespace
+
+TEST_CASE("metrics: KL, argmax and NLL against hand computation") {
+  // p = softmax(0, ln 3) = (1/4, 3/4); q = softmax(0, 0) = (1/2, 1/2).
+  float const p[2] = {0.0f, static_cast<float>(std::log(3.0))}, q[2] = {0.0f, 0.0f};
+  double const expected = 0.25 * std::log(0.5) + 0.75 * std::log(1.5);  // sum p log(p / q)
+  CHECK(std::abs(kl_divergence(p, q, 2) - expected) < 1e-7);
+  CHECK(kl_divergence(p, p, 2) == 0.0);
+  CHECK(std::abs(negative_log_likelihood(p, 2, 0) - std::log(4.0)) < 1e-7);
+  float const tie[3] = {1.0f, 2.0f, 2.0f};
+  CHECK(argmax(tie, 3) == 1);  // ties keep the lower index
+  Eigen::MatrixXf a(1, 2), b(1, 2);
+  a << 3, 4;
+  b << 0, 5;
+  CHECK(std::abs(relative_error(a, b) - std::sqrt(10.0) / 5.0) < 1e-12);
+}
+
+TEST_CASE("report: side-by-side columns and wrapping keep every word") {
+  auto const lines = wrap("the cat sat on the mat", 7);
+  CHECK(lines == std::vector<std::string>{"the cat", "sat on", "the mat"});
+  CHECK(wrap("abcdefghij k\n\nx", 4) == std::vector<std::string>{"abcd", "efgh", "ij k", "", "x"});
+  CHECK(wrap("\xc3\xa9t\xc3\xa9 ok", 3) == std::vector<std::string>{"\xc3\xa9t\xc3\xa9", "ok"});  // code points
+  std::string const s = side_by_side("full", "a b", "policy", "c", 5);
+  CHECK(s == "full  | policy\n------+------\na b   | c\n");
+}
+
+TEST_CASE("ratio 0 is exactly lossless, compression costs quality, runs repeat exactly") {
+  if (!have(tinystories))
+    return;
+  Model const model = load(tinystories);
+  auto const cache = CacheOptions{CacheType::f16, CacheLayout::dense};
+  std::vector<std::vector<std::int32_t>> samples;
+  for (std::uint64_t s = 0; s < 2; ++s)
+    samples.push_back(sample_tokens(model, cache, 48 + 16 + 1, 1, 11 + s, {1, 2}));
+  CHECK(samples[0] == sample_tokens(model, cache, 65, 1, 11, {1, 2}));  // the same seed, the same prompt
+  CHECK(samples[0] != samples[1]);
+  for (auto const& s : samples)
+    for (std::int32_t t : std::vector<std::int32_t>(s.begin() + 1, s.end()))
+      CHECK((t != 1 && t != 2));  // BOS and EOS are never sampled
+
+  auto const opts = options_for({"key_diff", "snap_kv", "streaming_llm", "random"}, {0.0, 0.75}, cache);
+  auto const records = evaluate(model, opts, samples);
+  REQUIRE(records.size() == 8);
+  for (Record const& r : records) {
+    INFO(r.policy << " at " << r.ratio);
+    CHECK(r.samples == 2);
+    REQUIRE(r.layer_error.size() == 2);
+    if (r.ratio == 0.0) {
+      CHECK(r.kl == 0.0);
+      CHECK(r.top1 == 1.0);
+      CHECK(r.perplexity == r.perplexity_full);
+      CHECK(r.kv_bytes == r.kv_bytes_full);
+      CHECK(r.layer_error[0] == 0.0);
+    } else {
+      CHECK(r.kl > 0.0);
+      CHECK(r.layer_error[0] > 0.0);
+      // 48 prompt tokens per head at ratio 0.75 keep 12: a quarter of the bytes (fp16 K + V, 2 layers x 4 heads).
+      CHECK(r.kv_bytes == 2 * 4 * 12 * 2 * 16 * 2);
+      CHECK(r.kv_bytes_full == 2 * 4 * 48 * 2 * 16 * 2);
+    }
+  }
+  auto const again = evaluate(model, opts, samples);
+  for (std::size_t i = 0; i < records.size(); ++i) {
+    CHECK(again[i].kl == records[i].kl);
+    CHECK(again[i].top1 == records[i].top1);
+  }
+  // Paged storage changes where rows live, not what attention computes: identical numbers.
+  auto const paged = evaluate(model, options_for({"key_diff", "snap_kv"}, {0.75}, {CacheType::f16, CacheLayout::paged}),
+                              samples);
+  CHECK(paged[0].kl == records[1].kl);
+  CHECK(paged[1].kl == records[3].kl);
+}
+
+TEST_CASE("a llama2.c checkpoint runs through the same engine, and compression at ratio 0 changes nothing") {
+  if (!have(stories260k))
+    return;
+  Model const model = load(stories260k);
+  CHECK(model.config.format == "llama2.c");
+  CHECK(model.config.layers == 5);
+  CHECK(model.config.kv_heads == 4);
+  CHECK(model.owned_bytes() == 0);  // float32 weights used in place from the mapping
+  auto const cache = CacheOptions{CacheType::f32, CacheLayout::paged};
+  std::vector<std::vector<std::int32_t>> samples{sample_tokens(model, cache, 40, 1, 3, {1, 2})};
+  auto opts = options_for({"tova", "knorm"}, {0.0, 0.5}, cache);
+  opts.prompt_tokens = 24;
+  opts.continuation = 15;
+  auto const records = evaluate(model, opts, samples);
+  CHECK(records[0].kl == 0.0);
+  CHECK(records[1].kl > 0.0);
+  CHECK(records[2].top1 == 1.0);
+}
+
+TEST_CASE("results.json holds every field docs/eval.md lists") {
+  Record r;
+  r.policy = "snap_kv";
+  r.ratio = 0.5;
+  r.kl = 0.125;
+  r.top1 = 0.75;
+  r.perplexity = 3;
+  r.perplexity_full = 2.5;
+  r.kv_bytes = 1024;
+  r.kv_bytes_full = 2048;
+  r.seconds = 0.001;
+  r.layer_error = {0.5, std::nan("")};
+  r.samples = 4;
+  auto const& info = kvc::tools::find_policy("snap_kv");
+  std::vector<PolicyRun> const runs{{&info, kvc::tools::resolve_params(info, {}, true)}};
+  std::string const text = results_json({r}, runs, RunInfo{"m\"odel", "fp16", "dense", 256, 64, 7, "sampled"});
+  kvc::json::Value v;
+  std::string error;
+  REQUIRE(kvc::json::parse(text, v, error));
+  REQUIRE(v.items().size() == 1);
+  kvc::json::Value const& rec = v.items()[0];
+  for (char const* field : {"policy", "ratio", "kl", "top1", "perplexity", "perplexity_full", "kv_bytes",
+                            "kv_bytes_full", "seconds", "layer_error", "params", "model", "cache", "layout"})
+    CHECK(rec.find(field) != nullptr);
+  CHECK(rec.find("kl")->as_double() == 0.125);
+  CHECK(rec.find("model")->as_string() == "m\"odel");
+  CHECK(rec.find("layer_error")->items()[1].is_null());  // NaN is not JSON: null
+  CHECK(results_csv({r}).rfind("policy,ratio,kl,top1,perplexity,perplexity_full,kv_bytes,kv_bytes_full,seconds,"
+                               "samples,layer_error_0,layer_error_1\nsnap_kv,0.5,0.125,0.75,3,2.5,1024,2048,",
+                               0) == 0);
+}
+
+TEST_CASE("the model loader refuses damaged checkpoints and configs with a message naming the file and field") {
+  std::string const dir = work_dir("damaged");
+  auto const refused = [](std::string const& path, std::string const& expected) {
+    Model m;
+    std::string error;
+    INFO(path);
+    bool const loaded = Model::load(path, m, error);
+    INFO(error);
+    CHECK_FALSE(loaded);
+    CHECK(error.find(expected) != std::string::npos);
+  };
+  std::int32_t header[7] = {64, 172, 5, 8, 4, 512, 512};
+  auto const header_bytes = [&] { return std::string(reinterpret_cast<char const*>(header), sizeof header); };
+  write_bytes(dir + "/short.bin", "abc");
+  refused(dir + "/short.bin", "shorter than a llama2.c checkpoint header");
+  write_bytes(dir + "/truncated.bin", header_bytes() + std::string(1000, '\0'));
+  refused(dir + "/truncated.bin", "but the header");
+  header[3] = 7;  // 64 is not a multiple of 7
+  write_bytes(dir + "/heads.bin", header_bytes());
+  refused(dir + "/heads.bin", "must be a multiple of n_heads");
+  header[3] = 8;
+  header[0] = -64;
+  write_bytes(dir + "/negative.bin", header_bytes());
+  refused(dir + "/negative.bin", "header field dim = -64");
+  header[0] = 64;
+  header[2] = 1 << 30;
+  write_bytes(dir + "/huge.bin", header_bytes());
+  refused(dir + "/huge.bin", "n_layers");
+  refused(dir + "/absent.bin", "no such file");
+
+  fs::create_directories(dir + "/hf");
+  write_bytes(dir + "/hf/config.json", "{\"model_type\": \"llama\", \"hidden_size\": 128");
+  refused(dir + "/hf", "config.json");
+  write_bytes(dir + "/hf/config.json",
+              R"({"model_type": "llama", "hidden_size": 128, "intermediate_size": 384, "num_hidden_layers": 2,
+                  "num_attention_heads": 8, "num_key_value_heads": 3, "vocab_size": 2048,
+                  "max_position_embeddings": 512, "rms_norm_eps": 1e-6})");
+  refused(dir + "/hf", "must be a multiple of KV heads");
+  write_bytes(dir + "/hf/config.json",
+              R"({"model_type": "llama", "hidden_size": 128, "intermediate_size": 384, "num_hidden_layers": 2,
+                  "num_attention_heads": 8, "num_key_value_heads": 4, "vocab_size": 2048,
+                  "max_position_embeddings": 512, "rms_norm_eps": 1e-6, "rope_scaling": {"type": "yarn",
+                  "factor": 4.0}})");
+  refused(dir + "/hf", "rope_scaling type 'yarn' is not supported");
+  write_bytes(dir + "/hf/config.json",
+              R"({"model_type": "llama", "hidden_size": 128, "intermediate_size": 384, "num_hidden_layers": 2,
+                  "num_attention_heads": 8, "num_key_value_heads": 4, "vocab_size": 2048,
+                  "max_position_embeddings": 512, "rms_norm_eps": 1e-6})");
+  refused(dir + "/hf", "model.safetensors");  // absent
+  if (have(tinystories)) {
+    // The real weights under a config that disagrees with them: the first tensor whose shape differs is named.
+    fs::copy_file(tinystories + "/model.safetensors", dir + "/hf/model.safetensors");
+    write_bytes(dir + "/hf/config.json",
+                R"({"model_type": "llama", "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2,
+                    "num_attention_heads": 8, "num_key_value_heads": 4, "vocab_size": 2048,
+                    "max_position_embeddings": 512, "rms_norm_eps": 1e-6})");
+    refused(dir + "/hf", "tensor \"model.layers.0.mlp.gate_proj.weight\" has shape [384, 128], expected [256, 128]");
+  }
+}
+
+TEST_CASE("kvc-eval: exit codes 2 (usage) and 3 (invalid input), logits and dump write whole files") {
+  std::string const eval = KVC_EVAL;
+  std::string out;
+  CHECK(run_command(eval, out) == 2);
+  CHECK(run_command(eval + " frobnicate", out) == 2);
+  CHECK(out.find("unknown command 'frobnicate'") != std::string::npos);
+  CHECK(run_command(eval + " run --model x", out) == 2);  // --out-dir missing
+  CHECK(out.find("missing --out-dir") != std::string::npos);
+  CHECK(run_command(eval + " run --model x --out-dir y --schedule decode", out) == 2);
+  CHECK(out.find("only 'prefill' exists") != std::string::npos);
+  CHECK(run_command(eval + " logits --model /nonexistent --tokens t.npy --out l.npy", out) == 3);
+  CHECK(out.find("/nonexistent") != std::string::npos);
+  if (!have(tinystories))
+    return;
+  std::string const dir = work_dir("cli");
+  std::int64_t const bad[3] = {1, 5, 2048};
+  Index const shape[1] = {3};
+  std::string error;
+  REQUIRE(kvc::write_npy(dir + "/bad.npy", kvc::NpyDtype::i64, shape, bad, error));
+  CHECK(run_command(eval + " logits --model " + tinystories + " --tokens " + dir + "/bad.npy --out " + dir +
+                        "/l.npy",
+                    out) == 3);
+  CHECK(out.find("token 2 is 2048, outside the vocabulary [0, 2048)") != std::string::npos);
+  CHECK_FALSE(fs::exists(dir + "/l.npy"));
+  std::int64_t const good[3] = {1, 5, 7};
+  REQUIRE(kvc::write_npy(dir + "/good.npy", kvc::NpyDtype::i64, shape, good, error));
+  REQUIRE(run_command(eval + " logits --model " + tinystories + " --tokens " + dir + "/good.npy --out " + dir +
+                          "/l.npy",
+                      out) == 0);
+  kvc::NpyArray logits;
+  REQUIRE(kvc::read_npy(dir + "/l.npy", logits, error));
+  CHECK(logits.shape == std::vector<Index>{3, 2048});
+  REQUIRE(run_command(eval + " dump --model " + tinystories + " --tokens " + dir + "/good.npy --out-dir " + dir +
+                          "/dump",
+                      out) == 0);
+  kvc::NpyArray keys;
+  REQUIRE(kvc::read_npy(dir + "/dump/layer1/keys.npy", keys, error));
+  CHECK(keys.shape == std::vector<Index>{1, 4, 3, 16});
+  CHECK(fs::exists(dir + "/dump/meta.json"));
+  // A short run end to end: every output appears.
+  REQUIRE(run_command(eval + " run --model " + tinystories + " --out-dir " + dir +
+                          "/run --policies snap_kv --ratios 0,0.5 --prompt-tokens 32 --continuation 8 --samples 1 "
+                          "--generate 8 --no-progress",
+                      out) == 0);
+  for (char const* f : {"results.json", "results.csv", "kl.svg", "top1.svg", "generation.txt"})
+    CHECK(fs::exists(dir + "/run/" + f));
+  kvc::json::Value v;
+  REQUIRE(kvc::json::parse(read_text(dir + "/run/results.json"), v, error));
+  CHECK(v.items().size() == 4);  // snap_kv and random at two ratios
+}

@@ -1,0 +1,294 @@
+// SPDX-License-Identifier: Apache-2.0
+// tools/common/policies.hpp: the one table of kvc's policies for the tools (`kvc`, `kvc-eval`): names, summaries,
+// parameters with their defaults (kvpress's where reference=kvpress), what each reads, and the one place a scorer is
+// built from a name and NAME=VALUE parameters (with_policy). Errors throw kvc::tools::Failure with the exit code of
+// the tools' contract: 2 usage, 3 invalid input, 70 a bug in kvc.
+#pragma once
+
+#include <kvc/backend/cpu/scorers/key_diff.hpp>
+#include <kvc/backend/cpu/scorers/knorm.hpp>
+#include <kvc/backend/cpu/scorers/random.hpp>
+#include <kvc/backend/cpu/scorers/snap_kv.hpp>
+#include <kvc/backend/cpu/scorers/streaming_llm.hpp>
+#include <kvc/backend/cpu/scorers/tova.hpp>
+
+#include <cerrno>
+#include <cstdint>
+#include <cstdlib>
+#include <initializer_list>
+#include <map>
+#include <stdexcept>
+#include <string>
+#include <string_view>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+namespace kvc::tools {
+
+constexpr int exit_usage = 2;
+constexpr int exit_invalid = 3;
+constexpr int exit_internal = 70;  ///< EX_SOFTWARE: a bug in kvc (e.g. the policy table and a scorer disagree)
+
+/// An error that ends the program with a message and an exit code.
+struct Failure {
+  int code;
+  std::string message;
+};
+
+[[noreturn]] inline void fail(int code, std::string message) {
+  throw Failure{code, std::move(message)};
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Policies: the one table of names, summaries, parameters (with defaults and help) and inputs read.
+
+/// Where a parameter acts: the scorer, compress's top-k selection (compress only), or how the queries are read.
+enum class Stage : std::uint8_t { scorer, selection, queries };
+
+struct ParamInfo {
+  char const* name;
+  char const* default_value;
+  char const* help;
+  Stage stage = Stage::scorer;
+  char const* kvpress_default = nullptr;  ///< the default under reference=kvpress, where it differs
+};
+
+struct PolicyInfo {
+  char const* name;
+  char const* summary;
+  std::vector<ParamInfo> params;
+  bool reads_keys;
+  bool reads_queries;  ///< needs --queries (and accepts --positions, --rope and the `queries` parameter)
+};
+
+inline ParamInfo const n_sink_param{"n_sink", "0", "first tokens always kept (compress only)", Stage::selection};
+inline ParamInfo const n_recent_param{"n_recent", "0", "last tokens always kept (compress only)", Stage::selection};
+inline ParamInfo const queries_param{
+    "queries", "pre_rope", "pre_rope (rotated with --rope at their positions) or post_rope (as given)", Stage::queries};
+
+inline std::vector<PolicyInfo> const& policies() {
+  static std::vector<PolicyInfo> const list = {
+      {"streaming_llm",
+       "attention sinks + most recent tokens (Xiao et al., arXiv 2309.17453)",
+       {{"n_sink", "4", "first tokens always kept"}},
+       false,
+       false},
+      {"key_diff",
+       "keep keys least similar to the mean unit key (Park et al., arXiv 2504.15364, Eq. 8)",
+       {{"anchor", "normalized_mean", "normalized_mean (paper, kvpress) or raw_mean"},
+        {"n_sink", "0", "first tokens always kept (KeyDiff + sinks; compress only)", Stage::selection},
+        {"n_recent", "0", "last tokens always kept (KeyDiff + Recent, paper Table 11; compress only)",
+         Stage::selection}},
+       true,
+       false},
+      {"knorm",
+       "keep the lowest-norm keys (Devoto et al., EMNLP 2024; kvpress KnormPress)",
+       {n_sink_param, n_recent_param},
+       true,
+       false},
+      {"snap_kv",
+       "the last window_size queries vote for the prefix keys they attend to (Li et al., arXiv 2404.14469)",
+       {{"reference", "authors", "authors (paper code) or kvpress (SnapKVPress, with the kvpress defaults below)"},
+        {"window_size", "32", "observation window w: the last w rows of --queries vote", Stage::scorer, "64"},
+        {"kernel_size", "7", "pooling kernel along the tokens, odd", Stage::scorer, "5"},
+        {"pooling", "max", "max or avg (avg always divides by kernel_size, as PyTorch)", Stage::scorer, "avg"},
+        {"gqa", "mean", "GQA reduction: mean, max, sum or per_query_head (Hq = Hkv); kvpress: mean"},
+        queries_param,
+        n_sink_param,
+        n_recent_param},
+       true,
+       true},
+      {"tova",
+       "keep the tokens the newest query attends to most, mean over query heads (Oren et al., arXiv 2401.06104)",
+       {{"reference", "authors", "authors (the newest token competes) or kvpress (TOVAPress: it is always kept)"},
+        queries_param,
+        n_sink_param,
+        n_recent_param},
+       true,
+       true},
+      {"random",
+       "uniform random eviction, the baseline every policy must beat (kvpress RandomPress)",
+       {{"seed", "0", "64-bit; scores hash (seed, b, h, t): the same on every run and backend"},
+        n_sink_param,
+        n_recent_param},
+       false,
+       false},
+  };
+  return list;
+}
+
+inline std::string policy_names(bool queries_only = false) {
+  std::string names;
+  for (auto const& p : policies())
+    if (!queries_only || p.reads_queries)
+      names += std::string(names.empty() ? "" : ", ") + p.name;
+  return names;
+}
+
+inline PolicyInfo const& find_policy(std::string const& name) {
+  for (auto const& p : policies())
+    if (name == p.name)
+      return p;
+  fail(exit_usage, "unknown --policy '" + name + "' (expected one of: " + policy_names() + ")");
+}
+
+inline ParamInfo const* find_param(PolicyInfo const& policy, std::string_view name) {
+  for (auto const& p : policy.params)
+    if (name == p.name)
+      return &p;
+  return nullptr;
+}
+
+using Params = std::map<std::string, std::string, std::less<>>;
+
+/// Parameter values after --param overrides and the defaults (kvpress's where reference=kvpress). Unknown names,
+/// repeats, and selection parameters given to `score` are usage errors.
+inline Params resolve_params(PolicyInfo const& policy, std::vector<std::string> const& given, bool compress) {
+  Params set;
+  for (auto const& kv : given) {
+    auto const eq = kv.find('=');
+    if (eq == std::string::npos || eq == 0)
+      fail(exit_usage, "--param '" + kv + "': expected NAME=VALUE");
+    std::string const key = kv.substr(0, eq);
+    ParamInfo const* info = find_param(policy, key);
+    if (info == nullptr) {
+      std::string names;
+      for (auto const& p : policy.params)
+        names += std::string(names.empty() ? "" : ", ") + p.name;
+      fail(exit_usage, "--param '" + key + "' is not a parameter of policy " + policy.name +
+                           " (its parameters: " + (names.empty() ? "none" : names) + "; see `kvc policies`)");
+    }
+    if (!compress && info->stage == Stage::selection)
+      fail(exit_usage, "--param '" + key + "' of policy " + policy.name +
+                           " protects tokens in compress's selection; it does not change scores (use kvc compress)");
+    if (!set.emplace(key, kv.substr(eq + 1)).second)
+      fail(exit_usage, "--param '" + key + "' given twice");
+  }
+  auto const ref = set.find("reference");
+  bool const kvpress = ref != set.end() && ref->second == "kvpress";
+  Params values;
+  for (auto const& p : policy.params) {
+    auto const it = set.find(p.name);
+    values[p.name] =
+        it != set.end() ? it->second : (kvpress && p.kvpress_default ? p.kvpress_default : p.default_value);
+  }
+  return values;
+}
+
+inline kvc::Index parse_count(std::string const& text, std::string const& what, kvc::Index min = 0) {
+  char* end = nullptr;
+  errno = 0;
+  long long const v = std::strtoll(text.c_str(), &end, 10);
+  if (text.empty() || *end != '\0' || errno == ERANGE)
+    fail(exit_invalid, what + " = '" + text + "': expected an integer");
+  if (v < min)
+    fail(exit_invalid, what + " = " + text + ": expected an integer >= " + std::to_string(min));
+  return v;
+}
+
+inline double parse_ratio(std::string const& text) {
+  char* end = nullptr;
+  double const r = std::strtod(text.c_str(), &end);
+  if (text.empty() || *end != '\0')
+    fail(exit_invalid, "--ratio '" + text + "': expected a number in [0, 1]");
+  if (!(r >= 0.0 && r <= 1.0))
+    fail(exit_invalid, "--ratio " + text + ": expected a number in [0, 1] (the fraction of tokens removed)");
+  return r;
+}
+
+/// Parameter `name` as one of the named choices (bad values exit 3, naming the parameter and the choices).
+template <class E>
+E choice(Params const& p, char const* name, std::initializer_list<std::pair<std::string_view, E>> options) {
+  std::string const& value = p.at(name);
+  std::string expected;  // "a, b or c"
+  std::size_t i = 0;
+  for (auto const& [text, e] : options) {
+    if (value == text)
+      return e;
+    expected += (i == 0 ? "" : (i + 1 == options.size() ? " or " : ", ")) + std::string(text);
+    ++i;
+  }
+  fail(exit_invalid, std::string("--param ") + name + " = '" + value + "': expected " + expected);
+}
+
+inline kvc::Reference reference_of(Params const& p) {
+  return choice<kvc::Reference>(p, "reference",
+                                {{"authors", kvc::Reference::authors}, {"kvpress", kvc::Reference::kvpress}});
+}
+
+/// Whether --queries are pre-RoPE (rotated to their positions) or post-RoPE (used as given).
+inline bool pre_rope(Params const& p) {
+  return choice<bool>(p, "queries", {{"pre_rope", true}, {"post_rope", false}});
+}
+
+/// Tokens the top-k selection protects (compress only).
+struct Selection {
+  kvc::Index n_sink = 0;
+  kvc::Index n_recent = 0;
+};
+
+/// The one place scorers are built: calls fn(scorer, selection) with the policy's scorer and its protections.
+template <class Fn>
+void with_policy(PolicyInfo const& policy, Params const& p, Fn&& fn) {
+  auto count = [&](char const* name, kvc::Index min = 0) {
+    return parse_count(p.at(name), std::string("--param ") + name, min);
+  };
+  auto selection_count = [&](char const* name) {
+    ParamInfo const* info = find_param(policy, name);
+    return info && info->stage == Stage::selection ? count(name) : kvc::Index{0};
+  };
+  Selection const sel{selection_count("n_sink"), selection_count("n_recent")};
+  auto emit = [&](auto const& scorer) {  // the table and the scorer agree on the name and on reading queries
+    using S = std::remove_cvref_t<decltype(scorer)>;
+    if (S::name != policy.name || kvc::has_need(S::needs, kvc::Needs::window_queries) != policy.reads_queries)
+      throw std::logic_error(std::string("kvc: the policy table disagrees with scorer ") + std::string(S::name));
+    fn(scorer, sel);
+  };
+  std::string_view const name = policy.name;
+  if (name == "streaming_llm") {
+    emit(kvc::StreamingLLMScorer{count("n_sink")});
+  } else if (name == "key_diff") {
+    kvc::KeyDiffScorer s;
+    s.anchor = choice<kvc::KeyDiffAnchor>(
+        p, "anchor",
+        {{"normalized_mean", kvc::KeyDiffAnchor::normalized_mean}, {"raw_mean", kvc::KeyDiffAnchor::raw_mean}});
+    emit(s);
+  } else if (name == "knorm") {
+    emit(kvc::KnormScorer{});
+  } else if (name == "snap_kv") {
+    kvc::SnapKVScorer s;
+    s.reference = reference_of(p);
+    s.window_size = count("window_size", 1);
+    s.kernel_size = count("kernel_size", 1);
+    if (s.kernel_size % 2 == 0)
+      fail(exit_invalid, "--param kernel_size = " + p.at("kernel_size") +
+                             ": expected an odd integer (an even kernel shifts the pooled scores)");
+    s.pooling = choice<kvc::Pooling>(p, "pooling", {{"max", kvc::Pooling::max}, {"avg", kvc::Pooling::avg}});
+    s.gqa = choice<kvc::GqaReduce>(p, "gqa",
+                                   {{"mean", kvc::GqaReduce::mean},
+                                    {"max", kvc::GqaReduce::max},
+                                    {"sum", kvc::GqaReduce::sum},
+                                    {"per_query_head", kvc::GqaReduce::per_query_head}});
+    if (s.reference == kvc::Reference::kvpress && s.gqa != kvc::GqaReduce::mean)
+      fail(exit_invalid, "--param gqa = " + p.at("gqa") +
+                             ": reference=kvpress averages over the GQA group (use gqa=mean, or reference=authors)");
+    if (auto const st = s.check(); !st.ok())
+      fail(exit_invalid, "policy snap_kv: " + std::string(st.message()));
+    emit(s);
+  } else if (name == "tova") {
+    emit(kvc::TOVAScorer{reference_of(p)});
+  } else if (name == "random") {
+    std::string const& seed = p.at("seed");
+    char* end = nullptr;
+    errno = 0;
+    unsigned long long const v = std::strtoull(seed.c_str(), &end, 10);
+    if (seed.empty() || seed[0] == '-' || seed[0] == '+' || *end != '\0' || errno == ERANGE)
+      fail(exit_invalid, "--param seed = '" + seed + "': expected an integer in [0, 2^64)");
+    emit(kvc::RandomScorer{static_cast<std::uint64_t>(v)});
+  } else {
+    throw std::logic_error("kvc: policy " + std::string(name) + " is in the table but has no scorer");
+  }
+}
+
+}  // namespace kvc::tools

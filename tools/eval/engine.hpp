@@ -1,0 +1,341 @@
+// SPDX-License-Identifier: Apache-2.0
+// tools/eval/engine.hpp: a small Llama inference engine whose KV cache is a kvc cache, used the way an engine uses
+// kvc: keys rotated at their absolute positions and appended with kvc::append, attention through kvc::attend (causal
+// by the cache's positions, GQA), compression through kvc::compress + kvc::compact with the window queries passed as
+// typed observations (pre-RoPE rows + a RopeTable built once by kvc::fill_rope_table).
+//
+// One sequence (batch 1). Storage fp32, fp16 or bf16; layout dense ([Hkv, capacity, d] per layer, the Hugging Face
+// cache) or paged (vLLM-style NHD pages of 16 tokens found through a block table whose page order is reversed, so
+// that a layout bug cannot hide behind contiguous pages). Activations and attention accumulate in fp32.
+#pragma once
+
+#include "common/policies.hpp"
+#include "eval/model.hpp"
+
+#include <kvc/backend/cpu/attention/attend.hpp>
+#include <kvc/backend/cpu/pipeline/compact.hpp>
+#include <kvc/backend/cpu/selectors/top_k.hpp>
+#include <kvc/core/element.hpp>
+#include <kvc/core/observations.hpp>
+#include <kvc/core/rope.hpp>
+#include <kvc/pipeline/press.hpp>
+
+#include <Eigen/Core>
+
+#include <chrono>
+#include <cmath>
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+namespace kvc::eval {
+
+using RowMatrix = Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
+
+enum class CacheType : std::uint8_t { f32, f16, bf16 };
+enum class CacheLayout : std::uint8_t { dense, paged };
+
+struct CacheOptions {
+  CacheType type = CacheType::f16;
+  CacheLayout layout = CacheLayout::dense;
+  Index page_size = 16;  ///< tokens per page (paged layout)
+};
+
+inline char const* cache_type_name(CacheType t) noexcept {
+  return t == CacheType::f32 ? "fp32" : (t == CacheType::f16 ? "fp16" : "bf16");
+}
+
+/// One layer's projections of the tokens of a forward call, head-major as a Hugging Face dump: keys and values
+/// [Hkv, n, d] (keys post-RoPE), queries [Hq, n, d] post-RoPE and pre-RoPE, fp32.
+struct LayerProjections {
+  std::vector<float> keys, values, queries, queries_prerope;
+};
+
+/// What a forward pass can record besides the logits: per layer, the attention output (before o_proj) of every
+/// token of the call, [n, Hq * d] fp32, and, when `projections` is set, the layer's K, V and Q.
+struct ForwardTrace {
+  std::vector<RowMatrix> attention;  ///< [layers] of [n, Hq * d]
+  bool projections = false;
+  std::vector<LayerProjections> qkv;  ///< [layers], filled when `projections`
+};
+
+/// The state of one sequence: a KV cache per layer and the next absolute position. Copyable through clone(), so a
+/// prefilled cache can be compressed by many policies in turn.
+class Session {
+ public:
+  virtual ~Session() = default;
+  virtual std::unique_ptr<Session> clone() const = 0;
+
+  /// Runs `tokens` at the next positions (appending their K and V to every layer) and writes the next-token logits
+  /// of each into `logits` [tokens.size(), vocab]. `trace` (optional) receives every layer's attention output.
+  virtual Status forward(std::span<std::int32_t const> tokens, RowMatrix& logits, ForwardTrace* trace = nullptr) = 0;
+
+  /// Compresses every layer's cache with a policy of the tool's policy table at `ratio` (fraction of each head's
+  /// tokens removed): score + select (kvc::compress) then kvc::compact. Window queries are the last forward call's
+  /// queries (the prompt's, after prefill). Adds the wall time spent to `seconds`.
+  virtual Status compress(tools::PolicyInfo const& policy, tools::Params const& params, double ratio,
+                          double& seconds) = 0;
+
+  /// Bytes of K and V held (valid tokens of every layer and KV head, in the cache's storage type).
+  virtual std::size_t kv_bytes() const = 0;
+  /// Valid tokens of layer l, KV head h.
+  virtual Index length(Index layer, Index head) const = 0;
+  /// The next token's absolute position (the tokens seen so far, whatever was evicted).
+  Index position() const noexcept { return next_position_; }
+
+ protected:
+  Index next_position_ = 0;
+};
+
+/// A session over `model` holding up to `capacity` tokens per head (positions [0, capacity) for RoPE).
+std::unique_ptr<Session> make_session(Model const& model, CacheOptions const& options, Index capacity);
+
+// ---------------------------------------------------------------------------------------------------------------
+
+namespace detail {
+
+/// x * w / sqrt(mean(x^2) + eps), row by row (the Llama RMSNorm, in fp32 as Hugging Face computes it).
+inline void rms_norm(RowMatrix const& x, RowVectorMap w, double eps, RowMatrix& out) {
+  out.resize(x.rows(), x.cols());
+  for (Index r = 0; r < x.rows(); ++r) {
+    float const mean_square = x.row(r).squaredNorm() / static_cast<float>(x.cols());
+    float const inv = 1.0f / std::sqrt(mean_square + static_cast<float>(eps));
+    out.row(r) = (x.row(r) * inv).cwiseProduct(w);
+  }
+}
+
+template <class T, bool Paged>
+class Engine final : public Session {
+ public:
+  Engine(Model const& model, CacheOptions const& options, Index capacity) : model_(&model), options_(options) {
+    ModelConfig const& c = model.config;
+    Index const page = options.page_size;
+    capacity_ = Paged ? (capacity + page - 1) / page * page : capacity;
+    ext_ = {1, c.kv_heads, capacity_, c.head_dim};
+    layers_.resize(static_cast<std::size_t>(c.layers));
+    for (Layer& l : layers_) {
+      l.k.resize(static_cast<std::size_t>(ext_.rows() * ext_.dim));
+      l.v.resize(l.k.size());
+      l.lengths.assign(static_cast<std::size_t>(c.kv_heads), 0);
+      l.positions.assign(static_cast<std::size_t>(ext_.rows()), 0);
+    }
+    if constexpr (Paged) {
+      Index const pages = capacity_ / page;
+      block_table_.resize(static_cast<std::size_t>(pages));
+      for (Index p = 0; p < pages; ++p)
+        block_table_[static_cast<std::size_t>(p)] = static_cast<std::int32_t>(pages - 1 - p);
+    }
+    rope_storage_.resize(static_cast<std::size_t>(rope_table_floats(capacity_, c.head_dim)));
+    (void)fill_rope_table(c.rope(), c.head_dim, capacity_, rope_storage_.data(), rope_);
+  }
+
+  // The rope table points into rope_storage_, and the views are rebuilt from members on each call: copies are deep.
+  Engine(Engine const& o)
+      : Session(o), model_(o.model_), options_(o.options_), capacity_(o.capacity_), ext_(o.ext_), layers_(o.layers_),
+        block_table_(o.block_table_), rope_storage_(o.rope_storage_), rope_(o.rope_) {
+    rope_.cos = rope_storage_.data();
+    rope_.sin = rope_storage_.data() + (o.rope_.sin - o.rope_.cos);
+  }
+  Engine& operator=(Engine const&) = delete;
+
+  std::unique_ptr<Session> clone() const override { return std::make_unique<Engine>(*this); }
+
+  Status forward(std::span<std::int32_t const> tokens, RowMatrix& logits, ForwardTrace* trace) override {
+    ModelConfig const& c = model_->config;
+    Index const n = static_cast<Index>(tokens.size());
+    if (next_position_ + n > capacity_)
+      return {Errc::out_of_capacity, "kvc-eval: the sequence is longer than the session's capacity"};
+    for (std::int32_t t : tokens)
+      if (t < 0 || t >= c.vocab)
+        return {Errc::invalid_argument, "kvc-eval: a token id is outside the vocabulary"};
+    Index const hq = c.heads, hkv = c.kv_heads, d = c.head_dim;
+    positions_.resize(static_cast<std::size_t>(n));
+    src_positions_.resize(static_cast<std::size_t>(hkv * n));
+    for (Index t = 0; t < n; ++t) {
+      positions_[static_cast<std::size_t>(t)] = next_position_ + t;
+      for (Index h = 0; h < hkv; ++h)
+        src_positions_[static_cast<std::size_t>(h * n + t)] = next_position_ + t;
+    }
+    x_.resize(n, c.hidden);
+    MatrixMap const embed = model_->embed.matrix();
+    for (Index t = 0; t < n; ++t)
+      x_.row(t) = embed.row(tokens[static_cast<std::size_t>(t)]);
+    if (trace)
+      trace->attention.resize(layers_.size());
+
+    for (std::size_t li = 0; li < layers_.size(); ++li) {
+      LayerWeights const& w = model_->layers[li];
+      Layer& layer = layers_[li];
+      rms_norm(x_, w.attn_norm.vector(), c.rms_eps, h_);
+      q_.noalias() = h_ * w.wq.matrix().transpose();  // [n, Hq * d]
+      k_.noalias() = h_ * w.wk.matrix().transpose();  // [n, Hkv * d]
+      v_.noalias() = h_ * w.wv.matrix().transpose();
+      layer.queries = q_;  // pre-RoPE: the window queries compression observes
+      layer.query_positions = positions_;
+      for (Index t = 0; t < n; ++t) {
+        for (Index h = 0; h < hq; ++h)
+          rope_.rotate(q_.data() + (t * hq + h) * d, next_position_ + t);
+        for (Index h = 0; h < hkv; ++h)
+          rope_.rotate(k_.data() + (t * hkv + h) * d, next_position_ + t);
+      }
+      if (trace && trace->projections) {
+        trace->qkv.resize(layers_.size());
+        LayerProjections& p = trace->qkv[li];
+        head_major(k_, hkv, d, p.keys);
+        head_major(v_, hkv, d, p.values);
+        head_major(q_, hq, d, p.queries);
+        head_major(layer.queries, hq, d, p.queries_prerope);
+      }
+      // K and V of the new tokens, [1, Hkv, n, d] token-major (bthd), appended after each head's length.
+      KVExtents const new_ext{1, hkv, n, d};
+      auto const src = make_cache(TokenRows<float const, StridedLayout>(k_.data(), bthd_layout(new_ext)),
+                                  TokenRows<float const, StridedLayout>(v_.data(), bthd_layout(new_ext)), Lengths{},
+                                  src_positions_.data());
+      auto const cache = view(layer);
+      KVC_RETURN_IF_ERROR(append(Cpu{}, cache, src));
+
+      AttendQueries<float> const queries{
+          TokenRows<float const, StridedLayout>(q_.data(), bthd_layout({1, hq, n, d})), positions_.data()};
+      grow(workspace_, attend_workspace_bytes(Cpu{}, Attention{}, queries, cache));
+      out_.resize(hq * n, d);  // [Hq, n, d]
+      KVC_RETURN_IF_ERROR(attend(Cpu{}, Attention{}, queries, cache, {out_.data()},
+                                 {workspace_.data(), workspace_.size()}));
+      o_.resize(n, hq * d);
+      for (Index h = 0; h < hq; ++h)
+        for (Index t = 0; t < n; ++t)
+          o_.block(t, h * d, 1, d) = out_.row(h * n + t);
+      if (trace)
+        trace->attention[li] = o_;
+      x_.noalias() += o_ * w.wo.matrix().transpose();
+
+      rms_norm(x_, w.ffn_norm.vector(), c.rms_eps, h_);
+      gate_.noalias() = h_ * w.gate.matrix().transpose();
+      up_.noalias() = h_ * w.up.matrix().transpose();
+      gate_ = gate_.unaryExpr([](float g) { return g / (1.0f + std::exp(-g)); }).cwiseProduct(up_);  // SwiGLU
+      x_.noalias() += gate_ * w.down.matrix().transpose();
+    }
+    rms_norm(x_, model_->final_norm.vector(), c.rms_eps, h_);
+    logits.noalias() = h_ * model_->lm_head.matrix().transpose();
+    next_position_ += n;
+    return {};
+  }
+
+  Status compress(tools::PolicyInfo const& policy, tools::Params const& params, double ratio,
+                  double& seconds) override {
+    Status status;
+    auto const start = std::chrono::steady_clock::now();
+    tools::with_policy(policy, params, [&](auto const& scorer, tools::Selection sel) {
+      Press const press{scorer, TopKSelector{RatioBudget{ratio}, sel.n_sink, sel.n_recent}};
+      index_.resize(static_cast<std::size_t>(ext_.rows()));
+      count_.resize(static_cast<std::size_t>(ext_.heads));
+      KeepPlan<> const plan{index_.data(), count_.data(), 1, ext_.heads, ext_.tokens};
+      for (Layer& layer : layers_) {
+        if (!status.ok())
+          break;
+        auto const cache = view(layer);
+        auto const run = [&](auto const& obs) {
+          grow(workspace_, compress_workspace_bytes(Cpu{}, press, ext_, obs));
+          status = kvc::compress(Cpu{}, press, cache, obs, plan, {workspace_.data(), workspace_.size()});
+          if (status.ok())
+            status = compact(Cpu{}, plan, cache);
+        };
+        using S = std::remove_cvref_t<decltype(scorer)>;
+        if constexpr (has_need(S::needs, Needs::window_queries)) {
+          ModelConfig const& c = model_->config;
+          Index const w = static_cast<Index>(layer.query_positions.size());
+          TokenRows<float const, StridedLayout> const rows(layer.queries.data(),
+                                                           bthd_layout({1, c.heads, w, c.head_dim}));
+          run(observe(WindowQueries<float>{rows, rope_, layer.query_positions.data()}));
+        } else {
+          run(NoObservations{});
+        }
+      }
+    });
+    seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    return status;
+  }
+
+  std::size_t kv_bytes() const override {
+    std::size_t tokens = 0;
+    for (Layer const& l : layers_)
+      for (Index n : l.lengths)
+        tokens += static_cast<std::size_t>(n);
+    return tokens * static_cast<std::size_t>(2 * ext_.dim) * sizeof(T);
+  }
+
+  Index length(Index layer, Index head) const override {
+    return layers_[static_cast<std::size_t>(layer)].lengths[static_cast<std::size_t>(head)];
+  }
+
+ private:
+  struct Layer {
+    std::vector<T> k, v;                // dense: [Hkv, capacity, d]; paged: pool [pages, page, Hkv, d]
+    std::vector<Index> lengths;         // [Hkv] valid tokens
+    std::vector<Index> positions;       // [Hkv, capacity] absolute position of each slot
+    RowMatrix queries;                  // the last forward call's pre-RoPE queries [n, Hq * d]
+    std::vector<Index> query_positions; // [n]
+  };
+
+  auto view(Layer& l) {
+    if constexpr (Paged) {
+      Index const pages = static_cast<Index>(block_table_.size());
+      auto const layout =
+          paged_layout(ext_, options_.page_size, PageOrder::nhd, block_table_.data(), pages, pages);
+      return make_cache(TokenRows<T, PagedLayout>(l.k.data(), layout), TokenRows<T, PagedLayout>(l.v.data(), layout),
+                        head_lengths(l.lengths.data(), ext_.heads), l.positions.data());
+    } else {
+      return dense_cache(l.k.data(), l.v.data(), ext_, head_lengths(l.lengths.data(), ext_.heads),
+                         l.positions.data());
+    }
+  }
+
+  /// [n, heads * d] token-major -> [heads, n, d] head-major.
+  static void head_major(RowMatrix const& x, Index heads, Index d, std::vector<float>& out) {
+    Index const n = x.rows();
+    out.resize(static_cast<std::size_t>(heads * n * d));
+    for (Index h = 0; h < heads; ++h)
+      for (Index t = 0; t < n; ++t)
+        for (Index i = 0; i < d; ++i)
+          out[static_cast<std::size_t>((h * n + t) * d + i)] = x(t, h * d + i);
+  }
+
+  static void grow(std::vector<std::byte>& ws, std::size_t bytes) {
+    if (ws.size() < bytes)
+      ws.resize(bytes);
+  }
+
+  Model const* model_;
+  CacheOptions options_;
+  Index capacity_ = 0;
+  KVExtents ext_{};
+  std::vector<Layer> layers_;
+  std::vector<std::int32_t> block_table_;  // [pages]: sequence page p lives in pool page pages - 1 - p
+  std::vector<float> rope_storage_;
+  RopeTable<> rope_{};
+  // Scratch reused across calls (sized by the largest call so far).
+  RowMatrix x_, h_, q_, k_, v_, out_, o_, gate_, up_;
+  std::vector<Index> positions_, src_positions_, index_, count_;
+  std::vector<std::byte> workspace_;
+};
+
+template <class T>
+std::unique_ptr<Session> make_typed(Model const& model, CacheOptions const& options, Index capacity) {
+  if (options.layout == CacheLayout::paged)
+    return std::make_unique<Engine<T, true>>(model, options, capacity);
+  return std::make_unique<Engine<T, false>>(model, options, capacity);
+}
+
+}  // namespace detail
+
+inline std::unique_ptr<Session> make_session(Model const& model, CacheOptions const& options, Index capacity) {
+  switch (options.type) {
+    case CacheType::f32: return detail::make_typed<float>(model, options, capacity);
+    case CacheType::f16: return detail::make_typed<half>(model, options, capacity);
+    case CacheType::bf16: return detail::make_typed<bfloat16>(model, options, capacity);
+  }
+  return nullptr;
+}
+
+}  // namespace kvc::eval

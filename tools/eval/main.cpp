@@ -1,0 +1,503 @@
+// SPDX-License-Identifier: Apache-2.0
+// tools/eval/main.cpp: `kvc-eval`, what each policy costs and preserves on a real model (docs/eval.md).
+//
+//   kvc-eval run    --model DIR --out-dir D [--policies a,b] [--ratios r,...] [--prompt-tokens N]
+//                   [--continuation M] [--samples S] [--seed X] [--prompt-file F] [--cache fp16|bf16|fp32]
+//                   [--layout dense|paged] [--param POLICY.NAME=VALUE]... [--show POLICY@RATIO] [--generate G]
+//   kvc-eval logits --model DIR --tokens T.npy --out L.npy [--cache ...] [--layout ...]
+//   kvc-eval dump   --model DIR --tokens T.npy --out-dir D
+// Exit codes as kvc's: 0 success, 2 usage error, 3 invalid input (the message names the file); outputs appear whole
+// or not at all (staged, then committed together).
+#include "common/policies.hpp"
+#include "eval/engine.hpp"
+#include "eval/model.hpp"
+#include "eval/report.hpp"
+#include "eval/run.hpp"
+#include "eval/svg_plot.hpp"
+#include "eval/tokenizer.hpp"
+
+#include <kvc/io/file.hpp>
+#include <kvc/io/npy.hpp>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstdio>
+#include <cstdlib>
+#include <exception>
+#include <filesystem>
+#include <map>
+#include <new>
+#include <optional>
+#include <string>
+#include <unistd.h>
+#include <vector>
+
+namespace {
+
+namespace fs = std::filesystem;
+using kvc::Index;
+using kvc::tools::exit_invalid;
+using kvc::tools::exit_usage;
+using kvc::tools::fail;
+
+constexpr char usage_text[] =
+    "usage:\n"
+    "  kvc-eval run    --model DIR --out-dir D [--policies P,...] [--ratios R,...] [--prompt-tokens N]\n"
+    "                  [--continuation M] [--samples S] [--seed X] [--prompt-file TEXT] [--cache fp16|bf16|fp32]\n"
+    "                  [--layout dense|paged] [--schedule prefill] [--param POLICY.NAME=VALUE]...\n"
+    "                  [--show POLICY@RATIO] [--generate G] [--no-progress]\n"
+    "  kvc-eval logits --model DIR --tokens T.npy --out L.npy [--cache fp32|fp16|bf16] [--layout dense|paged]\n"
+    "  kvc-eval dump   --model DIR --tokens T.npy --out-dir D\n"
+    "DIR: a Hugging Face Llama directory (config.json, model.safetensors, tokenizer.json) or a llama2.c checkpoint\n"
+    "(a .bin file, or a directory with one checkpoint .bin and its tok*.bin tokenizer). See docs/eval.md.\n";
+
+/// Parsed `--name value` options of one command; a name given twice or not in `allowed` is a usage error.
+struct Options {
+  std::multimap<std::string, std::string> values;
+  bool has(std::string const& k) const { return values.count(k) > 0; }
+  std::string get(std::string const& k, std::string const& fallback = "") const {
+    auto const it = values.find(k);
+    return it == values.end() ? fallback : it->second;
+  }
+  std::string need(std::string const& k) const {
+    if (!has(k))
+      fail(exit_usage, "missing " + k);
+    return get(k);
+  }
+};
+
+Options parse_options(int argc, char** argv, std::vector<std::string> const& allowed,
+                      std::vector<std::string> const& flags) {
+  Options o;
+  for (int i = 2; i < argc; ++i) {
+    std::string a = argv[i], value;
+    if (auto const eq = a.find('='); a.rfind("--", 0) == 0 && eq != std::string::npos) {
+      value = a.substr(eq + 1);
+      a = a.substr(0, eq);
+    } else if (std::find(flags.begin(), flags.end(), a) != flags.end()) {
+      value = "1";
+    } else if (i + 1 < argc) {
+      value = argv[++i];
+    } else {
+      fail(exit_usage, a + " needs a value");
+    }
+    bool const flag = std::find(flags.begin(), flags.end(), a) != flags.end();
+    if (!flag && std::find(allowed.begin(), allowed.end(), a) == allowed.end())
+      fail(exit_usage, "unknown option '" + a + "' for kvc-eval " + argv[1]);
+    if (a != "--param" && o.has(a))
+      fail(exit_usage, a + " given twice");
+    o.values.emplace(a, value);
+  }
+  return o;
+}
+
+Index count_option(Options const& o, std::string const& name, Index fallback, Index min, Index max) {
+  if (!o.has(name))
+    return fallback;
+  Index const v = kvc::tools::parse_count(o.get(name), name, min);
+  if (v > max)
+    fail(exit_invalid, name + " = " + o.get(name) + ": expected at most " + std::to_string(max));
+  return v;
+}
+
+std::vector<std::string> split(std::string const& s, char sep) {
+  std::vector<std::string> out;
+  std::size_t start = 0;
+  while (true) {
+    std::size_t const end = s.find(sep, start);
+    out.push_back(s.substr(start, end - start));
+    if (end == std::string::npos)
+      return out;
+    start = end + 1;
+  }
+}
+
+kvc::eval::CacheOptions cache_options(Options const& o, std::string const& default_type) {
+  kvc::eval::CacheOptions c;
+  std::string const type = o.get("--cache", default_type), layout = o.get("--layout", "dense");
+  if (type == "fp16")
+    c.type = kvc::eval::CacheType::f16;
+  else if (type == "bf16")
+    c.type = kvc::eval::CacheType::bf16;
+  else if (type == "fp32")
+    c.type = kvc::eval::CacheType::f32;
+  else
+    fail(exit_usage, "--cache '" + type + "': expected fp16, bf16 or fp32");
+  if (layout == "dense")
+    c.layout = kvc::eval::CacheLayout::dense;
+  else if (layout == "paged")
+    c.layout = kvc::eval::CacheLayout::paged;
+  else
+    fail(exit_usage, "--layout '" + layout + "': expected dense or paged");
+  return c;
+}
+
+kvc::eval::Model load_model(std::string const& path) {
+  kvc::eval::Model model;
+  std::string error;
+  if (!kvc::eval::Model::load(path, model, error))
+    fail(exit_invalid, error);
+  return model;
+}
+
+/// The tokenizer next to the model: tokenizer.json (Hugging Face), or tokenizer.bin / the one tok*.bin (llama2.c).
+std::optional<kvc::eval::Tokenizer> load_tokenizer(kvc::eval::Model const& model) {
+  fs::path const dir = fs::path(model.weights_path).parent_path();
+  kvc::eval::Tokenizer tok;
+  std::string error;
+  if (model.config.format == "huggingface") {
+    if (!fs::exists(dir / "tokenizer.json"))
+      return std::nullopt;
+    if (!kvc::eval::Tokenizer::load_json((dir / "tokenizer.json").string(), tok, error))
+      fail(exit_invalid, error);
+    return tok;
+  }
+  std::vector<fs::path> candidates;
+  std::error_code ec;
+  for (auto const& e : fs::directory_iterator(dir.empty() ? fs::path(".") : dir, ec)) {
+    std::string const name = e.path().filename().string();
+    if (e.path().extension() == ".bin" && name.rfind("tok", 0) == 0)
+      candidates.push_back(e.path());
+  }
+  if (candidates.size() != 1)
+    return std::nullopt;
+  if (!kvc::eval::Tokenizer::load_llama2c(candidates[0].string(), static_cast<std::int32_t>(model.config.vocab), tok,
+                                         error))
+    fail(exit_invalid, error);
+  return tok;
+}
+
+/// A 1-D int32/int64 token array from a .npy file, every id inside the vocabulary.
+std::vector<std::int32_t> load_tokens(std::string const& path, Index vocab) {
+  kvc::NpyArray a;
+  std::string error;
+  if (!kvc::read_npy(path, a, error, 1u << 30))
+    fail(exit_invalid, "tokens file " + path + ": " + error);
+  if (a.shape.size() != 1 || (a.dtype != kvc::NpyDtype::i32 && a.dtype != kvc::NpyDtype::i64))
+    fail(exit_invalid, "tokens file " + path + ": expected a 1-D int32 or int64 array");
+  if (a.shape[0] < 1)
+    fail(exit_invalid, "tokens file " + path + ": expected at least one token");
+  std::vector<std::int32_t> tokens(static_cast<std::size_t>(a.shape[0]));
+  for (Index i = 0; i < a.shape[0]; ++i) {
+    std::int64_t const t = a.dtype == kvc::NpyDtype::i32 ? a.as<std::int32_t>()[i] : a.as<std::int64_t>()[i];
+    if (t < 0 || t >= vocab)
+      fail(exit_invalid, "tokens file " + path + ": token " + std::to_string(i) + " is " + std::to_string(t) +
+                             ", outside the vocabulary [0, " + std::to_string(vocab) + ")");
+    tokens[static_cast<std::size_t>(i)] = static_cast<std::int32_t>(t);
+  }
+  return tokens;
+}
+
+/// Output files staged beside their destinations and committed together (all or none).
+class Outputs {
+ public:
+  void add(std::string const& path, std::string const& text) {
+    add(path, std::span(reinterpret_cast<std::byte const*>(text.data()), text.size()));
+  }
+  void add(std::string const& path, std::span<std::byte const> bytes) {
+    std::string error;
+    files_.emplace_back();
+    if (!files_.back().open(path, error) || !files_.back().write(bytes, error) || !files_.back().finish(error))
+      fail(exit_invalid, path + ": " + error);
+  }
+  void commit() {
+    std::string error;
+    std::size_t failed = 0;
+    if (!kvc::commit_together(files_, error, failed))
+      fail(exit_invalid, files_[failed].path() + ": " + error);
+    files_.clear();
+  }
+
+ private:
+  std::vector<kvc::StagedFile> files_;
+};
+
+void make_directory(std::string const& dir) {
+  std::error_code ec;
+  fs::create_directories(dir, ec);
+  if (ec || !fs::is_directory(dir))
+    fail(exit_invalid, "--out-dir " + dir + ": cannot create the directory (" + ec.message() + ")");
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+
+int command_logits(int argc, char** argv) {
+  Options const o = parse_options(argc, argv, {"--model", "--tokens", "--out", "--cache", "--layout"}, {});
+  auto const model = load_model(o.need("--model"));
+  auto const tokens = load_tokens(o.need("--tokens"), model.config.vocab);
+  std::string const out = o.need("--out");
+  auto session = kvc::eval::make_session(model, cache_options(o, "fp32"), static_cast<Index>(tokens.size()));
+  kvc::eval::RowMatrix logits;
+  if (auto const st = session->forward(tokens, logits); !st.ok())
+    fail(exit_invalid, std::string("forward: ") + st.message());
+  Index const shape[2] = {logits.rows(), logits.cols()};
+  Outputs files;
+  files.add(out, kvc::serialize_npy(kvc::NpyDtype::f32, shape, logits.data()));
+  files.commit();
+  return 0;
+}
+
+int command_dump(int argc, char** argv) {
+  Options const o = parse_options(argc, argv, {"--model", "--tokens", "--out-dir"}, {});
+  std::string const model_path = o.need("--model");
+  auto const model = load_model(model_path);
+  auto const tokens = load_tokens(o.need("--tokens"), model.config.vocab);
+  std::string const dir = o.need("--out-dir");
+  kvc::eval::ModelConfig const& c = model.config;
+  Index const n = static_cast<Index>(tokens.size()), d = c.head_dim;
+  // An fp32 dense session: its cache holds exactly the post-RoPE keys and the values (no rounding).
+  auto session = kvc::eval::make_session(model, {kvc::eval::CacheType::f32, kvc::eval::CacheLayout::dense}, n);
+  kvc::eval::RowMatrix logits;
+  kvc::eval::ForwardTrace trace;
+  trace.projections = true;
+  if (auto const st = session->forward(tokens, logits, &trace); !st.ok())
+    fail(exit_invalid, std::string("forward: ") + st.message());
+  make_directory(dir);
+  Outputs files;
+  Index const kv_shape[4] = {1, c.kv_heads, n, d}, q_shape[4] = {1, c.heads, n, d}, t_shape[1] = {n};
+  std::vector<std::int64_t> ids(tokens.begin(), tokens.end());
+  files.add(dir + "/tokens.npy", kvc::serialize_npy(kvc::NpyDtype::i64, t_shape, ids.data()));
+  auto const& layers = trace.qkv;
+  for (std::size_t l = 0; l < layers.size(); ++l) {
+    std::string const ld = dir + "/layer" + std::to_string(l);
+    make_directory(ld);
+    files.add(ld + "/keys.npy", kvc::serialize_npy(kvc::NpyDtype::f32, kv_shape, layers[l].keys.data()));
+    files.add(ld + "/values.npy", kvc::serialize_npy(kvc::NpyDtype::f32, kv_shape, layers[l].values.data()));
+    files.add(ld + "/queries.npy", kvc::serialize_npy(kvc::NpyDtype::f32, q_shape, layers[l].queries.data()));
+    files.add(ld + "/queries_prerope.npy",
+              kvc::serialize_npy(kvc::NpyDtype::f32, q_shape, layers[l].queries_prerope.data()));
+  }
+  std::string meta = "{\n  \"model\": " + kvc::eval::json_string(model_path) + ",\n  \"format\": \"" + c.format +
+                     "\",\n  \"tokens\": " + std::to_string(n) + ",\n  \"layers\": " + std::to_string(c.layers) +
+                     ",\n  \"query_heads\": " + std::to_string(c.heads) + ",\n  \"kv_heads\": " +
+                     std::to_string(c.kv_heads) + ",\n  \"head_dim\": " + std::to_string(d) + ",\n  \"rope\": {\"theta\": " +
+                     kvc::eval::json_number(c.rope_theta) + ", \"style\": \"" +
+                     (c.rope_style == kvc::RopeStyle::neox ? "neox" : "interleaved") + "\", \"scaled\": " +
+                     (c.inv_freq.empty() ? "false" : "true") +
+                     "},\n  \"files\": \"layer<L>/keys.npy, values.npy [1, kv_heads, tokens, head_dim] (keys "
+                     "post-RoPE), queries.npy (post-RoPE) and queries_prerope.npy [1, query_heads, tokens, "
+                     "head_dim], float32; tokens.npy int64\"\n}\n";
+  files.add(dir + "/meta.json", meta);
+  if (auto tok = load_tokenizer(model))
+    files.add(dir + "/story.txt", tok->decode(tokens) + "\n");
+  files.commit();
+  std::printf("kvc-eval dump: %lld tokens, %lld layers written to %s\n", static_cast<long long>(n),
+              static_cast<long long>(c.layers), dir.c_str());
+  return 0;
+}
+
+int command_run(int argc, char** argv) {
+  Options const o = parse_options(argc, argv,
+                                  {"--model", "--out-dir", "--policies", "--ratios", "--prompt-tokens",
+                                   "--continuation", "--samples", "--seed", "--prompt-file", "--cache", "--layout",
+                                   "--schedule", "--param", "--show", "--generate"},
+                                  {"--no-progress"});
+  std::string const model_path = o.need("--model"), dir = o.need("--out-dir");
+  if (o.get("--schedule", "prefill") != "prefill")
+    fail(exit_usage, "--schedule '" + o.get("--schedule") +
+                         "': only 'prefill' exists (compress once after the prompt); decode-time schedules come with "
+                         "the decode driver");
+  kvc::eval::RunOptions run;
+  run.cache = cache_options(o, "fp16");
+  run.prompt_tokens = count_option(o, "--prompt-tokens", 256, 1, 1 << 20);
+  run.continuation = count_option(o, "--continuation", 64, 1, 1 << 20);
+  Index const samples = count_option(o, "--samples", 4, 1, 1 << 16);
+  Index const generate = count_option(o, "--generate", 48, 0, 1 << 16);
+  std::uint64_t seed = 0;
+  if (o.has("--seed"))
+    seed = static_cast<std::uint64_t>(kvc::tools::parse_count(o.get("--seed"), "--seed", 0));
+  for (std::string const& r : split(o.get("--ratios", "0.25,0.5,0.75,0.9"), ','))
+    run.ratios.push_back(kvc::tools::parse_ratio(r));
+
+  // Policies: the listed ones (default: every policy of the table), random always included as the baseline.
+  std::vector<std::string> names;
+  if (o.has("--policies")) {
+    names = split(o.get("--policies"), ',');
+  } else {
+    for (auto const& p : kvc::tools::policies())
+      names.push_back(p.name);
+  }
+  if (std::find(names.begin(), names.end(), "random") == names.end())
+    names.push_back("random");
+  std::map<std::string, std::vector<std::string>> given;  // --param POLICY.NAME=VALUE
+  for (auto [it, end] = o.values.equal_range("--param"); it != end; ++it) {
+    auto const dot = it->second.find('.');
+    if (dot == std::string::npos || dot == 0)
+      fail(exit_usage, "--param '" + it->second + "': expected POLICY.NAME=VALUE, e.g. snap_kv.window_size=16");
+    std::string const policy = it->second.substr(0, dot);
+    if (std::find(names.begin(), names.end(), policy) == names.end())
+      fail(exit_usage, "--param '" + it->second + "': policy " + policy + " is not in --policies");
+    given[policy].push_back(it->second.substr(dot + 1));
+  }
+  for (std::string const& name : names) {
+    for (auto const& r : run.policies)
+      if (r.policy->name == name)
+        fail(exit_usage, "--policies: " + name + " listed twice");
+    auto const& info = kvc::tools::find_policy(name);
+    run.policies.push_back({&info, kvc::tools::resolve_params(info, given[name], true)});
+  }
+
+  auto const model = load_model(model_path);
+  auto const tokenizer = load_tokenizer(model);
+  kvc::eval::ModelConfig const& c = model.config;
+  Index const length = run.prompt_tokens + run.continuation + 1;
+  if (length > c.context)
+    std::fprintf(stderr,
+                 "kvc-eval: warning: %lld tokens per sample exceed the model's context (%lld): its keys are out of "
+                 "distribution past it\n",
+                 static_cast<long long>(length), static_cast<long long>(c.context));
+
+  // Samples: cut from a text, or sampled from the full model from BOS (temperature 1, BOS/EOS never sampled).
+  std::vector<std::vector<std::int32_t>> data;
+  std::string source = "sampled from the full model";
+  std::int32_t const bos = c.bos >= 0 ? c.bos : (tokenizer ? tokenizer->bos_id() : -1);
+  if (o.has("--prompt-file")) {
+    std::string const path = o.get("--prompt-file");
+    if (!tokenizer)
+      fail(exit_invalid, "--prompt-file " + path + ": the model has no tokenizer next to it to encode the text");
+    std::vector<std::byte> bytes;
+    std::string error;
+    if (!kvc::read_regular_file(path, bytes, error, 64u << 20))
+      fail(exit_invalid, "--prompt-file " + path + ": " + error);
+    std::vector<std::int32_t> const text =
+        tokenizer->encode({reinterpret_cast<char const*>(bytes.data()), bytes.size()});
+    Index const per = length - (bos >= 0 ? 1 : 0);
+    if (static_cast<Index>(text.size()) < samples * per)
+      fail(exit_invalid, "--prompt-file " + path + ": " + std::to_string(text.size()) + " tokens, but " +
+                             std::to_string(samples) + " samples of " + std::to_string(per) + " need " +
+                             std::to_string(samples * per));
+    for (Index s = 0; s < samples; ++s) {
+      std::vector<std::int32_t> sample;
+      if (bos >= 0)
+        sample.push_back(bos);
+      sample.insert(sample.end(), text.begin() + s * per, text.begin() + (s + 1) * per);
+      data.push_back(std::move(sample));
+    }
+    source = path;
+  } else {
+    if (bos < 0)
+      fail(exit_invalid, model_path + ": no BOS token id (config.json bos_token_id) to sample prompts from; give "
+                                      "--prompt-file");
+    for (Index s = 0; s < samples; ++s)
+      data.push_back(kvc::eval::sample_tokens(model, run.cache, length, bos,
+                                              seed * 0x9E3779B97F4A7C15ull + static_cast<std::uint64_t>(s),
+                                              {bos, c.eos}));
+  }
+  make_directory(dir);
+
+  bool const progress_bar = !o.has("--no-progress") && isatty(STDERR_FILENO);
+  std::printf("kvc-eval: %s (%s, %lld layers, %lld/%lld heads, d %lld), %s %s cache, %lld samples x (%lld prompt + "
+              "%lld continuation tokens), prompts %s\n",
+              model_path.c_str(), c.format.c_str(), static_cast<long long>(c.layers), static_cast<long long>(c.heads),
+              static_cast<long long>(c.kv_heads), static_cast<long long>(c.head_dim),
+              kvc::eval::cache_type_name(run.cache.type), run.cache.layout == kvc::eval::CacheLayout::paged ? "paged" : "dense",
+              static_cast<long long>(samples), static_cast<long long>(run.prompt_tokens),
+              static_cast<long long>(run.continuation), source.c_str());
+  std::fflush(stdout);
+  auto const records = kvc::eval::evaluate(model, run, data, [&](Index done, Index total, std::string const& p, double r) {
+    if (!progress_bar)
+      return;
+    int const width = 30, filled = total > 0 ? static_cast<int>(width * done / total) : width;
+    std::fprintf(stderr, "\r[%s%s] %lld/%lld %-14s %.2f", std::string(static_cast<std::size_t>(filled), '#').c_str(),
+                 std::string(static_cast<std::size_t>(width - filled), ' ').c_str(), static_cast<long long>(done),
+                 static_cast<long long>(total), p.c_str(), r);
+    if (done == total)
+      std::fprintf(stderr, "\r%*s\r", width + 40, "");
+    std::fflush(stderr);
+  });
+  std::printf("full cache: perplexity %.3f of the continuation\n",
+              records.empty() ? 0.0 : records.front().perplexity_full);
+  std::string const table = kvc::eval::results_table(records);
+  std::fputs(table.c_str(), stdout);
+
+  // Greedy generation with the full cache and one compressed cache, side by side.
+  std::string generation;
+  if (generate > 0 && tokenizer) {
+    std::string show = o.get("--show");
+    std::string show_policy;
+    double show_ratio = 0.5;
+    if (show.empty()) {
+      show_policy = run.policies.front().policy->name;
+      show_ratio = run.ratios.size() > 1 ? run.ratios[run.ratios.size() / 2] : run.ratios.front();
+    } else {
+      auto const at = show.find('@');
+      if (at == std::string::npos)
+        fail(exit_usage, "--show '" + show + "': expected POLICY@RATIO");
+      show_policy = show.substr(0, at);
+      show_ratio = kvc::tools::parse_ratio(show.substr(at + 1));
+    }
+    kvc::eval::PolicyRun const* chosen = nullptr;
+    for (auto const& r : run.policies)
+      if (r.policy->name == show_policy)
+        chosen = &r;
+    if (chosen == nullptr)
+      fail(exit_usage, "--show: policy " + show_policy + " is not in --policies");
+    std::vector<std::int32_t> const prompt(data[0].begin(), data[0].begin() + run.prompt_tokens);
+    auto full = kvc::eval::make_session(model, run.cache, run.prompt_tokens + generate);
+    kvc::eval::RowMatrix last;
+    if (auto const st = full->forward(prompt, last); !st.ok())
+      fail(exit_invalid, std::string("generation: ") + st.message());
+    auto compressed = full->clone();
+    double seconds = 0;
+    if (auto const st = compressed->compress(*chosen->policy, chosen->params, show_ratio, seconds); !st.ok())
+      fail(exit_invalid, std::string("generation: ") + st.message());
+    auto const a = kvc::eval::greedy(*full, last, generate);
+    auto const b = kvc::eval::greedy(*compressed, last, generate);
+    char title[96];
+    std::snprintf(title, sizeof title, "%s at ratio %.2f", show_policy.c_str(), show_ratio);
+    std::vector<std::int32_t> const tail(prompt.end() - std::min<Index>(32, run.prompt_tokens), prompt.end());
+    generation = "prompt (last tokens): ..." + tokenizer->decode(tail) + "\n\ngreedy continuation of " +
+                 std::to_string(generate) + " tokens:\n" +
+                 kvc::eval::side_by_side("full cache", tokenizer->decode(a), title, tokenizer->decode(b));
+    std::printf("\n%s", generation.c_str());
+  }
+
+  kvc::eval::RunInfo const info{model_path, kvc::eval::cache_type_name(run.cache.type),
+                                run.cache.layout == kvc::eval::CacheLayout::paged ? "paged" : "dense",
+                                run.prompt_tokens, run.continuation, seed, source};
+  std::string const name = fs::path(model_path).filename().string();
+  Outputs files;
+  files.add(dir + "/results.json", kvc::eval::results_json(records, run.policies, info));
+  files.add(dir + "/results.csv", kvc::eval::results_csv(records));
+  files.add(dir + "/kl.svg", kvc::eval::render_svg(kvc::eval::quality_plot(records, name + ": KL against memory", true)));
+  files.add(dir + "/top1.svg",
+            kvc::eval::render_svg(kvc::eval::quality_plot(records, name + ": top-1 agreement against memory", false)));
+  if (!generation.empty())
+    files.add(dir + "/generation.txt", generation);
+  files.commit();
+  std::printf("\nwrote %s/results.json, results.csv, kl.svg, top1.svg%s (plots: open the .svg files in a browser)\n",
+              dir.c_str(), generation.empty() ? "" : ", generation.txt");
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  try {
+    std::string const command = argc > 1 ? argv[1] : "";
+    if (command == "run")
+      return command_run(argc, argv);
+    if (command == "logits")
+      return command_logits(argc, argv);
+    if (command == "dump")
+      return command_dump(argc, argv);
+    if (command == "--help" || command == "-h" || command == "help") {
+      std::fputs(usage_text, stdout);
+      return 0;
+    }
+    std::fprintf(stderr, "kvc-eval: %s\n%s",
+                 command.empty() ? "missing command" : ("unknown command '" + command + "'").c_str(), usage_text);
+    return exit_usage;
+  } catch (kvc::tools::Failure const& f) {
+    std::fprintf(stderr, "kvc-eval: error: %s\n", f.message.c_str());
+    if (f.code == exit_usage)
+      std::fputs(usage_text, stderr);
+    return f.code;
+  } catch (std::bad_alloc const&) {
+    std::fprintf(stderr, "kvc-eval: error: out of memory\n");
+    return exit_invalid;
+  } catch (std::exception const& e) {
+    std::fprintf(stderr, "kvc-eval: internal error: %s\n", e.what());
+    return kvc::tools::exit_internal;
+  }
+}

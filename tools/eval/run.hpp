@@ -1,0 +1,241 @@
+// SPDX-License-Identifier: Apache-2.0
+// tools/eval/run.hpp: kvc-eval's measurement, without files or printing (the tests call it directly).
+//
+// Per sample: a sequence of prompt_tokens + continuation + 1 tokens (sampled from the full model, or cut from a
+// text). The prompt is prefilled once; the prefilled session is cloned for the full cache and for every
+// (policy, ratio), which compresses it after prefill; then the first `continuation` tokens after the prompt are
+// teacher-forced in one call (causal attention over the cache by position equals `continuation` decode steps). Each
+// of those `continuation` rows predicts the next token with the (compressed) cache; the prompt's own last row is
+// made before compression and is the same for every policy, so it is not counted.
+#pragma once
+
+#include "common/policies.hpp"
+#include "eval/engine.hpp"
+#include "eval/metrics.hpp"
+#include "eval/model.hpp"
+
+#include <cmath>
+#include <cstdint>
+#include <functional>
+#include <span>
+#include <string>
+#include <vector>
+
+namespace kvc::eval {
+
+/// When compression runs. Only "prefill" exists: once, after the prompt. Decode-time schedules (compress every
+/// `interval` generated tokens to a target size) come with the decode driver.
+enum class Schedule : std::uint8_t { prefill };
+
+struct PolicyRun {
+  tools::PolicyInfo const* policy = nullptr;
+  tools::Params params;
+};
+
+struct RunOptions {
+  std::vector<PolicyRun> policies;
+  std::vector<double> ratios;
+  Index prompt_tokens = 256;
+  Index continuation = 64;
+  CacheOptions cache;
+  Schedule schedule = Schedule::prefill;
+};
+
+/// One (policy, ratio) row, averaged over samples.
+struct Record {
+  std::string policy;
+  double ratio = 0;
+  double kl = 0;                ///< mean KL(full || compressed) per predicted token, nats
+  double top1 = 0;              ///< fraction of predicted tokens whose argmax equals the full cache's
+  double perplexity = 0;        ///< exp(mean NLL of the continuation's tokens) with the compressed cache
+  double perplexity_full = 0;   ///< the same with the full cache
+  double kv_bytes = 0;          ///< K + V bytes held after compression (all layers), mean over samples
+  double kv_bytes_full = 0;     ///< K + V bytes of the full prompt cache
+  double seconds = 0;           ///< compression wall time per sample (score + select + compact, all layers)
+  std::vector<double> layer_error;  ///< [layers] ||O_c - O_full|| / ||O_full|| of attention outputs (continuation)
+  Index samples = 0;
+};
+
+/// The per-sample sums a Record is averaged from.
+struct Accumulator {
+  double kl = 0, top1 = 0, nll = 0, nll_full = 0, kv_bytes = 0, kv_bytes_full = 0, seconds = 0;
+  Index tokens = 0, samples = 0;
+  std::vector<double> layer_error;
+};
+
+/// Full-cache results of one sample, which every policy is compared with.
+struct Reference {
+  RowMatrix logits;     ///< [continuation, vocab]
+  ForwardTrace trace;   ///< attention outputs of the continuation
+  double nll = 0;       ///< summed over the continuation
+  std::size_t kv_bytes = 0;
+};
+
+/// Adds one compressed run of a sample to `acc`.
+inline void accumulate(Accumulator& acc, Reference const& ref, RowMatrix const& logits, ForwardTrace const& trace,
+                       std::span<std::int32_t const> targets, std::size_t kv_bytes, double seconds) {
+  Index const m = logits.rows(), vocab = logits.cols();
+  double kl = 0, top1 = 0, nll = 0;
+  for (Index r = 0; r < m; ++r) {
+    float const* p = ref.logits.row(r).data();
+    float const* q = logits.row(r).data();
+    kl += kl_divergence(p, q, vocab);
+    top1 += argmax(p, vocab) == argmax(q, vocab) ? 1.0 : 0.0;
+    nll += negative_log_likelihood(q, vocab, targets[static_cast<std::size_t>(r)]);
+  }
+  acc.kl += kl / static_cast<double>(m);
+  acc.top1 += top1 / static_cast<double>(m);
+  acc.nll += nll;
+  acc.nll_full += ref.nll;
+  acc.tokens += m;
+  acc.kv_bytes += static_cast<double>(kv_bytes);
+  acc.kv_bytes_full += static_cast<double>(ref.kv_bytes);
+  acc.seconds += seconds;
+  acc.layer_error.resize(trace.attention.size(), 0.0);
+  for (std::size_t l = 0; l < trace.attention.size(); ++l)
+    acc.layer_error[l] += relative_error(trace.attention[l], ref.trace.attention[l]);
+  ++acc.samples;
+}
+
+inline Record finish(Accumulator const& acc, std::string policy, double ratio) {
+  Record r;
+  r.policy = std::move(policy);
+  r.ratio = ratio;
+  double const s = static_cast<double>(std::max<Index>(acc.samples, 1));
+  r.kl = acc.kl / s;
+  r.top1 = acc.top1 / s;
+  r.perplexity = std::exp(acc.nll / static_cast<double>(std::max<Index>(acc.tokens, 1)));
+  r.perplexity_full = std::exp(acc.nll_full / static_cast<double>(std::max<Index>(acc.tokens, 1)));
+  r.kv_bytes = acc.kv_bytes / s;
+  r.kv_bytes_full = acc.kv_bytes_full / s;
+  r.seconds = acc.seconds / s;
+  for (double e : acc.layer_error)
+    r.layer_error.push_back(e / s);
+  r.samples = acc.samples;
+  return r;
+}
+
+/// Called before each compressed run: (done, total, policy name, ratio).
+using Progress = std::function<void(Index, Index, std::string const&, double)>;
+
+/// Measures every (policy, ratio) of `options` on `samples` (each prompt_tokens + continuation + 1 tokens).
+/// Throws tools::Failure (exit 3) when a kvc call refuses (the message names the policy and the call).
+inline std::vector<Record> evaluate(Model const& model, RunOptions const& options,
+                                    std::vector<std::vector<std::int32_t>> const& samples,
+                                    Progress const& progress = {}) {
+  Index const n = options.prompt_tokens, m = options.continuation;
+  std::vector<Accumulator> acc(options.policies.size() * options.ratios.size());
+  Index const total = static_cast<Index>(samples.size() * acc.size());
+  Index done = 0;
+  auto check = [](Status const& st, std::string const& what) {
+    if (!st.ok())
+      tools::fail(tools::exit_invalid, what + ": " + st.message());
+  };
+  for (auto const& tokens : samples) {
+    std::span<std::int32_t const> const all(tokens);
+    std::span<std::int32_t const> const prompt = all.subspan(0, static_cast<std::size_t>(n));
+    std::span<std::int32_t const> const fed = all.subspan(static_cast<std::size_t>(n), static_cast<std::size_t>(m));
+    std::span<std::int32_t const> const targets = all.subspan(static_cast<std::size_t>(n + 1),
+                                                              static_cast<std::size_t>(m));
+    auto prefilled = make_session(model, options.cache, n + m);
+    RowMatrix logits;
+    check(prefilled->forward(prompt, logits), "prefill");
+    Reference ref;
+    ref.kv_bytes = prefilled->kv_bytes();
+    {
+      auto full = prefilled->clone();
+      check(full->forward(fed, ref.logits, &ref.trace), "full-cache continuation");
+      for (Index r = 0; r < m; ++r)
+        ref.nll += negative_log_likelihood(ref.logits.row(r).data(), ref.logits.cols(),
+                                           targets[static_cast<std::size_t>(r)]);
+    }
+    std::size_t slot = 0;
+    for (PolicyRun const& run : options.policies)
+      for (double ratio : options.ratios) {
+        if (progress)
+          progress(done, total, run.policy->name, ratio);
+        auto session = prefilled->clone();
+        double seconds = 0;
+        check(session->compress(*run.policy, run.params, ratio, seconds),
+              std::string("compress with ") + run.policy->name);
+        std::size_t const bytes = session->kv_bytes();
+        ForwardTrace trace;
+        check(session->forward(fed, logits, &trace), "continuation");
+        accumulate(acc[slot++], ref, logits, trace, targets, bytes, seconds);
+        ++done;
+      }
+  }
+  if (progress)
+    progress(done, total, "", 0);
+  std::vector<Record> records;
+  std::size_t slot = 0;
+  for (PolicyRun const& run : options.policies)
+    for (double ratio : options.ratios)
+      records.push_back(finish(acc[slot++], run.policy->name, ratio));
+  return records;
+}
+
+/// A deterministic 64-bit generator (splitmix64): the same stream on every platform and compiler.
+struct SplitMix64 {
+  std::uint64_t state;
+  std::uint64_t next() noexcept {
+    std::uint64_t z = (state += 0x9E3779B97F4A7C15ull);
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+  }
+  double uniform() noexcept { return static_cast<double>(next() >> 11) * 0x1p-53; }  // [0, 1)
+};
+
+/// Samples `length` tokens from the full model, starting with `first` (BOS), at temperature 1, never sampling the
+/// ids in `banned` (BOS/EOS, so a sample stays one text). Deterministic for a seed.
+inline std::vector<std::int32_t> sample_tokens(Model const& model, CacheOptions const& cache, Index length,
+                                               std::int32_t first, std::uint64_t seed,
+                                               std::vector<std::int32_t> const& banned) {
+  auto session = make_session(model, cache, length);
+  SplitMix64 rng{seed};
+  std::vector<std::int32_t> tokens{first};
+  RowMatrix logits;
+  std::vector<double> lp;
+  while (static_cast<Index>(tokens.size()) < length) {
+    std::int32_t const last = tokens.back();
+    if (auto const st = session->forward(std::span(&last, 1), logits); !st.ok())
+      tools::fail(tools::exit_invalid, std::string("sampling a prompt: ") + st.message());
+    log_softmax(logits.row(0).data(), logits.cols(), lp);
+    for (std::int32_t b : banned)
+      if (b >= 0 && b < logits.cols())
+        lp[static_cast<std::size_t>(b)] = -std::numeric_limits<double>::infinity();
+    double total = 0;
+    for (double l : lp)
+      total += std::exp(l);
+    double u = rng.uniform() * total, cumulative = 0;
+    std::int32_t pick = 0;
+    for (std::size_t i = 0; i < lp.size(); ++i) {
+      double const p = std::exp(lp[i]);
+      if (p == 0)
+        continue;
+      pick = static_cast<std::int32_t>(i);
+      cumulative += p;
+      if (u < cumulative)
+        break;
+    }
+    tokens.push_back(pick);
+  }
+  return tokens;
+}
+
+/// Greedy generation of `count` tokens after the prompt already in `session` whose last logits row is `last`.
+inline std::vector<std::int32_t> greedy(Session& session, RowMatrix last, Index count) {
+  std::vector<std::int32_t> out;
+  for (Index i = 0; i < count; ++i) {
+    std::int32_t const next = static_cast<std::int32_t>(argmax(last.row(last.rows() - 1).data(), last.cols()));
+    out.push_back(next);
+    if (i + 1 < count) {
+      if (auto const st = session.forward(std::span(&next, 1), last); !st.ok())
+        tools::fail(tools::exit_invalid, std::string("greedy generation: ") + st.message());
+    }
+  }
+  return out;
+}
+
+}  // namespace kvc::eval
