@@ -5,7 +5,7 @@
 //
 //   kvc_demo                     # the documented synthetic cache (tools/common/synthetic.hpp, docs/demo.md)
 //   kvc_demo --dump DIR          # real data: DIR/keys.npy values.npy [B, Hkv, N, d], queries.npy [B, H, Nq, d]
-//                                # (post-RoPE), or DIR/layer*/ with those files (tools/reference/model.py writes it)
+//                                # (post-RoPE), or DIR/layer*/ with those files (`kvc-eval dump` writes it)
 //   kvc_demo --tokens 8192 --ratios 0.5,0.9
 #include <kvc/backend/cpu/attention/attend.hpp>
 #include <kvc/backend/cpu/pipeline/compact.hpp>

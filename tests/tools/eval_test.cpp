@@ -3,15 +3,14 @@
 // guarantees of a run on the real models (ratio 0 is exactly lossless, runs are deterministic for a seed, paged and
 // dense caches give identical numbers, compression costs quality), the outputs' format, the model loader's checks
 // on damaged files, and the program's exit codes.
+#include <kvc/io/json.hpp>
+#include <kvc/io/npy.hpp>
+
 #include "eval/engine.hpp"
 #include "eval/metrics.hpp"
 #include "eval/model.hpp"
 #include "eval/report.hpp"
 #include "eval/run.hpp"
-
-#include <kvc/io/json.hpp>
-#include <kvc/io/npy.hpp>
-
 #include "support/catch.hpp"
 
 #include <cmath>
@@ -155,8 +154,8 @@ TEST_CASE("ratio 0 is exactly lossless, compression costs quality, runs repeat e
     CHECK(again[i].top1 == records[i].top1);
   }
   // Paged storage changes where rows live, not what attention computes: identical numbers.
-  auto const paged = evaluate(model, options_for({"key_diff", "snap_kv"}, {0.75}, {CacheType::f16, CacheLayout::paged}),
-                              samples);
+  auto const paged =
+      evaluate(model, options_for({"key_diff", "snap_kv"}, {0.75}, {CacheType::f16, CacheLayout::paged}), samples);
   CHECK(paged[0].kl == records[1].kl);
   CHECK(paged[1].kl == records[3].kl);
 }
@@ -291,22 +290,21 @@ TEST_CASE("kvc-eval: exit codes 2 (usage) and 3 (invalid input), logits and dump
   Index const shape[1] = {3};
   std::string error;
   REQUIRE(kvc::write_npy(dir + "/bad.npy", kvc::NpyDtype::i64, shape, bad, error));
-  CHECK(run_command(eval + " logits --model " + tinystories + " --tokens " + dir + "/bad.npy --out " + dir +
-                        "/l.npy",
+  CHECK(run_command(eval + " logits --model " + tinystories + " --tokens " + dir + "/bad.npy --out " + dir + "/l.npy",
                     out) == 3);
   CHECK(out.find("token 2 is 2048, outside the vocabulary [0, 2048)") != std::string::npos);
   CHECK_FALSE(fs::exists(dir + "/l.npy"));
   std::int64_t const good[3] = {1, 5, 7};
   REQUIRE(kvc::write_npy(dir + "/good.npy", kvc::NpyDtype::i64, shape, good, error));
-  REQUIRE(run_command(eval + " logits --model " + tinystories + " --tokens " + dir + "/good.npy --out " + dir +
-                          "/l.npy",
-                      out) == 0);
+  REQUIRE(
+      run_command(eval + " logits --model " + tinystories + " --tokens " + dir + "/good.npy --out " + dir + "/l.npy",
+                  out) == 0);
   kvc::NpyArray logits;
   REQUIRE(kvc::read_npy(dir + "/l.npy", logits, error));
   CHECK(logits.shape == std::vector<Index>{3, 2048});
-  REQUIRE(run_command(eval + " dump --model " + tinystories + " --tokens " + dir + "/good.npy --out-dir " + dir +
-                          "/dump",
-                      out) == 0);
+  REQUIRE(
+      run_command(eval + " dump --model " + tinystories + " --tokens " + dir + "/good.npy --out-dir " + dir + "/dump",
+                  out) == 0);
   kvc::NpyArray keys;
   REQUIRE(kvc::read_npy(dir + "/dump/layer1/keys.npy", keys, error));
   CHECK(keys.shape == std::vector<Index>{1, 4, 3, 16});

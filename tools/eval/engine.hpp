@@ -9,9 +9,6 @@
 // that a layout bug cannot hide behind contiguous pages). Activations and attention accumulate in fp32.
 #pragma once
 
-#include "common/policies.hpp"
-#include "eval/model.hpp"
-
 #include <kvc/backend/cpu/attention/attend.hpp>
 #include <kvc/backend/cpu/pipeline/compact.hpp>
 #include <kvc/backend/cpu/selectors/top_k.hpp>
@@ -19,6 +16,9 @@
 #include <kvc/core/observations.hpp>
 #include <kvc/core/rope.hpp>
 #include <kvc/pipeline/press.hpp>
+
+#include "common/policies.hpp"
+#include "eval/model.hpp"
 
 #include <Eigen/Core>
 
@@ -133,8 +133,15 @@ class Engine final : public Session {
 
   // The rope table points into rope_storage_, and the views are rebuilt from members on each call: copies are deep.
   Engine(Engine const& o)
-      : Session(o), model_(o.model_), options_(o.options_), capacity_(o.capacity_), ext_(o.ext_), layers_(o.layers_),
-        block_table_(o.block_table_), rope_storage_(o.rope_storage_), rope_(o.rope_) {
+      : Session(o),
+        model_(o.model_),
+        options_(o.options_),
+        capacity_(o.capacity_),
+        ext_(o.ext_),
+        layers_(o.layers_),
+        block_table_(o.block_table_),
+        rope_storage_(o.rope_storage_),
+        rope_(o.rope_) {
     rope_.cos = rope_storage_.data();
     rope_.sin = rope_storage_.data() + (o.rope_.sin - o.rope_.cos);
   }
@@ -196,12 +203,12 @@ class Engine final : public Session {
       auto const cache = view(layer);
       KVC_RETURN_IF_ERROR(append(Cpu{}, cache, src));
 
-      AttendQueries<float> const queries{
-          TokenRows<float const, StridedLayout>(q_.data(), bthd_layout({1, hq, n, d})), positions_.data()};
+      AttendQueries<float> const queries{TokenRows<float const, StridedLayout>(q_.data(), bthd_layout({1, hq, n, d})),
+                                         positions_.data()};
       grow(workspace_, attend_workspace_bytes(Cpu{}, Attention{}, queries, cache));
       out_.resize(hq * n, d);  // [Hq, n, d]
-      KVC_RETURN_IF_ERROR(attend(Cpu{}, Attention{}, queries, cache, {out_.data()},
-                                 {workspace_.data(), workspace_.size()}));
+      KVC_RETURN_IF_ERROR(
+          attend(Cpu{}, Attention{}, queries, cache, {out_.data()}, {workspace_.data(), workspace_.size()}));
       o_.resize(n, hq * d);
       for (Index h = 0; h < hq; ++h)
         for (Index t = 0; t < n; ++t)
@@ -271,23 +278,21 @@ class Engine final : public Session {
 
  private:
   struct Layer {
-    std::vector<T> k, v;                // dense: [Hkv, capacity, d]; paged: pool [pages, page, Hkv, d]
-    std::vector<Index> lengths;         // [Hkv] valid tokens
-    std::vector<Index> positions;       // [Hkv, capacity] absolute position of each slot
-    RowMatrix queries;                  // the last forward call's pre-RoPE queries [n, Hq * d]
-    std::vector<Index> query_positions; // [n]
+    std::vector<T> k, v;                 // dense: [Hkv, capacity, d]; paged: pool [pages, page, Hkv, d]
+    std::vector<Index> lengths;          // [Hkv] valid tokens
+    std::vector<Index> positions;        // [Hkv, capacity] absolute position of each slot
+    RowMatrix queries;                   // the last forward call's pre-RoPE queries [n, Hq * d]
+    std::vector<Index> query_positions;  // [n]
   };
 
   auto view(Layer& l) {
     if constexpr (Paged) {
       Index const pages = static_cast<Index>(block_table_.size());
-      auto const layout =
-          paged_layout(ext_, options_.page_size, PageOrder::nhd, block_table_.data(), pages, pages);
+      auto const layout = paged_layout(ext_, options_.page_size, PageOrder::nhd, block_table_.data(), pages, pages);
       return make_cache(TokenRows<T, PagedLayout>(l.k.data(), layout), TokenRows<T, PagedLayout>(l.v.data(), layout),
                         head_lengths(l.lengths.data(), ext_.heads), l.positions.data());
     } else {
-      return dense_cache(l.k.data(), l.v.data(), ext_, head_lengths(l.lengths.data(), ext_.heads),
-                         l.positions.data());
+      return dense_cache(l.k.data(), l.v.data(), ext_, head_lengths(l.lengths.data(), ext_.heads), l.positions.data());
     }
   }
 

@@ -8,6 +8,9 @@
 //   kvc-eval dump   --model DIR --tokens T.npy --out-dir D
 // Exit codes as kvc's: 0 success, 2 usage error, 3 invalid input (the message names the file); outputs appear whole
 // or not at all (staged, then committed together).
+#include <kvc/io/file.hpp>
+#include <kvc/io/npy.hpp>
+
 #include "common/policies.hpp"
 #include "eval/engine.hpp"
 #include "eval/model.hpp"
@@ -15,9 +18,6 @@
 #include "eval/run.hpp"
 #include "eval/svg_plot.hpp"
 #include "eval/tokenizer.hpp"
-
-#include <kvc/io/file.hpp>
-#include <kvc/io/npy.hpp>
 
 #include <algorithm>
 #include <cerrno>
@@ -162,7 +162,7 @@ std::optional<kvc::eval::Tokenizer> load_tokenizer(kvc::eval::Model const& model
   if (candidates.size() != 1)
     return std::nullopt;
   if (!kvc::eval::Tokenizer::load_llama2c(candidates[0].string(), static_cast<std::int32_t>(model.config.vocab), tok,
-                                         error))
+                                          error))
     fail(exit_invalid, error);
   return tok;
 }
@@ -269,17 +269,21 @@ int command_dump(int argc, char** argv) {
   }
   std::string meta = "{\n  \"model\": " + kvc::eval::json_string(model_path) + ",\n  \"format\": \"" + c.format +
                      "\",\n  \"tokens\": " + std::to_string(n) + ",\n  \"layers\": " + std::to_string(c.layers) +
-                     ",\n  \"query_heads\": " + std::to_string(c.heads) + ",\n  \"kv_heads\": " +
-                     std::to_string(c.kv_heads) + ",\n  \"head_dim\": " + std::to_string(d) + ",\n  \"rope\": {\"theta\": " +
-                     kvc::eval::json_number(c.rope_theta) + ", \"style\": \"" +
-                     (c.rope_style == kvc::RopeStyle::neox ? "neox" : "interleaved") + "\", \"scaled\": " +
-                     (c.inv_freq.empty() ? "false" : "true") +
+                     ",\n  \"query_heads\": " + std::to_string(c.heads) +
+                     ",\n  \"kv_heads\": " + std::to_string(c.kv_heads) + ",\n  \"head_dim\": " + std::to_string(d) +
+                     ",\n  \"rope\": {\"theta\": " + kvc::eval::json_number(c.rope_theta) + ", \"style\": \"" +
+                     (c.rope_style == kvc::RopeStyle::neox ? "neox" : "interleaved") +
+                     "\", \"scaled\": " + (c.inv_freq.empty() ? "false" : "true") +
                      "},\n  \"files\": \"layer<L>/keys.npy, values.npy [1, kv_heads, tokens, head_dim] (keys "
                      "post-RoPE), queries.npy (post-RoPE) and queries_prerope.npy [1, query_heads, tokens, "
                      "head_dim], float32; tokens.npy int64\"\n}\n";
   files.add(dir + "/meta.json", meta);
-  if (auto tok = load_tokenizer(model))
-    files.add(dir + "/story.txt", tok->decode(tokens) + "\n");
+  if (auto tok = load_tokenizer(model)) {  // the text without its BOS (llama2.c's decoder renders it as "\n<s>\n")
+    std::span<std::int32_t const> text(tokens);
+    if (!text.empty() && text.front() == c.bos)
+      text = text.subspan(1);
+    files.add(dir + "/story.txt", tok->decode(text) + "\n");
+  }
   files.commit();
   std::printf("kvc-eval dump: %lld tokens, %lld layers written to %s\n", static_cast<long long>(n),
               static_cast<long long>(c.layers), dir.c_str());
@@ -287,11 +291,11 @@ int command_dump(int argc, char** argv) {
 }
 
 int command_run(int argc, char** argv) {
-  Options const o = parse_options(argc, argv,
-                                  {"--model", "--out-dir", "--policies", "--ratios", "--prompt-tokens",
-                                   "--continuation", "--samples", "--seed", "--prompt-file", "--cache", "--layout",
-                                   "--schedule", "--param", "--show", "--generate"},
-                                  {"--no-progress"});
+  Options const o =
+      parse_options(argc, argv,
+                    {"--model", "--out-dir", "--policies", "--ratios", "--prompt-tokens", "--continuation", "--samples",
+                     "--seed", "--prompt-file", "--cache", "--layout", "--schedule", "--param", "--show", "--generate"},
+                    {"--no-progress"});
   std::string const model_path = o.need("--model"), dir = o.need("--out-dir");
   if (o.get("--schedule", "prefill") != "prefill")
     fail(exit_usage, "--schedule '" + o.get("--schedule") +
@@ -357,7 +361,9 @@ int command_run(int argc, char** argv) {
       fail(exit_invalid, "--prompt-file " + path + ": the model has no tokenizer next to it to encode the text");
     std::vector<std::byte> bytes;
     std::string error;
-    if (!kvc::read_regular_file(path, bytes, error, 64u << 20))
+    // 4 MiB of text is thousands of samples; the bound also bounds the tokenizer's working memory (a text without
+    // pre-tokenizer is one BPE word, about 40 bytes per character).
+    if (!kvc::read_regular_file(path, bytes, error, 4u << 20))
       fail(exit_invalid, "--prompt-file " + path + ": " + error);
     std::vector<std::int32_t> const text =
         tokenizer->encode({reinterpret_cast<char const*>(bytes.data()), bytes.size()});
@@ -376,35 +382,38 @@ int command_run(int argc, char** argv) {
     source = path;
   } else {
     if (bos < 0)
-      fail(exit_invalid, model_path + ": no BOS token id (config.json bos_token_id) to sample prompts from; give "
-                                      "--prompt-file");
+      fail(exit_invalid, model_path +
+                             ": no BOS token id (config.json bos_token_id) to sample prompts from; give "
+                             "--prompt-file");
     for (Index s = 0; s < samples; ++s)
-      data.push_back(kvc::eval::sample_tokens(model, run.cache, length, bos,
-                                              seed * 0x9E3779B97F4A7C15ull + static_cast<std::uint64_t>(s),
-                                              {bos, c.eos}));
+      data.push_back(kvc::eval::sample_tokens(
+          model, run.cache, length, bos, seed * 0x9E3779B97F4A7C15ull + static_cast<std::uint64_t>(s), {bos, c.eos}));
   }
   make_directory(dir);
 
   bool const progress_bar = !o.has("--no-progress") && isatty(STDERR_FILENO);
-  std::printf("kvc-eval: %s (%s, %lld layers, %lld/%lld heads, d %lld), %s %s cache, %lld samples x (%lld prompt + "
-              "%lld continuation tokens), prompts %s\n",
-              model_path.c_str(), c.format.c_str(), static_cast<long long>(c.layers), static_cast<long long>(c.heads),
-              static_cast<long long>(c.kv_heads), static_cast<long long>(c.head_dim),
-              kvc::eval::cache_type_name(run.cache.type), run.cache.layout == kvc::eval::CacheLayout::paged ? "paged" : "dense",
-              static_cast<long long>(samples), static_cast<long long>(run.prompt_tokens),
-              static_cast<long long>(run.continuation), source.c_str());
+  std::printf(
+      "kvc-eval: %s (%s, %lld layers, %lld/%lld heads, d %lld), %s %s cache, %lld samples x (%lld prompt + "
+      "%lld continuation tokens), prompts %s\n",
+      model_path.c_str(), c.format.c_str(), static_cast<long long>(c.layers), static_cast<long long>(c.heads),
+      static_cast<long long>(c.kv_heads), static_cast<long long>(c.head_dim),
+      kvc::eval::cache_type_name(run.cache.type), run.cache.layout == kvc::eval::CacheLayout::paged ? "paged" : "dense",
+      static_cast<long long>(samples), static_cast<long long>(run.prompt_tokens),
+      static_cast<long long>(run.continuation), source.c_str());
   std::fflush(stdout);
-  auto const records = kvc::eval::evaluate(model, run, data, [&](Index done, Index total, std::string const& p, double r) {
-    if (!progress_bar)
-      return;
-    int const width = 30, filled = total > 0 ? static_cast<int>(width * done / total) : width;
-    std::fprintf(stderr, "\r[%s%s] %lld/%lld %-14s %.2f", std::string(static_cast<std::size_t>(filled), '#').c_str(),
-                 std::string(static_cast<std::size_t>(width - filled), ' ').c_str(), static_cast<long long>(done),
-                 static_cast<long long>(total), p.c_str(), r);
-    if (done == total)
-      std::fprintf(stderr, "\r%*s\r", width + 40, "");
-    std::fflush(stderr);
-  });
+  auto const records =
+      kvc::eval::evaluate(model, run, data, [&](Index done, Index total, std::string const& p, double r) {
+        if (!progress_bar)
+          return;
+        int const width = 30, filled = total > 0 ? static_cast<int>(width * done / total) : width;
+        std::fprintf(stderr, "\r[%s%s] %lld/%lld %-14s %.2f",
+                     std::string(static_cast<std::size_t>(filled), '#').c_str(),
+                     std::string(static_cast<std::size_t>(width - filled), ' ').c_str(), static_cast<long long>(done),
+                     static_cast<long long>(total), p.c_str(), r);
+        if (done == total)
+          std::fprintf(stderr, "\r%*s\r", width + 40, "");
+        std::fflush(stderr);
+      });
   std::printf("full cache: perplexity %.3f of the continuation\n",
               records.empty() ? 0.0 : records.front().perplexity_full);
   std::string const table = kvc::eval::results_table(records);
@@ -452,14 +461,19 @@ int command_run(int argc, char** argv) {
     std::printf("\n%s", generation.c_str());
   }
 
-  kvc::eval::RunInfo const info{model_path, kvc::eval::cache_type_name(run.cache.type),
+  kvc::eval::RunInfo const info{model_path,
+                                kvc::eval::cache_type_name(run.cache.type),
                                 run.cache.layout == kvc::eval::CacheLayout::paged ? "paged" : "dense",
-                                run.prompt_tokens, run.continuation, seed, source};
+                                run.prompt_tokens,
+                                run.continuation,
+                                seed,
+                                source};
   std::string const name = fs::path(model_path).filename().string();
   Outputs files;
   files.add(dir + "/results.json", kvc::eval::results_json(records, run.policies, info));
   files.add(dir + "/results.csv", kvc::eval::results_csv(records));
-  files.add(dir + "/kl.svg", kvc::eval::render_svg(kvc::eval::quality_plot(records, name + ": KL against memory", true)));
+  files.add(dir + "/kl.svg",
+            kvc::eval::render_svg(kvc::eval::quality_plot(records, name + ": KL against memory", true)));
   files.add(dir + "/top1.svg",
             kvc::eval::render_svg(kvc::eval::quality_plot(records, name + ": top-1 agreement against memory", false)));
   if (!generation.empty())

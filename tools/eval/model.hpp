@@ -69,6 +69,24 @@ struct ModelConfig {
   }
 };
 
+/// Where llama2.c's tensors lie: element offsets and sizes (floats, after the 28-byte header) of its 13 groups in
+/// file order: token_embedding, rms_att, wq, wk, wv, wo, rms_ffn, w1, w2, w3, rms_final, freq_cis (real + imag,
+/// unused), wcls (0 floats when shared).
+struct Llama2cLayout {
+  static constexpr std::size_t header_bytes = 7 * sizeof(std::int32_t);
+  Index offset[13] = {};
+  Index size[13] = {};
+};
+
+/// Parses a Hugging Face config.json (text of the file `cfg_path`, for messages) into `out`: model_type llama, no
+/// biases, silu, sizes in sane ranges, GQA and RoPE shapes consistent, rope_scaling null / linear / llama3.
+inline bool parse_config(std::string_view text, std::string const& cfg_path, ModelConfig& out, std::string& error);
+
+/// Parses and checks a llama2.c checkpoint's header against the file's size (`bytes` is the whole file): every
+/// field in range, heads tiling the width, and the size exactly what the header implies. Fills `out` and `layout`.
+inline bool parse_llama2c_header(std::span<std::byte const> bytes, std::string const& path, ModelConfig& out,
+                                 Llama2cLayout& layout, std::string& error);
+
 /// One decoder layer's weights (views into the mapping or into owned storage).
 struct LayerWeights {
   Weight attn_norm;       ///< [hidden]
@@ -82,9 +100,9 @@ class Model {
  public:
   ModelConfig config;
   std::vector<LayerWeights> layers;
-  Weight embed;       ///< [vocab, hidden]
-  Weight lm_head;     ///< [vocab, hidden] (the embedding's storage when tied)
-  Weight final_norm;  ///< [hidden]
+  Weight embed;              ///< [vocab, hidden]
+  Weight lm_head;            ///< [vocab, hidden] (the embedding's storage when tied)
+  Weight final_norm;         ///< [hidden]
   std::string weights_path;  ///< the file the weights came from (for messages)
 
   Model() = default;
@@ -137,8 +155,8 @@ inline bool config_number(json::Value const& cfg, char const* key, double lo, do
     return model_fail(error, file + ": field \"" + std::string(key) + "\" must be a number");
   double const x = v->as_double();
   if (!(x >= lo && x <= hi))
-    return model_fail(error, file + ": field \"" + std::string(key) + "\" = " + std::string(v->number_text()) +
-                                 " is out of range");
+    return model_fail(
+        error, file + ": field \"" + std::string(key) + "\" = " + std::string(v->number_text()) + " is out of range");
   out = x;
   return true;
 }
@@ -146,8 +164,8 @@ inline bool config_number(json::Value const& cfg, char const* key, double lo, do
 /// Shape checks shared by both formats: the heads tile the width, GQA groups are whole, RoPE pairs are whole.
 inline bool check_shape(ModelConfig const& c, std::string const& file, std::string& error) {
   if (c.heads % c.kv_heads != 0)
-    return model_fail(error, file + ": query heads (" + std::to_string(c.heads) +
-                                 ") must be a multiple of KV heads (" + std::to_string(c.kv_heads) + ")");
+    return model_fail(error, file + ": query heads (" + std::to_string(c.heads) + ") must be a multiple of KV heads (" +
+                                 std::to_string(c.kv_heads) + ")");
   if (c.head_dim % 2 != 0)
     return model_fail(error, file + ": head dim " + std::to_string(c.head_dim) + " must be even (RoPE pairs)");
   return true;
@@ -183,9 +201,10 @@ inline bool Model::load(std::string const& path, Model& out, std::string& error)
         bins.push_back(entry.path());
     if (bins.size() == 1)
       return load_llama2c(bins[0], out, error);
-    return detail::model_fail(error, path + ": expected a Hugging Face model directory (config.json + "
-                                            "model.safetensors) or exactly one llama2.c .bin checkpoint (besides "
-                                            "tok*.bin tokenizers); found " +
+    return detail::model_fail(error, path +
+                                         ": expected a Hugging Face model directory (config.json + "
+                                         "model.safetensors) or exactly one llama2.c .bin checkpoint (besides "
+                                         "tok*.bin tokenizers); found " +
                                          std::to_string(bins.size()) + " checkpoint .bin files and no config.json");
   }
   if (!fs::exists(p, ec))
@@ -193,22 +212,19 @@ inline bool Model::load(std::string const& path, Model& out, std::string& error)
   return load_llama2c(p, out, error);
 }
 
-inline bool Model::load_huggingface(std::filesystem::path const& dir, Model& out, std::string& error) {
+inline bool parse_config(std::string_view text, std::string const& cfg_path, ModelConfig& out, std::string& error) {
   using detail::model_fail;
-  std::string const cfg_path = (dir / "config.json").string();
-  std::vector<std::byte> bytes;
-  if (!read_regular_file(cfg_path, bytes, error, 16u << 20))
-    return model_fail(error, cfg_path + ": " + error);
   json::Value cfg;
-  if (!json::parse({reinterpret_cast<char const*>(bytes.data()), bytes.size()}, cfg, error))
+  if (!json::parse(text, cfg, error))
     return model_fail(error, cfg_path + ": " + error);
   if (!cfg.is_object())
     return model_fail(error, cfg_path + ": expected a JSON object");
   ModelConfig c;
   c.format = "huggingface";
   if (json::Value const* t = cfg.find("model_type"); t == nullptr || t->as_string() != "llama")
-    return model_fail(error, cfg_path + ": field \"model_type\" must be \"llama\" (the Llama architecture: "
-                                        "RMSNorm, SwiGLU, RoPE, GQA, no biases)");
+    return model_fail(error, cfg_path +
+                                 ": field \"model_type\" must be \"llama\" (the Llama architecture: "
+                                 "RMSNorm, SwiGLU, RoPE, GQA, no biases)");
   for (char const* bias : {"attention_bias", "mlp_bias"})
     if (json::Value const* b = cfg.find(bias); b != nullptr && b->as_bool())
       return model_fail(error, cfg_path + ": \"" + std::string(bias) + "\": true is not supported (no biases)");
@@ -236,8 +252,8 @@ inline bool Model::load_huggingface(std::filesystem::path const& dir, Model& out
     c.head_dim = c.hidden / c.heads;
   }
   c.rope_theta = 10000.0;
-  if (cfg.find("rope_theta") != nullptr && !detail::config_number(cfg, "rope_theta", 1.0 + 1e-9, 1e12, c.rope_theta,
-                                                                   error, cfg_path))
+  if (cfg.find("rope_theta") != nullptr &&
+      !detail::config_number(cfg, "rope_theta", 1.0 + 1e-9, 1e12, c.rope_theta, error, cfg_path))
     return false;
   if (!detail::check_shape(c, cfg_path, error))
     return false;
@@ -274,7 +290,19 @@ inline bool Model::load_huggingface(std::filesystem::path const& dir, Model& out
     c.bos = static_cast<std::int32_t>(id);
   if (json::Value const* e = cfg.find("eos_token_id"); e && json::to_int64(*e, id) && id >= 0 && id < c.vocab)
     c.eos = static_cast<std::int32_t>(id);
+  out = std::move(c);
+  return true;
+}
 
+inline bool Model::load_huggingface(std::filesystem::path const& dir, Model& out, std::string& error) {
+  using detail::model_fail;
+  std::string const cfg_path = (dir / "config.json").string();
+  std::vector<std::byte> bytes;
+  if (!read_regular_file(cfg_path, bytes, error, 16u << 20))
+    return model_fail(error, cfg_path + ": " + error);
+  ModelConfig c;
+  if (!parse_config({reinterpret_cast<char const*>(bytes.data()), bytes.size()}, cfg_path, c, error))
+    return false;
   std::string const st_path = (dir / "model.safetensors").string();
   if (!map_safetensors(st_path, out.safetensors_, error))
     return model_fail(error, st_path + ": " + error);
@@ -302,8 +330,8 @@ inline bool Model::load_huggingface(std::filesystem::path const& dir, Model& out
     wants.push_back({layer_name(l, "mlp.down_proj.weight"), c.hidden, c.intermediate});
   }
   wants.push_back({"model.norm.weight", c.hidden, 0});
-  std::string const embed_name = header.find("model.embed_tokens.weight") ? "model.embed_tokens.weight"
-                                                                           : "lm_head.weight";
+  std::string const embed_name =
+      header.find("model.embed_tokens.weight") ? "model.embed_tokens.weight" : "lm_head.weight";
   wants.push_back({embed_name, c.vocab, c.hidden});
   wants.push_back({header.find("lm_head.weight") ? "lm_head.weight" : embed_name, c.vocab, c.hidden});
 
@@ -369,13 +397,10 @@ inline bool Model::load_huggingface(std::filesystem::path const& dir, Model& out
   return true;
 }
 
-inline bool Model::load_llama2c(std::filesystem::path const& file, Model& out, std::string& error) {
+inline bool parse_llama2c_header(std::span<std::byte const> bytes, std::string const& path, ModelConfig& out,
+                                 Llama2cLayout& layout, std::string& error) {
   using detail::model_fail;
-  std::string const path = file.string();
-  if (!map_regular_file(path, out.file_, error))
-    return model_fail(error, path + ": " + error);
-  std::span<std::byte const> const bytes = out.file_.bytes();
-  constexpr std::size_t header_bytes = 7 * sizeof(std::int32_t);
+  constexpr std::size_t header_bytes = Llama2cLayout::header_bytes;
   if (bytes.size() < header_bytes)
     return model_fail(error, path + ": " + std::to_string(bytes.size()) +
                                  " bytes is shorter than a llama2.c checkpoint header (7 int32)");
@@ -386,9 +411,9 @@ inline bool Model::load_llama2c(std::filesystem::path const& file, Model& out, s
   for (int k = 0; k < 7; ++k) {
     std::int64_t const v = k == 5 ? std::abs(static_cast<std::int64_t>(h[k])) : h[k];
     if (v < 1 || v > limits[k])
-      return model_fail(error, path + ": header field " + names[k] + " = " + std::to_string(h[k]) +
-                                   " must be in [1, " + std::to_string(limits[k]) + "]" +
-                                   (k == 5 ? " in absolute value" : "") + " (is this a llama2.c checkpoint?)");
+      return model_fail(error, path + ": header field " + names[k] + " = " + std::to_string(h[k]) + " must be in [1, " +
+                                   std::to_string(limits[k]) + "]" + (k == 5 ? " in absolute value" : "") +
+                                   " (is this a llama2.c checkpoint?)");
   }
   ModelConfig c;
   c.format = "llama2.c";
@@ -417,18 +442,18 @@ inline bool Model::load_llama2c(std::filesystem::path const& file, Model& out, s
   // (at most 2^16 * 2^18 * 2^12 floats per tensor group).
   Index const d = c.hidden, kv = c.kv_heads * c.head_dim, f = c.intermediate, L = c.layers;
   Index const sizes[] = {
-      c.vocab * d,              // token_embedding_table
-      L * d,                    // rms_att_weight
-      L * d * d,                // wq
-      L * kv * d,               // wk
-      L * kv * d,               // wv
-      L * d * d,                // wo
-      L * d,                    // rms_ffn_weight
-      L * f * d,                // w1 (gate)
-      L * d * f,                // w2 (down)
-      L * f * d,                // w3 (up)
-      d,                        // rms_final_weight
-      c.context * c.head_dim,   // freq_cis_real + freq_cis_imag ([seq_len, head_size / 2] each; unused)
+      c.vocab * d,                          // token_embedding_table
+      L * d,                                // rms_att_weight
+      L * d * d,                            // wq
+      L * kv * d,                           // wk
+      L * kv * d,                           // wv
+      L * d * d,                            // wo
+      L * d,                                // rms_ffn_weight
+      L * f * d,                            // w1 (gate)
+      L * d * f,                            // w2 (down)
+      L * f * d,                            // w3 (up)
+      d,                                    // rms_final_weight
+      c.context * c.head_dim,               // freq_cis_real + freq_cis_imag ([seq_len, head_size / 2] each; unused)
       c.tied_embeddings ? 0 : c.vocab * d,  // wcls
   };
   Index total = 0;
@@ -441,14 +466,30 @@ inline bool Model::load_llama2c(std::filesystem::path const& file, Model& out, s
                                  std::to_string(L) + ", n_heads " + std::to_string(c.heads) + ", n_kv_heads " +
                                  std::to_string(c.kv_heads) + ", vocab_size " + std::to_string(h[5]) + ", seq_len " +
                                  std::to_string(c.context) + ") implies " + std::to_string(expected));
-  float const* base = reinterpret_cast<float const*>(bytes.data() + header_bytes);  // mmap: page-aligned + 28
-  Index offsets[std::size(sizes)];
   Index at = 0;
   for (std::size_t k = 0; k < std::size(sizes); ++k) {
-    offsets[k] = at;
+    layout.offset[k] = at;
+    layout.size[k] = sizes[k];
     at += sizes[k];
   }
-  auto const ptr = [&](int k, Index l) { return base + offsets[k] + l * (sizes[k] / L); };
+  out = std::move(c);
+  return true;
+}
+
+inline bool Model::load_llama2c(std::filesystem::path const& file, Model& out, std::string& error) {
+  using detail::model_fail;
+  std::string const path = file.string();
+  if (!map_regular_file(path, out.file_, error))
+    return model_fail(error, path + ": " + error);
+  std::span<std::byte const> const bytes = out.file_.bytes();
+  ModelConfig c;
+  Llama2cLayout layout;
+  if (!parse_llama2c_header(bytes, path, c, layout, error))
+    return false;
+  constexpr std::size_t header_bytes = Llama2cLayout::header_bytes;
+  Index const d = c.hidden, kv = c.kv_heads * c.head_dim, f = c.intermediate, L = c.layers;
+  float const* base = reinterpret_cast<float const*>(bytes.data() + header_bytes);  // mmap: page-aligned + 28
+  auto const ptr = [&](int k, Index l) { return base + layout.offset[k] + l * (layout.size[k] / L); };
   out.layers.clear();
   for (Index l = 0; l < L; ++l) {
     LayerWeights w;
@@ -464,8 +505,8 @@ inline bool Model::load_llama2c(std::filesystem::path const& file, Model& out, s
     out.layers.push_back(w);
   }
   out.embed = Weight{base, c.vocab, d};
-  out.final_norm = Weight{base + offsets[10], d};
-  out.lm_head = Weight{c.tied_embeddings ? base : base + offsets[12], c.vocab, d};
+  out.final_norm = Weight{base + layout.offset[10], d};
+  out.lm_head = Weight{c.tied_embeddings ? base : base + layout.offset[12], c.vocab, d};
   out.weights_path = path;
   out.config = std::move(c);
   return true;

@@ -124,9 +124,9 @@ inline std::string results_table(std::vector<Record> const& records) {
     double max_error = 0;
     for (double e : r.layer_error)
       max_error = std::max(max_error, e);
-    std::snprintf(line, sizeof line, "%-14s %5.2f %7.1f%% %10.1f %10.4f %7.3f %10.3f %9.4f %10.2f\n",
-                  r.policy.c_str(), r.ratio, r.kv_bytes_full > 0 ? 100.0 * r.kv_bytes / r.kv_bytes_full : 0.0,
-                  r.kv_bytes / 1024.0, r.kl, r.top1, r.perplexity, max_error, 1e3 * r.seconds);
+    std::snprintf(line, sizeof line, "%-14s %5.2f %7.1f%% %10.1f %10.4f %7.3f %10.3f %9.4f %10.2f\n", r.policy.c_str(),
+                  r.ratio, r.kv_bytes_full > 0 ? 100.0 * r.kv_bytes / r.kv_bytes_full : 0.0, r.kv_bytes / 1024.0, r.kl,
+                  r.top1, r.perplexity, max_error, 1e3 * r.seconds);
     out += line;
   }
   return out;
@@ -203,8 +203,8 @@ inline std::string side_by_side(std::string const& left_title, std::string const
     return s + std::string(width > points ? width - points : 0, ' ');
   };
   std::vector<std::string> const a = wrap(left, width), b = wrap(right, width);
-  std::string out = pad(left_title) + " | " + right_title + "\n" + std::string(width, '-') + "-+-" +
-                    std::string(width, '-') + "\n";
+  std::string out =
+      pad(left_title) + " | " + right_title + "\n" + std::string(width, '-') + "-+-" + std::string(width, '-') + "\n";
   for (std::size_t i = 0; i < std::max(a.size(), b.size()); ++i)
     out += pad(i < a.size() ? a[i] : "") + " | " + (i < b.size() ? b[i] : "") + "\n";
   return out;

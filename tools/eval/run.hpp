@@ -45,13 +45,13 @@ struct RunOptions {
 struct Record {
   std::string policy;
   double ratio = 0;
-  double kl = 0;                ///< mean KL(full || compressed) per predicted token, nats
-  double top1 = 0;              ///< fraction of predicted tokens whose argmax equals the full cache's
-  double perplexity = 0;        ///< exp(mean NLL of the continuation's tokens) with the compressed cache
-  double perplexity_full = 0;   ///< the same with the full cache
-  double kv_bytes = 0;          ///< K + V bytes held after compression (all layers), mean over samples
-  double kv_bytes_full = 0;     ///< K + V bytes of the full prompt cache
-  double seconds = 0;           ///< compression wall time per sample (score + select + compact, all layers)
+  double kl = 0;                    ///< mean KL(full || compressed) per predicted token, nats
+  double top1 = 0;                  ///< fraction of predicted tokens whose argmax equals the full cache's
+  double perplexity = 0;            ///< exp(mean NLL of the continuation's tokens) with the compressed cache
+  double perplexity_full = 0;       ///< the same with the full cache
+  double kv_bytes = 0;              ///< K + V bytes held after compression (all layers), mean over samples
+  double kv_bytes_full = 0;         ///< K + V bytes of the full prompt cache
+  double seconds = 0;               ///< compression wall time per sample (score + select + compact, all layers)
   std::vector<double> layer_error;  ///< [layers] ||O_c - O_full|| / ||O_full|| of attention outputs (continuation)
   Index samples = 0;
 };
@@ -65,9 +65,9 @@ struct Accumulator {
 
 /// Full-cache results of one sample, which every policy is compared with.
 struct Reference {
-  RowMatrix logits;     ///< [continuation, vocab]
-  ForwardTrace trace;   ///< attention outputs of the continuation
-  double nll = 0;       ///< summed over the continuation
+  RowMatrix logits;    ///< [continuation, vocab]
+  ForwardTrace trace;  ///< attention outputs of the continuation
+  double nll = 0;      ///< summed over the continuation
   std::size_t kv_bytes = 0;
 };
 
@@ -135,8 +135,8 @@ inline std::vector<Record> evaluate(Model const& model, RunOptions const& option
     std::span<std::int32_t const> const all(tokens);
     std::span<std::int32_t const> const prompt = all.subspan(0, static_cast<std::size_t>(n));
     std::span<std::int32_t const> const fed = all.subspan(static_cast<std::size_t>(n), static_cast<std::size_t>(m));
-    std::span<std::int32_t const> const targets = all.subspan(static_cast<std::size_t>(n + 1),
-                                                              static_cast<std::size_t>(m));
+    std::span<std::int32_t const> const targets =
+        all.subspan(static_cast<std::size_t>(n + 1), static_cast<std::size_t>(m));
     auto prefilled = make_session(model, options.cache, n + m);
     RowMatrix logits;
     check(prefilled->forward(prompt, logits), "prefill");
@@ -146,8 +146,8 @@ inline std::vector<Record> evaluate(Model const& model, RunOptions const& option
       auto full = prefilled->clone();
       check(full->forward(fed, ref.logits, &ref.trace), "full-cache continuation");
       for (Index r = 0; r < m; ++r)
-        ref.nll += negative_log_likelihood(ref.logits.row(r).data(), ref.logits.cols(),
-                                           targets[static_cast<std::size_t>(r)]);
+        ref.nll +=
+            negative_log_likelihood(ref.logits.row(r).data(), ref.logits.cols(), targets[static_cast<std::size_t>(r)]);
     }
     std::size_t slot = 0;
     for (PolicyRun const& run : options.policies)

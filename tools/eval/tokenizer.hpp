@@ -21,9 +21,9 @@
 #include <algorithm>
 #include <array>
 #include <bit>
+#include <cmath>
 #include <cstddef>
 #include <cstdint>
-#include <cstring>
 #include <initializer_list>
 #include <new>
 #include <queue>
@@ -40,13 +40,24 @@ namespace tokenizer_detail {
 
 /// U+FFFD REPLACEMENT CHARACTER in UTF-8: what invalid UTF-8 and out-of-range ids become.
 inline constexpr std::string_view kReplacement = "\xEF\xBF\xBD";
-/// The largest file read (bytes): 64 MiB holds every tokenizer.json in use (Gemma's is about 33 MB) and bounds
-/// the JSON DOM built from it.
+/// The largest file read (bytes): 64 MiB holds every tokenizer.json in use (Gemma's is about 33 MB).
 inline constexpr std::uint64_t kMaxFileBytes = std::uint64_t{64} << 20;
+/// The most JSON values a tokenizer.json may hold, bounded before parsing by counting ',', '[' and '{' (about
+/// 128 bytes each in the DOM: 512 MiB at most; Llama 3's file has about 400 000).
+inline constexpr std::size_t kMaxJsonValues = std::size_t{1} << 22;
 /// The most tokens a vocabulary may have (ids are int32; real vocabularies have at most a few 100 000).
 inline constexpr std::int64_t kMaxVocab = std::int64_t{1} << 24;
-/// The longest llama2.c token accepted (bytes; real files have max_token_length below 100).
-inline constexpr std::int32_t kMaxTokenLength = 1 << 16;
+/// The longest llama2.c token accepted (bytes; sentencepiece's default max_sentencepiece_length is 16
+/// characters). Bounds the cost of each pair encode() looks up.
+inline constexpr std::int32_t kMaxTokenLength = 1024;
+/// The longest string tokenizer.json may give a normalizer, a decoder or an added token (bytes, after
+/// normalization for added tokens; real ones have a few), so that matching them costs at most this per byte.
+inline constexpr std::size_t kMaxPattern = 1024;
+/// The most bytes the added tokens' patterns may have together (each byte can be a node of the matching trie).
+inline constexpr std::size_t kMaxAddedBytes = std::size_t{1} << 20;
+/// The most times longer the normalizers and pre-tokenizers together, or the decoders, may make a text: each
+/// Replace, Prepend, Metaspace or ByteLevel step can multiply its length, and a damaged file could chain many.
+inline constexpr double kMaxGrowth = 1024;
 
 /// One step of UTF-8 decoding at s[i] (i < s.size()): a valid sequence (RFC 3629: no overlong form, surrogate or
 /// code point above U+10FFFF) and its length, or the length of the maximal ill-formed subpart there (>= 1), which
@@ -314,6 +325,8 @@ struct JsonReader {
     if (!expect(*v, json::Kind::string, where))
       return false;
     out = v->as_string();
+    if (out.size() > kMaxPattern)
+      return fail(where, std::to_string(out.size()) + " bytes, more than the limit of " + std::to_string(kMaxPattern));
     return true;
   }
   /// A string of exactly one character (UTF-8).
@@ -391,12 +404,16 @@ class Tokenizer {
     } catch (std::bad_alloc const&) {
       error = std::string(name) + ": out of memory reading the tokenizer";
       return false;
+    } catch (std::length_error const&) {
+      error = std::string(name) + ": out of memory reading the tokenizer";
+      return false;
     }
   }
 
   /// UTF-8 text -> ids, no BOS/EOS added (add_special_tokens=False).
   ///   tokenizer.json: as tokenizers' Tokenizer.encode; ill-formed UTF-8 is first replaced by U+FFFD as Python's
-  ///     bytes.decode("utf-8", "replace") would (tokenizers takes str).
+  ///     bytes.decode("utf-8", "replace") would (tokenizers takes str). APPROXIMATION: ByteLevel's GPT-2 split
+  ///     treats every non-ASCII code point as a letter (see tokenizer_detail::gpt2_class); exact for ASCII text.
   ///   llama2.c: as run.c's encode(text, bos=0, eos=0): the text ends at its first NUL byte (a C string), a dummy
   ///     prefix " " is added when it is not empty, code points missing from the vocabulary become byte ids
   ///     (byte + 3), then the adjacent pair whose concatenation is in the vocabulary with the highest score (above
@@ -464,12 +481,11 @@ class Tokenizer {
     std::int64_t start = 0, stop = 0;  // strip: characters at most, from each end
     bool prepend_never = false;        // metaspace: prepend_scheme "never" (keep the first token's replacements)
   };
-  /// An added token: matched in the text (the raw text if !normalized, else the normalized text against
-  /// `pattern`, the content normalized) and split out before the model sees the text.
-  struct AddedToken {
-    std::string pattern;
-    std::int32_t id = 0;
-    bool normalized = false;
+  /// A node of the byte trie of the added tokens' patterns (node 0 is the root). An added token is matched in the
+  /// raw text (normalized false) or in the normalized text against its content normalized (normalized true).
+  struct TrieNode {
+    std::vector<std::pair<unsigned char, std::uint32_t>> next;  // (byte, child node), sorted by byte
+    std::array<std::int32_t, 2> id = {-1, -1};                  // the added token whose pattern ends here: [normalized]
   };
   /// A piece of the text on its way through encode: `id` >= 0 once it is an added token; `at_start` when it starts
   /// at offset 0 of the original text (Metaspace's prepend_scheme "first").
@@ -492,8 +508,7 @@ class Tokenizer {
   std::int32_t space_id_ = -1;  // the id of " ", the dummy prefix
   // tokenizer.json
   std::unordered_map<std::uint64_t, Merge> merges_;  // (left id << 32 | right id) -> merge
-  std::vector<AddedToken> added_;
-  std::array<std::vector<std::uint32_t>, 256> added_by_byte_;  // first byte of pattern -> indices into added_
+  std::vector<TrieNode> trie_ = std::vector<TrieNode>(1);
   std::vector<Normalizer> normalizers_;
   std::vector<PreTokenizer> pre_tokenizers_;
   std::vector<Decoder> decoders_;
@@ -705,6 +720,14 @@ class Tokenizer {
 
   bool read_json(std::string_view text, std::string& error, std::string_view name) {
     using tokenizer_detail::JsonReader;
+    std::size_t const values = 1 + static_cast<std::size_t>(std::count_if(text.begin(), text.end(), [](char c) {
+                                 return c == ',' || c == '[' || c == '{';
+                               }));
+    if (values > tokenizer_detail::kMaxJsonValues) {
+      error = std::string(name) + ": up to " + std::to_string(values) + " JSON values, more than the limit of " +
+              std::to_string(tokenizer_detail::kMaxJsonValues) + " (the parsed document would not fit in 512 MiB)";
+      return false;
+    }
     json::Value root;
     std::string why;
     if (!json::parse(text, root, why)) {
@@ -727,12 +750,36 @@ class Tokenizer {
     if (model == nullptr)
       return r.fail("model", "missing (expected the BPE model)");
     if (!read_model(r, *model) || !read_normalizer(r, root.find("normalizer"), "normalizer") ||
-        !read_added_tokens(r, root.find("added_tokens")) ||
         !read_pre_tokenizer(r, root.find("pre_tokenizer"), "pre_tokenizer") ||
-        !read_decoder(r, root.find("decoder"), "decoder"))
+        !read_decoder(r, root.find("decoder"), "decoder") || !check_growth(r) ||
+        !read_added_tokens(r, root.find("added_tokens")))
       return false;
     has_decoder_ = root.find("decoder") != nullptr && !root.find("decoder")->is_null();
     return read_special_ids(r, root.find("post_processor"));
+  }
+
+  /// Refuses chains of steps that can make a text more than kMaxGrowth times longer (upper bounds per step:
+  /// Replace |content| / |pattern| rounded up, Prepend 1 + |prepend|, ByteLevel 4 before (prefix space, 2-byte
+  /// characters) and 2 after (U+FFFD for a lone byte), Metaspace 2 |replacement|).
+  bool check_growth(tokenizer_detail::JsonReader& r) const {
+    auto const ratio = [](std::string const& from, std::string const& to) {
+      return std::max(1.0, std::ceil(static_cast<double>(to.size()) / static_cast<double>(from.size())));
+    };
+    double in = 1, out = 1;
+    for (Normalizer const& n : normalizers_)
+      in *= n.prepend ? 1.0 + static_cast<double>(n.a.size()) : ratio(n.a, n.b);
+    for (PreTokenizer const& p : pre_tokenizers_)
+      in *= p.byte_level ? 4.0 : 2.0 * static_cast<double>(p.replacement.size());
+    for (Decoder const& d : decoders_)
+      out *= d.kind == Decoder::Kind::replace ? ratio(d.a, d.b) : d.kind == Decoder::Kind::byte_level ? 2.0 : 1.0;
+    std::string const too_long = "these steps can make a text more than " +
+                                 std::to_string(static_cast<int>(tokenizer_detail::kMaxGrowth)) +
+                                 " times longer (a damaged file?)";
+    if (in > tokenizer_detail::kMaxGrowth)
+      return r.fail("normalizer, pre_tokenizer", too_long);
+    if (out > tokenizer_detail::kMaxGrowth)
+      return r.fail("decoder", too_long);
+    return true;
   }
 
   /// Padding changes nothing for one sequence with strategy BatchLongest and no pad_to_multiple_of.
@@ -903,6 +950,9 @@ class Tokenizer {
     if (!p->is_object() || p->members().size() != 1 || s == nullptr || !s->is_string() || s->as_string().empty())
       return r.fail(path + ".pattern", "expected {\"String\": \"...\"} with a non-empty string");
     pattern = s->as_string();
+    if (pattern.size() > tokenizer_detail::kMaxPattern)
+      return r.fail(path + ".pattern", std::to_string(pattern.size()) + " bytes, more than the limit of " +
+                                           std::to_string(tokenizer_detail::kMaxPattern));
     return true;
   }
 
@@ -924,8 +974,8 @@ class Tokenizer {
       return true;
     if (!r.expect(*list, json::Kind::array, "added_tokens"))
       return false;
-    std::unordered_map<std::string, std::int32_t> pattern_ids;
     std::vector<std::pair<std::string, std::int32_t>> specials;
+    std::size_t pattern_bytes = 0;
     for (std::size_t i = 0; i < list->items().size(); ++i) {
       json::Value const& t = list->items()[i];
       std::string const path = "added_tokens[" + std::to_string(i) + "]";
@@ -958,18 +1008,20 @@ class Tokenizer {
           return r.fail(path, "more tokens than the limit of " + std::to_string(tokenizer_detail::kMaxVocab));
         pieces_.push_back(content);
       }
-      AddedToken a{normalized ? normalize(content) : content, static_cast<std::int32_t>(id), normalized};
-      if (a.pattern.empty())
-        return r.fail(path + ".content", "\"" + json::printable(content) + "\" normalizes to the empty string");
-      auto const [it, fresh] = pattern_ids.emplace((normalized ? "n" : "r") + a.pattern, a.id);
-      if (!fresh)
+      std::string const pattern = normalized ? normalize(content) : content;
+      if (pattern.empty() || pattern.size() > tokenizer_detail::kMaxPattern)
+        return r.fail(path + ".content", "\"" + json::printable(content) + "\" is matched as " +
+                                             std::to_string(pattern.size()) + " bytes (expected 1.." +
+                                             std::to_string(tokenizer_detail::kMaxPattern) + ")");
+      if ((pattern_bytes += pattern.size()) > tokenizer_detail::kMaxAddedBytes)
+        return r.fail(path, "the added tokens have more than " + std::to_string(tokenizer_detail::kMaxAddedBytes) +
+                                " bytes in all");
+      if (std::int32_t const other = trie_insert(pattern, normalized, static_cast<std::int32_t>(id)); other >= 0)
         return r.fail(path + ".content", "\"" + json::printable(content) + "\" is matched as \"" +
-                                             json::printable(a.pattern) + "\", as is the added token " +
-                                             std::to_string(it->second) + " (expected unique added tokens)");
+                                             json::printable(pattern) + "\", as is the added token " +
+                                             std::to_string(other) + " (expected unique added tokens)");
       if (special)
-        specials.emplace_back(content, a.id);
-      added_by_byte_[static_cast<unsigned char>(a.pattern[0])].push_back(static_cast<std::uint32_t>(added_.size()));
-      added_.push_back(std::move(a));
+        specials.emplace_back(content, static_cast<std::int32_t>(id));
     }
     for (auto const& [content, id] : specials) {  // name-based guesses; the post_processor's template wins
       for (char const* bos : {"<s>", "<bos>", "<|begin_of_text|>", "<|startoftext|>", "<|start_story|>"})
@@ -1145,6 +1197,36 @@ class Tokenizer {
 
   // ---- tokenizer.json: encoding and decoding -------------------------------------------------------------------
 
+  /// The child of trie node `node` by byte `c`, or 0 (the root is nobody's child).
+  std::uint32_t trie_child(std::uint32_t node, unsigned char c) const {
+    auto const& next = trie_[node].next;
+    auto const it =
+        std::lower_bound(next.begin(), next.end(), c, [](auto const& e, unsigned char b) { return e.first < b; });
+    return it != next.end() && it->first == c ? it->second : 0;
+  }
+
+  /// Adds an added token's pattern to the trie; returns the id of another added token with the same pattern and
+  /// kind, or -1.
+  std::int32_t trie_insert(std::string const& pattern, bool normalized, std::int32_t id) {
+    std::uint32_t node = 0;
+    for (char ch : pattern) {
+      auto const c = static_cast<unsigned char>(ch);
+      std::uint32_t child = trie_child(node, c);
+      if (child == 0) {
+        child = static_cast<std::uint32_t>(trie_.size());
+        auto& next = trie_[node].next;
+        next.insert(std::lower_bound(next.begin(), next.end(), std::pair{c, std::uint32_t{0}}), {c, child});
+        trie_.emplace_back();  // (invalidates `next`, not used after)
+      }
+      node = child;
+    }
+    std::int32_t& slot = trie_[node].id[normalized];
+    if (slot >= 0)
+      return slot;
+    slot = id;
+    return -1;
+  }
+
   /// Splits `s` at the added tokens of the given kind (LeftmostLongest: the match that starts first, the longest
   /// one there), appending the non-empty pieces to `out`.
   void split_added(std::string s, bool normalized, bool at_start, std::vector<Piece>& out) const {
@@ -1152,21 +1234,24 @@ class Tokenizer {
       return;
     std::size_t last = 0;
     for (std::size_t i = 0; i < s.size();) {
-      AddedToken const* best = nullptr;
-      for (std::uint32_t k : added_by_byte_[static_cast<unsigned char>(s[i])]) {
-        AddedToken const& a = added_[k];
-        if (a.normalized == normalized && (best == nullptr || a.pattern.size() > best->pattern.size()) &&
-            std::string_view(s).substr(i, a.pattern.size()) == a.pattern)
-          best = &a;
+      std::int32_t id = -1;
+      std::size_t length = 0;  // the longest pattern matching at i (at most kMaxPattern bytes: the trie's depth)
+      for (std::uint32_t node = 0, j = 0; i + j < s.size(); ++j) {
+        if ((node = trie_child(node, static_cast<unsigned char>(s[i + j]))) == 0)
+          break;
+        if (trie_[node].id[normalized] >= 0) {
+          id = trie_[node].id[normalized];
+          length = j + 1;
+        }
       }
-      if (best == nullptr) {
+      if (id < 0) {
         ++i;
         continue;
       }
       if (i > last)
         out.push_back({s.substr(last, i - last), -1, at_start && last == 0});
-      out.push_back({best->pattern, best->id, false});
-      i += best->pattern.size();
+      out.push_back({s.substr(i, length), id, false});
+      i += length;
       last = i;
     }
     if (last == 0)

@@ -4,7 +4,8 @@
 // Inputs: only regular files are read, opened with O_NONBLOCK so that a FIFO without a writer or a device never
 // blocks, read whole with every short read and error checked. Outputs: written to a temporary file in the
 // destination's folder, synced and closed with every error checked, then renamed over the destination, so a reader
-// sees the old file or the whole new one, never a partial one. Errors are plain sentences without the path (callers
+// sees the old file or the whole new one, never a partial one. Large read-only inputs (model weights) can be mapped
+// instead of read (MappedFile), with the same checks at open. Errors are plain sentences without the path (callers
 // prefix it). Tool code, not a hot path: it allocates.
 #pragma once
 
@@ -19,6 +20,7 @@
 #include <optional>
 #include <span>
 #include <string>
+#include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
 #include <utility>
@@ -77,6 +79,56 @@ struct Descriptor {
 
 }  // namespace detail
 
+namespace detail {
+
+/// Opens the regular file `path` for reading with the checks described at read_regular_file (stat() before open,
+/// regular files only, O_NONBLOCK, same device and inode after open, size at most `max_bytes`). On success `f` holds
+/// the descriptor and `size` the file's size at open; on failure returns false and sets `error`.
+inline bool open_regular_file(std::string const& path, Descriptor& f, std::uint64_t& size, std::string& error,
+                              std::uint64_t max_bytes) {
+  struct stat named {};
+  if (::stat(path.c_str(), &named) != 0) {
+    error = errno_text("cannot open the file for reading", errno);
+    return false;
+  }
+  if (!S_ISREG(named.st_mode)) {
+    error = std::string("is ") + file_kind(named.st_mode) + ", expected a regular file";
+    return false;
+  }
+  Descriptor opened(::open(path.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC | O_NOCTTY));
+  if (opened.fd < 0) {
+    error = errno_text("cannot open the file for reading", errno);
+    return false;
+  }
+  struct stat st {};
+  if (::fstat(opened.fd, &st) != 0) {
+    error = errno_text("cannot examine the file", errno);
+    return false;
+  }
+  if (st.st_dev != named.st_dev || st.st_ino != named.st_ino || !S_ISREG(st.st_mode)) {
+    error = "the file was replaced while it was opened";
+    return false;
+  }
+  size = static_cast<std::uint64_t>(st.st_size);
+  if (size > max_bytes) {
+    error = "the file has " + std::to_string(size) + " bytes, more than the reader's limit of " +
+            std::to_string(max_bytes) + " bytes";
+    return false;
+  }
+  if constexpr (sizeof(std::size_t) < sizeof(std::uint64_t)) {
+    if (size > SIZE_MAX) {
+      error = "the file has " + std::to_string(size) + " bytes, more than this process can address";
+      return false;
+    }
+  }
+  if (f.fd >= 0)
+    ::close(f.fd);
+  f.fd = opened.release();
+  return true;
+}
+
+}  // namespace detail
+
 /// Reads the whole regular file `path` into `out` (at most `max_bytes`). Anything else (directory, FIFO, device,
 /// socket) is refused from stat() before it is opened, since opening a device can act on it (a serial port raises
 /// DTR, a tape rewinds); the regular file is then opened with O_NONBLOCK and must be the one examined (same device
@@ -84,35 +136,10 @@ struct Descriptor {
 /// out of memory. On failure returns false and sets `error` (without the path).
 inline bool read_regular_file(std::string const& path, std::vector<std::byte>& out, std::string& error,
                               std::uint64_t max_bytes = UINT64_MAX) {
-  struct stat named {};
-  if (::stat(path.c_str(), &named) != 0) {
-    error = detail::errno_text("cannot open the file for reading", errno);
+  detail::Descriptor f(-1);
+  std::uint64_t size = 0;
+  if (!detail::open_regular_file(path, f, size, error, max_bytes))
     return false;
-  }
-  if (!S_ISREG(named.st_mode)) {
-    error = std::string("is ") + detail::file_kind(named.st_mode) + ", expected a regular file";
-    return false;
-  }
-  detail::Descriptor f(::open(path.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC | O_NOCTTY));
-  if (f.fd < 0) {
-    error = detail::errno_text("cannot open the file for reading", errno);
-    return false;
-  }
-  struct stat st {};
-  if (::fstat(f.fd, &st) != 0) {
-    error = detail::errno_text("cannot examine the file", errno);
-    return false;
-  }
-  if (st.st_dev != named.st_dev || st.st_ino != named.st_ino || !S_ISREG(st.st_mode)) {
-    error = "the file was replaced while it was opened";
-    return false;
-  }
-  auto const size = static_cast<std::uint64_t>(st.st_size);
-  if (size > max_bytes) {
-    error = "the file has " + std::to_string(size) + " bytes, more than the reader's limit of " +
-            std::to_string(max_bytes) + " bytes";
-    return false;
-  }
   try {
     out.assign(static_cast<std::size_t>(size), std::byte{});
   } catch (std::bad_alloc const&) {
@@ -142,6 +169,75 @@ inline bool read_regular_file(std::string const& path, std::vector<std::byte>& o
     error = "the file grew while it was read";
     return false;
   }
+  return true;
+}
+
+class MappedFile;
+inline bool map_regular_file(std::string const& path, MappedFile& out, std::string& error,
+                             std::uint64_t max_bytes = UINT64_MAX);
+
+/// A read-only, private (MAP_PRIVATE, PROT_READ) mapping of a whole regular file, made by map_regular_file. Move-only;
+/// unmaps on destruction. An empty file maps to an empty span (no mapping is made). The descriptor is closed once the
+/// mapping exists, so a MappedFile holds no file descriptor.
+///
+/// Caveat, as for every mmap-based model loader: the bytes are the file's pages, not a copy. If another process
+/// truncates the file while it is mapped, touching a page past the new end raises SIGBUS, and writes to the file by
+/// others may show through. The size checks of map_regular_file (and of any parser run on bytes()) are against the
+/// size at open. Use read_regular_file where the file may change underneath.
+class MappedFile {
+ public:
+  MappedFile() = default;
+  MappedFile(MappedFile const&) = delete;
+  MappedFile& operator=(MappedFile const&) = delete;
+  MappedFile(MappedFile&& o) noexcept : addr_(std::exchange(o.addr_, nullptr)), size_(std::exchange(o.size_, 0)) {}
+  MappedFile& operator=(MappedFile&& o) noexcept {
+    if (this != &o) {
+      unmap();
+      addr_ = std::exchange(o.addr_, nullptr);
+      size_ = std::exchange(o.size_, 0);
+    }
+    return *this;
+  }
+  ~MappedFile() { unmap(); }
+
+  /// The whole file as it was at open: size() bytes (empty for an empty file or a default-constructed MappedFile).
+  std::span<std::byte const> bytes() const noexcept { return {static_cast<std::byte const*>(addr_), size_}; }
+  std::size_t size() const noexcept { return size_; }
+
+  /// Unmaps (if mapped) and becomes empty.
+  void unmap() noexcept {
+    if (addr_ != nullptr)
+      ::munmap(addr_, size_);
+    addr_ = nullptr;
+    size_ = 0;
+  }
+
+ private:
+  friend bool map_regular_file(std::string const&, MappedFile&, std::string&, std::uint64_t);
+  void* addr_ = nullptr;  // nullptr when nothing is mapped (also for an empty file)
+  std::size_t size_ = 0;  // bytes mapped
+};
+
+/// Maps the whole regular file `path` (at most `max_bytes`, checked against its size at open) read-only into `out`,
+/// opened with the same checks as read_regular_file: stat() before open, regular files only, O_NONBLOCK, the same
+/// device and inode after open. See MappedFile for what happens if the file is truncated while mapped (SIGBUS). On
+/// failure returns false, leaves `out` empty and sets `error` (without the path).
+inline bool map_regular_file(std::string const& path, MappedFile& out, std::string& error, std::uint64_t max_bytes) {
+  out.unmap();
+  detail::Descriptor f(-1);
+  std::uint64_t size = 0;
+  if (!detail::open_regular_file(path, f, size, error, max_bytes))
+    return false;
+  if (size == 0)
+    return true;
+  void* const addr = ::mmap(nullptr, static_cast<std::size_t>(size), PROT_READ, MAP_PRIVATE, f.fd, 0);
+  if (addr == MAP_FAILED) {
+    int const err = errno;
+    error = detail::errno_text(("cannot map the file's " + std::to_string(size) + " bytes into memory").c_str(), err);
+    return false;
+  }
+  out.addr_ = addr;
+  out.size_ = static_cast<std::size_t>(size);
   return true;
 }
 
