@@ -4,6 +4,7 @@
 // the window policies (SnapKV, TOVA), and outputs with the documented shapes. The scores themselves are checked
 // against the NumPy oracle by tools/reference/check_cli.py (ctest kvc.tools.cli_oracle).
 #include <kvc/io/npy.hpp>
+#include <kvc/io/safetensors.hpp>
 
 #include "common/synthetic.hpp"
 #include "support/catch.hpp"
@@ -15,6 +16,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <iterator>
 #include <limits>
 #include <map>
 #include <sstream>
@@ -618,4 +620,170 @@ TEST_CASE("cli: options belong to their command and are given once", "[tools][cl
   r = run("score --policy knorm --keys " + f.keys + " --out");
   CHECK(r.code == 2);
   CHECK(contains(r.output, "--out needs a value"));
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// .safetensors inputs (FILE.safetensors:TENSOR, or FILE.safetensors holding one tensor).
+
+namespace {
+
+/// Writes `tensors` to the .safetensors file `name` in the work folder (kvc::write_safetensors is checked byte for
+/// byte against hand-built files in tests/io/safetensors_test.cpp).
+std::string write_st(std::string const& name, std::vector<kvc::SafetensorsView> const& tensors) {
+  std::string const path = work(name);
+  std::string error;
+  INFO(error);
+  REQUIRE(kvc::write_safetensors(path, tensors, error));
+  return path;
+}
+
+std::vector<std::byte> file_bytes(std::string const& path) {
+  std::ifstream f(path, std::ios::binary);
+  std::string s{std::istreambuf_iterator<char>(f), {}};
+  std::vector<std::byte> b(s.size());
+  if (!s.empty())
+    std::memcpy(b.data(), s.data(), s.size());
+  return b;
+}
+
+}  // namespace
+
+TEST_CASE("cli: .safetensors inputs give the outputs of the same data as .npy", "[tools][cli][safetensors]") {
+  WindowFiles const f("st");
+  Index const n = WindowFiles::n, w = WindowFiles::w;
+  auto const k = randoms(2 * n * 4, 2), v = randoms(2 * n * 4, 3), q = randoms(4 * w * 4, 4);  // WindowFiles' data
+  std::vector<std::int64_t> positions(static_cast<std::size_t>(w));
+  for (Index i = 0; i < w; ++i)
+    positions[static_cast<std::size_t>(i)] = 100 + 2 * i;  // not the default positions: the file is really read
+  auto const p_npy = write_npy("st_p.npy", kvc::NpyDtype::i64, {1, w}, positions);
+  // One file with every input (names in another order than they are used), and a file with the keys alone.
+  std::string const all =
+      write_st("st_all.safetensors", {{"model.q", kvc::SafetensorsDtype::f32, {1, 4, w, 4}, q.data()},
+                                      {"pos", kvc::SafetensorsDtype::i64, {1, w}, positions.data()},
+                                      {"model.k", kvc::SafetensorsDtype::f32, {1, 2, n, 4}, k.data()},
+                                      {"model.v", kvc::SafetensorsDtype::f32, {1, 2, n, 4}, v.data()}});
+  std::string const only_k = write_st("st_k.safetensors", {{"k", kvc::SafetensorsDtype::f32, {1, 2, n, 4}, k.data()}});
+
+  auto same_output = [&](std::string const& npy_args, std::string const& st_args, std::string const& command) {
+    bool const compress = command == "compress";
+    std::string const a = compress ? " --out-dir " + f.out("npy_dir") : " --out " + f.out("npy.npy");
+    std::string const b = compress ? " --out-dir " + f.out("st_dir") : " --out " + f.out("st.npy");
+    auto const r1 = run(command + " " + npy_args + a), r2 = run(command + " " + st_args + b);
+    INFO(npy_args << "\n" << r1.output << "\n" << st_args << "\n" << r2.output);
+    REQUIRE(r1.code == 0);
+    REQUIRE(r2.code == 0);
+    if (!compress) {
+      CHECK(file_bytes(f.out("npy.npy")) == file_bytes(f.out("st.npy")));
+      return;
+    }
+    for (char const* name : {"/keys.npy", "/values.npy", "/indices.npy", "/counts.npy"})
+      CHECK(file_bytes(f.out("npy_dir") + name) == file_bytes(f.out("st_dir") + name));
+  };
+  same_output("--policy key_diff --keys " + f.keys, "--policy key_diff --keys " + all + ":model.k", "score");
+  same_output("--policy knorm --keys " + f.keys, "--policy knorm --keys " + only_k, "score");  // the only tensor
+  same_output("--policy snap_kv --param window_size=8" + f.kq() + " --positions " + p_npy,
+              "--policy snap_kv --param window_size=8 --keys " + all + ":model.k --queries " + all +
+                  ":model.q --positions " + all + ":pos",
+              "score");
+  same_output(
+      "--policy tova --budget 10" + f.kv() + " --queries " + f.queries,
+      "--policy tova --budget 10 --keys " + all + ":model.k --values " + all + ":model.v --queries " + all + ":model.q",
+      "compress");
+  // The scores are not those of the default positions: --positions was read from the file.
+  REQUIRE(run("score --policy snap_kv --param window_size=8" + f.kq() + " --out " + f.out("default.npy")).code == 0);
+  CHECK(file_bytes(f.out("default.npy")) != file_bytes(f.out("st.npy")));
+}
+
+TEST_CASE("cli: bfloat16 .safetensors keys score as their exact float32 values, compress writes float32",
+          "[tools][cli][safetensors]") {
+  // bfloat16 values (the top 16 bits of a float) and the same values as float32 .npy: widening is exact.
+  Index const n = 12;
+  auto const src = randoms(static_cast<std::size_t>(2 * n * 4), 9);
+  std::vector<std::uint16_t> bits;
+  std::vector<float> exact;
+  for (float x : src) {
+    std::uint32_t u = 0;
+    std::memcpy(&u, &x, 4);
+    bits.push_back(static_cast<std::uint16_t>(u >> 16));  // truncation: any bfloat16 will do
+    u &= 0xFFFF0000u;
+    float y = 0;
+    std::memcpy(&y, &u, 4);
+    exact.push_back(y);
+  }
+  auto const k_npy = write_npy("bf_k.npy", kvc::NpyDtype::f32, {1, 2, n, 4}, exact);
+  auto const k_st = write_st("bf_k.safetensors", {{"k", kvc::SafetensorsDtype::bf16, {1, 2, n, 4}, bits.data()}});
+  for (char const* policy : {"knorm", "key_diff"}) {
+    INFO(policy);
+    REQUIRE(run(std::string("score --policy ") + policy + " --keys " + k_npy + " --out " + work("bf_a.npy")).code == 0);
+    REQUIRE(run(std::string("score --policy ") + policy + " --keys " + k_st + " --out " + work("bf_b.npy")).code == 0);
+    auto const a = floats(read(work("bf_a.npy"))), b = floats(read(work("bf_b.npy")));
+    REQUIRE(a.size() == b.size());
+    for (std::size_t i = 0; i < a.size(); ++i)  // the same values; kernels may sum in another order per dtype
+      CHECK(std::abs(a[i] - b[i]) <= 1e-5f * std::max(1.0f, std::abs(a[i])));
+  }
+  REQUIRE(
+      run("compress --policy knorm --budget 5 --keys " + k_st + " --values " + k_st + " --out-dir " + work("bf_out"))
+          .code == 0);
+  auto const kept = read(work("bf_out/keys.npy"));
+  CHECK(kept.dtype == kvc::NpyDtype::f32);
+  REQUIRE(kept.shape == std::vector<Index>{1, 2, 5, 4});
+  auto const idx = ints(read(work("bf_out/indices.npy")));
+  auto const kf = floats(kept);
+  for (Index h = 0; h < 2; ++h)
+    for (Index j = 0; j < 5; ++j)
+      for (Index d = 0; d < 4; ++d)
+        CHECK(kf[static_cast<std::size_t>((h * 5 + j) * 4 + d)] ==
+              exact[static_cast<std::size_t>((h * n + idx[static_cast<std::size_t>(h * 5 + j)]) * 4 + d)]);
+}
+
+TEST_CASE("cli: .safetensors input errors exit 3 naming the file, the tensor and what was expected",
+          "[tools][cli][safetensors]") {
+  auto expect3 = [](std::string const& args, std::string const& needle) {
+    auto const r = run(args);
+    INFO(args << "\n" << r.output);
+    CHECK(r.code == 3);
+    CHECK(r.output.find(needle) != std::string::npos);
+  };
+  std::string const out = " --out " + work("st_bad.npy");
+  auto const k = randoms(8);
+  std::vector<double> k64(k.begin(), k.end());
+  std::string const two = write_st("st_two.safetensors", {{"a", kvc::SafetensorsDtype::f32, {1, 1, 4, 2}, k.data()},
+                                                          {"b", kvc::SafetensorsDtype::f32, {1, 1, 4, 2}, k.data()},
+                                                          {"c64", kvc::SafetensorsDtype::f64, {1, 1, 4, 2}, k64.data()},
+                                                          {"flat", kvc::SafetensorsDtype::f32, {8}, k.data()}});
+  expect3("score --policy knorm --keys " + two + ":nope" + out,
+          "keys file " + two + ":nope: no tensor named 'nope'; the file holds 'a', 'b', 'c64', 'flat'");
+  expect3("score --policy knorm --keys " + two + out,
+          "keys file " + two + ": the file holds 4 tensors ('a', 'b', 'c64', 'flat'); name one as " + two + ":TENSOR");
+  expect3("score --policy knorm --keys " + two + ":c64" + out,
+          "keys file " + two + ":c64: field 'dtype' is F64, expected F32, F16 or BF16");
+  expect3("score --policy knorm --keys " + two + ":flat" + out,
+          "field 'shape' has 1 dimensions, expected 4 ([batch, kv_heads, tokens, head_dim])");
+  // Not a .safetensors file: .npy bytes, text, a truncated header.
+  auto const npy = kvc::serialize_npy(kvc::NpyDtype::f32, std::vector<Index>{1, 1, 4, 2}, k.data());
+  expect3("score --policy knorm --keys " + write_file("st_npy.safetensors", npy) + out,
+          "st_npy.safetensors: header length N is");
+  expect3("score --policy knorm --keys " + write_file("st_text.safetensors", {std::byte{'h'}, std::byte{'i'}}) + out,
+          "st_text.safetensors: not a .safetensors file: 2 bytes");
+  auto truncated = file_bytes(two);
+  truncated.resize(truncated.size() - 1);  // data: a 32 + b 32 + c64 64 + flat 32 = 160 bytes, one missing
+  expect3("score --policy knorm --keys " + write_file("st_trunc.safetensors", truncated) + ":a" + out,
+          "st_trunc.safetensors:a: tensor 'flat': field 'data_offsets' end 160 is past the data buffer of 159 bytes");
+  expect3("score --policy knorm --keys " + work("st_missing.safetensors") + ":a" + out, "cannot open");
+  // Values must have the keys' dtype; --positions must be I64.
+  std::vector<kvc::half> h16(k.begin(), k.end());
+  std::string const mixed =
+      write_st("st_mixed.safetensors", {{"k", kvc::SafetensorsDtype::f32, {1, 1, 4, 2}, k.data()},
+                                        {"v", kvc::SafetensorsDtype::f16, {1, 1, 4, 2}, h16.data()},
+                                        {"p", kvc::SafetensorsDtype::f32, {1, 4}, k.data()}});
+  expect3(
+      "compress --policy knorm --budget 2 --keys " + mixed + ":k --values " + mixed + ":v --out-dir " + work("st_d"),
+      "values file " + mixed + ":v: field 'dtype' must equal the keys' dtype");
+  expect3("score --policy tova --keys " + mixed + ":k --queries " + mixed + ":k --positions " + mixed + ":p" + out,
+          "positions file " + mixed + ":p: field 'dtype' is F32, expected I64");
+  // The output is compared with the file part of each input.
+  auto const r = run("score --policy knorm --keys " + two + ":a --out " + two);
+  CHECK(r.code == 3);
+  CHECK(contains(r.output, "is the same file as --keys " + two + ":a"));
+  CHECK(file_bytes(two).size() > 8);  // untouched
 }

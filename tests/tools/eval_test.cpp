@@ -268,6 +268,10 @@ TEST_CASE("the model loader refuses damaged checkpoints and configs with a messa
                     "num_attention_heads": 8, "num_key_value_heads": 4, "vocab_size": 2048,
                     "max_position_embeddings": 512, "rms_norm_eps": 1e-6})");
     refused(dir + "/hf", "tensor \"model.layers.0.mlp.gate_proj.weight\" has shape [384, 128], expected [256, 128]");
+    // The real config over a truncated weights file: the safetensors reader names the file.
+    fs::copy_file(tinystories + "/config.json", dir + "/hf/config.json", fs::copy_options::overwrite_existing);
+    fs::resize_file(dir + "/hf/model.safetensors", 100000);
+    refused(dir + "/hf", "model.safetensors: ");
   }
 }
 

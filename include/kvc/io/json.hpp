@@ -178,11 +178,11 @@ struct ParseLimits {
 
 /// Appends `s` to `out` as a JSON string literal (quotes included; '"', '\\' and control characters escaped, other
 /// bytes as they are). Returns false, appending nothing, when `s` is not valid UTF-8 (it could not be read back).
-bool append_string(std::string& out, std::string_view s);
+inline bool append_string(std::string& out, std::string_view s);
 
 /// `s` made safe to quote in an error message: printable ASCII as is, every other byte as \xNN, cut to about
 /// `max_chars` characters with "..." (names in untrusted files can hold terminal escapes).
-std::string printable(std::string_view s, std::size_t max_chars = 64);
+inline std::string printable(std::string_view s, std::size_t max_chars = 64);
 
 namespace detail {
 
