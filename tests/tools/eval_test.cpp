@@ -160,6 +160,60 @@ TEST_CASE("ratio 0 is exactly lossless, compression costs quality, runs repeat e
   CHECK(paged[1].kl == records[3].kl);
 }
 
+TEST_CASE("compression keeps the tokens the policy names, in every layer, and random draws anew per layer") {
+  if (!have(tinystories))
+    return;
+  Model const model = load(tinystories);
+  auto const tokens = sample_tokens(model, {CacheType::f16, CacheLayout::paged}, 48, 1, 5, {1, 2});
+  auto const& streaming = kvc::tools::find_policy("streaming_llm");
+  auto const& random = kvc::tools::find_policy("random");
+  for (CacheLayout layout : {CacheLayout::dense, CacheLayout::paged}) {
+    auto prefilled = make_session(model, {CacheType::f16, layout}, 64);
+    RowMatrix logits;
+    REQUIRE(prefilled->forward(tokens, logits).ok());
+    auto s = prefilled->clone();
+    double seconds = 0;
+    REQUIRE(s->compress(streaming, kvc::tools::resolve_params(streaming, {}, true), 0.75, seconds).ok());
+    // 48 tokens at ratio 0.75 keep 12: the 4 sinks (n_sink = 4) and the 8 newest, in position order.
+    std::vector<Index> expected = {0, 1, 2, 3, 40, 41, 42, 43, 44, 45, 46, 47};
+    for (Index l = 0; l < 2; ++l)
+      for (Index h = 0; h < 4; ++h) {
+        REQUIRE(s->length(l, h) == 12);
+        std::vector<Index> kept;
+        for (Index t = 0; t < 12; ++t)
+          kept.push_back(s->slot_position(l, h, t));
+        CHECK(kept == expected);
+      }
+    CHECK(prefilled->length(0, 0) == 48);  // the clone is deep: the prefilled session is untouched
+    // The next token goes after the kept ones, at position 48.
+    std::int32_t const next = 5;
+    REQUIRE(s->forward(std::span(&next, 1), logits).ok());
+    CHECK(s->slot_position(1, 3, 12) == 48);
+
+    auto r = prefilled->clone();
+    REQUIRE(r->compress(random, kvc::tools::resolve_params(random, {}, true), 0.5, seconds, 7).ok());
+    std::vector<Index> layer0, layer1;
+    for (Index t = 0; t < 24; ++t) {
+      layer0.push_back(r->slot_position(0, 0, t));
+      layer1.push_back(r->slot_position(1, 0, t));
+    }
+    CHECK(layer0 != layer1);
+  }
+}
+
+TEST_CASE("an fp16 cache moves the numbers by what its rounding implies") {
+  if (!have(tinystories))
+    return;
+  Model const model = load(tinystories);
+  std::vector<std::vector<std::int32_t>> samples{sample_tokens(model, {CacheType::f32}, 65, 1, 9, {1, 2})};
+  // StreamingLLM keeps the same tokens whatever the precision, so only the rounding of K and V differs.
+  auto const f32 = evaluate(model, options_for({"streaming_llm"}, {0.5}, {CacheType::f32}), samples);
+  auto const f16 = evaluate(model, options_for({"streaming_llm"}, {0.5}, {CacheType::f16}), samples);
+  CHECK(f16[0].kl != f32[0].kl);
+  CHECK(std::abs(f16[0].kl - f32[0].kl) <= 1e-3 * f32[0].kl);  // measured 3e-4
+  CHECK(std::abs(f16[0].perplexity - f32[0].perplexity) <= 1e-4 * f32[0].perplexity);  // measured 1.5e-5
+}
+
 TEST_CASE("a llama2.c checkpoint runs through the same engine, and compression at ratio 0 changes nothing") {
   if (!have(stories260k))
     return;

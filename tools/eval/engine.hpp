@@ -11,6 +11,7 @@
 
 #include <kvc/backend/cpu/attention/attend.hpp>
 #include <kvc/backend/cpu/pipeline/compact.hpp>
+#include <kvc/backend/cpu/scorers/random.hpp>
 #include <kvc/backend/cpu/selectors/top_k.hpp>
 #include <kvc/core/element.hpp>
 #include <kvc/core/observations.hpp>
@@ -27,7 +28,9 @@
 #include <cstdint>
 #include <memory>
 #include <span>
+#include <stdexcept>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 namespace kvc::eval {
@@ -74,14 +77,18 @@ class Session {
 
   /// Compresses every layer's cache with a policy of the tool's policy table at `ratio` (fraction of each head's
   /// tokens removed): score + select (kvc::compress) then kvc::compact. Window queries are the last forward call's
-  /// queries (the prompt's, after prefill). Adds the wall time spent to `seconds`.
-  virtual Status compress(tools::PolicyInfo const& policy, tools::Params const& params, double ratio,
-                          double& seconds) = 0;
+  /// queries (the prompt's, after prefill). Adds the wall time spent to `seconds`. `salt` varies the random
+  /// baseline: its seed becomes a hash of (seed parameter, salt, layer), so that every layer and every sample draws
+  /// its own tokens (kvc::RandomScorer hashes (seed, b, h, t) only, the same draw in every layer otherwise).
+  virtual Status compress(tools::PolicyInfo const& policy, tools::Params const& params, double ratio, double& seconds,
+                          std::uint64_t salt = 0) = 0;
 
   /// Bytes of K and V held (valid tokens of every layer and KV head, in the cache's storage type).
   virtual std::size_t kv_bytes() const = 0;
   /// Valid tokens of layer l, KV head h.
   virtual Index length(Index layer, Index head) const = 0;
+  /// Absolute position of the token in slot `slot` (< length) of layer l, KV head h.
+  virtual Index slot_position(Index layer, Index head, Index slot) const = 0;
   /// The next token's absolute position (the tokens seen so far, whatever was evicted).
   Index position() const noexcept { return next_position_; }
 
@@ -128,7 +135,9 @@ class Engine final : public Session {
         block_table_[static_cast<std::size_t>(p)] = static_cast<std::int32_t>(pages - 1 - p);
     }
     rope_storage_.resize(static_cast<std::size_t>(rope_table_floats(capacity_, c.head_dim)));
-    (void)fill_rope_table(c.rope(), c.head_dim, capacity_, rope_storage_.data(), rope_);
+    // The config's RoPE was checked when the model loaded; a table that still fails is a bug, not an input error.
+    if (!fill_rope_table(c.rope(), c.head_dim, capacity_, rope_storage_.data(), rope_).ok())
+      throw std::logic_error("kvc-eval: the model's RoPE does not fill a table");
   }
 
   // The rope table points into rope_storage_, and the views are rebuilt from members on each call: copies are deep.
@@ -229,18 +238,21 @@ class Engine final : public Session {
     return {};
   }
 
-  Status compress(tools::PolicyInfo const& policy, tools::Params const& params, double ratio,
-                  double& seconds) override {
+  Status compress(tools::PolicyInfo const& policy, tools::Params const& params, double ratio, double& seconds,
+                  std::uint64_t salt) override {
     Status status;
     auto const start = std::chrono::steady_clock::now();
     tools::with_policy(policy, params, [&](auto const& scorer, tools::Selection sel) {
-      Press const press{scorer, TopKSelector{RatioBudget{ratio}, sel.n_sink, sel.n_recent}};
+      using S = std::remove_cvref_t<decltype(scorer)>;
       index_.resize(static_cast<std::size_t>(ext_.rows()));
       count_.resize(static_cast<std::size_t>(ext_.heads));
       KeepPlan<> const plan{index_.data(), count_.data(), 1, ext_.heads, ext_.tokens};
-      for (Layer& layer : layers_) {
-        if (!status.ok())
-          break;
+      for (std::size_t li = 0; li < layers_.size() && status.ok(); ++li) {
+        Layer& layer = layers_[li];
+        S layer_scorer = scorer;
+        if constexpr (std::is_same_v<S, RandomScorer>)
+          layer_scorer.seed = mix_seed(scorer.seed, salt, li);
+        Press const press{layer_scorer, TopKSelector{RatioBudget{ratio}, sel.n_sink, sel.n_recent}};
         auto const cache = view(layer);
         auto const run = [&](auto const& obs) {
           grow(workspace_, compress_workspace_bytes(Cpu{}, press, ext_, obs));
@@ -248,7 +260,6 @@ class Engine final : public Session {
           if (status.ok())
             status = compact(Cpu{}, plan, cache);
         };
-        using S = std::remove_cvref_t<decltype(scorer)>;
         if constexpr (has_need(S::needs, Needs::window_queries)) {
           ModelConfig const& c = model_->config;
           Index const w = static_cast<Index>(layer.query_positions.size());
@@ -270,6 +281,10 @@ class Engine final : public Session {
       for (Index n : l.lengths)
         tokens += static_cast<std::size_t>(n);
     return tokens * static_cast<std::size_t>(2 * ext_.dim) * sizeof(T);
+  }
+
+  Index slot_position(Index layer, Index head, Index slot) const override {
+    return layers_[static_cast<std::size_t>(layer)].positions[static_cast<std::size_t>(head * capacity_ + slot)];
   }
 
   Index length(Index layer, Index head) const override {
@@ -294,6 +309,14 @@ class Engine final : public Session {
     } else {
       return dense_cache(l.k.data(), l.v.data(), ext_, head_lengths(l.lengths.data(), ext_.heads), l.positions.data());
     }
+  }
+
+  /// splitmix64 of (seed, salt, layer): a seed per (sample, layer) for the random baseline.
+  static std::uint64_t mix_seed(std::uint64_t seed, std::uint64_t salt, std::size_t layer) noexcept {
+    std::uint64_t z = seed ^ (salt * 0x9E3779B97F4A7C15ull) ^ (static_cast<std::uint64_t>(layer) << 32);
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
   }
 
   /// [n, heads * d] token-major -> [heads, n, d] head-major.

@@ -167,8 +167,9 @@ std::optional<kvc::eval::Tokenizer> load_tokenizer(kvc::eval::Model const& model
   return tok;
 }
 
-/// A 1-D int32/int64 token array from a .npy file, every id inside the vocabulary.
-std::vector<std::int32_t> load_tokens(std::string const& path, Index vocab) {
+/// A 1-D int32/int64 token array from a .npy file, every id inside the vocabulary, at most `context` tokens (the
+/// model's trained positions: past them its keys are out of distribution, and attention's cost grows as n^2).
+std::vector<std::int32_t> load_tokens(std::string const& path, Index vocab, Index context) {
   kvc::NpyArray a;
   std::string error;
   if (!kvc::read_npy(path, a, error, 1u << 30))
@@ -177,6 +178,9 @@ std::vector<std::int32_t> load_tokens(std::string const& path, Index vocab) {
     fail(exit_invalid, "tokens file " + path + ": expected a 1-D int32 or int64 array");
   if (a.shape[0] < 1)
     fail(exit_invalid, "tokens file " + path + ": expected at least one token");
+  if (a.shape[0] > context)
+    fail(exit_invalid, "tokens file " + path + ": " + std::to_string(a.shape[0]) + " tokens, more than the model's " +
+                           std::to_string(context) + " positions");
   std::vector<std::int32_t> tokens(static_cast<std::size_t>(a.shape[0]));
   for (Index i = 0; i < a.shape[0]; ++i) {
     std::int64_t const t = a.dtype == kvc::NpyDtype::i32 ? a.as<std::int32_t>()[i] : a.as<std::int64_t>()[i];
@@ -219,12 +223,59 @@ void make_directory(std::string const& dir) {
     fail(exit_invalid, "--out-dir " + dir + ": cannot create the directory (" + ec.message() + ")");
 }
 
+/// Checks a policy's parameters before anything is loaded (with_policy builds its scorer and throws on a bad value),
+/// and what this runner cannot honour: it passes pre-RoPE window queries with the model's RoPE table, so
+/// `queries=post_rope` would be recorded and ignored; a window longer than the prompt has nothing to observe.
+void check_policy(kvc::eval::PolicyRun const& p, kvc::eval::RunOptions const& run) {
+  if (auto const q = p.params.find("queries"); q != p.params.end() && q->second != "pre_rope")
+    fail(exit_usage, std::string("--param ") + p.policy->name + ".queries=" + q->second +
+                         ": kvc-eval passes the model's pre-RoPE queries with its RoPE table (queries=pre_rope)");
+  kvc::tools::with_policy(*p.policy, p.params, [&](auto const& scorer, kvc::tools::Selection) {
+    if constexpr (requires { scorer.window_size; }) {
+      if (scorer.window_size > run.prompt_tokens)
+        fail(exit_usage, std::string("--param ") + p.policy->name +
+                             ".window_size=" + std::to_string(scorer.window_size) + " is longer than --prompt-tokens " +
+                             std::to_string(run.prompt_tokens));
+      for (double r : run.ratios)
+        if (static_cast<Index>(static_cast<double>(run.prompt_tokens) * (1.0 - r)) < scorer.window_size)
+          std::fprintf(stderr,
+                       "kvc-eval: note: %s at ratio %.2f keeps fewer tokens than its window (%lld): the kept set is "
+                       "the window's oldest tokens, with nothing of the prefix and not the newest tokens\n",
+                       p.policy->name, r, static_cast<long long>(scorer.window_size));
+    }
+  });
+}
+
+/// The cache `--show POLICY@RATIO` picks for the side-by-side generation (default: the first policy at the middle
+/// ratio).
+struct Shown {
+  kvc::eval::PolicyRun const* run = nullptr;
+  double ratio = 0.5;
+};
+
+Shown shown_cache(std::string const& show, kvc::eval::RunOptions const& run) {
+  Shown s{&run.policies.front(), run.ratios.size() > 1 ? run.ratios[run.ratios.size() / 2] : run.ratios.front()};
+  if (show.empty())
+    return s;
+  auto const at = show.find('@');
+  if (at == std::string::npos)
+    fail(exit_usage, "--show '" + show + "': expected POLICY@RATIO");
+  s.run = nullptr;
+  for (auto const& r : run.policies)
+    if (r.policy->name == show.substr(0, at))
+      s.run = &r;
+  if (s.run == nullptr)
+    fail(exit_usage, "--show: policy " + show.substr(0, at) + " is not in --policies");
+  s.ratio = kvc::tools::parse_ratio(show.substr(at + 1));
+  return s;
+}
+
 // ---------------------------------------------------------------------------------------------------------------
 
 int command_logits(int argc, char** argv) {
   Options const o = parse_options(argc, argv, {"--model", "--tokens", "--out", "--cache", "--layout"}, {});
   auto const model = load_model(o.need("--model"));
-  auto const tokens = load_tokens(o.need("--tokens"), model.config.vocab);
+  auto const tokens = load_tokens(o.need("--tokens"), model.config.vocab, model.config.context);
   std::string const out = o.need("--out");
   auto session = kvc::eval::make_session(model, cache_options(o, "fp32"), static_cast<Index>(tokens.size()));
   kvc::eval::RowMatrix logits;
@@ -241,7 +292,7 @@ int command_dump(int argc, char** argv) {
   Options const o = parse_options(argc, argv, {"--model", "--tokens", "--out-dir"}, {});
   std::string const model_path = o.need("--model");
   auto const model = load_model(model_path);
-  auto const tokens = load_tokens(o.need("--tokens"), model.config.vocab);
+  auto const tokens = load_tokens(o.need("--tokens"), model.config.vocab, model.config.context);
   std::string const dir = o.need("--out-dir");
   kvc::eval::ModelConfig const& c = model.config;
   Index const n = static_cast<Index>(tokens.size()), d = c.head_dim;
@@ -310,6 +361,7 @@ int command_run(int argc, char** argv) {
   std::uint64_t seed = 0;
   if (o.has("--seed"))
     seed = static_cast<std::uint64_t>(kvc::tools::parse_count(o.get("--seed"), "--seed", 0));
+  run.seed = seed;
   for (std::string const& r : split(o.get("--ratios", "0.25,0.5,0.75,0.9"), ','))
     run.ratios.push_back(kvc::tools::parse_ratio(r));
 
@@ -339,7 +391,9 @@ int command_run(int argc, char** argv) {
         fail(exit_usage, "--policies: " + name + " listed twice");
     auto const& info = kvc::tools::find_policy(name);
     run.policies.push_back({&info, kvc::tools::resolve_params(info, given[name], true)});
+    check_policy(run.policies.back(), run);
   }
+  Shown const shown = shown_cache(o.get("--show"), run);
 
   auto const model = load_model(model_path);
   auto const tokenizer = load_tokenizer(model);
@@ -367,6 +421,11 @@ int command_run(int argc, char** argv) {
       fail(exit_invalid, "--prompt-file " + path + ": " + error);
     std::vector<std::int32_t> const text =
         tokenizer->encode({reinterpret_cast<char const*>(bytes.data()), bytes.size()});
+    for (std::size_t i = 0; i < text.size(); ++i)
+      if (text[i] < 0 || text[i] >= c.vocab)
+        fail(exit_invalid, "--prompt-file " + path + ": the tokenizer gives id " + std::to_string(text[i]) +
+                               " (token " + std::to_string(i) + "), outside the model's vocabulary [0, " +
+                               std::to_string(c.vocab) + ")");
     Index const per = length - (bos >= 0 ? 1 : 0);
     if (static_cast<Index>(text.size()) < samples * per)
       fail(exit_invalid, "--prompt-file " + path + ": " + std::to_string(text.size()) + " tokens, but " +
@@ -422,25 +481,9 @@ int command_run(int argc, char** argv) {
   // Greedy generation with the full cache and one compressed cache, side by side.
   std::string generation;
   if (generate > 0 && tokenizer) {
-    std::string show = o.get("--show");
-    std::string show_policy;
-    double show_ratio = 0.5;
-    if (show.empty()) {
-      show_policy = run.policies.front().policy->name;
-      show_ratio = run.ratios.size() > 1 ? run.ratios[run.ratios.size() / 2] : run.ratios.front();
-    } else {
-      auto const at = show.find('@');
-      if (at == std::string::npos)
-        fail(exit_usage, "--show '" + show + "': expected POLICY@RATIO");
-      show_policy = show.substr(0, at);
-      show_ratio = kvc::tools::parse_ratio(show.substr(at + 1));
-    }
-    kvc::eval::PolicyRun const* chosen = nullptr;
-    for (auto const& r : run.policies)
-      if (r.policy->name == show_policy)
-        chosen = &r;
-    if (chosen == nullptr)
-      fail(exit_usage, "--show: policy " + show_policy + " is not in --policies");
+    kvc::eval::PolicyRun const* chosen = shown.run;
+    std::string const show_policy = chosen->policy->name;
+    double const show_ratio = shown.ratio;
     std::vector<std::int32_t> const prompt(data[0].begin(), data[0].begin() + run.prompt_tokens);
     auto full = kvc::eval::make_session(model, run.cache, run.prompt_tokens + generate);
     kvc::eval::RowMatrix last;

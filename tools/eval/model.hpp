@@ -171,6 +171,11 @@ inline bool check_shape(ModelConfig const& c, std::string const& file, std::stri
   return true;
 }
 
+/// Whether a tensor's bytes can be read as floats where they lie: float32 at a 4-byte aligned address.
+inline bool usable_in_place(SafetensorsTensor const& t, std::span<std::byte const> data) noexcept {
+  return t.dtype == SafetensorsDtype::f32 && reinterpret_cast<std::uintptr_t>(data.data()) % alignof(float) == 0;
+}
+
 /// Widens `count` elements of a 16-bit or float32 little-endian tensor into `out`.
 inline void widen_tensor(std::byte const* src, SafetensorsDtype dtype, std::size_t count, float* out) noexcept {
   for (std::size_t i = 0; i < count; ++i) {
@@ -285,6 +290,12 @@ inline bool parse_config(std::string_view text, std::string const& cfg_path, Mod
                                    "' is not supported (expected null, \"linear\" or \"llama3\")");
     }
   }
+  if (json::Value const* t = cfg.find("tie_word_embeddings"); t != nullptr && !t->is_bool())
+    return model_fail(error, cfg_path + ": field \"tie_word_embeddings\" must be true or false");
+  c.tied_embeddings = cfg.find("tie_word_embeddings") != nullptr && cfg.find("tie_word_embeddings")->as_bool();
+  for (char const* bias : {"attention_bias", "mlp_bias"})
+    if (json::Value const* b = cfg.find(bias); b != nullptr && !b->is_bool())
+      return model_fail(error, cfg_path + ": field \"" + std::string(bias) + "\" must be true or false");
   std::int64_t id = -1;
   if (json::Value const* b = cfg.find("bos_token_id"); b && json::to_int64(*b, id) && id >= 0 && id < c.vocab)
     c.bos = static_cast<std::int32_t>(id);
@@ -307,7 +318,10 @@ inline bool Model::load_huggingface(std::filesystem::path const& dir, Model& out
   if (!map_safetensors(st_path, out.safetensors_, error))
     return model_fail(error, st_path + ": " + error);
   SafetensorsHeader const& header = out.safetensors_.header;
-  c.tied_embeddings = header.find("lm_head.weight") == nullptr || header.find("model.embed_tokens.weight") == nullptr;
+  // Tied (tie_word_embeddings: true) reads one [vocab, hidden] tensor, whichever name the exporter kept; untied
+  // needs both. An untied config without lm_head.weight is refused below (missing tensor), as transformers would.
+  if (header.find("lm_head.weight") != nullptr && header.find("model.embed_tokens.weight") == nullptr)
+    c.tied_embeddings = true;  // only the head was saved: the exporter tied them
   out.weights_path = st_path;
 
   // First pass: check every tensor and count the floats that must be owned (so owned_ never reallocates).
@@ -333,7 +347,8 @@ inline bool Model::load_huggingface(std::filesystem::path const& dir, Model& out
   std::string const embed_name =
       header.find("model.embed_tokens.weight") ? "model.embed_tokens.weight" : "lm_head.weight";
   wants.push_back({embed_name, c.vocab, c.hidden});
-  wants.push_back({header.find("lm_head.weight") ? "lm_head.weight" : embed_name, c.vocab, c.hidden});
+  if (!c.tied_embeddings)
+    wants.push_back({"lm_head.weight", c.vocab, c.hidden});
 
   std::size_t owned = 0;
   std::vector<SafetensorsTensor const*> found;
@@ -353,9 +368,7 @@ inline bool Model::load_huggingface(std::filesystem::path const& dir, Model& out
     if (t->dtype != SafetensorsDtype::f32 && t->dtype != SafetensorsDtype::f16 && t->dtype != SafetensorsDtype::bf16)
       return model_fail(error, st_path + ": tensor \"" + w.name + "\" has dtype " +
                                    std::string(safetensors_dtype_name(t->dtype)) + ", expected F32, F16 or BF16");
-    bool const in_place = t->dtype == SafetensorsDtype::f32 &&
-                          reinterpret_cast<std::uintptr_t>(out.safetensors_.data(*t).data()) % alignof(float) == 0;
-    if (!in_place)
+    if (!detail::usable_in_place(*t, out.safetensors_.data(*t)))
       owned += static_cast<std::size_t>(w.rows * (w.cols ? w.cols : 1));
     found.push_back(t);
   }
@@ -365,7 +378,7 @@ inline bool Model::load_huggingface(std::filesystem::path const& dir, Model& out
     SafetensorsTensor const& t = *found[i];
     std::span<std::byte const> const data = out.safetensors_.data(t);
     std::size_t const count = data.size() / safetensors_dtype_bytes(t.dtype);
-    if (t.dtype == SafetensorsDtype::f32 && reinterpret_cast<std::uintptr_t>(data.data()) % alignof(float) == 0)
+    if (detail::usable_in_place(t, data))
       return reinterpret_cast<float const*>(data.data());
     float* dst = out.owned_.data() + next;
     detail::widen_tensor(data.data(), t.dtype, count, dst);

@@ -39,6 +39,7 @@ struct RunOptions {
   Index continuation = 64;
   CacheOptions cache;
   Schedule schedule = Schedule::prefill;
+  std::uint64_t seed = 0;  ///< with the sample's index, salts the random baseline (Session::compress)
 };
 
 /// One (policy, ratio) row, averaged over samples.
@@ -131,8 +132,8 @@ inline std::vector<Record> evaluate(Model const& model, RunOptions const& option
     if (!st.ok())
       tools::fail(tools::exit_invalid, what + ": " + st.message());
   };
-  for (auto const& tokens : samples) {
-    std::span<std::int32_t const> const all(tokens);
+  for (std::size_t sample = 0; sample < samples.size(); ++sample) {
+    std::span<std::int32_t const> const all(samples[sample]);
     std::span<std::int32_t const> const prompt = all.subspan(0, static_cast<std::size_t>(n));
     std::span<std::int32_t const> const fed = all.subspan(static_cast<std::size_t>(n), static_cast<std::size_t>(m));
     std::span<std::int32_t const> const targets =
@@ -156,7 +157,8 @@ inline std::vector<Record> evaluate(Model const& model, RunOptions const& option
           progress(done, total, run.policy->name, ratio);
         auto session = prefilled->clone();
         double seconds = 0;
-        check(session->compress(*run.policy, run.params, ratio, seconds),
+        check(session->compress(*run.policy, run.params, ratio, seconds,
+                                options.seed * 0x9E3779B97F4A7C15ull + static_cast<std::uint64_t>(sample)),
               std::string("compress with ") + run.policy->name);
         std::size_t const bytes = session->kv_bytes();
         ForwardTrace trace;

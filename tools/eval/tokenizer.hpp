@@ -145,24 +145,6 @@ inline CodePoints code_points(std::string_view s) {
   return r;
 }
 
-inline void append_utf8(std::string& out, std::uint32_t cp) {
-  if (cp < 0x80) {
-    out += static_cast<char>(cp);
-  } else if (cp < 0x800) {
-    out += static_cast<char>(0xC0 | (cp >> 6));
-    out += static_cast<char>(0x80 | (cp & 0x3F));
-  } else if (cp < 0x10000) {
-    out += static_cast<char>(0xE0 | (cp >> 12));
-    out += static_cast<char>(0x80 | ((cp >> 6) & 0x3F));
-    out += static_cast<char>(0x80 | (cp & 0x3F));
-  } else {
-    out += static_cast<char>(0xF0 | (cp >> 18));
-    out += static_cast<char>(0x80 | ((cp >> 12) & 0x3F));
-    out += static_cast<char>(0x80 | ((cp >> 6) & 0x3F));
-    out += static_cast<char>(0x80 | (cp & 0x3F));
-  }
-}
-
 /// GPT-2's bytes_to_unicode(): byte b -> a printable code point (b itself for '!'..'~', 0xA1..0xAC, 0xAE..0xFF;
 /// 256, 257, ... for the other bytes in increasing order). Used by ByteLevel to make every byte a character.
 inline std::array<std::uint32_t, 256> const& byte_to_code_point() {
@@ -904,22 +886,34 @@ class Tokenizer {
     return true;
   }
 
+  /// A {"type": "Sequence", KEY: [...]} component: every element read by `read_one(element, its path)`, in order.
+  template <class ReadOne>
+  static bool read_sequence(tokenizer_detail::JsonReader& r, json::Value const& v, std::string const& path,
+                            char const* key, ReadOne&& read_one) {
+    json::Value const* list = v.find(key);
+    std::string const at = path + "." + key;
+    if (!r.only(v, path, {"type", key}))
+      return false;
+    if (list == nullptr)
+      return r.fail(at, "missing (expected an array)");
+    if (!r.expect(*list, json::Kind::array, at))
+      return false;
+    for (std::size_t i = 0; i < list->items().size(); ++i)
+      if (!read_one(list->items()[i], at + "[" + std::to_string(i) + "]"))
+        return false;
+    return true;
+  }
+
   bool read_normalizer(tokenizer_detail::JsonReader& r, json::Value const* v, std::string const& path) {
     if (v == nullptr || v->is_null())
       return true;
     std::string type;
     if (!r.type(*v, path, type))
       return false;
-    if (type == "Sequence") {
-      json::Value const* list = v->find("normalizers");
-      if (!r.only(*v, path, {"type", "normalizers"}) || list == nullptr ||
-          !r.expect(*list, json::Kind::array, path + ".normalizers"))
-        return list != nullptr ? false : r.fail(path + ".normalizers", "missing (expected an array)");
-      for (std::size_t i = 0; i < list->items().size(); ++i)
-        if (!read_normalizer(r, &list->items()[i], path + ".normalizers[" + std::to_string(i) + "]"))
-          return false;
-      return true;
-    }
+    if (type == "Sequence")
+      return read_sequence(r, *v, path, "normalizers", [&](json::Value const& item, std::string const& at) {
+        return read_normalizer(r, &item, at);
+      });
     Normalizer n;
     if (type == "Prepend") {
       n.prepend = true;
@@ -1040,19 +1034,10 @@ class Tokenizer {
     std::string type;
     if (!r.type(*v, path, type))
       return false;
-    if (type == "Sequence") {
-      json::Value const* list = v->find("pretokenizers");
-      if (!r.only(*v, path, {"type", "pretokenizers"}))
-        return false;
-      if (list == nullptr)
-        return r.fail(path + ".pretokenizers", "missing (expected an array)");
-      if (!r.expect(*list, json::Kind::array, path + ".pretokenizers"))
-        return false;
-      for (std::size_t i = 0; i < list->items().size(); ++i)
-        if (!read_pre_tokenizer(r, &list->items()[i], path + ".pretokenizers[" + std::to_string(i) + "]"))
-          return false;
-      return true;
-    }
+    if (type == "Sequence")
+      return read_sequence(r, *v, path, "pretokenizers", [&](json::Value const& item, std::string const& at) {
+        return read_pre_tokenizer(r, &item, at);
+      });
     PreTokenizer p;
     if (type == "ByteLevel") {
       p.byte_level = true;
@@ -1113,17 +1098,8 @@ class Tokenizer {
       return false;
     Decoder d;
     if (type == "Sequence") {
-      json::Value const* list = v->find("decoders");
-      if (!r.only(*v, path, {"type", "decoders"}))
-        return false;
-      if (list == nullptr)
-        return r.fail(path + ".decoders", "missing (expected an array)");
-      if (!r.expect(*list, json::Kind::array, path + ".decoders"))
-        return false;
-      for (std::size_t i = 0; i < list->items().size(); ++i)
-        if (!read_decoder(r, &list->items()[i], path + ".decoders[" + std::to_string(i) + "]"))
-          return false;
-      return true;
+      return read_sequence(r, *v, path, "decoders",
+                           [&](json::Value const& item, std::string const& at) { return read_decoder(r, &item, at); });
     } else if (type == "Replace") {
       d.kind = Decoder::Kind::replace;
       if (!read_replace(r, *v, path, d.a, d.b))
@@ -1290,7 +1266,7 @@ class Tokenizer {
       if (p.byte_level) {  // every byte becomes its GPT-2 character
         std::string mapped;
         for (char c : q.text)
-          tokenizer_detail::append_utf8(mapped, tokenizer_detail::byte_to_code_point()[static_cast<unsigned char>(c)]);
+          json::detail::append_utf8(mapped, tokenizer_detail::byte_to_code_point()[static_cast<unsigned char>(c)]);
         q.text = std::move(mapped);
       }
       out.push_back(std::move(q));
