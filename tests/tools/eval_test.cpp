@@ -210,7 +210,7 @@ TEST_CASE("an fp16 cache moves the numbers by what its rounding implies") {
   auto const f32 = evaluate(model, options_for({"streaming_llm"}, {0.5}, {CacheType::f32}), samples);
   auto const f16 = evaluate(model, options_for({"streaming_llm"}, {0.5}, {CacheType::f16}), samples);
   CHECK(f16[0].kl != f32[0].kl);
-  CHECK(std::abs(f16[0].kl - f32[0].kl) <= 1e-3 * f32[0].kl);  // measured 3e-4
+  CHECK(std::abs(f16[0].kl - f32[0].kl) <= 1e-3 * f32[0].kl);                          // measured 3e-4
   CHECK(std::abs(f16[0].perplexity - f32[0].perplexity) <= 1e-4 * f32[0].perplexity);  // measured 1.5e-5
 }
 
