@@ -329,6 +329,22 @@ TEST_CASE("the model loader refuses damaged checkpoints and configs with a messa
   }
 }
 
+TEST_CASE("config.json: tie_word_embeddings and eos_token_id as the Hugging Face fields mean them") {
+  std::string const base = R"({"model_type": "llama", "hidden_size": 128, "intermediate_size": 384,
+      "num_hidden_layers": 2, "num_attention_heads": 8, "num_key_value_heads": 4, "vocab_size": 2048,
+      "max_position_embeddings": 512, "rms_norm_eps": 1e-6)";
+  ModelConfig c;
+  std::string error;
+  REQUIRE(parse_config(base + R"(, "eos_token_id": [7, 9], "bos_token_id": 1})", "config.json", c, error));
+  CHECK(c.eos == 7);  // a list (Llama 3 Instruct): the first
+  CHECK(c.bos == 1);
+  CHECK_FALSE(c.tied_embeddings);  // transformers' default
+  REQUIRE(parse_config(base + R"(, "tie_word_embeddings": true})", "config.json", c, error));
+  CHECK(c.tied_embeddings);
+  CHECK_FALSE(parse_config(base + R"(, "attention_bias": "no"})", "config.json", c, error));
+  CHECK(error == "config.json: field \"attention_bias\" must be true or false");
+}
+
 TEST_CASE("kvc-eval: exit codes 2 (usage) and 3 (invalid input), logits and dump write whole files") {
   std::string const eval = KVC_EVAL;
   std::string out;
@@ -341,6 +357,14 @@ TEST_CASE("kvc-eval: exit codes 2 (usage) and 3 (invalid input), logits and dump
   CHECK(out.find("only 'prefill' exists") != std::string::npos);
   CHECK(run_command(eval + " logits --model /nonexistent --tokens t.npy --out l.npy", out) == 3);
   CHECK(out.find("/nonexistent") != std::string::npos);
+  if (have(stories260k)) {  // two llama2.c tokenizers beside a checkpoint: which one belongs to it is unknown
+    std::string const two = work_dir("two_tokenizers");
+    fs::copy_file(stories260k + "/stories260K.bin", two + "/stories260K.bin");
+    fs::copy_file(stories260k + "/tok512.bin", two + "/tok512.bin");
+    fs::copy_file(stories260k + "/tok512.bin", two + "/tok4096.bin");
+    CHECK(run_command(eval + " run --model " + two + " --out-dir " + two + "/out --samples 1", out) == 3);
+    CHECK(out.find("2 llama2.c tokenizers (tok*.bin)") != std::string::npos);
+  }
   if (!have(tinystories))
     return;
   std::string const dir = work_dir("cli");

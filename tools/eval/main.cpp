@@ -154,13 +154,14 @@ std::optional<kvc::eval::Tokenizer> load_tokenizer(kvc::eval::Model const& model
   }
   std::vector<fs::path> candidates;
   std::error_code ec;
-  for (auto const& e : fs::directory_iterator(dir.empty() ? fs::path(".") : dir, ec)) {
-    std::string const name = e.path().filename().string();
-    if (e.path().extension() == ".bin" && name.rfind("tok", 0) == 0)
+  for (auto const& e : fs::directory_iterator(dir.empty() ? fs::path(".") : dir, ec))
+    if (kvc::eval::is_llama2c_tokenizer(e.path()))
       candidates.push_back(e.path());
-  }
-  if (candidates.size() != 1)
+  if (candidates.empty())
     return std::nullopt;
+  if (candidates.size() > 1)
+    fail(exit_invalid, dir.string() + ": " + std::to_string(candidates.size()) +
+                           " llama2.c tokenizers (tok*.bin) next to the checkpoint; keep the one that belongs to it");
   if (!kvc::eval::Tokenizer::load_llama2c(candidates[0].string(), static_cast<std::int32_t>(model.config.vocab), tok,
                                           error))
     fail(exit_invalid, error);

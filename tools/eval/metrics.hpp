@@ -29,15 +29,20 @@ inline void log_softmax(float const* logits, std::int64_t n, std::vector<double>
     out[static_cast<std::size_t>(i)] = static_cast<double>(logits[i]) - log_z;
 }
 
+/// KL(p || q) in nats from log-probabilities `lp`, `lq` (same length).
+inline double kl_from_log_probs(std::vector<double> const& lp, std::vector<double> const& lq) {
+  double kl = 0;
+  for (std::size_t i = 0; i < lp.size(); ++i)
+    kl += std::exp(lp[i]) * (lp[i] - lq[i]);
+  return std::max(kl, 0.0);  // rounding can make a near-zero sum slightly negative; KL >= 0
+}
+
 /// KL(p || q) in nats between softmax(p_logits) and softmax(q_logits), both [n].
 inline double kl_divergence(float const* p_logits, float const* q_logits, std::int64_t n) {
   std::vector<double> lp, lq;
   log_softmax(p_logits, n, lp);
   log_softmax(q_logits, n, lq);
-  double kl = 0;
-  for (std::size_t i = 0; i < lp.size(); ++i)
-    kl += std::exp(lp[i]) * (lp[i] - lq[i]);
-  return std::max(kl, 0.0);  // rounding can make a near-zero sum slightly negative; KL >= 0
+  return kl_from_log_probs(lp, lq);
 }
 
 /// Index of the largest logit; ties keep the lower index (kvc's determinism rule).

@@ -69,6 +69,11 @@ struct ModelConfig {
   }
 };
 
+/// llama2.c's convention: a checkpoint's tokenizer sits beside it as tokenizer.bin or tok<vocab>.bin.
+inline bool is_llama2c_tokenizer(std::filesystem::path const& p) {
+  return p.extension() == ".bin" && p.filename().string().rfind("tok", 0) == 0;
+}
+
 /// Where llama2.c's tensors lie: element offsets and sizes (floats, after the 28-byte header) of its 13 groups in
 /// file order: token_embedding, rms_att, wq, wk, wv, wo, rms_ffn, w1, w2, w3, rms_final, freq_cis (real + imag,
 /// unused), wcls (0 floats when shared).
@@ -202,7 +207,7 @@ inline bool Model::load(std::string const& path, Model& out, std::string& error)
     // A llama2.c directory: one checkpoint .bin beside its tokenizer (tokenizer.bin or tok*.bin, skipped here).
     std::vector<fs::path> bins;
     for (auto const& entry : fs::directory_iterator(p, ec))
-      if (entry.path().extension() == ".bin" && entry.path().filename().string().rfind("tok", 0) != 0)
+      if (entry.path().extension() == ".bin" && !is_llama2c_tokenizer(entry.path()))
         bins.push_back(entry.path());
     if (bins.size() == 1)
       return load_llama2c(bins[0], out, error);
@@ -299,7 +304,11 @@ inline bool parse_config(std::string_view text, std::string const& cfg_path, Mod
   std::int64_t id = -1;
   if (json::Value const* b = cfg.find("bos_token_id"); b && json::to_int64(*b, id) && id >= 0 && id < c.vocab)
     c.bos = static_cast<std::int32_t>(id);
-  if (json::Value const* e = cfg.find("eos_token_id"); e && json::to_int64(*e, id) && id >= 0 && id < c.vocab)
+  // eos_token_id may be a list (Llama 3 Instruct: end of text and end of turn): the first one is the text's end.
+  json::Value const* eos = cfg.find("eos_token_id");
+  if (eos != nullptr && eos->is_array() && !eos->items().empty())
+    eos = &eos->items().front();
+  if (eos != nullptr && json::to_int64(*eos, id) && id >= 0 && id < c.vocab)
     c.eos = static_cast<std::int32_t>(id);
   out = std::move(c);
   return true;

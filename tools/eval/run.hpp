@@ -77,12 +77,15 @@ inline void accumulate(Accumulator& acc, Reference const& ref, RowMatrix const& 
                        std::span<std::int32_t const> targets, std::size_t kv_bytes, double seconds) {
   Index const m = logits.rows(), vocab = logits.cols();
   double kl = 0, top1 = 0, nll = 0;
+  std::vector<double> lp, lq;  // one log-softmax per row and cache, shared by KL and NLL
   for (Index r = 0; r < m; ++r) {
     float const* p = ref.logits.row(r).data();
     float const* q = logits.row(r).data();
-    kl += kl_divergence(p, q, vocab);
+    log_softmax(p, vocab, lp);
+    log_softmax(q, vocab, lq);
+    kl += kl_from_log_probs(lp, lq);
     top1 += argmax(p, vocab) == argmax(q, vocab) ? 1.0 : 0.0;
-    nll += negative_log_likelihood(q, vocab, targets[static_cast<std::size_t>(r)]);
+    nll -= lq[static_cast<std::size_t>(targets[static_cast<std::size_t>(r)])];
   }
   acc.kl += kl / static_cast<double>(m);
   acc.top1 += top1 / static_cast<double>(m);
