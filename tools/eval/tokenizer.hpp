@@ -240,16 +240,6 @@ inline std::string replace_all(std::string_view s, std::string_view from, std::s
   return out;
 }
 
-inline int hex_value(char c) noexcept {
-  if (c >= '0' && c <= '9')
-    return c - '0';
-  if (c >= 'a' && c <= 'f')
-    return c - 'a' + 10;
-  if (c >= 'A' && c <= 'F')
-    return c - 'A' + 10;
-  return -1;
-}
-
 inline char const* kind_name(json::Kind k) noexcept {
   switch (k) {
     case json::Kind::null: return "null";
@@ -687,9 +677,9 @@ class Tokenizer {
       std::string_view piece = pieces_[static_cast<std::size_t>(id)];
       if (i > 0 && ids[i - 1] == 1 && !piece.empty() && piece[0] == ' ')
         piece.remove_prefix(1);
-      int const hi = piece.size() >= 4 && piece.substr(0, 3) == "<0x" ? tokenizer_detail::hex_value(piece[3]) : -1;
+      int const hi = piece.size() >= 4 && piece.substr(0, 3) == "<0x" ? json::detail::hex_value(piece[3]) : -1;
       if (hi >= 0) {
-        int const lo = piece.size() >= 5 ? tokenizer_detail::hex_value(piece[4]) : -1;
+        int const lo = piece.size() >= 5 ? json::detail::hex_value(piece[4]) : -1;
         out += static_cast<char>(lo >= 0 ? hi * 16 + lo : hi);
       } else {
         out.append(piece);
@@ -1421,8 +1411,8 @@ class Tokenizer {
         std::string bytes;  // consecutive "<0xXX>" tokens
         for (std::string& t : tokens) {
           // u8::from_str_radix(token[3..5], 16): two hex digits, or '+' and one.
-          int const h = t.size() == 6 && t.starts_with("<0x") && t[5] == '>' ? tokenizer_detail::hex_value(t[3]) : -1;
-          int const l = t.size() == 6 ? tokenizer_detail::hex_value(t[4]) : -1;
+          int const h = t.size() == 6 && t.starts_with("<0x") && t[5] == '>' ? json::detail::hex_value(t[3]) : -1;
+          int const l = t.size() == 6 ? json::detail::hex_value(t[4]) : -1;
           if (l >= 0 && (h >= 0 || (t.starts_with("<0x+") && t[5] == '>'))) {
             bytes += static_cast<char>(h >= 0 ? h * 16 + l : l);
           } else {

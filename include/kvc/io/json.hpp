@@ -207,6 +207,17 @@ inline std::size_t utf8_sequence(std::string_view s, std::size_t i) noexcept {
   return 0;  // 0x80-0xC1 (continuation or overlong lead), 0xF5-0xFF
 }
 
+/// The value of one hexadecimal digit (either case), or -1.
+inline int hex_value(char c) noexcept {
+  if (c >= '0' && c <= '9')
+    return c - '0';
+  if (c >= 'a' && c <= 'f')
+    return c - 'a' + 10;
+  if (c >= 'A' && c <= 'F')
+    return c - 'A' + 10;
+  return -1;
+}
+
 inline void append_utf8(std::string& out, std::uint32_t cp) {
   if (cp < 0x80) {
     out += static_cast<char>(cp);
@@ -450,15 +461,6 @@ class Parser {
     return true;
   }
 
-  static int hex_value(char c) noexcept {
-    if (c >= '0' && c <= '9')
-      return c - '0';
-    if (c >= 'a' && c <= 'f')
-      return c - 'a' + 10;
-    if (c >= 'A' && c <= 'F')
-      return c - 'A' + 10;
-    return -1;
-  }
   /// Reads the 4 hex digits of a \u escape at pos_ (after "\u").
   bool hex4(std::uint32_t& out) {
     out = 0;
