@@ -11,6 +11,7 @@
 
 #include "support/catch.hpp"
 #include "support/helpers.hpp"
+#include "support/vectors.hpp"
 
 #include <algorithm>
 #include <cmath>
@@ -23,24 +24,11 @@ using kvc::Index;
 
 namespace {
 
-std::string const vectors = KVC_VECTORS_DIR;
-
-kvc::NpyArray load(std::string const& path) {
-  kvc::NpyArray a;
-  std::string error;
-  bool const ok = kvc::read_npy(path, a, error);
-  INFO(path << ": " << error);
-  REQUIRE(ok);
-  return a;
-}
+using kvc::test::load;
+std::string const& vectors = kvc::test::vectors_dir;
 
 std::vector<std::string> cases() {
-  std::ifstream f(vectors + "/manifest.txt");
-  std::vector<std::string> names;
-  for (std::string line; std::getline(f, line);)
-    if (!line.empty())
-      names.push_back(line);
-  return names;
+  return kvc::test::lines(vectors + "/manifest.txt");
 }
 
 /// Scores with the given scorer and checks them and the kept sets at each ratio against the oracle.

@@ -18,6 +18,7 @@
 
 #include "support/catch.hpp"
 #include "support/helpers.hpp"
+#include "support/vectors.hpp"
 
 #include <algorithm>
 #include <cmath>
@@ -35,29 +36,10 @@ using kvc::Index;
 
 namespace {
 
-std::string const vectors = KVC_VECTORS_DIR;
-
-kvc::NpyArray load(std::string const& path) {
-  kvc::NpyArray a;
-  std::string error;
-  bool const ok = kvc::read_npy(path, a, error);
-  INFO(path << ": " << error);
-  REQUIRE(ok);
-  return a;
-}
-
-bool exists(std::string const& path) {
-  return std::ifstream(path).good();
-}
-
-std::vector<std::string> lines(std::string const& path) {
-  std::ifstream f(path);
-  std::vector<std::string> out;
-  for (std::string line; std::getline(f, line);)
-    if (!line.empty())
-      out.push_back(line);
-  return out;
-}
+using kvc::test::exists;
+using kvc::test::lines;
+using kvc::test::load;
+std::string const& vectors = kvc::test::vectors_dir;
 
 /// meta.txt: "window_size W", "theta T", "style neox|interleaved".
 struct Meta {
@@ -115,22 +97,7 @@ void check_variant(Case const& c, std::string const& variant, Scorer const& scor
     REQUIRE(st.ok());
   }
   auto const ref = load(c.dir + "/scores_" + variant + ".npy");
-  REQUIRE(ref.dtype == kvc::NpyDtype::f64);
-  REQUIRE(ref.size() == e.rows());
-  double const* r = ref.as<double>();
-  double const rtol = c.f16 ? 1e-3 : 1e-4;
-  double worst = 0;
-  for (Index bh = 0; bh < e.batch * e.heads; ++bh) {
-    double const* rs = r + bh * e.tokens;
-    double const top = *std::max_element(rs, rs + e.tokens);
-    for (Index t = 0; t < e.tokens; ++t) {
-      double const err = std::abs(got.data[static_cast<std::size_t>(bh * e.tokens + t)] - rs[t]) /
-                         std::max(std::abs(rs[t]), 1e-2 * top);
-      worst = std::max(worst, err);
-    }
-  }
-  INFO(where << ": worst relative score error " << worst << " (tolerance " << rtol << ")");
-  CHECK(worst <= rtol);
+  kvc::test::check_scores(got.data, ref, e.tokens, c.f16 ? 1e-3 : 1e-4, where);
 
   for (double ratio : {0.25, 0.5, 0.75}) {
     kvc::Press const press{scorer, kvc::TopKSelector{kvc::RatioBudget{ratio}}};
@@ -139,31 +106,7 @@ void check_variant(Case const& c, std::string const& variant, Scorer const& scor
     REQUIRE(kvc::compress(kvc::Cpu{}, press, cache, obs, plan.plan, cws.get()).ok());
     char name[96];
     std::snprintf(name, sizeof name, "/kept_%s_%g.npy", variant.c_str(), ratio);
-    auto const kept = load(c.dir + name);
-    REQUIRE(kept.dtype == kvc::NpyDtype::i64);
-    Index const k = kept.shape[2];
-    for (Index b = 0; b < e.batch; ++b)
-      for (Index h = 0; h < e.heads; ++h) {
-        auto const mine = plan.kept(b, h);
-        INFO(where << " ratio " << ratio << " head (" << b << ", " << h << ")");
-        REQUIRE(static_cast<Index>(mine.size()) == k);
-        std::int64_t const* first = kept.as<std::int64_t>() + (b * e.heads + h) * k;
-        std::vector<Index> const expect(first, first + k);
-        if (mine == expect)
-          continue;
-        // Only near-ties at the selection boundary may differ between fp32 and the fp64 oracle.
-        double const* s = r + (b * e.heads + h) * e.tokens;
-        std::vector<double> sorted(s, s + e.tokens);
-        std::sort(sorted.rbegin(), sorted.rend());
-        double const boundary = sorted[static_cast<std::size_t>(k - 1)];
-        std::set<Index> diff;
-        std::set_symmetric_difference(mine.begin(), mine.end(), expect.begin(), expect.end(),
-                                      std::inserter(diff, diff.end()));
-        for (Index t : diff) {
-          INFO("token " << t << " oracle score " << s[t] << " boundary " << boundary);
-          CHECK(std::abs(s[t] - boundary) <= 1e-4 * sorted[0]);
-        }
-      }
+    kvc::test::check_kept(plan.plan, load(c.dir + name), ref, e.tokens, where + " ratio " + std::to_string(ratio));
   }
   ++checked;
 }

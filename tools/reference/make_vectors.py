@@ -15,6 +15,21 @@ Window-attention cases (SnapKV, TOVA; oracle in baselines.py) share --out but ar
   <case>/meta.txt              "window_size W", "theta T", "style neox|interleaved"
   <case>/scores_<variant>.npy, kept_<variant>_<r>.npy   as above, for the variants in WINDOW_VARIANTS
 The tinystories_layer<L> window cases reuse the folders of the same-named cases above (identical keys/values).
+
+Stateful cases (Expected Attention, H2O; oracle in expected_attention.py and h2o.py) are listed in
+stateful_manifest.txt; their folders are named stateful_<...>:
+  <case>/keys.npy              POST-RoPE keys [B, Hkv, S, d] (key j at position j), case dtype
+  <case>/values.npy            [B, Hkv, S, d], case dtype
+  <case>/queries.npy           PRE-RoPE queries [B, Hq, S, d] (row i at position i), case dtype
+  <case>/meta.txt              "theta T", "style neox|interleaved", "n_future_positions 16", "n_sink 4",
+                               "buffer 24", "hh H", "recent R", "n_prefill P"
+  <case>/scores_<variant>.npy, kept_<variant>_<r>.npy   float64 [B, Hkv, S] / int64 [B, Hkv, int(S (1 - r))], for
+                               the variants in STATEFUL_VARIANTS
+  <case>/h2o_kept.npy          int64 [B, Hkv, hh + recent]: H2O one-shot keep rule on scores_h2o_accumulated
+  <case>/h2o_decode_kept.npy   int64 [B, Hkv, hh + recent]: H2O variant (a), prefill of n_prefill tokens then one
+                               token at a time to S - 1: final kept positions (ascending)
+  <case>/h2o_decode_scores.npy float64 [B, Hkv, hh + recent]: their accumulated scores
+The oracle computes in float64 on the stored (rounded) inputs.
 Exit code 77 (ctest's skip code) when NumPy is missing.
 """
 import argparse
@@ -30,6 +45,8 @@ except ImportError:
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import baselines  # noqa: E402
+import expected_attention  # noqa: E402
+import h2o  # noqa: E402
 import oracle  # noqa: E402
 
 RATIOS = (0.25, 0.5, 0.75)
@@ -133,6 +150,10 @@ def main():
     with open(os.path.join(a.out, "window_manifest.txt"), "w") as f:
         f.write("\n".join(window_cases) + "\n")
     print(f"wrote {len(window_cases)} window-attention cases to {a.out}")
+    stateful_cases = write_stateful_cases(a.out, a.model)
+    with open(os.path.join(a.out, "stateful_manifest.txt"), "w") as f:
+        f.write("\n".join(stateful_cases) + "\n")
+    print(f"wrote {len(stateful_cases)} stateful (Expected Attention, H2O) cases to {a.out}")
 
 
 def write_window_cases(out, model_dir):
@@ -165,6 +186,110 @@ def write_window_cases(out, model_dir):
             if err > 1e-4 * max(1.0, np.abs(q_post).max()):
                 sys.exit(f"{layer}: baselines.rope differs from model.py's RoPE by {err}")
             cases.append(write_window_case(out, f"tinystories_{layer}", kk, vv, q, theta, "neox"))
+    return cases
+
+
+# Stateful policies. Every EA variant: n_sink 4, T = n_future_positions from meta.txt, softmax scale 1/sqrt(d), and
+# unless the variant says otherwise epsilon 0.01, covariance on, vnorm on, GQA mean, sinks outside the softmax.
+STATEFUL_EA = dict(n_sink=4, T=16, buffer=24)
+STATEFUL_VARIANTS = {
+    "ea_default": dict(),
+    "ea_eps0": dict(epsilon=0.0),
+    "ea_nocov": dict(use_covariance=False),
+    "ea_novnorm": dict(use_vnorm=False),
+    "ea_gqa_max": dict(gqa="max"),
+    "ea_sinks_normalized": dict(normalize_sinks=True),
+    "ea_decode_authors": dict(decode="authors"),  # buffer = the last `buffer` query rows, next position S
+    "ea_decode_kvpress": dict(decode="kvpress"),
+    "h2o_kvpress": None,  # kvpress ObservedAttentionPress: column sums / (S - j), group mean
+    "h2o_accumulated": None,  # H2O's raw column sums, group mean
+}
+
+
+def stateful_scores(variant, k64, v64, q64, theta, style):
+    """The oracle's [B, Hkv, S] scores of one STATEFUL_VARIANTS entry (float64 inputs)."""
+    if variant == "h2o_kvpress":
+        return h2o.observed_attention_scores(k64, q64, theta, style)
+    if variant == "h2o_accumulated":
+        return h2o.accumulated(k64, q64, theta, style)
+    opts = dict(STATEFUL_VARIANTS[variant])
+    mode = opts.pop("decode", None)
+    common = dict(n_sink=STATEFUL_EA["n_sink"], T=STATEFUL_EA["T"], theta=theta, style=style,
+                  epsilon=opts.pop("epsilon", 0.01), **opts)
+    if mode is None:
+        return expected_attention.prefill(k64, v64, q64, **common)
+    n, r = q64.shape[2], STATEFUL_EA["buffer"]
+    return expected_attention.decode(k64, v64, q64[:, :, n - r:], np.arange(n - r, n), n, mode, **common)
+
+
+def write_stateful_case(out, name, keys, values, queries, theta, style, hh, recent, n_prefill):
+    """One stateful case: inputs (keys post-RoPE, queries pre-RoPE), meta.txt, and the oracle's outputs."""
+    d = os.path.join(out, name)
+    os.makedirs(d, exist_ok=True)
+    values, queries = values.astype(keys.dtype), queries.astype(keys.dtype)  # the oracle sees the rounded values
+    S = keys.shape[2]
+    if not hh + recent <= S or not 0 <= n_prefill <= S or queries.shape[2] != S:
+        raise ValueError(f"{name}: inconsistent sizes")
+    for f, x in (("keys", keys), ("values", values), ("queries", queries)):
+        np.save(os.path.join(d, f"{f}.npy"), x)
+    with open(os.path.join(d, "meta.txt"), "w") as f:
+        f.write(f"theta {theta:g}\nstyle {style}\nn_future_positions {STATEFUL_EA['T']}\n"
+                f"n_sink {STATEFUL_EA['n_sink']}\nbuffer {STATEFUL_EA['buffer']}\nhh {hh}\nrecent {recent}\n"
+                f"n_prefill {n_prefill}\n")
+    k64, v64, q64 = (x.astype(np.float64) for x in (keys, values, queries))
+    notes = []
+    acc = None
+    for v in STATEFUL_VARIANTS:
+        s = stateful_scores(v, k64, v64, q64, theta, style)
+        acc = s if v == "h2o_accumulated" else acc
+        save_scores_and_kept(d, v, s)
+        g = np.concatenate([boundary_gaps(s, oracle.ratio_keep(S, r)) for r in RATIOS])
+        # relative to the keep-th best score of that head (EA scores are ~1/S, so absolute gaps look small)
+        kth = np.concatenate([-np.sort(-s.reshape(-1, S), axis=-1)[:, oracle.ratio_keep(S, r) - 1] for r in RATIOS])
+        ties = f" ({np.sum(g == 0)} ties)" if np.any(g == 0) else ""
+        rel = (g / np.abs(kth))[g > 0].min(initial=np.inf)
+        notes.append(f"{v} {g[g > 0].min(initial=np.inf):.1e} (rel {rel:.1e}){ties}")
+    B, H = acc.shape[:2]
+    kept = np.array([[h2o.prefill_keep(acc[b, h], hh, recent) for h in range(H)] for b in range(B)], dtype=np.int64)
+    np.save(os.path.join(d, "h2o_kept.npy"), kept)
+    cand = acc[..., : S - recent]  # the heavy-hitter boundary among the candidates
+    g = boundary_gaps(cand, hh) if hh else np.array([])
+    notes.append(f"h2o_kept {g[g > 0].min(initial=np.inf):.1e}" + (f" ({np.sum(g == 0)} ties)" if np.any(g == 0)
+                                                                    else ""))
+    stats = {}
+    dk, ds = h2o.simulate(k64, v64, q64, n_prefill, hh, recent, theta, style, stats=stats)
+    np.save(os.path.join(d, "h2o_decode_kept.npy"), dk.astype(np.int64))
+    np.save(os.path.join(d, "h2o_decode_scores.npy"), ds.astype(np.float64))
+    notes.append(f"h2o_decode (every eviction) {stats['min_gap']:.1e}")
+    print(f"{name}: smallest nonzero selection-boundary gap: " + ", ".join(notes))
+    return name
+
+
+def write_stateful_cases(out, model_dir):
+    """Random GQA f32 (neox) and MHA f16 (interleaved) cases, plus one per tinystories layer when dumped."""
+    rng = np.random.default_rng(20261125)  # separate stream: every case above stays byte-identical
+    cases = []
+    for name, (B, Hkv, Hq, S, d), dtype, style, (hh, recent, n_prefill) in (
+            ("stateful_random_gqa_f32", (2, 2, 4, 96, 32), np.float32, "neox", (16, 8, 48)),
+            ("stateful_random_mha_f16_interleaved", (1, 3, 3, 80, 16), np.float16, "interleaved", (12, 8, 40))):
+        theta = 10000.0
+        # pre-RoPE keys and queries with a per-head mean direction (so mu matters), queries scaled by 1.5
+        kpre = rng.standard_normal((B, Hkv, S, d)) + 0.5 * rng.standard_normal((1, Hkv, 1, d))
+        keys = baselines.rope(kpre, np.arange(S), theta, style).astype(dtype)  # post-RoPE at positions 0..S-1
+        values = rng.standard_normal((B, Hkv, S, d)).astype(dtype)
+        q = 1.5 * (rng.standard_normal((B, Hq, S, d)) + 0.5 * rng.standard_normal((1, Hq, 1, d)))
+        cases.append(write_stateful_case(out, name, keys, values, q.astype(dtype), theta, style, hh, recent,
+                                         n_prefill))
+    dump = os.path.join(out, "tinystories_dump")
+    if model_dir and os.path.exists(os.path.join(model_dir, "model.safetensors")):  # main() has just dumped it
+        with open(os.path.join(model_dir, "config.json")) as f:
+            theta = float(json.load(f).get("rope_theta", 10000.0))
+        for layer in sorted(x for x in os.listdir(dump) if x.startswith("layer")):
+            ld = os.path.join(dump, layer)
+            kk, vv = np.load(os.path.join(ld, "keys.npy")), np.load(os.path.join(ld, "values.npy"))
+            qq = np.load(os.path.join(ld, "queries_prerope.npy"))
+            cases.append(write_stateful_case(out, f"stateful_tinystories_{layer}", kk, vv, qq, theta, "neox",
+                                             24, 16, 64))
     return cases
 
 

@@ -37,8 +37,14 @@ struct WindowQueries {
   KVC_HOST_DEVICE constexpr Index window() const noexcept { return rows.extents().tokens; }
 };
 
-/// Per query head statistics of pre-RoPE queries (ExpectedAttention): mean [batch, Hq, d] and covariance
-/// [batch, Hq, d, d] (row-major; null when the scorer does not use it), fp32.
+/// Per query head statistics of pre-RoPE queries (ExpectedAttention; kvc::query_statistics builds them): mean
+/// [batch, Hq, d] and population covariance [batch, Hq, d, d] (row-major, divided by the sample count; null when
+/// the scorer does not use it), fp32.
+///  - `rope`: the table future RoPE is averaged from (positions up to t0 + T - 1); empty means no RoPE (R̄ = I).
+///  - `next_position` ([batch], optional): the absolute position of the next token, t0 of the future window.
+///    Absent: one past the largest position in the cache (context_end).
+///  - `observed`: query rows the statistics summarise, skipped sink rows included (kvpress's t0; 0: as
+///    next_position).
 template <class Space = HostSpace>
 struct QueryStatistics {
   using memory_space = Space;
@@ -48,6 +54,9 @@ struct QueryStatistics {
   Index batch = 0;
   Index heads = 0;
   Index dim = 0;
+  RopeTable<Space> rope{};
+  Index const* next_position = nullptr;
+  Index observed = 0;
 };
 
 /// Attention the engine already computed (H2O's accumulated attention): per query head, for each cache slot, the
@@ -89,6 +98,19 @@ struct Observations {
 template <Element T, class Space>
 constexpr Observations<Space, WindowQueries<T, Space>> observe(WindowQueries<T, Space> const& q) noexcept {
   return {q};
+}
+
+/// A bundle holding query statistics only (ExpectedAttention).
+template <class Space>
+constexpr Observations<Space, Absent, QueryStatistics<Space>> observe(QueryStatistics<Space> const& s) noexcept {
+  return {{}, s};
+}
+
+/// A bundle holding attention column sums only (an engine feeding H2O's accumulator from its own attention).
+template <class Space>
+constexpr Observations<Space, Absent, Absent, AttentionColumnSums<Space>> observe(
+    AttentionColumnSums<Space> const& a) noexcept {
+  return {{}, {}, a};
 }
 
 /// The empty bundle, readable by every backend (scorers that read only K and V).

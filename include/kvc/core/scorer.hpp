@@ -157,13 +157,29 @@ Status score(B const& backend, S const& scorer, C const& cache, ScoreSpan<typena
   return score(backend, scorer, cache, NoObservations{}, out, ws);
 }
 
-/// State hook: a stateful scorer folds newly seen tokens or queries into its state. A no-op for stateless scorers.
+/// Bytes of workspace kvc::update needs (0 for stateless scorers); any alignment.
+template <Backend B, Scorer S, ObservationSet Obs>
+std::size_t update_workspace_bytes(B const& backend, S const& scorer, KVExtents const& keys, Obs const& obs) {
+  if constexpr (StatefulScorer<S>)
+    return bytes_sum(Kernel<S, B>::update_workspace_bytes(backend, scorer, keys, obs), workspace_slack);
+  else
+    return 0;
+}
+
+/// State hook: a stateful scorer folds newly seen tokens or queries into its state (call it after the new tokens
+/// are appended to the cache). A no-op for stateless scorers.
 template <Backend B, Scorer S, KVCacheView C, ObservationSet Obs>
 Status update(B const& backend, S const& scorer, C const& cache, Obs const& obs, Workspace ws) {
-  if constexpr (StatefulScorer<S>)
+  if constexpr (StatefulScorer<S>) {
+    static_assert(AccessibleFrom<C, B>, "kvc::update: the cache lives in a memory space this backend cannot read");
+    static_assert(ObservationsReadableBy<Obs, B>,
+                  "kvc::update: the observations live in a memory space this backend cannot read");
+    if (ws.bytes < Kernel<S, B>::update_workspace_bytes(backend, scorer, cache.keys.extents(), obs))
+      return {Errc::out_of_capacity, "kvc::update: workspace smaller than update_workspace_bytes()"};
     return Kernel<S, B>::update(backend, scorer, cache, obs, ws);
-  else
+  } else {
     return {};
+  }
 }
 
 /// State hook: a stateful scorer sees the plan (the complement is the evicted set) before kvc::compact moves the

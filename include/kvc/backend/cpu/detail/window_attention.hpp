@@ -76,15 +76,17 @@ Status check_window_queries(WindowQueries<T, HostSpace> const& wq, C const& cach
 }
 
 /// Column sums for KV head (b, h): for each of its g query heads q (local index 0..g-1) and each valid slot j,
-///   colsum[q * stride + j] = sum over window rows i in [first, w) of softmax_j(scale * <rope(query_i), key_j>)
+///   colsum[q * stride + j] (+)= sum over window rows i in [first, last) of softmax_j(scale * <rope(query_i), key_j>)
 /// where query i sees slot j iff position(j) <= its own position. Rows with no visible slot contribute nothing.
-/// `scratch` has window_attention_bytes(g * (w - first), dim) bytes.
+/// With `accumulate` the sums are added to colsum's slots [0, n) (callers tile long query ranges: ObservedAttention,
+/// H2O's prefill), otherwise they overwrite them. `scratch` has window_attention_bytes(g * (last - first), dim) bytes.
 template <Element T, KVCacheView C>
 void window_attention_columns(WindowQueries<T, HostSpace> const& wq, C const& cache, Index b, Index h, Index first,
-                              float scale, float* colsum, Index stride, std::byte* scratch) {
+                              Index last, float scale, float* colsum, Index stride, std::byte* scratch,
+                              bool accumulate) {
   using RowMatrix = Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
   KVExtents const k = cache.keys.extents();
-  Index const g = wq.rows.extents().heads / k.heads, w = wq.window(), per_head = w - first, rows = g * per_head;
+  Index const g = wq.rows.extents().heads / k.heads, per_head = last - first, rows = g * per_head;
   Index const n = cache.length(b, h), d = k.dim;
   constexpr float neg_inf = -std::numeric_limits<float>::infinity();
   WorkspaceCarver carve({scratch, window_attention_bytes(rows, d)});
@@ -113,7 +115,7 @@ void window_attention_columns(WindowQueries<T, HostSpace> const& wq, C const& ca
   Index const earliest = rows > 0 ? *std::min_element(q_pos, q_pos + rows) : 0;
   std::fill(peak, peak + rows, neg_inf);
   std::fill(total, total + rows, 0.0f);
-  for (Index lq = 0; lq < g; ++lq)
+  for (Index lq = 0; lq < g && !accumulate; ++lq)
     std::fill(colsum + lq * stride, colsum + lq * stride + n, 0.0f);
 
   using Row = Eigen::Map<Eigen::ArrayXf>;
@@ -173,6 +175,13 @@ void window_attention_columns(WindowQueries<T, HostSpace> const& wq, C const& ca
         out += (l - peak[r]).exp();
     }
   }
+}
+
+/// The rows [first, w) of the window, overwriting colsum (SnapKV's and TOVA's use).
+template <Element T, KVCacheView C>
+void window_attention_columns(WindowQueries<T, HostSpace> const& wq, C const& cache, Index b, Index h, Index first,
+                              float scale, float* colsum, Index stride, std::byte* scratch) {
+  window_attention_columns(wq, cache, b, h, first, wq.window(), scale, colsum, stride, scratch, false);
 }
 
 }  // namespace kvc::detail
