@@ -9,9 +9,11 @@
 // near-ties (tests/support/vectors.hpp). The decode-time H2O simulation must keep exactly the oracle's positions.
 #include <kvc/backend/cpu/pipeline/compact.hpp>
 #include <kvc/backend/cpu/pipeline/query_statistics.hpp>
+#include <kvc/backend/cpu/pipeline/rerotate.hpp>
 #include <kvc/backend/cpu/scorers/expected_attention.hpp>
 #include <kvc/backend/cpu/scorers/h2o.hpp>
 #include <kvc/backend/cpu/selectors/top_k.hpp>
+#include <kvc/pipeline/decode.hpp>
 #include <kvc/pipeline/press.hpp>
 
 #include "common/synthetic.hpp"
@@ -140,6 +142,63 @@ Stats statistics(Case<T> const& c, Index first, Index count, kvc::StatisticsRows
   return s;
 }
 
+/// A decode driver's query buffer over `capacity` rows, filled from the case's queries.
+template <class T>
+struct Buffer {
+  std::vector<T> rows;
+  std::vector<Index> positions;
+  kvc::QueryBuffer<T> view;
+  Buffer(Case<T> const& c, Index capacity)
+      : rows(static_cast<std::size_t>(c.qe.batch * c.qe.heads * capacity * c.qe.dim)),
+        positions(static_cast<std::size_t>(c.qe.batch * capacity)) {
+    view = {rows.data(), positions.data(), c.qe.batch, c.qe.heads, capacity, c.qe.dim};
+  }
+  /// Pushes the queries of tokens [first, first + count) (their positions are the token indices).
+  void fill(Case<T> const& c, Index first, Index count) {
+    for (Index b = 0; b < c.qe.batch; ++b)
+      for (Index i = 0; i < count; ++i) {
+        for (Index q = 0; q < c.qe.heads; ++q)
+          std::copy_n(c.rows(first + i, 1).row(b, q, 0), c.qe.dim, view.row(b, q, view.count + i));
+        positions[static_cast<std::size_t>(b * view.capacity + view.count + i)] = first + i;
+      }
+    REQUIRE(view.push(count).ok());
+  }
+};
+
+/// The decode driver compressing the whole prompt once, from the last `buffer` queries (interval 1): its kept sets
+/// must be the oracle's decode-mode ExpectedAttention sets (statistics and t0 as each reference defines them).
+template <class T>
+void check_decode_driver(Case<T> const& c, kvc::ExpectedAttentionScorer const& scorer, std::string const& variant) {
+  Meta const& m = c.meta;
+  for (double ratio : {0.25, 0.5, 0.75}) {
+    kvc::tools::HostCache<T> work(c.e);
+    std::copy_n(c.keys.template as<T>(), c.e.rows() * c.e.dim, work.k.data());
+    std::copy_n(c.values.template as<T>(), c.e.rows() * c.e.dim, work.v.data());
+    work.track(c.e.tokens);
+    Buffer<T> buf(c, m.buffer);
+    buf.fill(c, c.e.tokens - m.buffer, m.buffer);
+    kvc::DecodeSchedule sch;
+    sch.compression_interval = 1;
+    sch.target_size = static_cast<Index>(static_cast<double>(c.e.tokens) * (1.0 - ratio));
+    sch.hidden_states_buffer_size = m.buffer;
+    kvc::DecodeCounter counter;
+    kvc::test::OwnedWorkspace ws(kvc::decode_workspace_bytes(kvc::Cpu{}, scorer, sch, work.ext, buf.view));
+    REQUIRE(kvc::decode_step(kvc::Cpu{}, scorer, sch, work.view(), buf.view, counter, c.rope.table, ws.get()).ok());
+    // The kept positions as a plan over the prompt, compared like any kept set (near-ties may swap).
+    kvc::test::OwnedPlan plan(c.e.batch, c.e.heads, c.e.tokens);
+    for (Index b = 0; b < c.e.batch; ++b)
+      for (Index h = 0; h < c.e.heads; ++h) {
+        auto const pos = work.head_positions(b, h);
+        plan.count[static_cast<std::size_t>(b * c.e.heads + h)] = static_cast<Index>(pos.size());
+        std::copy(pos.begin(), pos.end(), plan.plan.indices(b, h));
+      }
+    char name[96];
+    std::snprintf(name, sizeof name, "/kept_%s_%g.npy", variant.c_str(), ratio);
+    kvc::test::check_kept(plan.plan, load(c.dir + name), load(c.dir + "/scores_" + variant + ".npy"), c.e.tokens,
+                          c.dir + " decode driver " + variant);
+  }
+}
+
 template <class T>
 void check_expected_attention(Case<T> const& c) {
   Meta const& m = c.meta;
@@ -167,6 +226,8 @@ void check_expected_attention(Case<T> const& c) {
   Stats kv = statistics(c, first, m.buffer, {.skip_rows = m.n_sink});
   kv.view.observed = m.buffer;
   c.check("ea_decode_kvpress", with([](auto& s) { s.reference = kvc::Reference::kvpress; }), kvc::observe(kv.view));
+  check_decode_driver(c, base, "ea_decode_authors");
+  check_decode_driver(c, with([](auto& s) { s.reference = kvc::Reference::kvpress; }), "ea_decode_kvpress");
 }
 
 /// H2O's caller-owned state for a cache of `capacity` slots.
@@ -195,18 +256,6 @@ void observe_queries(Case<T> const& c, State const& st, C const& cache, Index fi
   REQUIRE(s.ok());
 }
 
-/// Heavy hitters + recent: compress, on_evict, compact with the accumulator.
-template <class C>
-void evict(State const& st, C const& cache, Meta const& m) {
-  kvc::KVExtents const e = cache.keys.extents();
-  kvc::Press const press{st.scorer, kvc::TopKSelector{kvc::FixedBudget{m.hh + m.recent}, 0, m.recent}};
-  kvc::test::OwnedPlan plan(e.batch, e.heads, e.tokens);
-  kvc::test::OwnedWorkspace ws(kvc::compress_workspace_bytes(kvc::Cpu{}, press, e));
-  REQUIRE(kvc::compress(kvc::Cpu{}, press, cache, plan.plan, ws.get()).ok());
-  REQUIRE(kvc::on_evict(kvc::Cpu{}, st.scorer, cache, plan.plan, {}).ok());
-  REQUIRE(kvc::compact(kvc::Cpu{}, plan.plan, cache, st.scorer.state.accumulated).ok());
-}
-
 template <class T>
 void check_h2o(Case<T> const& c) {
   Meta const& m = c.meta;
@@ -232,16 +281,27 @@ void check_h2o(Case<T> const& c) {
                           c.e.tokens, c.dir + " h2o prefill");
   }
 
-  // Decoding (variant (a)): the first n_prefill tokens at once, then one token per step, hh + recent kept.
+  // Decoding (variant (a)) through the decode driver: the first n_prefill tokens in one forward, then one token per
+  // forward; interval 1, target hh + recent with the last `recent` protected: the authors' per-step eviction.
   Index const capacity = std::max(m.n_prefill, m.hh + m.recent + 1);
   kvc::tools::HostCache<T> work(kvc::KVExtents{c.e.batch, c.e.heads, capacity, c.e.dim});
   work.track(0);
   State dec(c.e, capacity);
+  kvc::DecodeSchedule sch;
+  sch.compression_interval = 1;
+  sch.target_size = m.hh + m.recent;
+  sch.n_recent = m.recent;
+  Buffer<T> buf(c, m.n_prefill);
+  kvc::DecodeCounter counter;
+  kvc::test::OwnedWorkspace ws(kvc::decode_workspace_bytes(kvc::Cpu{}, dec.scorer, sch, work.ext, buf.view));
   auto const src = c.cache();
   auto step = [&](Index first, Index count) {
     REQUIRE(kvc::append(kvc::Cpu{}, work.view(), src, first, count).ok());
-    observe_queries(c, dec, work.view(), first, count);
-    evict(dec, work.view(), m);
+    buf.fill(c, first, count);
+    auto const status =
+        kvc::decode_step(kvc::Cpu{}, dec.scorer, sch, work.view(), buf.view, counter, c.rope.table, ws.get());
+    INFO(status.message());
+    REQUIRE(status.ok());
   };
   step(0, m.n_prefill);
   for (Index t = m.n_prefill; t < c.e.tokens; ++t)
@@ -254,10 +314,10 @@ void check_h2o(Case<T> const& c) {
       INFO(c.dir << " h2o decode head (" << b << ", " << h << ")");
       std::int64_t const* want = kept.template as<std::int64_t>() + (b * c.e.heads + h) * k;
       CHECK(work.head_positions(b, h) == std::vector<Index>(want, want + k));
-      double const* ws = scores.template as<double>() + (b * c.e.heads + h) * k;
+      double const* want_acc = scores.template as<double>() + (b * c.e.heads + h) * k;
       for (Index j = 0; j < k; ++j)
-        CHECK(std::abs(dec.acc[static_cast<std::size_t>((b * c.e.heads + h) * capacity + j)] - ws[j]) <=
-              c.rtol * std::max(1.0, std::abs(ws[j])));
+        CHECK(std::abs(dec.acc[static_cast<std::size_t>((b * c.e.heads + h) * capacity + j)] - want_acc[j]) <=
+              c.rtol * std::max(1.0, std::abs(want_acc[j])));
     }
 }
 

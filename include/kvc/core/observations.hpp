@@ -33,8 +33,13 @@ struct WindowQueries {
   TokenRows<T const, StridedLayout, Space> rows;
   RopeTable<Space> rope{};
   Index const* positions = nullptr;
+  Index positions_stride = 0;  ///< elements from one sequence's positions to the next; 0: the window length w
 
   KVC_HOST_DEVICE constexpr Index window() const noexcept { return rows.extents().tokens; }
+  /// The given position of row i of sequence b (positions must be non-null).
+  KVC_HOST_DEVICE constexpr Index given_position(Index b, Index i) const noexcept {
+    return positions[b * (positions_stride > 0 ? positions_stride : window()) + i];
+  }
 };
 
 /// Per query head statistics of pre-RoPE queries (ExpectedAttention; kvc::query_statistics builds them): mean

@@ -85,6 +85,15 @@ class WorkspaceCarver {
     return reinterpret_cast<T*>(start);
   }
 
+  /// The unused remainder from the next aligned address on (for a callee that carves its own pieces).
+  Workspace rest() const noexcept {
+    auto const base = reinterpret_cast<std::uintptr_t>(ws_.data);
+    std::uintptr_t const start = (base + used_ + workspace_alignment - 1) / workspace_alignment * workspace_alignment;
+    if (ws_.data == nullptr || start - base > ws_.bytes)
+      return {};
+    return {reinterpret_cast<void*>(start), ws_.bytes - static_cast<std::size_t>(start - base)};
+  }
+
  private:
   Workspace ws_;
   std::size_t used_ = 0;

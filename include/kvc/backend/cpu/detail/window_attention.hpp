@@ -50,8 +50,7 @@ inline std::size_t window_attention_bytes(Index rows, Index dim) noexcept {
 /// Absolute positions of window query rows [first, first + count) of sequence b (rows of a w-row window).
 template <Element T>
 Index window_query_position(WindowQueries<T, HostSpace> const& wq, Index b, Index end, Index row) noexcept {
-  Index const w = wq.window();
-  return wq.positions ? wq.positions[b * w + row] : end - w + row;
+  return wq.positions ? wq.given_position(b, row) : end - wq.window() + row;
 }
 
 /// Checks the window queries against the cache: shapes, GQA, positions inside the RoPE table.
