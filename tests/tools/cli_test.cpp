@@ -1,8 +1,9 @@
 // SPDX-License-Identifier: Apache-2.0
 // tests/tools/cli_test.cpp: the `kvc` command-line contract (DESIGN.md §6, docs/cli.md): exit codes 0/2/3,
 // messages that name the file, the field and what was expected, --help, exact parameter lists, the query options of
-// the window policies (SnapKV, TOVA), and outputs with the documented shapes. The scores themselves are checked
-// against the NumPy oracle by tools/reference/check_cli.py (ctest kvc.tools.cli_oracle).
+// the window policies (SnapKV, TOVA) and of the stateful ones (ExpectedAttention, H2O), and outputs with the
+// documented shapes. The scores themselves are checked against the NumPy oracle by tools/reference/check_cli.py
+// (ctest kvc.tools.cli_oracle).
 #include <kvc/io/npy.hpp>
 #include <kvc/io/safetensors.hpp>
 
@@ -252,11 +253,13 @@ struct WindowFiles {
   std::string kq() const { return " --keys " + keys + " --queries " + queries; }
 };
 
-std::vector<std::string> const all_policies = {"streaming_llm", "key_diff", "knorm", "snap_kv", "tova", "random"};
+std::vector<std::string> const all_policies = {"streaming_llm", "key_diff",           "knorm", "snap_kv",
+                                               "tova",          "expected_attention", "h2o",   "random"};
 std::vector<std::string> const key_only_policies = {"streaming_llm", "key_diff", "knorm", "random"};
+std::vector<std::string> const query_policies = {"snap_kv", "tova", "expected_attention", "h2o"};
 
 bool reads_queries(std::string const& policy) {
-  return policy == "snap_kv" || policy == "tova";
+  return std::find(query_policies.begin(), query_policies.end(), policy) != query_policies.end();
 }
 
 }  // namespace
@@ -327,10 +330,23 @@ TEST_CASE("cli: policies lists every policy with every parameter and its default
                                   {"gqa", "mean"},
                                   {"queries", "pre_rope"}})},
       {"tova", with_selection({{"reference", "authors"}, {"queries", "pre_rope"}})},
+      {"expected_attention",
+       {{"reference", "authors"},
+        {"n_future_positions", "512"},
+        {"n_sink", "4"},
+        {"use_covariance", "true"},
+        {"use_vnorm", "true"},
+        {"epsilon", "0.01"},
+        {"gqa", "mean"},
+        {"normalize_sinks", "false"},
+        {"queries", "pre_rope"},
+        {"n_recent", "0"}}},
+      {"h2o", {{"reference", "authors"}, {"recent_share", "0.5"}, {"queries", "pre_rope"}, {"n_sink", "0"}}},
       {"random", with_selection({{"seed", "0"}})},
   };
   CHECK(listed == expected);
-  for (char const* s : {"window_size=32 (kvpress: 64)", "kernel_size=7 (kvpress: 5)", "pooling=max (kvpress: avg)"})
+  for (char const* s : {"window_size=32 (kvpress: 64)", "kernel_size=7 (kvpress: 5)", "pooling=max (kvpress: avg)",
+                        "epsilon=0.01 (kvpress: 0)", "recent_share=0.5 (kvpress: 0)"})
     CHECK(contains(r.output, s));
 
   // Every listed parameter, set to its listed default, is accepted and changes nothing.
@@ -563,7 +579,8 @@ TEST_CASE("cli: invalid queries, positions and window parameters exit 3 naming t
   expect3("score --policy snap_kv --param window_size=33" + f.kq() + out,
           "field 'shape': window (shape[2]) is 32, but policy snap_kv reads the last 33 query rows");
   auto const short_keys = write_npy("k_short.npy", kvc::NpyDtype::f32, {1, 2, 6, 4}, randoms(48));
-  expect3("score --policy snap_kv --param window_size=8 --keys " + short_keys + " --queries " + f.queries + out,
+  expect3("score --policy snap_kv --param window_size=8 --keys " + short_keys + " --queries " +
+              q("q8.npy", {1, 4, 8, 4}) + out,
           "k_short.npy: field 'shape': tokens (shape[2]) is 6, but the last 8 query rows sit at positions N - 8 .. "
           "N - 1 (pass --positions P.npy)");
   // RoPE rotates pairs of channels.
@@ -601,6 +618,93 @@ TEST_CASE("cli: invalid queries, positions and window parameters exit 3 naming t
   expect3("score --policy random --param seed=-1 --keys " + f.keys + out,
           "--param seed = '-1': expected an integer in [0, 2^64)");
   expect3("score --policy random --param seed=18446744073709551616 --keys " + f.keys + out, "--param seed");
+}
+
+TEST_CASE("cli: expected_attention and h2o read what they document and write the documented shapes", "[tools][cli]") {
+  WindowFiles const f("stateful");
+  Index const n = WindowFiles::n;
+  auto expect = [](int code, std::string const& args, std::vector<std::string> const& needles) {
+    auto const r = run(args);
+    INFO(args << "\n" << r.output);
+    CHECK(r.code == code);
+    for (auto const& needle : needles)
+      CHECK(contains(r.output, needle));
+  };
+  std::string const out = " --out " + f.out("x.npy");
+  std::string const ea = "score --policy expected_attention";
+  // ExpectedAttention weights by ||v||: --values, unless use_vnorm=false.
+  expect(2, ea + f.kq() + out, {"policy expected_attention", "--values", "use_vnorm=false"});
+  CHECK(run(ea + " --param use_vnorm=false" + f.kq() + out).code == 0);
+  // Its statistics are of pre-RoPE queries: post_rope is invalid input.
+  expect(3, ea + " --param queries=post_rope" + f.kq() + " --values " + f.values + out,
+         {"queries = post_rope", "pre-RoPE"});
+  expect(3,
+         "compress --policy expected_attention --param queries=post_rope --budget 12" + f.kv() + " --queries " +
+             f.queries + " --out-dir " + f.out("d"),
+         {"pre-RoPE"});
+  // Both read queries: --queries is required.
+  expect(2, ea + f.kv() + out, {"policy expected_attention reads queries: pass --queries Q.npy"});
+  expect(2, "score --policy h2o --keys " + f.keys + out, {"policy h2o reads queries: pass --queries Q.npy"});
+  expect(2, "compress --policy h2o --ratio 0.5" + f.kv() + " --out-dir " + f.out("d"),
+         {"policy h2o reads queries: pass --queries Q.npy"});
+  // recent_share is a fraction of the budget (compress only: score rejects it as a selection parameter).
+  for (char const* share : {"1.5", "-0.1", "half"})
+    expect(3,
+           std::string("compress --policy h2o --param recent_share=") + share + " --budget 12" + f.kv() +
+               " --queries " + f.queries + " --out-dir " + f.out("d"),
+           {"--param recent_share = '" + std::string(share) + "': expected a number in [0"});
+  expect(2, "score --policy h2o --param recent_share=0.5" + f.kq() + out, {"'recent_share' of policy h2o"});
+  // Bad values of the other parameters.
+  expect(3, ea + " --param gqa=sum" + f.kq() + " --values " + f.values + out, {"--param gqa = 'sum'"});
+  expect(3, ea + " --param use_covariance=yes" + f.kq() + " --values " + f.values + out,
+         {"--param use_covariance = 'yes': expected true or false"});
+  expect(3, ea + " --param n_future_positions=0" + f.kq() + " --values " + f.values + out,
+         {"--param n_future_positions = 0: expected an integer >= 1"});
+
+  // Happy paths: score writes [B, Hkv, N] float32; compress the kept rows, sinks (ExpectedAttention) and H2O's
+  // recent window (recent_share x budget) included.
+  auto scores = [&](std::string const& args) {
+    auto const r = run("score " + args + " --out " + f.out("s.npy"));
+    INFO(args << "\n" << r.output);
+    REQUIRE(r.code == 0);
+    auto const a = read(f.out("s.npy"));
+    CHECK(a.dtype == kvc::NpyDtype::f32);
+    CHECK(a.shape == std::vector<Index>{1, 2, n});
+    return floats(a);
+  };
+  auto const e = scores("--policy expected_attention" + f.kv() + " --queries " + f.queries);
+  for (float x : e)
+    CHECK(x > 0.0f);
+  CHECK(e != scores("--policy expected_attention --param use_vnorm=false" + f.kq()));
+  CHECK(e != scores("--policy expected_attention" + f.kv() + " --queries " + f.queries + " --rope style=interleaved"));
+  auto const h = scores("--policy h2o" + f.kq());
+  // Each of the 32 queries' attention (a probability row) is accumulated, averaged over the 2 query heads per KV head.
+  double sum = 0;
+  for (float x : h)
+    sum += x;
+  CHECK(std::abs(sum - 2.0 * WindowFiles::w) < 1e-3);
+  CHECK(h != scores("--policy h2o --param reference=kvpress" + f.kq()));
+  auto compress = [&](std::string const& policy, std::string const& more) {
+    std::string const dir = f.out("c_" + policy);
+    auto const r = run("compress --policy " + policy + " --budget 12" + more + f.kv() + " --queries " + f.queries +
+                       " --out-dir " + dir);
+    INFO(policy << more << "\n" << r.output);
+    REQUIRE(r.code == 0);
+    CHECK(read(dir + "/keys.npy").shape == std::vector<Index>{1, 2, 12, 4});
+    CHECK(read(dir + "/values.npy").shape == std::vector<Index>{1, 2, 12, 4});
+    CHECK(ints(read(dir + "/counts.npy")) == std::vector<std::int64_t>{12, 12});
+    auto const idx = read(dir + "/indices.npy");
+    CHECK(idx.shape == std::vector<Index>{1, 2, 12});
+    return ints(idx);
+  };
+  auto const ek = compress("expected_attention", "");
+  auto const hk = compress("h2o", "");
+  for (Index head = 0; head < 2; ++head) {
+    for (Index t = 0; t < 4; ++t)  // n_sink = 4
+      CHECK(ek[static_cast<std::size_t>(head * 12 + t)] == t);
+    for (Index t = 0; t < 6; ++t)  // recent_share 0.5 of 12
+      CHECK(hk[static_cast<std::size_t>(head * 12 + 6 + t)] == n - 6 + t);
+  }
 }
 
 TEST_CASE("cli: options belong to their command and are given once", "[tools][cli]") {

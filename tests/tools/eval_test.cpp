@@ -160,6 +160,77 @@ TEST_CASE("ratio 0 is exactly lossless, compression costs quality, runs repeat e
   CHECK(paged[1].kl == records[3].kl);
 }
 
+TEST_CASE("expected_attention and h2o: ratio 0 is lossless, and compression costs quality") {
+  if (!have(tinystories))
+    return;
+  Model const model = load(tinystories);
+  auto const cache = CacheOptions{CacheType::f16, CacheLayout::dense};
+  std::vector<std::vector<std::int32_t>> const samples{sample_tokens(model, cache, 65, 1, 5, {1, 2})};
+  auto opts = options_for({"expected_attention", "h2o"}, {0.0, 0.75}, cache);
+  opts.policies.push_back({&kvc::tools::find_policy("h2o"),
+                           kvc::tools::resolve_params(kvc::tools::find_policy("h2o"), {"reference=kvpress"}, true)});
+  auto const records = evaluate(model, opts, samples);
+  REQUIRE(records.size() == 6);
+  for (Record const& r : records) {
+    INFO(r.policy << " at " << r.ratio);
+    if (r.ratio == 0.0) {
+      CHECK(r.kl == 0.0);
+      CHECK(r.top1 == 1.0);
+    } else {
+      CHECK(r.kl > 0.0);
+      CHECK(r.kv_bytes == 2 * 4 * 12 * 2 * 16 * 2);
+    }
+  }
+}
+
+TEST_CASE("decode-time runs: the cache follows the driver's sawtooth, a target above the sequence is lossless") {
+  if (!have(tinystories))
+    return;
+  Model const model = load(tinystories);
+  auto const cache = CacheOptions{CacheType::f16, CacheLayout::paged};
+  Index const prompt = 24, continuation = 80;
+  std::vector<std::vector<std::int32_t>> samples;
+  for (std::uint64_t s = 0; s < 2; ++s)
+    samples.push_back(sample_tokens(model, cache, prompt + continuation + 1, 1, 21 + s, {1, 2}));
+  std::vector<std::string> names;
+  for (auto const& p : kvc::tools::policies())
+    names.push_back(p.name);
+  RunOptions opts = options_for(names, {}, cache);
+  for (auto& run : opts.policies)
+    if (std::string(run.policy->name) == "snap_kv")
+      run.params = kvc::tools::resolve_params(*run.policy, {"window_size=4"}, true);
+  opts.prompt_tokens = prompt;
+  opts.continuation = continuation;
+  opts.schedule = Schedule::decode;
+  opts.decode.compression_interval = 8;
+  opts.decode.target_size = 32;
+  opts.decode.hidden_states_buffer_size = 8;
+  auto const records = evaluate(model, opts, samples);
+  REQUIRE(records.size() == names.size());
+  // Every head of every layer holds the same count: 24 after the prompt, +1 per step, back to 32 at every 8th step
+  // once longer. 512 bytes per token: fp16 K + V, 2 layers x 4 KV heads x d 16.
+  std::vector<double> expect;
+  for (Index step = 1, held = prompt; step <= continuation; ++step) {
+    held += 1;
+    if (step % 8 == 0 && held > 32)
+      held = 32;
+    expect.push_back(static_cast<double>(held) * 512.0);
+  }
+  for (Record const& r : records) {
+    INFO(r.policy);
+    CHECK(r.kv_bytes_steps == expect);
+    CHECK(r.kl > 0.0);
+    CHECK(r.ratio > 0.3);  // the mean bytes held: ~36 tokens against the full cache's mean of 64.5
+  }
+  opts.decode.target_size = prompt + continuation + 1;  // never evicts: exactly the full cache's numbers
+  for (Record const& r : evaluate(model, opts, samples)) {
+    INFO(r.policy);
+    CHECK(r.kl == 0.0);
+    CHECK(r.top1 == 1.0);
+    CHECK(r.perplexity == r.perplexity_full);
+  }
+}
+
 TEST_CASE("compression keeps the tokens the policy names, in every layer, and random draws anew per layer") {
   if (!have(tinystories))
     return;

@@ -5,6 +5,8 @@
 // the tools' contract: 2 usage, 3 invalid input, 70 a bug in kvc.
 #pragma once
 
+#include <kvc/backend/cpu/scorers/expected_attention.hpp>
+#include <kvc/backend/cpu/scorers/h2o.hpp>
 #include <kvc/backend/cpu/scorers/key_diff.hpp>
 #include <kvc/backend/cpu/scorers/knorm.hpp>
 #include <kvc/backend/cpu/scorers/random.hpp>
@@ -12,6 +14,7 @@
 #include <kvc/backend/cpu/scorers/streaming_llm.hpp>
 #include <kvc/backend/cpu/scorers/tova.hpp>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstdint>
 #include <cstdlib>
@@ -59,7 +62,8 @@ struct PolicyInfo {
   char const* summary;
   std::vector<ParamInfo> params;
   bool reads_keys;
-  bool reads_queries;  ///< needs --queries (and accepts --positions, --rope and the `queries` parameter)
+  bool reads_queries;         ///< needs --queries (and accepts --positions, --rope and the `queries` parameter)
+  bool reads_values = false;  ///< scores read the values too (kvc score needs --values)
 };
 
 inline ParamInfo const n_sink_param{"n_sink", "0", "first tokens always kept (compress only)", Stage::selection};
@@ -105,6 +109,35 @@ inline std::vector<PolicyInfo> const& policies() {
         queries_param,
         n_sink_param,
         n_recent_param},
+       true,
+       true},
+      {"expected_attention",
+       "the attention Gaussian future queries will pay each key, in closed form, times ||v|| (Devoto et al., arXiv "
+       "2510.00636)",
+       {{"reference", "authors",
+         "authors (future RoPE from the next absolute position) or kvpress (from the number of query rows, "
+         "ExpectedAttentionPress; with its class default epsilon 0)"},
+        {"n_future_positions", "512", "T: RoPE averaged over the next T positions"},
+        {"n_sink", "4", "first tokens: left out of the statistics and the softmax, always kept"},
+        {"use_covariance", "true", "true or false: the k^T Sigma k / 2d term of Eq. 7"},
+        {"use_vnorm", "true", "true or false: weight by ||v|| (Eq. 9); needs --values"},
+        {"epsilon", "0.01", "added to the attention before the ||v|| weighting (paper 0.01)", Stage::scorer, "0"},
+        {"gqa", "mean", "mean (kvpress) or max of the group's probabilities"},
+        {"normalize_sinks", "false", "true: the softmax runs over the sinks too (Eq. 8 as printed)"},
+        {"queries", "pre_rope", "pre_rope only: the statistics are of pre-RoPE queries", Stage::queries},
+        n_recent_param},
+       true,
+       true,
+       true},
+      {"h2o",
+       "heavy hitters (attention accumulated while cached) plus a recent window (Zhang et al., arXiv 2306.14048)",
+       {{"reference", "authors",
+         "authors (raw accumulated attention, recent window) or kvpress (ObservedAttentionPress: mean attention "
+         "received, no window)"},
+        {"recent_share", "0.5", "fraction of the kept budget reserved for the most recent tokens (compress only)",
+         Stage::selection, "0"},
+        queries_param,
+        n_sink_param},
        true,
        true},
       {"random",
@@ -226,7 +259,30 @@ inline bool pre_rope(Params const& p) {
 struct Selection {
   kvc::Index n_sink = 0;
   kvc::Index n_recent = 0;
+  double recent_share = 0.0;  ///< at least floor(share x kept) recent tokens are protected (H2O's window)
+
+  /// The recent window for a head keeping `kept` tokens.
+  kvc::Index recent(kvc::Index kept) const {
+    auto const share = static_cast<kvc::Index>(recent_share * static_cast<double>(kept));
+    return std::max(n_recent, share);
+  }
 };
+
+/// Parameter `name` as a number in [lo, hi] (bad values exit 3, naming the parameter).
+inline double parse_real(Params const& p, char const* name, double lo, double hi) {
+  std::string const& text = p.at(name);
+  char* end = nullptr;
+  errno = 0;
+  double const v = std::strtod(text.c_str(), &end);
+  if (text.empty() || *end != '\0' || errno == ERANGE || !(v >= lo && v <= hi))
+    fail(exit_invalid, std::string("--param ") + name + " = '" + text + "': expected a number in [" +
+                           std::to_string(lo) + ", " + std::to_string(hi) + "]");
+  return v;
+}
+
+inline bool parse_bool(Params const& p, char const* name) {
+  return choice<bool>(p, name, {{"true", true}, {"false", false}});
+}
 
 /// The one place scorers are built: calls fn(scorer, selection) with the policy's scorer and its protections.
 template <class Fn>
@@ -238,10 +294,14 @@ void with_policy(PolicyInfo const& policy, Params const& p, Fn&& fn) {
     ParamInfo const* info = find_param(policy, name);
     return info && info->stage == Stage::selection ? count(name) : kvc::Index{0};
   };
-  Selection const sel{selection_count("n_sink"), selection_count("n_recent")};
+  Selection sel{selection_count("n_sink"), selection_count("n_recent")};
+  if (find_param(policy, "recent_share"))
+    sel.recent_share = parse_real(p, "recent_share", 0.0, 1.0);
   auto emit = [&](auto const& scorer) {  // the table and the scorer agree on the name and on reading queries
     using S = std::remove_cvref_t<decltype(scorer)>;
-    if (S::name != policy.name || kvc::has_need(S::needs, kvc::Needs::window_queries) != policy.reads_queries)
+    constexpr bool queries = kvc::has_need(S::needs, kvc::Needs::window_queries) ||
+                             kvc::has_need(S::needs, kvc::Needs::query_statistics) || kvc::StatefulScorer<S>;
+    if (S::name != policy.name || queries != policy.reads_queries)
       throw std::logic_error(std::string("kvc: the policy table disagrees with scorer ") + std::string(S::name));
     fn(scorer, sel);
   };
@@ -278,6 +338,26 @@ void with_policy(PolicyInfo const& policy, Params const& p, Fn&& fn) {
     emit(s);
   } else if (name == "tova") {
     emit(kvc::TOVAScorer{reference_of(p)});
+  } else if (name == "expected_attention") {
+    kvc::ExpectedAttentionScorer s;
+    s.reference = reference_of(p);
+    s.n_future_positions = count("n_future_positions", 1);
+    s.n_sink = count("n_sink");
+    s.use_covariance = parse_bool(p, "use_covariance");
+    s.use_vnorm = parse_bool(p, "use_vnorm");
+    s.epsilon = static_cast<float>(parse_real(p, "epsilon", 0.0, 1e30));
+    s.gqa = choice<kvc::GqaReduce>(p, "gqa", {{"mean", kvc::GqaReduce::mean}, {"max", kvc::GqaReduce::max}});
+    s.normalize_sinks = parse_bool(p, "normalize_sinks");
+    if (!pre_rope(p))
+      fail(exit_invalid, "--param queries = post_rope: policy expected_attention needs pre-RoPE query samples");
+    if (auto const st = s.check(); !st.ok())
+      fail(exit_invalid, "policy expected_attention: " + std::string(st.message()));
+    emit(s);
+  } else if (name == "h2o") {
+    if (reference_of(p) == kvc::Reference::kvpress)
+      emit(kvc::ObservedAttentionScorer{});
+    else
+      emit(kvc::H2OScorer<>{});
   } else if (name == "random") {
     std::string const& seed = p.at("seed");
     char* end = nullptr;

@@ -11,13 +11,16 @@
 
 #include <kvc/backend/cpu/attention/attend.hpp>
 #include <kvc/backend/cpu/pipeline/compact.hpp>
+#include <kvc/backend/cpu/pipeline/rerotate.hpp>
 #include <kvc/backend/cpu/scorers/random.hpp>
 #include <kvc/backend/cpu/selectors/top_k.hpp>
 #include <kvc/core/element.hpp>
 #include <kvc/core/observations.hpp>
 #include <kvc/core/rope.hpp>
+#include <kvc/pipeline/decode.hpp>
 #include <kvc/pipeline/press.hpp>
 
+#include "common/observations.hpp"
 #include "common/policies.hpp"
 #include "eval/model.hpp"
 
@@ -26,6 +29,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <span>
 #include <stdexcept>
@@ -83,6 +87,16 @@ class Session {
   virtual Status compress(tools::PolicyInfo const& policy, tools::Params const& params, double ratio, double& seconds,
                           std::uint64_t salt = 0) = 0;
 
+  /// Compression while decoding: from now on every forward call ends with kvc::decode_step on every layer (the
+  /// decode driver), with a policy of the tool's table and `schedule` (interval, target, query buffer; the
+  /// selection's protections come from the policy's parameters: n_sink, n_recent, H2O's recent_share of the
+  /// target). A stateful scorer's state starts from the last forward call's queries (the prompt's). Later forward
+  /// calls take one token each. A clone does not inherit it. `salt` varies the random baseline as in compress().
+  virtual Status begin_decode(tools::PolicyInfo const& policy, tools::Params const& params,
+                              DecodeSchedule const& schedule, std::uint64_t salt = 0) = 0;
+  /// Wall time the decode driver spent since begin_decode (all layers), and the compressions it ran (all layers).
+  double decode_seconds() const noexcept { return decode_seconds_; }
+
   /// Bytes of K and V held (valid tokens of every layer and KV head, in the cache's storage type).
   virtual std::size_t kv_bytes() const = 0;
   /// Valid tokens of layer l, KV head h.
@@ -94,6 +108,7 @@ class Session {
 
  protected:
   Index next_position_ = 0;
+  double decode_seconds_ = 0;
 };
 
 /// A session over `model` holding up to `capacity` tokens per head (positions [0, capacity) for RoPE).
@@ -235,7 +250,60 @@ class Engine final : public Session {
     rms_norm(x_, model_->final_norm.vector(), c.rms_eps, h_);
     logits.noalias() = h_ * model_->lm_head.matrix().transpose();
     next_position_ += n;
+    if (decode_hook_) {  // the decode driver, after the layers' attention, as an engine runs it per layer
+      auto const start = std::chrono::steady_clock::now();
+      Status const st = decode_hook_();
+      decode_seconds_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+      return st;
+    }
     return {};
+  }
+
+  Status begin_decode(tools::PolicyInfo const& policy, tools::Params const& params, DecodeSchedule const& schedule,
+                      std::uint64_t salt) override {
+    Status status = schedule.check();
+    if (!status.ok())
+      return status;
+    tools::with_policy(policy, params, [&](auto const& scorer, tools::Selection sel) {
+      using S = std::remove_cvref_t<decltype(scorer)>;
+      ModelConfig const& c = model_->config;
+      auto run = std::make_shared<DecodeRun<S>>();
+      run->schedule = schedule;
+      run->schedule.n_sink = sel.n_sink;
+      run->schedule.n_recent = sel.recent(schedule.target_size);
+      Index future = 0;  // ExpectedAttention averages RoPE past the cache's positions
+      if constexpr (requires { scorer.n_future_positions; })
+        future = scorer.n_future_positions;
+      run->rope_storage.resize(static_cast<std::size_t>(rope_table_floats(capacity_ + future, c.head_dim)));
+      if (!fill_rope_table(c.rope(), c.head_dim, capacity_ + future, run->rope_storage.data(), run->rope).ok())
+        throw std::logic_error("kvc-eval: the model's RoPE does not fill a table");
+      Index const rows = schedule.compression_interval;  // one token per forward: an interval's queries
+      run->layers.resize(layers_.size());
+      for (std::size_t li = 0; li < layers_.size() && status.ok(); ++li) {
+        auto& l = run->layers[li];
+        l.scorer = scorer;
+        if constexpr (std::is_same_v<S, RandomScorer>)
+          l.scorer.seed = mix_seed(scorer.seed, salt, li);
+        l.queries.assign(static_cast<std::size_t>(c.heads * rows * c.head_dim), 0.0f);
+        l.positions.assign(static_cast<std::size_t>(rows), 0);
+        l.buffer = {l.queries.data(), l.positions.data(), 1, c.heads, rows, c.head_dim};
+        if constexpr (StatefulScorer<S>) {  // H2O: the prompt's attention starts the accumulator
+          l.accumulated.assign(static_cast<std::size_t>(ext_.rows()), 0.0f);
+          l.tracked.assign(static_cast<std::size_t>(ext_.heads), 0);
+          l.scorer.state = {{l.accumulated.data(), 1, ext_.heads, capacity_}, l.tracked.data()};
+          Layer& layer = layers_[li];
+          Index const w = static_cast<Index>(layer.query_positions.size());
+          auto const obs = observe(WindowQueries<float>{
+              TokenRows<float const, StridedLayout>(layer.queries.data(), bthd_layout({1, c.heads, w, c.head_dim})),
+              rope_, layer.query_positions.data()});
+          grow(run->workspace, update_workspace_bytes(Cpu{}, l.scorer, ext_, obs));
+          status = update(Cpu{}, l.scorer, view(layer), obs, {run->workspace.data(), run->workspace.size()});
+        }
+        grow(run->workspace, decode_workspace_bytes(Cpu{}, l.scorer, run->schedule, ext_, l.buffer));
+      }
+      decode_hook_ = [this, run]() { return run->step(*this); };
+    });
+    return status;
   }
 
   Status compress(tools::PolicyInfo const& policy, tools::Params const& params, double ratio, double& seconds,
@@ -252,23 +320,24 @@ class Engine final : public Session {
         S layer_scorer = scorer;
         if constexpr (std::is_same_v<S, RandomScorer>)
           layer_scorer.seed = mix_seed(scorer.seed, salt, li);
-        Press const press{layer_scorer, TopKSelector{RatioBudget{ratio}, sel.n_sink, sel.n_recent}};
         auto const cache = view(layer);
-        auto const run = [&](auto const& obs) {
+        Index const keep = RatioBudget{ratio}.keep(0, 0, layer.lengths[0]);
+        auto const run = [&](auto const& live, auto const& obs) {
+          Press const press{live, TopKSelector{RatioBudget{ratio}, sel.n_sink, sel.recent(keep)}};
           grow(workspace_, compress_workspace_bytes(Cpu{}, press, ext_, obs));
           status = kvc::compress(Cpu{}, press, cache, obs, plan, {workspace_.data(), workspace_.size()});
           if (status.ok())
             status = compact(Cpu{}, plan, cache);
         };
-        if constexpr (has_need(S::needs, Needs::window_queries)) {
-          ModelConfig const& c = model_->config;
-          Index const w = static_cast<Index>(layer.query_positions.size());
-          TokenRows<float const, StridedLayout> const rows(layer.queries.data(),
-                                                           bthd_layout({1, c.heads, w, c.head_dim}));
-          run(observe(WindowQueries<float>{rows, rope_, layer.query_positions.data()}));
-        } else {
-          run(NoObservations{});
-        }
+        // The observations kvc-eval passes are the last forward call's pre-RoPE queries (the prompt's).
+        ModelConfig const& c = model_->config;
+        Index const w = static_cast<Index>(layer.query_positions.size());
+        TokenRows<float const, StridedLayout> const rows(layer.queries.data(),
+                                                         bthd_layout({1, c.heads, w, c.head_dim}));
+        tools::ObservationStorage store;
+        tools::with_observations(layer_scorer, cache,
+                                 tools::ObservedQueries{rows, layer.query_positions.data(), rope_, c.rope(), true},
+                                 "layer " + std::to_string(li), store, run);
       }
     });
     seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
@@ -334,6 +403,48 @@ class Engine final : public Session {
       ws.resize(bytes);
   }
 
+  /// The decode driver's state for one policy: per layer the scorer (with its state), the query buffer and the
+  /// counter; a RoPE table long enough for ExpectedAttention's future positions; one workspace.
+  template <class S>
+  struct DecodeRun {
+    struct PerLayer {
+      S scorer{};
+      std::vector<float> queries, accumulated;
+      std::vector<Index> positions, tracked;
+      QueryBuffer<float> buffer{};
+      DecodeCounter counter{};
+    };
+    DecodeSchedule schedule{};
+    std::vector<PerLayer> layers;
+    std::vector<float> rope_storage;
+    RopeTable<> rope{};
+    std::vector<std::byte> workspace;
+
+    /// After a forward call: each layer's new pre-RoPE queries into its buffer, then kvc::decode_step.
+    Status step(Engine& e) {
+      ModelConfig const& c = e.model_->config;
+      for (std::size_t li = 0; li < layers.size(); ++li) {
+        PerLayer& l = layers[li];
+        Layer& layer = e.layers_[li];
+        Index const n = layer.queries.rows();
+        if (n > l.buffer.capacity - l.buffer.count)
+          return {Errc::out_of_capacity, "kvc-eval: decode-time compression takes one token per forward call"};
+        for (Index t = 0; t < n; ++t) {
+          for (Index q = 0; q < c.heads; ++q)
+            std::copy_n(layer.queries.data() + (t * c.heads + q) * c.head_dim, c.head_dim,
+                        l.buffer.row(0, q, l.buffer.count + t));
+          l.positions[static_cast<std::size_t>(l.buffer.count + t)] =
+              layer.query_positions[static_cast<std::size_t>(t)];
+        }
+        KVC_RETURN_IF_ERROR(l.buffer.push(n));
+        KVC_RETURN_IF_ERROR(decode_step(Cpu{}, l.scorer, schedule, e.view(layer), l.buffer, l.counter, rope,
+                                        {workspace.data(), workspace.size()}));
+      }
+      return {};
+    }
+  };
+
+  std::function<Status()> decode_hook_;  // set by begin_decode; never copied (it points to this engine)
   Model const* model_;
   CacheOptions options_;
   Index capacity_ = 0;

@@ -1,7 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
 // tools/eval/main.cpp: `kvc-eval`, what each policy costs and preserves on a real model (docs/eval.md).
 //
-//   kvc-eval run    --model DIR --out-dir D [--policies a,b] [--ratios r,...] [--prompt-tokens N]
+//   kvc-eval run    --model DIR --out-dir D [--policies a,b] [--ratios r,...] [--prompt-tokens N] [--decode ...]
 //                   [--continuation M] [--samples S] [--seed X] [--prompt-file F] [--cache fp16|bf16|fp32]
 //                   [--layout dense|paged] [--param POLICY.NAME=VALUE]... [--show POLICY@RATIO] [--generate G]
 //   kvc-eval logits --model DIR --tokens T.npy --out L.npy [--cache ...] [--layout ...]
@@ -46,6 +46,8 @@ constexpr char usage_text[] =
     "                  [--continuation M] [--samples S] [--seed X] [--prompt-file TEXT] [--cache fp16|bf16|fp32]\n"
     "                  [--layout dense|paged] [--schedule prefill] [--param POLICY.NAME=VALUE]...\n"
     "                  [--show POLICY@RATIO] [--generate G] [--no-progress]\n"
+    "  kvc-eval run    ... --decode interval=I,target=T[,buffer=B] [--show POLICY]   (no --ratios: compression\n"
+    "                  while decoding the continuation, every I tokens back to T per head)\n"
     "  kvc-eval logits --model DIR --tokens T.npy --out L.npy [--cache fp32|fp16|bf16] [--layout dense|paged]\n"
     "  kvc-eval dump   --model DIR --tokens T.npy --out-dir D\n"
     "DIR: a Hugging Face Llama directory (config.json, model.safetensors, tokenizer.json) or a llama2.c checkpoint\n"
@@ -233,6 +235,14 @@ void check_policy(kvc::eval::PolicyRun const& p, kvc::eval::RunOptions const& ru
                          ": kvc-eval passes the model's pre-RoPE queries with its RoPE table (queries=pre_rope)");
   kvc::tools::with_policy(*p.policy, p.params, [&](auto const& scorer, kvc::tools::Selection) {
     if constexpr (requires { scorer.window_size; }) {
+      if (run.schedule == kvc::eval::Schedule::decode) {  // the window comes from the queries of one interval
+        Index const rows = std::min(run.decode.compression_interval, run.decode.hidden_states_buffer_size);
+        if (scorer.window_size > rows)
+          fail(exit_usage, std::string("--param ") + p.policy->name + ".window_size=" +
+                               std::to_string(scorer.window_size) + " is longer than the " + std::to_string(rows) +
+                               " queries a decode-time compression sees (min of --decode interval and buffer)");
+        return;
+      }
       if (scorer.window_size > run.prompt_tokens)
         fail(exit_usage, std::string("--param ") + p.policy->name +
                              ".window_size=" + std::to_string(scorer.window_size) + " is longer than --prompt-tokens " +
@@ -259,15 +269,19 @@ Shown shown_cache(std::string const& show, kvc::eval::RunOptions const& run) {
   if (show.empty())
     return s;
   auto const at = show.find('@');
-  if (at == std::string::npos)
+  bool const decode = run.schedule == kvc::eval::Schedule::decode;  // the schedule fixes the memory: POLICY only
+  if (at == std::string::npos && !decode)
     fail(exit_usage, "--show '" + show + "': expected POLICY@RATIO");
+  if (at != std::string::npos && decode)
+    fail(exit_usage, "--show '" + show + "': with --decode, expected POLICY (the schedule sets the cache size)");
   s.run = nullptr;
   for (auto const& r : run.policies)
     if (r.policy->name == show.substr(0, at))
       s.run = &r;
   if (s.run == nullptr)
     fail(exit_usage, "--show: policy " + show.substr(0, at) + " is not in --policies");
-  s.ratio = kvc::tools::parse_ratio(show.substr(at + 1));
+  if (!decode)
+    s.ratio = kvc::tools::parse_ratio(show.substr(at + 1));
   return s;
 }
 
@@ -342,18 +356,59 @@ int command_dump(int argc, char** argv) {
   return 0;
 }
 
+/// --decode interval=I,target=T[,buffer=B]: the decode driver's schedule (kvpress's DecodingPress fields).
+kvc::DecodeSchedule parse_decode(std::string const& text) {
+  kvc::DecodeSchedule s;
+  s.hidden_states_buffer_size = 256;
+  bool interval = false, target = false;
+  for (std::string const& item : split(text, ',')) {
+    auto const eq = item.find('=');
+    std::string const key = item.substr(0, eq), value = eq == std::string::npos ? "" : item.substr(eq + 1);
+    if (key == "interval") {
+      s.compression_interval = kvc::tools::parse_count(value, "--decode interval", 1);
+      interval = true;
+    } else if (key == "target") {
+      s.target_size = kvc::tools::parse_count(value, "--decode target", 1);
+      target = true;
+    } else if (key == "buffer") {
+      s.hidden_states_buffer_size = kvc::tools::parse_count(value, "--decode buffer", 1);
+    } else {
+      fail(exit_usage, "--decode '" + text + "': expected interval=I,target=T[,buffer=B], not '" + item + "'");
+    }
+  }
+  if (!interval || !target)
+    fail(exit_usage, "--decode '" + text + "': expected interval=I,target=T[,buffer=B] (both interval and target)");
+  if (s.compression_interval > (1 << 20) || s.target_size > (1 << 24))
+    fail(exit_invalid, "--decode '" + text + "': interval at most 2^20 and target at most 2^24");
+  return s;
+}
+
+std::string schedule_text(kvc::eval::RunOptions const& run) {
+  if (run.schedule == kvc::eval::Schedule::prefill)
+    return "prefill";
+  return "decode interval=" + std::to_string(run.decode.compression_interval) +
+         ",target=" + std::to_string(run.decode.target_size) +
+         ",buffer=" + std::to_string(run.decode.hidden_states_buffer_size);
+}
+
 int command_run(int argc, char** argv) {
-  Options const o =
-      parse_options(argc, argv,
-                    {"--model", "--out-dir", "--policies", "--ratios", "--prompt-tokens", "--continuation", "--samples",
-                     "--seed", "--prompt-file", "--cache", "--layout", "--schedule", "--param", "--show", "--generate"},
-                    {"--no-progress"});
+  Options const o = parse_options(
+      argc, argv,
+      {"--model", "--out-dir", "--policies", "--ratios", "--prompt-tokens", "--continuation", "--samples", "--seed",
+       "--prompt-file", "--cache", "--layout", "--schedule", "--decode", "--param", "--show", "--generate"},
+      {"--no-progress"});
   std::string const model_path = o.need("--model"), dir = o.need("--out-dir");
   if (o.get("--schedule", "prefill") != "prefill")
     fail(exit_usage, "--schedule '" + o.get("--schedule") +
-                         "': only 'prefill' exists (compress once after the prompt); decode-time schedules come with "
-                         "the decode driver");
+                         "': expected prefill (compress once after the prompt); for compression while decoding pass "
+                         "--decode interval=I,target=T");
   kvc::eval::RunOptions run;
+  if (o.has("--decode")) {
+    if (o.has("--schedule") || o.has("--ratios"))
+      fail(exit_usage, "--decode compresses to a target size while decoding: it takes neither --schedule nor --ratios");
+    run.schedule = kvc::eval::Schedule::decode;
+    run.decode = parse_decode(o.get("--decode"));
+  }
   run.cache = cache_options(o, "fp16");
   run.prompt_tokens = count_option(o, "--prompt-tokens", 256, 1, 1 << 20);
   run.continuation = count_option(o, "--continuation", 64, 1, 1 << 20);
@@ -492,12 +547,20 @@ int command_run(int argc, char** argv) {
       fail(exit_invalid, std::string("generation: ") + st.message());
     auto compressed = full->clone();
     double seconds = 0;
-    if (auto const st = compressed->compress(*chosen->policy, chosen->params, show_ratio, seconds); !st.ok())
+    bool const decode = run.schedule == kvc::eval::Schedule::decode;
+    kvc::Status const st = decode ? compressed->begin_decode(*chosen->policy, chosen->params, run.decode)
+                                  : compressed->compress(*chosen->policy, chosen->params, show_ratio, seconds);
+    if (!st.ok())
       fail(exit_invalid, std::string("generation: ") + st.message());
     auto const a = kvc::eval::greedy(*full, last, generate);
     auto const b = kvc::eval::greedy(*compressed, last, generate);
-    char title[96];
-    std::snprintf(title, sizeof title, "%s at ratio %.2f", show_policy.c_str(), show_ratio);
+    char title[160];
+    if (decode)
+      std::snprintf(title, sizeof title, "%s, target %lld every %lld", show_policy.c_str(),
+                    static_cast<long long>(run.decode.target_size),
+                    static_cast<long long>(run.decode.compression_interval));
+    else
+      std::snprintf(title, sizeof title, "%s at ratio %.2f", show_policy.c_str(), show_ratio);
     std::vector<std::int32_t> const tail(prompt.end() - std::min<Index>(32, run.prompt_tokens), prompt.end());
     generation = "prompt (last tokens): ..." + tokenizer->decode(tail) + "\n\ngreedy continuation of " +
                  std::to_string(generate) + " tokens:\n" +
@@ -511,7 +574,8 @@ int command_run(int argc, char** argv) {
                                 run.prompt_tokens,
                                 run.continuation,
                                 seed,
-                                source};
+                                source,
+                                schedule_text(run)};
   std::string const name = fs::path(model_path).filename().string();
   Outputs files;
   files.add(dir + "/results.json", kvc::eval::results_json(records, run.policies, info));
@@ -520,11 +584,19 @@ int command_run(int argc, char** argv) {
             kvc::eval::render_svg(kvc::eval::quality_plot(records, name + ": KL against memory", true)));
   files.add(dir + "/top1.svg",
             kvc::eval::render_svg(kvc::eval::quality_plot(records, name + ": top-1 agreement against memory", false)));
+  bool const decode = run.schedule == kvc::eval::Schedule::decode;
+  if (decode && !records.empty()) {  // the full cache grows by one token per step from the prompt's bytes
+    double const m = static_cast<double>(run.continuation), n = static_cast<double>(run.prompt_tokens);
+    double const per_token = records.front().kv_bytes_full / (n + (m + 1) / 2);
+    files.add(dir + "/cache.svg",
+              kvc::eval::render_svg(kvc::eval::cache_plot(
+                  records, name + ": KV cache held while decoding (" + info.schedule + ")", per_token * n, per_token)));
+  }
   if (!generation.empty())
     files.add(dir + "/generation.txt", generation);
   files.commit();
-  std::printf("\nwrote %s/results.json, results.csv, kl.svg, top1.svg%s (plots: open the .svg files in a browser)\n",
-              dir.c_str(), generation.empty() ? "" : ", generation.txt");
+  std::printf("\nwrote %s/results.json, results.csv, kl.svg, top1.svg%s%s (plots: open the .svg files in a browser)\n",
+              dir.c_str(), decode ? ", cache.svg" : "", generation.empty() ? "" : ", generation.txt");
   return 0;
 }
 

@@ -50,7 +50,8 @@ struct RunInfo {
   Index prompt_tokens = 0;
   Index continuation = 0;
   std::uint64_t seed = 0;
-  std::string prompt_source;  ///< "sampled" or the text file
+  std::string prompt_source;         ///< "sampled" or the text file
+  std::string schedule = "prefill";  ///< "prefill", or "decode interval=I,target=T,buffer=B"
 };
 
 inline std::string params_text(tools::Params const& params) {
@@ -69,9 +70,11 @@ inline std::string results_json(std::vector<Record> const& records, std::vector<
   std::string out = "[\n";
   for (std::size_t i = 0; i < records.size(); ++i) {
     Record const& r = records[i];
-    std::string errors;
+    std::string errors, steps;
     for (double e : r.layer_error)
       errors += (errors.empty() ? "" : ", ") + json_number(e);
+    for (double b : r.kv_bytes_steps)
+      steps += (steps.empty() ? "" : ", ") + json_number(b);
     out += "  {\"policy\": " + json_string(r.policy) + ", \"ratio\": " + json_number(r.ratio) +
            ", \"kl\": " + json_number(r.kl) + ", \"top1\": " + json_number(r.top1) +
            ", \"perplexity\": " + json_number(r.perplexity) +
@@ -82,7 +85,8 @@ inline std::string results_json(std::vector<Record> const& records, std::vector<
            ", \"cache\": " + json_string(info.cache) + ", \"layout\": " + json_string(info.layout) +
            ", \"prompt_tokens\": " + std::to_string(info.prompt_tokens) +
            ", \"continuation\": " + std::to_string(info.continuation) + ", \"seed\": " + std::to_string(info.seed) +
-           ", \"prompt_source\": " + json_string(info.prompt_source) + ", \"schedule\": \"prefill\"}" +
+           ", \"prompt_source\": " + json_string(info.prompt_source) + ", \"schedule\": " + json_string(info.schedule) +
+           (steps.empty() ? std::string() : ", \"kv_bytes_steps\": [" + steps + "]") + "}" +
            (i + 1 < records.size() ? ",\n" : "\n");
   }
   return out + "]\n";
@@ -116,17 +120,20 @@ inline std::string results_csv(std::vector<Record> const& records) {
 /// The terminal table.
 inline std::string results_table(std::vector<Record> const& records) {
   std::string out;
-  char line[256];
-  std::snprintf(line, sizeof line, "%-14s %5s %8s %10s %10s %7s %10s %9s %10s\n", "policy", "ratio", "KV kept",
+  char line[512];
+  int width = 14;  // the policy column fits the longest name
+  for (Record const& r : records)
+    width = std::max(width, static_cast<int>(std::min<std::size_t>(r.policy.size(), 64)));
+  std::snprintf(line, sizeof line, "%-*s %5s %8s %10s %10s %7s %10s %9s %10s\n", width, "policy", "ratio", "KV kept",
                 "KV KiB", "KL (nats)", "top-1", "perplexity", "max err", "ms/sample");
   out += line;
   for (Record const& r : records) {
     double max_error = 0;
     for (double e : r.layer_error)
       max_error = std::max(max_error, e);
-    std::snprintf(line, sizeof line, "%-14s %5.2f %7.1f%% %10.1f %10.4f %7.3f %10.3f %9.4f %10.2f\n", r.policy.c_str(),
-                  r.ratio, r.kv_bytes_full > 0 ? 100.0 * r.kv_bytes / r.kv_bytes_full : 0.0, r.kv_bytes / 1024.0, r.kl,
-                  r.top1, r.perplexity, max_error, 1e3 * r.seconds);
+    std::snprintf(line, sizeof line, "%-*s %5.2f %7.1f%% %10.1f %10.4f %7.3f %10.3f %9.4f %10.2f\n", width,
+                  r.policy.c_str(), r.ratio, r.kv_bytes_full > 0 ? 100.0 * r.kv_bytes / r.kv_bytes_full : 0.0,
+                  r.kv_bytes / 1024.0, r.kl, r.top1, r.perplexity, max_error, 1e3 * r.seconds);
     out += line;
   }
   return out;
@@ -145,6 +152,32 @@ inline PlotSpec quality_plot(std::vector<Record> const& records, std::string con
     spec.series.back().x.push_back(r.kv_bytes_full > 0 ? r.kv_bytes / r.kv_bytes_full : 0.0);
     spec.series.back().y.push_back(kl ? r.kl : r.top1);
   }
+  return spec;
+}
+
+/// Decode-time runs: K + V KiB held after each decode step, a line per policy, and the full cache's line.
+inline PlotSpec cache_plot(std::vector<Record> const& records, std::string const& title, double full_start,
+                           double per_token) {
+  PlotSpec spec;
+  spec.title = title;
+  spec.x_label = "decode step";
+  spec.y_label = "K + V held, KiB (all layers)";
+  std::size_t steps = 0;
+  for (Record const& r : records) {
+    PlotSeries line{r.policy, {}, {}};
+    for (std::size_t t = 0; t < r.kv_bytes_steps.size(); ++t) {
+      line.x.push_back(static_cast<double>(t + 1));
+      line.y.push_back(r.kv_bytes_steps[t] / 1024.0);
+    }
+    steps = std::max(steps, r.kv_bytes_steps.size());
+    spec.series.push_back(std::move(line));
+  }
+  PlotSeries full{"full cache", {}, {}};
+  for (std::size_t t = 0; t < steps; ++t) {
+    full.x.push_back(static_cast<double>(t + 1));
+    full.y.push_back((full_start + per_token * static_cast<double>(t + 1)) / 1024.0);
+  }
+  spec.series.push_back(std::move(full));
   return spec;
 }
 

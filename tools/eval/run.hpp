@@ -2,9 +2,11 @@
 // tools/eval/run.hpp: kvc-eval's measurement, without files or printing (the tests call it directly).
 //
 // Per sample: a sequence of prompt_tokens + continuation + 1 tokens (sampled from the full model, or cut from a
-// text). The prompt is prefilled once; the prefilled session is cloned for the full cache and for every
-// (policy, ratio), which compresses it after prefill; then the first `continuation` tokens after the prompt are
-// teacher-forced in one call (causal attention over the cache by position equals `continuation` decode steps). Each
+// text). Schedule::decode: the prompt is prefilled whole, then each policy decodes the continuation one token per
+// forward call under the decode driver (kvc::decode_step on every layer) and is compared with the full cache on the
+// same tokens. Schedule::prefill: the prompt is prefilled once; the prefilled session is cloned for the full cache and
+// for every (policy, ratio), which compresses it after prefill; then the first `continuation` tokens after the prompt
+// are teacher-forced in one call (causal attention over the cache by position equals `continuation` decode steps). Each
 // of those `continuation` rows predicts the next token with the (compressed) cache; the prompt's own last row is
 // made before compression and is the same for every policy, so it is not counted.
 #pragma once
@@ -23,9 +25,9 @@
 
 namespace kvc::eval {
 
-/// When compression runs. Only "prefill" exists: once, after the prompt. Decode-time schedules (compress every
-/// `interval` generated tokens to a target size) come with the decode driver.
-enum class Schedule : std::uint8_t { prefill };
+/// When compression runs: once after the prompt (prefill), or while decoding (the decode driver: every
+/// `compression_interval` tokens, each head back to `target_size` tokens).
+enum class Schedule : std::uint8_t { prefill, decode };
 
 struct PolicyRun {
   tools::PolicyInfo const* policy = nullptr;
@@ -39,21 +41,23 @@ struct RunOptions {
   Index continuation = 64;
   CacheOptions cache;
   Schedule schedule = Schedule::prefill;
-  std::uint64_t seed = 0;  ///< with the sample's index, salts the random baseline (Session::compress)
+  DecodeSchedule decode{};  ///< Schedule::decode: interval, target and buffer (protections come from the policy)
+  std::uint64_t seed = 0;   ///< with the sample's index, salts the random baseline (Session::compress)
 };
 
 /// One (policy, ratio) row, averaged over samples.
 struct Record {
   std::string policy;
   double ratio = 0;
-  double kl = 0;                    ///< mean KL(full || compressed) per predicted token, nats
-  double top1 = 0;                  ///< fraction of predicted tokens whose argmax equals the full cache's
-  double perplexity = 0;            ///< exp(mean NLL of the continuation's tokens) with the compressed cache
-  double perplexity_full = 0;       ///< the same with the full cache
-  double kv_bytes = 0;              ///< K + V bytes held after compression (all layers), mean over samples
-  double kv_bytes_full = 0;         ///< K + V bytes of the full prompt cache
-  double seconds = 0;               ///< compression wall time per sample (score + select + compact, all layers)
-  std::vector<double> layer_error;  ///< [layers] ||O_c - O_full|| / ||O_full|| of attention outputs (continuation)
+  double kl = 0;                       ///< mean KL(full || compressed) per predicted token, nats
+  double top1 = 0;                     ///< fraction of predicted tokens whose argmax equals the full cache's
+  double perplexity = 0;               ///< exp(mean NLL of the continuation's tokens) with the compressed cache
+  double perplexity_full = 0;          ///< the same with the full cache
+  double kv_bytes = 0;                 ///< K + V bytes held after compression (all layers), mean over samples
+  double kv_bytes_full = 0;            ///< K + V bytes of the full prompt cache
+  double seconds = 0;                  ///< compression wall time per sample (score + select + compact, all layers)
+  std::vector<double> layer_error;     ///< [layers] ||O_c - O_full|| / ||O_full|| of attention outputs (continuation)
+  std::vector<double> kv_bytes_steps;  ///< Schedule::decode: K + V bytes after each decode step, mean over samples
   Index samples = 0;
 };
 
@@ -61,7 +65,7 @@ struct Record {
 struct Accumulator {
   double kl = 0, top1 = 0, nll = 0, nll_full = 0, kv_bytes = 0, kv_bytes_full = 0, seconds = 0;
   Index tokens = 0, samples = 0;
-  std::vector<double> layer_error;
+  std::vector<double> layer_error, kv_bytes_steps;
 };
 
 /// Full-cache results of one sample, which every policy is compared with.
@@ -115,6 +119,8 @@ inline Record finish(Accumulator const& acc, std::string policy, double ratio) {
   r.seconds = acc.seconds / s;
   for (double e : acc.layer_error)
     r.layer_error.push_back(e / s);
+  for (double b : acc.kv_bytes_steps)
+    r.kv_bytes_steps.push_back(b / s);
   r.samples = acc.samples;
   return r;
 }
@@ -128,7 +134,8 @@ inline std::vector<Record> evaluate(Model const& model, RunOptions const& option
                                     std::vector<std::vector<std::int32_t>> const& samples,
                                     Progress const& progress = {}) {
   Index const n = options.prompt_tokens, m = options.continuation;
-  std::vector<Accumulator> acc(options.policies.size() * options.ratios.size());
+  bool const decode = options.schedule == Schedule::decode;
+  std::vector<Accumulator> acc(options.policies.size() * (decode ? 1 : options.ratios.size()));
   Index const total = static_cast<Index>(samples.size() * acc.size());
   Index done = 0;
   auto check = [](Status const& st, std::string const& what) {
@@ -154,6 +161,42 @@ inline std::vector<Record> evaluate(Model const& model, RunOptions const& option
             negative_log_likelihood(ref.logits.row(r).data(), ref.logits.cols(), targets[static_cast<std::size_t>(r)]);
     }
     std::size_t slot = 0;
+    if (options.schedule == Schedule::decode) {
+      // Each policy decodes the continuation one token per forward call under the decode driver; the reference
+      // is the same tokens with the full cache. Memory is the mean over the steps of the bytes held.
+      std::size_t const per_token = ref.kv_bytes / static_cast<std::size_t>(std::max<Index>(n, 1));
+      ref.kv_bytes = per_token * static_cast<std::size_t>(n) + per_token * static_cast<std::size_t>(m + 1) / 2;
+      for (PolicyRun const& run : options.policies) {
+        if (progress)
+          progress(done, total, run.policy->name, 0.0);
+        auto session = prefilled->clone();
+        std::uint64_t const salt = options.seed * 0x9E3779B97F4A7C15ull + static_cast<std::uint64_t>(sample);
+        check(session->begin_decode(*run.policy, run.params, options.decode, salt),
+              std::string("decode with ") + run.policy->name);
+        RowMatrix row;
+        ForwardTrace step, trace;
+        logits.resize(m, ref.logits.cols());
+        trace.attention.resize(ref.trace.attention.size());
+        for (auto& a : trace.attention)
+          a.resize(m, ref.trace.attention.empty() ? 0 : ref.trace.attention[0].cols());
+        Accumulator& a = acc[slot++];
+        a.kv_bytes_steps.resize(static_cast<std::size_t>(m), 0.0);
+        double bytes = 0;
+        for (Index t = 0; t < m; ++t) {
+          check(session->forward(fed.subspan(static_cast<std::size_t>(t), 1), row, &step),
+                std::string("decode with ") + run.policy->name);
+          logits.row(t) = row.row(0);
+          for (std::size_t l = 0; l < step.attention.size(); ++l)
+            trace.attention[l].row(t) = step.attention[l].row(0);
+          double const held = static_cast<double>(session->kv_bytes());
+          a.kv_bytes_steps[static_cast<std::size_t>(t)] += held;
+          bytes += held / static_cast<double>(m);
+        }
+        accumulate(a, ref, logits, trace, targets, static_cast<std::size_t>(bytes), session->decode_seconds());
+        ++done;
+      }
+      continue;
+    }
     for (PolicyRun const& run : options.policies)
       for (double ratio : options.ratios) {
         if (progress)
@@ -174,9 +217,16 @@ inline std::vector<Record> evaluate(Model const& model, RunOptions const& option
     progress(done, total, "", 0);
   std::vector<Record> records;
   std::size_t slot = 0;
-  for (PolicyRun const& run : options.policies)
+  for (PolicyRun const& run : options.policies) {
+    if (decode) {  // the ratio a decode run reaches: 1 - mean bytes held / the full cache's mean
+      Record r = finish(acc[slot++], run.policy->name, 0.0);
+      r.ratio = r.kv_bytes_full > 0 ? 1.0 - r.kv_bytes / r.kv_bytes_full : 0.0;
+      records.push_back(std::move(r));
+      continue;
+    }
     for (double ratio : options.ratios)
       records.push_back(finish(acc[slot++], run.policy->name, ratio));
+  }
   return records;
 }
 

@@ -24,6 +24,7 @@
 #include <kvc/io/safetensors.hpp>
 #include <kvc/pipeline/press.hpp>
 
+#include "common/observations.hpp"
 #include "common/policies.hpp"
 
 #include <algorithm>
@@ -728,34 +729,40 @@ void load_queries(Options const& o, kvc::KVExtents const& k, std::string const& 
     fail(exit_invalid, "--rope: " + std::string(st.message()));
 }
 
-/// Query rows a scorer reads: the last `rows_used` rows of the window.
-kvc::Index rows_used(kvc::SnapKVScorer const& s) {
+/// Query rows a scorer reads: the last `rows_used` of the `rows` given (SnapKV its window, TOVA the newest row;
+/// the statistics of ExpectedAttention and the attention H2O accumulates use every row).
+kvc::Index rows_used(kvc::SnapKVScorer const& s, kvc::Index) {
   return s.window_size;
 }
-kvc::Index rows_used(kvc::TOVAScorer const&) {
+kvc::Index rows_used(kvc::TOVAScorer const&, kvc::Index) {
   return 1;
 }
+template <class S>
+kvc::Index rows_used(S const&, kvc::Index rows) {
+  return rows;
+}
 
-/// Calls fn(obs) with the observations the scorer needs: the window queries, or none.
-template <class S, class Fn>
-void with_observations(S const& scorer, Queries const& q, kvc::KVExtents const& k, std::string const& keys_path,
-                       Fn&& fn) {
-  if constexpr (kvc::has_need(S::needs, kvc::Needs::window_queries)) {
-    kvc::Index const used = rows_used(scorer);
-    if (used > q.ext.tokens)
-      fail(exit_invalid, "queries file " + q.path + ": field 'shape': window (shape[2]) is " +
-                             std::to_string(q.ext.tokens) + ", but policy " + std::string(S::name) +
-                             " reads the last " + std::to_string(used) +
-                             " query rows (--param window_size); pass more queries or a smaller window_size");
-    if (q.positions.empty() && used > k.tokens)
-      fail(exit_invalid, "keys file " + keys_path + ": field 'shape': tokens (shape[2]) is " +
-                             std::to_string(k.tokens) + ", but the last " + std::to_string(used) +
-                             " query rows sit at positions N - " + std::to_string(used) +
-                             " .. N - 1 (pass --positions P.npy)");
-    fn(kvc::observe(q.view()));
-  } else {
-    fn(kvc::NoObservations{});
-  }
+/// Calls fn(scorer, obs) with the observations the scorer needs (tools/common/observations.hpp) after checking
+/// that the queries hold the rows it reads and that those rows fit the context.
+template <class S, class C, class Fn>
+void with_observations(S const& scorer, C const& cache, Queries const& q, std::string const& keys_path,
+                       kvc::RopeSpec const& spec, Fn&& fn) {
+  kvc::KVExtents const k = cache.keys.extents();
+  kvc::Index const used = rows_used(scorer, q.ext.tokens);
+  if (used > q.ext.tokens)
+    fail(exit_invalid, "queries file " + q.path + ": field 'shape': window (shape[2]) is " +
+                           std::to_string(q.ext.tokens) + ", but policy " + std::string(S::name) + " reads the last " +
+                           std::to_string(used) +
+                           " query rows (--param window_size); pass more queries or a smaller window_size");
+  if (q.positions.empty() && used > k.tokens)
+    fail(exit_invalid, "keys file " + keys_path + ": field 'shape': tokens (shape[2]) is " + std::to_string(k.tokens) +
+                           ", but the last " + std::to_string(used) + " query rows sit at positions N - " +
+                           std::to_string(used) + " .. N - 1 (pass --positions P.npy)");
+  kvc::tools::ObservationStorage store;
+  kvc::tools::ObservedQueries const observed{
+      kvc::TokenRows<float const, kvc::StridedLayout>(q.rows.data(), kvc::bhtd_layout(q.ext)),
+      q.positions.empty() ? nullptr : q.positions.data(), q.rope, spec, !q.rope.empty()};
+  kvc::tools::with_observations(scorer, cache, observed, "queries file " + q.path, store, fn);
 }
 
 // ---------------------------------------------------------------------------------------------------------------
@@ -829,10 +836,15 @@ struct Job {
   /// Calls fn(scorer, selection, cache, obs) with everything typed.
   template <class Fn>
   void run(Fn&& fn) const {
-    kvc::KVExtents const e = extents_of(keys);
     with_policy(policy, params, [&](auto const& scorer, Selection sel) {
       with_cache(keys, values ? &*values : nullptr, key_range(policy), [&](auto const& cache) {
-        with_observations(scorer, queries, e, keys.path, [&](auto const& obs) { fn(scorer, sel, cache, obs); });
+        if constexpr (kvc::has_need(std::remove_cvref_t<decltype(scorer)>::needs, kvc::Needs::window_queries) ||
+                      kvc::has_need(std::remove_cvref_t<decltype(scorer)>::needs, kvc::Needs::query_statistics) ||
+                      kvc::StatefulScorer<std::remove_cvref_t<decltype(scorer)>>)
+          with_observations(scorer, cache, queries, keys.path, rope,
+                            [&](auto const& live, auto const& obs) { fn(live, sel, cache, obs); });
+        else
+          fn(scorer, sel, cache, kvc::NoObservations{});
       });
     });
   }
@@ -883,6 +895,9 @@ int cmd_score(Options const& o) {
     fail(exit_usage, "score needs --policy, --keys and --out");
   Job job(find_policy(o.get("--policy")));
   check_job(o, false, job);
+  if (job.policy.reads_values && !o.has("--values") && job.params.at("use_vnorm") != "false")
+    fail(exit_usage, std::string("policy ") + job.policy.name +
+                         " weights scores by the value norms: pass --values V.npy (or --param use_vnorm=false)");
   check_outputs(o, {o.get("--out")}, "--out");
   load_job(o, job);
   kvc::KVExtents const e = extents_of(job.keys);
@@ -938,7 +953,8 @@ int cmd_compress(Options const& o) {
   // kvc::compress is kvc::score then kvc::select; they are called one by one so that --time reports each.
   job.run([&](auto const& scorer, Selection sel, auto const& cache, auto const& obs) {
     auto run = [&](auto budget_value) {
-      kvc::TopKSelector<decltype(budget_value)> const selector{budget_value, sel.n_sink, sel.n_recent};
+      kvc::Index const keep = budget_value.keep(0, 0, e.tokens);  // H2O's recent window is a share of it
+      kvc::TopKSelector<decltype(budget_value)> const selector{budget_value, sel.n_sink, sel.recent(keep)};
       Scratch const score_ws = workspace(kvc::score_workspace_bytes(cpu, scorer, e, obs), job);
       Scratch const select_ws = workspace(kvc::select_workspace_bytes(cpu, selector, e.batch, e.heads, e.tokens), job);
       kvc::ScoreSpan<> span{scores.data(), e.batch, e.heads, e.tokens, cache.lengths};

@@ -14,6 +14,17 @@ kept_<variant>_<R>.npy for every R (boundary ties as above). The snap_kv authors
 `kvc policies` prints. Per case, explicit --positions equal to the default ones must give identical scores, and
 post-RoPE queries (the model's own for tinystories, baselines.rope otherwise) with --param queries=post_rope must
 match the oracle.
+
+Stateful policies (Expected Attention, H2O; oracle in expected_attention.py and h2o.py), for every case in
+stateful_manifest.txt (S pre-RoPE queries for S post-RoPE keys, query row i at position i, which is the CLI's default
+N - S + i): `kvc score --policy expected_attention --param n_future_positions=F --param n_sink=K --values values.npy
+--queries queries.npy --rope theta=T,style=S` (F, K, T, S from meta.txt) with each variant's parameter
+(STATEFUL_VARIANTS) must match scores_<variant>.npy, `kvc score --policy h2o` scores_h2o_accumulated.npy and with
+--param reference=kvpress scores_h2o_kvpress.npy, all within 1e-5 relative to max(1, max|score|) as above.
+`kvc compress --policy expected_attention --ratio R` must keep kept_ea_default_<R>.npy, and `kvc compress --policy
+h2o --budget hh+recent --param recent_share=recent/(hh+recent)` h2o_kept.npy (the heavy hitters may swap only at
+ties among the candidates [0, S - recent) within 1e-5 relative). Explicit --positions 0..S-1 must give each
+policy identical scores.
 Usage: check_cli.py KVC_BINARY VECTORS_DIR WORK_DIR
 """
 import os
@@ -40,6 +51,18 @@ WINDOW_VARIANTS = {
     "tova_kvpress": ("tova", {"reference": "kvpress"}),
 }
 RATIOS = ("0.25", "0.5", "0.75")
+# oracle variant (make_vectors.STATEFUL_VARIANTS) -> CLI policy and parameters; every expected_attention run also
+# passes n_future_positions and n_sink from meta.txt
+STATEFUL_VARIANTS = {
+    "ea_default": ("expected_attention", {}),  # defaults: epsilon 0.01, covariance, vnorm, gqa mean, sinks outside
+    "ea_eps0": ("expected_attention", {"epsilon": 0}),
+    "ea_nocov": ("expected_attention", {"use_covariance": "false"}),
+    "ea_novnorm": ("expected_attention", {"use_vnorm": "false"}),
+    "ea_gqa_max": ("expected_attention", {"gqa": "max"}),
+    "ea_sinks_normalized": ("expected_attention", {"normalize_sinks": "true"}),
+    "h2o_accumulated": ("h2o", {}),  # reference=authors: raw accumulated attention
+    "h2o_kvpress": ("h2o", {"reference": "kvpress"}),  # ObservedAttention
+}
 
 
 def run(cmd):
@@ -50,11 +73,13 @@ def run(cmd):
 
 
 def check_kept(label, od, ref, scores, keys, values, tie_tol):
-    """The kept indices in `od` equal `ref` per head up to boundary ties; keys/values are the kept input rows."""
+    """The kept indices in `od` equal `ref` per head up to boundary ties; keys/values are the kept input rows.
+    Returns the number of heads whose kept set differs at a tie."""
     idx = np.load(os.path.join(od, "indices.npy"))
     if idx.shape != ref.shape:
         sys.exit(f"FAILED: {label} kept shape {idx.shape}, oracle {ref.shape}")
     kk, vv = np.load(os.path.join(od, "keys.npy")), np.load(os.path.join(od, "values.npy"))
+    ties = 0
     for b in range(idx.shape[0]):
         for h in range(idx.shape[1]):
             diff = set(idx[b, h]) ^ set(ref[b, h])
@@ -63,12 +88,14 @@ def check_kept(label, od, ref, scores, keys, values, tie_tol):
                 boundary = np.sort(s)[::-1][len(ref[b, h]) - 1]
                 if max(abs(s[list(diff)] - boundary)) > tie_tol:
                     sys.exit(f"FAILED: {label} head ({b},{h}) kept set differs: {sorted(diff)}")
+                ties += 1
             elif diff:
                 sys.exit(f"FAILED: {label} head ({b},{h}) kept set differs: {sorted(diff)}")
             if not np.array_equal(kk[b, h], keys[b, h, idx[b, h]]):
                 sys.exit(f"FAILED: {label} compressed keys are not the kept input rows")
             if not np.array_equal(vv[b, h], values[b, h, idx[b, h]]):
                 sys.exit(f"FAILED: {label} compressed values are not the kept input rows")
+    return ties
 
 
 def check_key_policies(kvc, vectors, work):
@@ -176,6 +203,99 @@ def check_window_policies(kvc, vectors, work):
     return checked
 
 
+def read_stateful_meta(d):
+    meta = dict(line.split(None, 1) for line in open(os.path.join(d, "meta.txt")).read().splitlines() if line)
+    return {k: (v.strip() if k == "style" else float(v) if k == "theta" else int(v)) for k, v in meta.items()}
+
+
+def h2o_recent_share(hh, recent):
+    """recent/(hh + recent), nudged up where the double product floors below `recent` (the CLI protects
+    floor(recent_share x budget) recent tokens)."""
+    share = recent / (hh + recent)
+    if int(share * (hh + recent)) < recent:
+        share = float(np.nextafter(share, 1.0))
+    assert int(share * (hh + recent)) == recent
+    return repr(share)
+
+
+def check_stateful_policies(kvc, vectors, work):
+    checked = 0
+    worst = {}  # variant -> (worst relative score error, case); and the heads kept differently at ties
+    ties = {"ea_default kept": 0, "h2o kept": 0}
+    for case in open(os.path.join(vectors, "stateful_manifest.txt")).read().split():
+        d = os.path.join(vectors, case)
+        meta = read_stateful_meta(d)
+        keys = np.load(os.path.join(d, "keys.npy"))
+        values = np.load(os.path.join(d, "values.npy"))
+        queries = np.load(os.path.join(d, "queries.npy"))
+        n = keys.shape[2]
+        if queries.shape[2] != n:
+            sys.exit(f"FAILED: {case}: {queries.shape[2]} query rows for {n} keys (the vectors are inconsistent)")
+        files = ["--keys", os.path.join(d, "keys.npy"), "--queries", os.path.join(d, "queries.npy")]
+        rope = ["--rope", f"theta={meta['theta']:g},style={meta['style']}"]
+        ea = {"n_future_positions": meta["n_future_positions"], "n_sink": meta["n_sink"]}
+
+        def args_of(policy, params):
+            params = dict(ea, **params) if policy == "expected_attention" else params
+            extra = ["--values", os.path.join(d, "values.npy")] if policy == "expected_attention" else []
+            return [a for k, v in params.items() for a in ("--param", f"{k}={v}")] + files + extra + rope
+
+        for variant, (policy, params) in STATEFUL_VARIANTS.items():
+            ref = np.load(os.path.join(d, f"scores_{variant}.npy"))
+            scale = max(1.0, np.abs(ref).max())
+            out = os.path.join(work, f"{case}_{variant}_scores.npy")
+            run([kvc, "score", "--policy", policy] + args_of(policy, params) + ["--out", out])
+            got = np.load(out)
+            if got.shape != ref.shape:
+                sys.exit(f"FAILED: {case} {variant} scores have shape {got.shape}, the oracle's {ref.shape}")
+            err = np.abs(got - ref).max() / scale
+            worst[variant] = max(worst.get(variant, (0.0, "")), (err, case))
+            if not err <= 1e-5:
+                sys.exit(f"FAILED: {case} {variant} scores differ from the oracle by {err} (relative)")
+            checked += 1
+            if variant == "ea_default":
+                for r in RATIOS:
+                    od = os.path.join(work, f"{case}_{variant}_{r}")
+                    run([kvc, "compress", "--policy", policy, "--ratio", r] + args_of(policy, params) +
+                        ["--out-dir", od])
+                    ties["ea_default kept"] += check_kept(f"{case} {variant} ratio {r}", od,
+                                                          np.load(os.path.join(d, f"kept_{variant}_{r}.npy")), ref,
+                                                          keys, values, 1e-5 * scale)
+                    checked += 1
+            if variant == "h2o_accumulated":
+                # H2O's keep rule: the last `recent` slots, then the top hh of the candidates [0, S - recent). The
+                # recent slots get +inf for the tie rule, so the boundary is the hh-th best candidate and a recent
+                # slot left out fails.
+                hh, recent = meta["hh"], meta["recent"]
+                od = os.path.join(work, f"{case}_h2o_kept")
+                run([kvc, "compress", "--policy", "h2o", "--budget", str(hh + recent), "--param",
+                     f"recent_share={h2o_recent_share(hh, recent)}"] + args_of(policy, params) +
+                    ["--values", os.path.join(d, "values.npy"), "--out-dir", od])
+                tie_scores = ref.copy()
+                tie_scores[..., n - recent:] = np.inf
+                ties["h2o kept"] += check_kept(f"{case} h2o budget {hh}+{recent}", od,
+                                               np.load(os.path.join(d, "h2o_kept.npy")), tie_scores, keys, values,
+                                               1e-5 * scale)
+                checked += 1
+
+        # The default query positions are N - S + i = i: explicit --positions 0..S-1 change nothing.
+        positions = os.path.join(work, f"{case}_positions.npy")
+        np.save(positions, np.broadcast_to(np.arange(n, dtype=np.int64), (queries.shape[0], n)).copy())
+        for policy in ("expected_attention", "h2o"):
+            default = os.path.join(work, f"{case}_{policy}_scores.npy")
+            run([kvc, "score", "--policy", policy] + args_of(policy, {}) + ["--out", default])
+            explicit = os.path.join(work, f"{case}_{policy}_explicit.npy")
+            run([kvc, "score", "--policy", policy] + args_of(policy, {}) + ["--positions", positions, "--out",
+                                                                            explicit])
+            if not np.array_equal(np.load(default), np.load(explicit)):
+                sys.exit(f"FAILED: {case} {policy}: --positions 0..S-1 change the scores")
+            checked += 1
+    print("stateful CLI scores, worst error relative to max(1, max|score|): " +
+          ", ".join(f"{v} {e:.1e} ({c})" for v, (e, c) in worst.items()))
+    print("heads kept differently at a tie: " + ", ".join(f"{k} {n}" for k, n in ties.items()))
+    return checked
+
+
 def main():
     kvc, vectors, work = sys.argv[1:4]
     os.makedirs(work, exist_ok=True)
@@ -187,6 +307,10 @@ def main():
         checked += check_window_policies(kvc, vectors, work)
     else:
         print("note: no window_manifest.txt: SnapKV/TOVA CLI checks skipped")
+    if os.path.exists(os.path.join(vectors, "stateful_manifest.txt")):
+        checked += check_stateful_policies(kvc, vectors, work)
+    else:
+        print("note: no stateful_manifest.txt: Expected Attention/H2O CLI checks skipped")
     print(f"{checked} CLI checks against the NumPy oracle passed")
 
 

@@ -157,11 +157,22 @@ Status score(B const& backend, S const& scorer, C const& cache, ScoreSpan<typena
   return score(backend, scorer, cache, NoObservations{}, out, ws);
 }
 
-/// Bytes of workspace kvc::update needs (0 for stateless scorers); any alignment.
+namespace detail {
+/// The update kernel's scratch: its update_workspace_bytes when it declares one, else none.
+template <class K, class B, class S, class Obs>
+std::size_t update_scratch(B const& backend, S const& scorer, KVExtents const& keys, Obs const& obs) {
+  if constexpr (requires { K::update_workspace_bytes(backend, scorer, keys, obs); })
+    return K::update_workspace_bytes(backend, scorer, keys, obs);
+  else
+    return 0;
+}
+}  // namespace detail
+
+/// Bytes of workspace kvc::update needs (0 for stateless scorers and kernels that declare none); any alignment.
 template <Backend B, Scorer S, ObservationSet Obs>
 std::size_t update_workspace_bytes(B const& backend, S const& scorer, KVExtents const& keys, Obs const& obs) {
   if constexpr (StatefulScorer<S>)
-    return bytes_sum(Kernel<S, B>::update_workspace_bytes(backend, scorer, keys, obs), workspace_slack);
+    return bytes_sum(detail::update_scratch<Kernel<S, B>>(backend, scorer, keys, obs), workspace_slack);
   else
     return 0;
 }
@@ -174,7 +185,7 @@ Status update(B const& backend, S const& scorer, C const& cache, Obs const& obs,
     static_assert(AccessibleFrom<C, B>, "kvc::update: the cache lives in a memory space this backend cannot read");
     static_assert(ObservationsReadableBy<Obs, B>,
                   "kvc::update: the observations live in a memory space this backend cannot read");
-    if (ws.bytes < Kernel<S, B>::update_workspace_bytes(backend, scorer, cache.keys.extents(), obs))
+    if (ws.bytes < detail::update_scratch<Kernel<S, B>>(backend, scorer, cache.keys.extents(), obs))
       return {Errc::out_of_capacity, "kvc::update: workspace smaller than update_workspace_bytes()"};
     return Kernel<S, B>::update(backend, scorer, cache, obs, ws);
   } else {

@@ -47,6 +47,9 @@ template <Backend Bk, Scorer S, KVCacheView Src, KVCacheView Work>
 Status blockwise_compress(Bk const& backend, Press<S, TopKSelector<FixedBudget>> const& press, Src const& src,
                           Index block_size, Work const& work, Workspace ws) {
   static_assert(needs_only_kv(S::needs), "kvc::blockwise_compress: the scorer must read only keys and values");
+  static_assert(!StatefulScorer<S>,
+                "kvc::blockwise_compress: a stateful scorer (H2O) needs kvc::update after every block: use the decode "
+                "driver (kvc::decode_step) instead");
   KVExtents const se = src.keys.extents(), we = work.keys.extents();
   if (block_size < 1)
     return {Errc::invalid_argument, "kvc::blockwise_compress: `block_size` must be >= 1"};
