@@ -425,7 +425,13 @@ TEST_CASE("kvc-eval: exit codes 2 (usage) and 3 (invalid input), logits and dump
   CHECK(run_command(eval + " run --model x", out) == 2);  // --out-dir missing
   CHECK(out.find("missing --out-dir") != std::string::npos);
   CHECK(run_command(eval + " run --model x --out-dir y --schedule decode", out) == 2);
-  CHECK(out.find("only 'prefill' exists") != std::string::npos);
+  CHECK(out.find("pass --decode interval=I,target=T") != std::string::npos);
+  CHECK(run_command(eval + " run --model x --out-dir y --decode interval=8", out) == 2);  // no target
+  CHECK(out.find("both interval and target") != std::string::npos);
+  CHECK(run_command(eval + " run --model x --out-dir y --decode interval=8,target=4 --ratios 0.5", out) == 2);
+  CHECK(out.find("neither --schedule nor --ratios") != std::string::npos);
+  CHECK(run_command(eval + " run --model x --out-dir y --decode interval=0,target=4", out) == 3);
+  CHECK(out.find("--decode interval") != std::string::npos);
   CHECK(run_command(eval + " logits --model /nonexistent --tokens t.npy --out l.npy", out) == 3);
   CHECK(out.find("/nonexistent") != std::string::npos);
   if (have(stories260k)) {  // two llama2.c tokenizers beside a checkpoint: which one belongs to it is unknown

@@ -125,6 +125,30 @@ inline Record finish(Accumulator const& acc, std::string policy, double ratio) {
   return r;
 }
 
+/// Runs `tokens` one forward call each (decode steps), stacking the logits [n, vocab] and every layer's attention
+/// output [n, Hq * d]; `after(t)` runs after step t.
+inline Status forward_each(Session& session, std::span<std::int32_t const> tokens, RowMatrix& logits,
+                           ForwardTrace& trace, std::function<void(Index)> const& after = {}) {
+  Index const n = static_cast<Index>(tokens.size());
+  RowMatrix row;
+  ForwardTrace step;
+  for (Index t = 0; t < n; ++t) {
+    KVC_RETURN_IF_ERROR(session.forward(tokens.subspan(static_cast<std::size_t>(t), 1), row, &step));
+    if (t == 0) {
+      logits.resize(n, row.cols());
+      trace.attention.resize(step.attention.size());
+      for (std::size_t l = 0; l < step.attention.size(); ++l)
+        trace.attention[l].resize(n, step.attention[l].cols());
+    }
+    logits.row(t) = row.row(0);
+    for (std::size_t l = 0; l < step.attention.size(); ++l)
+      trace.attention[l].row(t) = step.attention[l].row(0);
+    if (after)
+      after(t);
+  }
+  return {};
+}
+
 /// Called before each compressed run: (done, total, policy name, ratio).
 using Progress = std::function<void(Index, Index, std::string const&, double)>;
 
@@ -155,7 +179,10 @@ inline std::vector<Record> evaluate(Model const& model, RunOptions const& option
     ref.kv_bytes = prefilled->kv_bytes();
     {
       auto full = prefilled->clone();
-      check(full->forward(fed, ref.logits, &ref.trace), "full-cache continuation");
+      if (decode)  // token by token, as the decode runs go: the same fp32 arithmetic, so no eviction = exactly equal
+        check(forward_each(*full, fed, ref.logits, ref.trace), "full-cache continuation");
+      else
+        check(full->forward(fed, ref.logits, &ref.trace), "full-cache continuation");
       for (Index r = 0; r < m; ++r)
         ref.nll +=
             negative_log_likelihood(ref.logits.row(r).data(), ref.logits.cols(), targets[static_cast<std::size_t>(r)]);
@@ -173,25 +200,17 @@ inline std::vector<Record> evaluate(Model const& model, RunOptions const& option
         std::uint64_t const salt = options.seed * 0x9E3779B97F4A7C15ull + static_cast<std::uint64_t>(sample);
         check(session->begin_decode(*run.policy, run.params, options.decode, salt),
               std::string("decode with ") + run.policy->name);
-        RowMatrix row;
-        ForwardTrace step, trace;
-        logits.resize(m, ref.logits.cols());
-        trace.attention.resize(ref.trace.attention.size());
-        for (auto& a : trace.attention)
-          a.resize(m, ref.trace.attention.empty() ? 0 : ref.trace.attention[0].cols());
+        ForwardTrace trace;
         Accumulator& a = acc[slot++];
         a.kv_bytes_steps.resize(static_cast<std::size_t>(m), 0.0);
         double bytes = 0;
-        for (Index t = 0; t < m; ++t) {
-          check(session->forward(fed.subspan(static_cast<std::size_t>(t), 1), row, &step),
-                std::string("decode with ") + run.policy->name);
-          logits.row(t) = row.row(0);
-          for (std::size_t l = 0; l < step.attention.size(); ++l)
-            trace.attention[l].row(t) = step.attention[l].row(0);
-          double const held = static_cast<double>(session->kv_bytes());
-          a.kv_bytes_steps[static_cast<std::size_t>(t)] += held;
-          bytes += held / static_cast<double>(m);
-        }
+        check(forward_each(*session, fed, logits, trace,
+                           [&](Index t) {
+                             double const held = static_cast<double>(session->kv_bytes());
+                             a.kv_bytes_steps[static_cast<std::size_t>(t)] += held;
+                             bytes += held / static_cast<double>(m);
+                           }),
+              std::string("decode with ") + run.policy->name);
         accumulate(a, ref, logits, trace, targets, static_cast<std::size_t>(bytes), session->decode_seconds());
         ++done;
       }
