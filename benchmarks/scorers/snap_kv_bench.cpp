@@ -14,13 +14,10 @@
 
 #include "bench_support.hpp"
 
-#include <Eigen/Core>
 #include <benchmark/benchmark.h>
 
-#include <algorithm>
-#include <cmath>
 #include <cstddef>
-#include <map>
+#include <memory>
 #include <string>
 #include <type_traits>
 #include <vector>
@@ -28,40 +25,15 @@
 namespace {
 
 using kvc::Index;
-using RowMatrix = Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
+using kvc::bench::head_dim;
+using kvc::bench::query_heads;
 
-constexpr Index query_heads = 32, head_dim = 128, group = query_heads / kvc::bench::kv_heads;
-constexpr Index tile = kvc::detail::window_tile;
+constexpr Index group = query_heads / kvc::bench::kv_heads;
 constexpr Index token_sizes[] = {4096, 32768, 131072};
-
-/// Window queries [1, Hq, rows, d] fp32, N(0, 1), cached per row count.
-std::vector<float> const& window_queries(Index rows) {
-  static std::map<Index, std::vector<float>> held;
-  auto& q = held[rows];
-  if (q.empty()) {
-    q.resize(static_cast<std::size_t>(query_heads * rows * head_dim));
-    kvc::tools::Rng rng(7);
-    for (float& x : q)
-      x = rng.normal();
-  }
-  return q;
-}
-
-kvc::KVExtents query_extents(Index rows) {
-  return {1, query_heads, rows, head_dim};
-}
-
-kvc::TokenRows<float const, kvc::StridedLayout> query_rows(Index rows) {
-  return {window_queries(rows).data(), kvc::bhtd_layout(query_extents(rows))};
-}
 
 /// FLOPs of the kernel's two logit products (R query rows per query head over `tokens` slots).
 double kernel_flops(Index rows, Index tokens) {
-  return 4.0 * static_cast<double>(query_heads * rows * tokens * head_dim);
-}
-
-void report_flops(benchmark::State& state, double flops) {
-  state.counters["FLOP/s"] = benchmark::Counter(flops, benchmark::Counter::kIsIterationInvariantRate);
+  return kvc::bench::window_attention_flops(query_heads, rows, tokens, head_dim);
 }
 
 /// SnapKV (authors' reference, window w, max pooling 7) or TOVA on the cached [1, 8, N, 128] cache of T. `threads`
@@ -71,15 +43,17 @@ template <class T, class S>
 void window_score(benchmark::State& state, S scorer, Index rows, Index tokens, Index threads, bool pre_rope) {
   auto const& c = kvc::bench::cache<T>(tokens, head_dim);
   kvc::RopeTable<> table{};
-  std::vector<float> storage;
+  std::unique_ptr<kvc::bench::OwnedRope> rope;
   if (pre_rope) {
-    storage.resize(static_cast<std::size_t>(kvc::rope_table_floats(tokens, head_dim)));
-    if (!kvc::fill_rope_table(kvc::RopeSpec{500000.0}, head_dim, tokens, storage.data(), table).ok()) {
+    rope = std::make_unique<kvc::bench::OwnedRope>(head_dim, tokens);
+    if (rope->table.empty()) {
       state.SkipWithError("fill_rope_table failed");
       return;
     }
+    table = rope->table;
   }
-  auto const obs = kvc::observe(kvc::WindowQueries<float>{query_rows(rows), table});
+  auto const obs =
+      kvc::observe(kvc::WindowQueries<float>{kvc::bench::window_query_rows(query_heads, rows, head_dim), table});
   kvc::ThreadPool pool(threads);
   kvc::Cpu const cpu = threads > 0 ? pool.cpu() : kvc::Cpu{};
   std::vector<float> out(static_cast<std::size_t>(c.ext.rows()));
@@ -95,7 +69,7 @@ void window_score(benchmark::State& state, S scorer, Index rows, Index tokens, I
     benchmark::DoNotOptimize(out.data());
   }
   Index const used_rows = std::is_same_v<S, kvc::TOVAScorer> ? 1 : rows;
-  report_flops(state, kernel_flops(used_rows, tokens));
+  kvc::bench::report_flops(state, kernel_flops(used_rows, tokens));
 }
 
 template <class T>
@@ -115,31 +89,8 @@ void BM_TOVA_Cpu(benchmark::State& state) {  // args: window (rows given; the ke
 /// BHTD rows, no copy): tiled into [g*R x 128] blocks as the kernel does, or one [g*R x N] product.
 void BM_WindowGemm_Eigen(benchmark::State& state, bool tiled) {
   Index const r = state.range(0), tokens = state.range(1), rows = group * r;
-  auto const& c = kvc::bench::cache<float>(tokens, head_dim);
-  auto const& q = window_queries(r);  // the g heads of KV head h are contiguous: rows [h*g*R, (h+1)*g*R)
-  std::vector<float> logits(static_cast<std::size_t>(rows * (tiled ? tile : tokens)));
-  for (auto _ : state) {
-    for (Index h = 0; h < kvc::bench::kv_heads; ++h) {
-      Eigen::Map<RowMatrix const> const qm(q.data() + h * rows * head_dim, rows, head_dim);
-      float const* keys = c.k.data() + h * tokens * head_dim;
-      if (tiled) {
-        for (Index t0 = 0; t0 < tokens; t0 += tile) {
-          Index const cols = std::min(tile, tokens - t0);
-          Eigen::Map<RowMatrix const> const km(keys + t0 * head_dim, cols, head_dim);
-          Eigen::Map<RowMatrix, 0, Eigen::OuterStride<>> lm(logits.data(), rows, cols, Eigen::OuterStride<>(tile));
-          lm.noalias() = qm * km.transpose();
-          benchmark::ClobberMemory();
-        }
-      } else {
-        Eigen::Map<RowMatrix const> const km(keys, tokens, head_dim);
-        Eigen::Map<RowMatrix> lm(logits.data(), rows, tokens);
-        lm.noalias() = qm * km.transpose();
-        benchmark::ClobberMemory();
-      }
-    }
-    benchmark::DoNotOptimize(logits.data());
-  }
-  report_flops(state, kernel_flops(r, tokens) / 2);
+  kvc::bench::window_gemm(state, kvc::bench::window_queries(query_heads, r, head_dim), rows, rows,
+                          kvc::bench::cache<float>(tokens, head_dim), tiled);
 }
 
 // ---- Registration: grouped by token count, so each cache is generated once per size ------------------------------
