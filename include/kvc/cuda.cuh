@@ -5,6 +5,9 @@
 #include <kvc/backend/cuda/attention/attend.cuh>
 #include <kvc/backend/cuda/config.cuh>
 #include <kvc/backend/cuda/pipeline/compact.cuh>
+#include <kvc/backend/cuda/pipeline/query_statistics.cuh>
+#include <kvc/backend/cuda/scorers/expected_attention.cuh>
+#include <kvc/backend/cuda/scorers/h2o.cuh>
 #include <kvc/backend/cuda/scorers/key_diff.cuh>
 #include <kvc/backend/cuda/scorers/knorm.cuh>
 #include <kvc/backend/cuda/scorers/random.cuh>

@@ -1,6 +1,8 @@
 // SPDX-License-Identifier: Apache-2.0
-// benchmarks/backend/cuda/cuda_bench.cpp: CUDA kernel throughput (manual time from cudaEvent pairs), with a
-// device-memory read case in the same binary: compare KeyDiff's bytes/s with BM_Cuda_MemoryRead's.
+// benchmarks/backend/cuda/cuda_bench.cpp: CUDA kernel throughput (manual time from cudaEvent pairs), with the two
+// bounds in the same binary: a device-memory read case (compare each op's bytes/s with BM_Cuda_MemoryRead's) and an
+// fp32 FMA case (compare the FLOP/s counter of ExpectedAttention's d^2 work, the window attention's logits and the
+// statistics' Gram with BM_Cuda_FmaPeak's).
 #include "backend/cuda/cuda_bench.hpp"
 
 #include <benchmark/benchmark.h>
@@ -14,7 +16,7 @@ static void run(benchmark::State& state, kb::Op op, bool fp16) {
     state.SkipWithError("no CUDA device");
     return;
   }
-  auto ctx = kb::make_context(state.range(0), state.range(1), fp16);
+  auto ctx = kb::make_context(state.range(0), state.range(1), fp16, op);
   if (!ctx) {
     state.SkipWithError("CUDA allocation or setup failed");
     return;
@@ -30,11 +32,21 @@ static void run(benchmark::State& state, kb::Op op, bool fp16) {
   state.SetBytesProcessed(static_cast<std::int64_t>(kb::bytes_of(*ctx, op)) * state.iterations());
   state.counters["tokens/s"] =
       benchmark::Counter(static_cast<double>(8 * state.range(0)), benchmark::Counter::kIsIterationInvariantRate);
+  if (double const flops = kb::flops_of(*ctx, op); flops > 0)
+    state.counters["FLOP/s"] = benchmark::Counter(flops, benchmark::Counter::kIsIterationInvariantRate);
 }
 
 static void grid(benchmark::internal::Benchmark* b) {
   b->ArgNames({"tokens", "dim"})
       ->ArgsProduct({{4096, 32768, 131072}, {64, 128}})
+      ->UseManualTime()
+      ->Unit(benchmark::kMicrosecond);
+}
+
+/// The newer policies at the shape they are specified for: Hq = 32, Hkv = 8, d = 128.
+static void grid128(benchmark::internal::Benchmark* b) {
+  b->ArgNames({"tokens", "dim"})
+      ->ArgsProduct({{4096, 32768, 131072}, {128}})
       ->UseManualTime()
       ->Unit(benchmark::kMicrosecond);
 }
@@ -47,4 +59,30 @@ BENCHMARK_CAPTURE(run, SnapKV_fp16, kb::Op::snap_kv, true)->Apply(grid)->Name("B
 BENCHMARK_CAPTURE(run, TOVA_fp16, kb::Op::tova, true)->Apply(grid)->Name("BM_TOVA_Cuda/fp16");
 BENCHMARK_CAPTURE(run, TopK, kb::Op::top_k, false)->Apply(grid)->Name("BM_TopK_Cuda");
 BENCHMARK_CAPTURE(run, Compact_fp16, kb::Op::compact, true)->Apply(grid)->Name("BM_Compact_Cuda/fp16");
+BENCHMARK_CAPTURE(run, EA_fp32, kb::Op::expected_attention, false)
+    ->Apply(grid128)
+    ->Name("BM_ExpectedAttention_Cuda/fp32");
+BENCHMARK_CAPTURE(run, EA_fp16, kb::Op::expected_attention, true)
+    ->Apply(grid128)
+    ->Name("BM_ExpectedAttention_Cuda/fp16");
+BENCHMARK_CAPTURE(run, Stats_fp32, kb::Op::query_statistics, false)
+    ->Apply(grid128)
+    ->Name("BM_QueryStatistics_Cuda/fp32");
+BENCHMARK_CAPTURE(run, Stats_fp16, kb::Op::query_statistics, true)
+    ->Apply(grid128)
+    ->Name("BM_QueryStatistics_Cuda/fp16");
+BENCHMARK_CAPTURE(run, H2O_fp32, kb::Op::h2o_update, false)->Apply(grid128)->Name("BM_H2OUpdate_Cuda/fp32");
+BENCHMARK_CAPTURE(run, H2O_fp16, kb::Op::h2o_update, true)->Apply(grid128)->Name("BM_H2OUpdate_Cuda/fp16");
+BENCHMARK_CAPTURE(run, Observed_fp32, kb::Op::observed_attention, false)
+    ->Apply(grid128)
+    ->Name("BM_ObservedAttention_Cuda/fp32");
+BENCHMARK_CAPTURE(run, Observed_fp16, kb::Op::observed_attention, true)
+    ->Apply(grid128)
+    ->Name("BM_ObservedAttention_Cuda/fp16");
 BENCHMARK_CAPTURE(run, Read_fp32, kb::Op::read, false)->Apply(grid)->Name("BM_Cuda_MemoryRead");
+BENCHMARK_CAPTURE(run, Fma, kb::Op::fma_peak, false)
+    ->ArgNames({"tokens", "dim"})
+    ->Args({4096, 128})
+    ->UseManualTime()
+    ->Unit(benchmark::kMicrosecond)
+    ->Name("BM_Cuda_FmaPeak");

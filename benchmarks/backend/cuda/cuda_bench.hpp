@@ -10,21 +10,40 @@ namespace kvc::bench::cuda {
 
 bool device_available();
 
-/// Device buffers for one [1, 8, tokens, dim] cache (K and V), its scores, a plan and workspaces.
+/// Device buffers for one [1, 8, tokens, dim] cache (K and V), its scores, a plan and workspaces, plus what the
+/// op needs besides (statistics and a RoPE table for ExpectedAttention, H2O's state, window queries, query rows).
 struct Context;
 struct ContextDeleter {
   void operator()(Context*) const;
 };
 using ContextPtr = std::unique_ptr<Context, ContextDeleter>;
 
-ContextPtr make_context(Index tokens, Index dim, bool fp16);
+enum class Op {
+  key_diff,
+  knorm,
+  snap_kv,
+  tova,
+  top_k,
+  compact,
+  read,
+  expected_attention,  ///< 32 query heads (GQA 4), statistics given, t0 = the context's end, T = 512
+  query_statistics,    ///< mean and covariance of [1, 32, tokens, dim] query rows
+  h2o_update,          ///< H2O's kvc::update with 32 new window queries per query head (a decode chunk)
+  observed_attention,  ///< ObservedAttention over one 256-row query tile (the unit a prefill repeats N / 256 times)
+  fma_peak,            ///< fp32 FMA throughput: the bound of the d^2 work
+};
 
-enum class Op { key_diff, knorm, snap_kv, tova, top_k, compact, read };
+ContextPtr make_context(Index tokens, Index dim, bool fp16, Op op);
 
 /// Seconds of one `op` call on the device (cudaEvent pair around the launch), or a negative value on error.
 double time_op(Context& ctx, Op op);
 
-/// Bytes `op` must at least touch per call (one read of K for scoring; scores for top-k; moved K+V for compaction).
+/// Bytes `op` must at least touch per call (one read of K for scoring, K and V for ExpectedAttention, the query rows
+/// for statistics; scores for top-k; moved K+V for compaction): compare the rate with BM_Cuda_MemoryRead's.
 double bytes_of(Context const& ctx, Op op);
+
+/// Floating-point operations of one call (2 per multiply-add; 0 where the op is not compute-bound): compare the
+/// rate with BM_Cuda_FmaPeak's.
+double flops_of(Context const& ctx, Op op);
 
 }  // namespace kvc::bench::cuda

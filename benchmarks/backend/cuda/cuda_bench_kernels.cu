@@ -1,6 +1,9 @@
 // SPDX-License-Identifier: Apache-2.0
 // benchmarks/backend/cuda/cuda_bench_kernels.cu: device side of the CUDA benchmarks (see cuda_bench.hpp).
 #include <kvc/backend/cuda/pipeline/compact.cuh>
+#include <kvc/backend/cuda/pipeline/query_statistics.cuh>
+#include <kvc/backend/cuda/scorers/expected_attention.cuh>
+#include <kvc/backend/cuda/scorers/h2o.cuh>
 #include <kvc/backend/cuda/scorers/key_diff.cuh>
 #include <kvc/backend/cuda/scorers/knorm.cuh>
 #include <kvc/backend/cuda/scorers/snap_kv.cuh>
@@ -9,6 +12,7 @@
 #include "backend/cuda/cuda_bench.hpp"
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 
 namespace kvc::bench::cuda {
@@ -26,14 +30,71 @@ struct Context {
   std::size_t ws_bytes = 0;
   float* sink = nullptr;
   cudaEvent_t start{}, stop{};
+  // ExpectedAttention: statistics of 32 query heads and a RoPE table for positions [0, tokens + 512).
+  float* mean = nullptr;
+  float* cov = nullptr;
+  float* rope = nullptr;
+  Index rope_positions = 0;
+  // H2O: the accumulator [1, 8, tokens] and tracked [1, 8].
+  float* acc = nullptr;
+  Index* tracked = nullptr;
+  // ObservedAttention: one tile of 256 window queries [1, 32, 256, dim], post-RoPE.
+  void* tile_queries = nullptr;
+  // Query statistics: rows [1, 32, tokens, dim] and their outputs.
+  void* rows = nullptr;
+  float* rows_mean = nullptr;
+  float* rows_cov = nullptr;
 };
 
 namespace {
 
-/// SnapKV's benchmark window: 32 query heads (GQA group 4 over the 8 KV heads) x 32 queries.
+/// SnapKV's benchmark window: 32 query heads (GQA group 4 over the 8 KV heads) x 32 queries (also H2O's update).
 KVExtents window_extents(KVExtents e) {
   return {e.batch, 4 * e.heads, 32, e.dim};
 }
+
+/// ObservedAttention's query tile: 32 query heads x 256 rows.
+KVExtents tile_extents(KVExtents e) {
+  return {e.batch, 4 * e.heads, 256, e.dim};
+}
+
+/// The query rows of the statistics: 32 query heads x `tokens` rows (a prefill's pre-RoPE queries).
+KVExtents rows_extents(KVExtents e) {
+  return {e.batch, 4 * e.heads, e.tokens, e.dim};
+}
+
+constexpr Index ea_future = 512;  // ExpectedAttention's default n_future_positions
+
+/// A NeoX RoPE table (theta 10000) for [0, positions) with `half` pairs: cos then sin, as fill_rope_table lays out.
+__global__ void rope_kernel(float* table, Index positions, Index half) {
+  for (Index i = static_cast<Index>(blockIdx.x) * blockDim.x + threadIdx.x; i < positions * half;
+       i += static_cast<Index>(gridDim.x) * blockDim.x) {
+    Index const p = i / half, k = i % half;
+    double const angle = static_cast<double>(p) * pow(10000.0, -static_cast<double>(k) / static_cast<double>(half));
+    table[i] = static_cast<float>(cos(angle));
+    table[positions * half + i] = static_cast<float>(sin(angle));
+  }
+}
+
+/// Independent fp32 FMA chains (8 per thread): the device's achievable FMA rate, the bound of d^2 work done with
+/// CUDA cores in fp32 (ExpectedAttention's K Σ̄, the statistics' Gram; no tensor cores: they would not keep 1e-5).
+__global__ void fma_kernel(float m, float c, int iterations, float* sink) {
+  float a[8];
+  for (int i = 0; i < 8; ++i)
+    a[i] = static_cast<float>(threadIdx.x) * 1e-3f + static_cast<float>(i);
+  for (int it = 0; it < iterations; ++it)
+#pragma unroll
+    for (int i = 0; i < 8; ++i)
+      a[i] = fmaf(a[i], m, c);
+  float s = 0.0f;
+  for (int i = 0; i < 8; ++i)
+    s += a[i];
+  if (s == 12345.678f)  // practically never: keeps the chains alive
+    *sink = s;
+}
+
+constexpr unsigned fma_blocks = 4096, fma_threads = 256;
+constexpr int fma_iterations = 4096;
 
 /// Fills n elements with a cheap hash-based pseudo-random pattern in [-1, 1) + 0.3 (the values do not matter for
 /// timing; they only must not be all equal).
@@ -70,6 +131,13 @@ Status run(Context& c, Op op) {
   Workspace const ws{c.ws, c.ws_bytes};
   auto const obs = observe(WindowQueries<T, DeviceSpace>{TokenRows<T const, StridedLayout, DeviceSpace>(
       static_cast<T const*>(c.queries), bhtd_layout(window_extents(c.e)))});
+  Index const hq = 4 * c.e.heads, half = c.e.dim / 2;
+  auto const stats = observe(QueryStatistics<DeviceSpace>{
+      c.mean, c.cov, c.e.batch, hq, c.e.dim,
+      RopeTable<DeviceSpace>{c.rope, c.rope + c.rope_positions * half, c.rope_positions, c.e.dim, RopeStyle::neox}});
+  H2OScorer<DeviceSpace> const h2o{{{c.acc, c.e.batch, c.e.heads, c.e.tokens}, c.tracked}, 256};
+  auto const tile = observe(WindowQueries<T, DeviceSpace>{TokenRows<T const, StridedLayout, DeviceSpace>(
+      static_cast<T const*>(c.tile_queries), bhtd_layout(tile_extents(c.e)))});
   switch (op) {
     case Op::key_diff: return score(Cuda{}, KeyDiffScorer{}, cache, span, ws);
     case Op::knorm: return score(Cuda{}, KnormScorer{}, cache, span, ws);
@@ -81,8 +149,55 @@ Status run(Context& c, Op op) {
       read_kernel<<<1024, 256>>>(static_cast<float4 const*>(c.k),
                                  c.e.rows() * c.e.dim * static_cast<Index>(sizeof(T)) / 16, c.sink);
       return backend::cuda::launch_status("read_kernel");
+    case Op::expected_attention: return score(Cuda{}, ExpectedAttentionScorer{}, cache, stats, span, ws);
+    case Op::query_statistics:
+      return query_statistics(
+          Cuda{},
+          TokenRows<T const, StridedLayout, DeviceSpace>(static_cast<T const*>(c.rows), bhtd_layout(rows_extents(c.e))),
+          nullptr, StatisticsRows{.n_sink = 4}, c.rows_mean, c.rows_cov, ws);
+    case Op::h2o_update: return update(Cuda{}, h2o, cache, obs, ws);
+    case Op::observed_attention: return score(Cuda{}, ObservedAttentionScorer{256}, cache, tile, span, ws);
+    case Op::fma_peak:
+      fma_kernel<<<fma_blocks, fma_threads>>>(0.999f, 1e-3f, fma_iterations, c.sink);
+      return backend::cuda::launch_status("fma_kernel");
   }
   return {};
+}
+
+/// Allocates and fills what `op` needs besides the cache (false on failure).
+template <class T>
+bool prepare(Context& c, Op op) {
+  auto alloc = [](auto** p, Index n, std::size_t item) {
+    return cudaMalloc(reinterpret_cast<void**>(p), static_cast<std::size_t>(n) * item) == cudaSuccess;
+  };
+  Index const hq = 4 * c.e.heads, d = c.e.dim;
+  if (op == Op::expected_attention) {
+    c.rope_positions = c.e.tokens + ea_future;
+    if (!alloc(&c.mean, hq * d, sizeof(float)) || !alloc(&c.cov, hq * d * d, sizeof(float)) ||
+        !alloc(&c.rope, c.rope_positions * d, sizeof(float)))
+      return false;
+    fill_kernel<<<1024, 256>>>(c.mean, hq * d, 4u);
+    fill_kernel<<<1024, 256>>>(c.cov, hq * d * d, 5u);
+    rope_kernel<<<1024, 256>>>(c.rope, c.rope_positions, d / 2);
+  }
+  if (op == Op::h2o_update) {
+    if (!alloc(&c.acc, c.e.rows(), sizeof(float)) || !alloc(&c.tracked, c.e.batch * c.e.heads, sizeof(Index)) ||
+        cudaMemset(c.tracked, 0, static_cast<std::size_t>(c.e.batch * c.e.heads) * sizeof(Index)) != cudaSuccess)
+      return false;
+  }
+  if (op == Op::observed_attention) {
+    if (!alloc(&c.tile_queries, tile_extents(c.e).rows() * d, sizeof(T)))
+      return false;
+    fill_kernel<<<1024, 256>>>(static_cast<T*>(c.tile_queries), tile_extents(c.e).rows() * d, 6u);
+  }
+  if (op == Op::query_statistics) {
+    KVExtents const re = rows_extents(c.e);
+    if (!alloc(&c.rows, re.rows() * d, sizeof(T)) || !alloc(&c.rows_mean, hq * d, sizeof(float)) ||
+        !alloc(&c.rows_cov, hq * d * d, sizeof(float)))
+      return false;
+    fill_kernel<<<1024, 256>>>(static_cast<T*>(c.rows), re.rows() * d, 7u);
+  }
+  return cudaDeviceSynchronize() == cudaSuccess;
 }
 
 }  // namespace
@@ -101,12 +216,21 @@ void ContextDeleter::operator()(Context* c) const {
   cudaFree(c->count);
   cudaFree(c->ws);
   cudaFree(c->sink);
+  cudaFree(c->mean);
+  cudaFree(c->cov);
+  cudaFree(c->rope);
+  cudaFree(c->acc);
+  cudaFree(c->tracked);
+  cudaFree(c->tile_queries);
+  cudaFree(c->rows);
+  cudaFree(c->rows_mean);
+  cudaFree(c->rows_cov);
   cudaEventDestroy(c->start);
   cudaEventDestroy(c->stop);
   delete c;
 }
 
-ContextPtr make_context(Index tokens, Index dim, bool fp16) {
+ContextPtr make_context(Index tokens, Index dim, bool fp16, Op op) {
   ContextPtr c(new Context);
   c->e = {1, 8, tokens, dim};
   c->fp16 = fp16;
@@ -115,8 +239,16 @@ ContextPtr make_context(Index tokens, Index dim, bool fp16) {
   KVExtents const qe = window_extents(c->e);
   auto const obs = observe(
       WindowQueries<float, DeviceSpace>{TokenRows<float const, StridedLayout, DeviceSpace>(nullptr, bhtd_layout(qe))});
-  c->ws_bytes = std::max(score_workspace_bytes(Cuda{}, KeyDiffScorer{}, c->e),
-                         score_workspace_bytes(Cuda{}, SnapKVScorer{}, c->e, obs));
+  auto const tile = observe(WindowQueries<float, DeviceSpace>{
+      TokenRows<float const, StridedLayout, DeviceSpace>(nullptr, bhtd_layout(tile_extents(c->e)))});
+  auto const stats = observe(QueryStatistics<DeviceSpace>{nullptr, nullptr, 1, 4 * c->e.heads, dim});
+  H2OScorer<DeviceSpace> const h2o{{}, 256};
+  c->ws_bytes = std::max(
+      {score_workspace_bytes(Cuda{}, KeyDiffScorer{}, c->e), score_workspace_bytes(Cuda{}, SnapKVScorer{}, c->e, obs),
+       score_workspace_bytes(Cuda{}, ExpectedAttentionScorer{}, c->e, stats),
+       update_workspace_bytes(Cuda{}, h2o, c->e, obs),
+       score_workspace_bytes(Cuda{}, ObservedAttentionScorer{256}, c->e, tile),
+       op == Op::query_statistics ? query_statistics_workspace_bytes(Cuda{}, rows_extents(c->e)) : std::size_t{0}});
   bool ok = cudaMalloc(&c->k, static_cast<std::size_t>(elems) * item) == cudaSuccess &&
             cudaMalloc(&c->v, static_cast<std::size_t>(elems) * item) == cudaSuccess &&
             cudaMalloc(&c->scores, static_cast<std::size_t>(c->e.rows()) * sizeof(float)) == cudaSuccess &&
@@ -139,6 +271,8 @@ ContextPtr make_context(Index tokens, Index dim, bool fp16) {
   // A plan for compaction and scores for top-k: score once with KeyDiff, select half.
   if (!(c->fp16 ? run<half>(*c, Op::key_diff) : run<float>(*c, Op::key_diff)).ok() ||
       !(c->fp16 ? run<half>(*c, Op::top_k) : run<float>(*c, Op::top_k)).ok() || cudaDeviceSynchronize() != cudaSuccess)
+    return nullptr;
+  if (!(c->fp16 ? prepare<half>(*c, op) : prepare<float>(*c, op)))
     return nullptr;
   return c;
 }
@@ -163,9 +297,26 @@ double bytes_of(Context const& c, Op op) {
     case Op::snap_kv:
     case Op::tova: return kbytes;  // keys are read at least once (twice in practice: LSE pass and column pass)
     case Op::top_k: return static_cast<double>(c.e.rows()) * sizeof(float);
-    case Op::compact: return 2.0 * kbytes;  // K and V, half kept: read half + write half of each
+    case Op::compact: return 2.0 * kbytes;             // K and V, half kept: read half + write half of each
+    case Op::expected_attention: return 2.0 * kbytes;  // K for the logits, V for the norms
+    case Op::query_statistics: return 4.0 * kbytes;    // the rows: 32 query heads of `tokens` rows
+    case Op::h2o_update:
+    case Op::observed_attention: return kbytes;  // keys at least once (twice in practice: LSE and column passes)
+    case Op::fma_peak: return 0.0;
   }
   return 0.0;
+}
+
+double flops_of(Context const& c, Op op) {
+  double const n = static_cast<double>(c.e.rows()), d = static_cast<double>(c.e.dim), g = 4.0;
+  switch (op) {
+    case Op::expected_attention: return 2.0 * n * g * (d * d + 2.0 * d);  // K Σ̄ per query head, then two row dots
+    case Op::query_statistics: return 2.0 * n * g * d * d;  // the full Gram (the kernel computes its upper tiles)
+    case Op::h2o_update: return 4.0 * n * g * static_cast<double>(window_extents(c.e).tokens) * d;  // 2 logit passes
+    case Op::observed_attention: return 4.0 * n * g * static_cast<double>(tile_extents(c.e).tokens) * d;
+    case Op::fma_peak: return 2.0 * 8.0 * fma_iterations * static_cast<double>(fma_blocks) * fma_threads;
+    default: return 0.0;
+  }
 }
 
 }  // namespace kvc::bench::cuda

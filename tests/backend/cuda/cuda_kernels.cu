@@ -2,6 +2,9 @@
 // tests/backend/cuda/cuda_kernels.cu: device-side halves of the parity tests (see cuda_kernels.hpp).
 #include <kvc/backend/cuda/attention/attend.cuh>
 #include <kvc/backend/cuda/pipeline/compact.cuh>
+#include <kvc/backend/cuda/pipeline/query_statistics.cuh>
+#include <kvc/backend/cuda/scorers/expected_attention.cuh>
+#include <kvc/backend/cuda/scorers/h2o.cuh>
 #include <kvc/backend/cuda/scorers/key_diff.cuh>
 #include <kvc/backend/cuda/scorers/knorm.cuh>
 #include <kvc/backend/cuda/scorers/random.cuh>
@@ -75,7 +78,7 @@ struct Mirror {
   Index pages;  // per sequence
   std::vector<std::int32_t> table_host;
   DeviceBuffer<T> k, v, q;
-  DeviceBuffer<Index> lengths, positions;
+  DeviceBuffer<Index> lengths, positions, query_positions;
   DeviceBuffer<std::int32_t> table;
   DeviceBuffer<float> rope;
 
@@ -117,15 +120,16 @@ struct Mirror {
         q(narrow<T>(cs.queries)),
         lengths(cs.lengths),
         positions(cs.positions),
+        query_positions(cs.query_positions),
         table(table_host),
         rope(host_rope(cs)) {}
 
   static std::vector<float> host_rope(Case const& cs) {
     if (!cs.pre_rope)
       return {};
-    std::vector<float> s(static_cast<std::size_t>(rope_table_floats(4096, cs.e.dim)));
+    std::vector<float> s(static_cast<std::size_t>(rope_table_floats(test_rope_positions, cs.e.dim)));
     RopeTable<HostSpace> t;
-    (void)fill_rope_table(RopeSpec{}, cs.e.dim, 4096, s.data(), t);
+    (void)fill_rope_table(test_rope_spec(cs.rope_style), cs.e.dim, test_rope_positions, s.data(), t);
     return s;
   }
 
@@ -138,10 +142,11 @@ struct Mirror {
     if (!c.pre_rope)
       return {};
     Index const half = c.e.dim / 2;
-    return {rope.ptr, rope.ptr + 4096 * half, 4096, c.e.dim, RopeStyle::neox};
+    return {rope.ptr, rope.ptr + test_rope_positions * half, test_rope_positions, c.e.dim, c.rope_style};
   }
   WindowQueries<T, DeviceSpace> window() const {
-    return {TokenRows<T const, StridedLayout, DeviceSpace>(q.ptr, bhtd_layout(c.q_ext)), rope_table(), nullptr};
+    return {TokenRows<T const, StridedLayout, DeviceSpace>(q.ptr, bhtd_layout(c.q_ext)), rope_table(),
+            query_positions.get_or_null(!c.query_positions.empty())};
   }
 
   /// Calls fn(cache) with the device cache view in the case's layout.
@@ -257,6 +262,10 @@ std::string scores(std::string const& policy, Case const& c, std::vector<float>&
       return score_with(TOVAScorer{}, m, out);
     if (policy == "tova_kvpress")
       return score_with(TOVAScorer{Reference::kvpress}, m, out);
+    if (policy == "observed_attention")
+      return score_with(ObservedAttentionScorer{7}, m, out);
+    if (policy == "observed_attention_one_tile")
+      return score_with(ObservedAttentionScorer{256}, m, out);
     return std::string("unknown policy ") + policy;
   });
 }
@@ -380,6 +389,131 @@ std::string blockwise_key_diff(Case const& src, Index budget, Index block, std::
   len.to_host(lengths);
   pos.to_host(positions);
   return err;
+}
+
+std::string query_statistics(Dtype dtype, KVExtents q_ext, std::vector<float> const& rows, bool token_major,
+                             std::vector<Index> const& positions, StatisticsRows const& sel, bool covariance,
+                             std::vector<float>& mean, std::vector<float>& cov) {
+  return by_dtype(dtype, [&](auto tag) {
+    using T = decltype(tag);
+    StridedLayout const layout = token_major ? bthd_layout(q_ext) : bhtd_layout(q_ext);
+    std::vector<T> placed(rows.size());
+    for (Index b = 0; b < q_ext.batch; ++b)
+      for (Index h = 0; h < q_ext.heads; ++h)
+        for (Index t = 0; t < q_ext.tokens; ++t)
+          for (Index i = 0; i < q_ext.dim; ++i)
+            placed[static_cast<std::size_t>(layout.offset(b, h, t) + i)] = from_float<T>(
+                rows[static_cast<std::size_t>(((b * q_ext.heads + h) * q_ext.tokens + t) * q_ext.dim + i)]);
+    DeviceBuffer<T> q(placed);
+    DeviceBuffer<Index> pos(positions);
+    DeviceBuffer<float> mu(static_cast<std::size_t>(q_ext.batch * q_ext.heads * q_ext.dim)),
+        sigma(static_cast<std::size_t>(q_ext.batch * q_ext.heads * q_ext.dim * q_ext.dim));
+    std::size_t const bytes = query_statistics_workspace_bytes(Cuda{}, q_ext);
+    DeviceBuffer<unsigned char> ws(bytes);
+    std::string const err = finish(kvc::query_statistics(
+        Cuda{}, TokenRows<T const, StridedLayout, DeviceSpace>(q.ptr, layout), pos.get_or_null(!positions.empty()), sel,
+        mu.ptr, covariance ? sigma.ptr : nullptr, Workspace{ws.ptr, bytes}));
+    mu.to_host(mean);
+    if (covariance)
+      sigma.to_host(cov);
+    return err;
+  });
+}
+
+std::string expected_attention(Case const& c, EAInputs const& in, std::vector<float>& out) {
+  return by_dtype(c.dtype, [&](auto tag) {
+    Mirror<decltype(tag)> m(c);
+    Index const hq = in.query_heads;
+    DeviceBuffer<float> mean(in.mean), cov(in.cov);
+    DeviceBuffer<Index> next(in.next_position);
+    RopeSpec const spec = test_rope_spec(in.style, in.rotary_dim);
+    std::vector<float> table_host(
+        static_cast<std::size_t>(rope_table_floats(test_rope_positions, spec.rotated(c.e.dim))));
+    RopeTable<HostSpace> host_table;
+    if (!fill_rope_table(spec, c.e.dim, test_rope_positions, table_host.data(), host_table).ok())
+      return std::string("bad RopeSpec");
+    DeviceBuffer<float> table(table_host);
+    Index const half = spec.rotated(c.e.dim) / 2;
+    QueryStatistics<DeviceSpace> st{mean.ptr, cov.get_or_null(!in.cov.empty()), c.e.batch, hq, c.e.dim};
+    if (in.rope)
+      st.rope = {table.ptr, table.ptr + test_rope_positions * half, test_rope_positions, 2 * half, in.style};
+    st.next_position = next.get_or_null(!in.next_position.empty());
+    st.observed = in.observed;
+    DeviceBuffer<float> o(static_cast<std::size_t>(c.e.rows()));
+    std::string const err = m.with_cache([&](auto const& cache) {
+      auto const obs = observe(st);
+      std::size_t const bytes = score_workspace_bytes(Cuda{}, in.scorer, c.e, obs);
+      DeviceBuffer<unsigned char> ws(bytes);
+      return finish(score(Cuda{}, in.scorer, cache, obs,
+                          ScoreSpan<DeviceSpace>{o.ptr, c.e.batch, c.e.heads, c.e.tokens}, Workspace{ws.ptr, bytes}));
+    });
+    o.to_host(out);
+    return err;
+  });
+}
+
+std::string h2o(Case const& c, Index tile, std::vector<H2OStep> const& steps, std::vector<H2OResult>& results) {
+  return by_dtype(c.dtype, [&](auto tag) {
+    using T = decltype(tag);
+    Mirror<T> m(c);
+    KVExtents const e = c.e;
+    DeviceBuffer<float> acc(std::vector<float>(static_cast<std::size_t>(e.rows()), -5.0f));
+    DeviceBuffer<Index> tracked(std::vector<Index>(static_cast<std::size_t>(e.batch * e.heads), 0));
+    H2OScorer<DeviceSpace> const scorer{{{acc.ptr, e.batch, e.heads, e.tokens}, tracked.ptr}, tile};
+    results.clear();
+    return m.with_cache([&](auto const& cache) -> std::string {
+      for (H2OStep const& step : steps) {
+        if (step.append.e.tokens > 0) {
+          Mirror<T> src(step.append);
+          std::string const err = src.with_cache(
+              [&](auto const& sc) { return finish(kvc::append(Cuda{}, cache, sc, 0, step.append.e.tokens)); });
+          if (!err.empty())
+            return "append: " + err;
+        }
+        std::string err;
+        if (!step.columns.empty()) {
+          DeviceBuffer<float> cols(step.columns);
+          auto const obs = observe(AttentionColumnSums<DeviceSpace>{cols.ptr, e.batch, step.column_heads, e.tokens, 1});
+          std::size_t const bytes = update_workspace_bytes(Cuda{}, scorer, e, obs);
+          DeviceBuffer<unsigned char> ws(bytes);
+          err = finish(update(Cuda{}, scorer, cache, obs, Workspace{ws.ptr, bytes}));
+        } else {
+          DeviceBuffer<T> q(narrow<T>(step.queries));
+          WindowQueries<T, DeviceSpace> const wq{
+              TokenRows<T const, StridedLayout, DeviceSpace>(q.ptr, bhtd_layout(step.q_ext)), m.rope_table(), nullptr};
+          auto const obs = observe(wq);
+          std::size_t const bytes = update_workspace_bytes(Cuda{}, scorer, e, obs);
+          DeviceBuffer<unsigned char> ws(bytes);
+          err = finish(update(Cuda{}, scorer, cache, obs, Workspace{ws.ptr, bytes}));
+        }
+        if (!err.empty())
+          return "update: " + err;
+        H2OResult r;
+        acc.to_host(r.acc);
+        tracked.to_host(r.tracked);
+        DeviceBuffer<float> o(static_cast<std::size_t>(e.rows()));
+        std::size_t const bytes = score_workspace_bytes(Cuda{}, scorer, e);
+        DeviceBuffer<unsigned char> ws(bytes);
+        err = finish(score(Cuda{}, scorer, cache, ScoreSpan<DeviceSpace>{o.ptr, e.batch, e.heads, e.tokens},
+                           Workspace{ws.ptr, bytes}));
+        if (!err.empty())
+          return "score: " + err;
+        o.to_host(r.scores);
+        if (!step.count.empty()) {
+          DeviceBuffer<Index> idx(step.index), cnt(step.count);
+          KeepPlan<DeviceSpace> const plan{idx.ptr, cnt.ptr, e.batch, e.heads, e.tokens};
+          err = finish(on_evict(Cuda{}, scorer, cache, plan, Workspace{}));
+          if (err.empty())
+            err = finish(kvc::compact(Cuda{}, plan, cache, scorer.state.accumulated));
+          if (!err.empty())
+            return "evict: " + err;
+        }
+        m.lengths.to_host(r.lengths);
+        results.push_back(std::move(r));
+      }
+      return std::string();
+    });
+  });
 }
 
 }  // namespace kvc::test::cuda

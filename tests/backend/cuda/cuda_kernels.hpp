@@ -6,6 +6,9 @@
 #pragma once
 
 #include <kvc/core/extents.hpp>
+#include <kvc/core/rope.hpp>
+#include <kvc/pipeline/query_statistics.hpp>
+#include <kvc/scorers/expected_attention.hpp>
 #include <kvc/selectors/top_k.hpp>
 
 #include <string>
@@ -29,15 +32,75 @@ struct Case {
   Dtype dtype = Dtype::f32;
   std::vector<float> queries;  ///< [B, Hq, w, d] window (or attention) queries
   KVExtents q_ext{};
-  bool pre_rope = false;  ///< rotate queries with a NeoX table (theta 10000) covering 4096 positions
+  bool pre_rope = false;  ///< rotate queries with a table (theta 10000, `rope_style`) covering 4096 positions
+  RopeStyle rope_style = RopeStyle::neox;
+  std::vector<Index> query_positions;  ///< empty, or the window queries' positions [B, w]
 };
+
+/// The RoPE spec of the parity tests' tables (theta 10000, 4096 positions; `rotary_dim` 0 = the whole head dim).
+inline RopeSpec test_rope_spec(RopeStyle style, Index rotary_dim = 0) {
+  RopeSpec spec;
+  spec.style = style;
+  spec.rotary_dim = rotary_dim;
+  return spec;
+}
+inline constexpr Index test_rope_positions = 4096;
 
 /// Whether a CUDA device is present (the tests skip with "SKIPPED: no CUDA device" otherwise).
 bool device_available();
 
 /// Scores with the named policy: key_diff, key_diff_raw (the raw-mean anchor), knorm, streaming_llm, random,
-/// snap_kv, snap_kv_kvpress, tova, tova_kvpress (window policies read Case::queries with window_size = q_ext.tokens).
+/// snap_kv, snap_kv_kvpress, tova, tova_kvpress (window policies read Case::queries with window_size = q_ext.tokens),
+/// observed_attention (ObservedAttentionScorer over every row of Case::queries, query_tile 7: several tiles, the
+/// last one short) and observed_attention_one_tile (query_tile 256).
 std::string scores(std::string const& policy, Case const& c, std::vector<float>& out);
+
+/// kvc::query_statistics on the device: rows [B, Hq, R, d] (fp32, narrowed to `dtype`; token-major [B, R, Hq, d]
+/// in device memory when `token_major`), positions [B, R] (empty: none); covariance skipped when `covariance` is
+/// false. Returns mean [B, Hq, d] and covariance [B, Hq, d, d].
+std::string query_statistics(Dtype dtype, KVExtents q_ext, std::vector<float> const& rows, bool token_major,
+                             std::vector<Index> const& positions, StatisticsRows const& sel, bool covariance,
+                             std::vector<float>& mean, std::vector<float>& cov);
+
+/// ExpectedAttention's inputs besides the cache: statistics (host copies, mirrored to the device), the RoPE table
+/// they are averaged with (test_rope_spec(style, rotary_dim) over test_rope_positions rows, or none), t0 sources.
+struct EAInputs {
+  ExpectedAttentionScorer scorer{};
+  Index query_heads = 0;
+  std::vector<float> mean, cov;  ///< [B, Hq, d], [B, Hq, d, d] (cov may be empty without use_covariance)
+  bool rope = true;
+  RopeStyle style = RopeStyle::neox;
+  Index rotary_dim = 0;
+  std::vector<Index> next_position;  ///< [B] or empty
+  Index observed = 0;
+};
+
+/// ExpectedAttention scores of the case's cache on the device.
+std::string expected_attention(Case const& c, EAInputs const& in, std::vector<float>& out);
+
+/// One step of an H2O run (see h2o()): append, update, score, evict.
+struct H2OStep {
+  Case append;                 ///< tokens appended first (append.e.tokens == 0: none), with positions [B, H, m]
+  std::vector<float> queries;  ///< window queries [B, Hq, w, d] of the update (post-RoPE unless Case::pre_rope)
+  KVExtents q_ext{};
+  std::vector<float> columns;  ///< or the engine's column sums [B, column_heads, N] (used when non-empty)
+  Index column_heads = 0;
+  std::vector<Index> index, count;  ///< the plan applied after scoring (capacity N; empty: no eviction)
+};
+
+/// What an H2O step leaves: the accumulator [B, H, N] and tracked [B, H] after the update, the scores, and the
+/// cache's lengths after the step.
+struct H2OResult {
+  std::vector<float> acc;
+  std::vector<Index> tracked;
+  std::vector<float> scores;
+  std::vector<Index> lengths;
+};
+
+/// Runs H2OScorer<DeviceSpace> (query_tile `tile`) over `steps` on the device, the accumulator (filled with -5 at
+/// the start, tracked 0) moving through kvc::compact with the cache: per step, kvc::append, kvc::update, kvc::score,
+/// then kvc::on_evict and kvc::compact with the step's plan.
+std::string h2o(Case const& c, Index tile, std::vector<H2OStep> const& steps, std::vector<H2OResult>& results);
 
 /// Attention of Case::queries over the cache (causal by the cache's positions, queries at the context's last).
 std::string attend(Case const& c, std::vector<float>& out, std::vector<float>& lse);

@@ -1,10 +1,14 @@
 // SPDX-License-Identifier: Apache-2.0
 // tests/backend/cuda/parity_test.cpp: CUDA kernels against the CPU reference (the oracle), for every CUDA kernel:
 // the scorers (fp32/fp16/bf16; BHTD, BTHD and paged layouts; per-sequence and per-head lengths), top-k (ratio,
-// fixed and device per-head budgets), compaction, gather, append and attention. Tolerances are in docs/numerics.md.
-// Without a CUDA device every case prints "SKIPPED: no CUDA device" and ctest reports it skipped.
+// fixed and device per-head budgets), compaction, gather, append, attention, query statistics, ExpectedAttention,
+// H2O (update / evict / compact over several steps) and ObservedAttention. Tolerances are in docs/numerics.md and
+// beside each case. Without a CUDA device every case prints "SKIPPED: no CUDA device" and ctest reports it skipped.
 #include <kvc/backend/cpu/attention/attend.hpp>
 #include <kvc/backend/cpu/pipeline/compact.hpp>
+#include <kvc/backend/cpu/pipeline/query_statistics.hpp>
+#include <kvc/backend/cpu/scorers/expected_attention.hpp>
+#include <kvc/backend/cpu/scorers/h2o.hpp>
 #include <kvc/backend/cpu/scorers/key_diff.hpp>
 #include <kvc/backend/cpu/scorers/knorm.hpp>
 #include <kvc/backend/cpu/scorers/random.hpp>
@@ -20,6 +24,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <iterator>
 #include <limits>
 #include <string>
 #include <vector>
@@ -84,10 +89,12 @@ std::vector<float> cpu_scores(std::string const& policy, kc::Case const& c) {
   std::vector<T> q(c.queries.size());
   for (std::size_t i = 0; i < q.size(); ++i)
     q[i] = kvc::from_float<T>(c.queries[i]);
-  kvc::test::OwnedRope const rope({}, c.e.dim, 4096);
+  kvc::test::OwnedRope const rope(kc::test_rope_spec(c.rope_style), c.e.dim, kc::test_rope_positions);
   kvc::WindowQueries<T> wq{kvc::TokenRows<T const, kvc::StridedLayout>(q.data(), kvc::bhtd_layout(c.q_ext))};
   if (c.pre_rope)
     wq.rope = rope.table;
+  if (!c.query_positions.empty())
+    wq.positions = c.query_positions.data();
   auto const obs = kvc::observe(wq);
   kvc::test::OwnedScores out(c.e.batch, c.e.heads, c.e.tokens);
   auto run = [&](auto scorer) {
@@ -115,6 +122,12 @@ std::vector<float> cpu_scores(std::string const& policy, kc::Case const& c) {
     run(kvc::TOVAScorer{});
   else if (policy == "tova_kvpress")
     run(kvc::TOVAScorer{kvc::Reference::kvpress});
+  else if (policy == "observed_attention")
+    run(kvc::ObservedAttentionScorer{7});
+  else if (policy == "observed_attention_one_tile")
+    run(kvc::ObservedAttentionScorer{256});
+  else
+    FAIL("unknown policy " << policy);
   return out.data;
 }
 
@@ -127,6 +140,64 @@ void require_close(std::vector<float> const& gpu, std::vector<float> const& cpu,
       continue;
     }
     REQUIRE(std::abs(gpu[i] - cpu[i]) <= std::max(abs, rel * std::max(std::abs(cpu[i]), std::abs(gpu[i]))));
+  }
+}
+
+/// Per head (rows of `tokens`): finite entries agree within rel * max(|cpu|, |gpu|, floor * the head's largest
+/// |cpu|), so entries far below the head's scale are compared at the head's scale; -inf (padding) exactly.
+void require_close_in_head(std::vector<float> const& gpu, std::vector<float> const& cpu, Index tokens, float rel,
+                           float floor) {
+  REQUIRE(gpu.size() == cpu.size());
+  for (std::size_t row = 0; row < cpu.size(); row += static_cast<std::size_t>(tokens)) {
+    float top = 0.0f;
+    for (std::size_t i = row; i < row + static_cast<std::size_t>(tokens); ++i)
+      top = std::isfinite(cpu[i]) ? std::max(top, std::abs(cpu[i])) : top;
+    for (std::size_t i = row; i < row + static_cast<std::size_t>(tokens); ++i) {
+      INFO("entry " << i << ": gpu " << gpu[i] << " cpu " << cpu[i] << " head max " << top);
+      if (std::isinf(cpu[i])) {
+        REQUIRE(gpu[i] == cpu[i]);
+        continue;
+      }
+      REQUIRE(std::isfinite(gpu[i]));
+      REQUIRE(std::abs(gpu[i] - cpu[i]) <= rel * std::max({std::abs(cpu[i]), std::abs(gpu[i]), floor * top}));
+    }
+  }
+}
+
+/// The CPU selector `sel` run on the GPU's and on the CPU's scores keeps the same slots per head, except slots whose
+/// CPU score lies within `2 * rel * max(|score|, floor * head max)` of the head's selection boundary (the lowest kept
+/// CPU score): near-ties that fp32 rounding may order either way.
+template <class Sel>
+void require_same_kept(Sel const& sel, std::vector<float> const& gpu, std::vector<float> const& cpu, kvc::KVExtents e,
+                       std::vector<Index> const& lengths, bool per_head, float rel, float floor) {
+  std::vector<Index> table = lengths;
+  kvc::Lengths const len = table.empty() ? kvc::Lengths{}
+                           : per_head    ? kvc::head_lengths(table.data(), e.heads)
+                                         : kvc::Lengths(table.data());
+  auto keep = [&](std::vector<float> const& scores) {
+    kvc::test::OwnedPlan plan(e.batch, e.heads, e.tokens);
+    kvc::ScoreSpan<> const span{const_cast<float*>(scores.data()), e.batch, e.heads, e.tokens, len};
+    kvc::test::OwnedWorkspace ws(kvc::select_workspace_bytes(kvc::Cpu{}, sel, e.batch, e.heads, e.tokens));
+    REQUIRE(kvc::select(kvc::Cpu{}, sel, span, plan.plan, ws.get()).ok());
+    return plan;
+  };
+  auto const a = keep(cpu), b = keep(gpu);
+  for (Index bh = 0; bh < e.batch * e.heads; ++bh) {
+    std::vector<Index> const ka = a.kept(bh / e.heads, bh % e.heads), kb = b.kept(bh / e.heads, bh % e.heads);
+    if (ka == kb)
+      continue;
+    float const* row = cpu.data() + bh * e.tokens;
+    float boundary = std::numeric_limits<float>::infinity(), top = 0.0f;
+    for (Index j : ka)
+      boundary = std::min(boundary, row[j]);
+    for (Index j = 0; j < e.tokens; ++j)
+      top = std::isfinite(row[j]) ? std::max(top, std::abs(row[j])) : top;
+    std::vector<Index> diff;
+    std::set_symmetric_difference(ka.begin(), ka.end(), kb.begin(), kb.end(), std::back_inserter(diff));
+    for (Index j : diff) {
+      INFO("head " << bh << " slot " << j << ": cpu score " << row[j] << ", boundary " << boundary);
+      REQUIRE(std::abs(row[j] - boundary) <= 2.0f * rel * std::max(std::abs(row[j]), floor * top));
+    }
   }
 }
 
@@ -433,4 +504,351 @@ TEST_CASE("cuda: the block-wise driver runs on the device and keeps the CPU's po
         REQUIRE(positions[static_cast<std::size_t>(bh * cap + j)] ==
                 work.positions[static_cast<std::size_t>(bh * cap + j)]);
   }
+}
+
+namespace {
+
+/// Pre-RoPE query rows [B, Hq, R, d] with correlated channels and a per-channel mean: x = offset + 0.05 (c mod 7) +
+/// scale (z_c + 0.7 z_{c+1}).
+std::vector<float> query_rows(kvc::KVExtents qe, float offset, float scale, std::uint64_t seed) {
+  auto const z = kvc::tools::random_values<float>(qe.rows() * qe.dim, seed);
+  std::vector<float> x(z.size());
+  for (Index r = 0; r < qe.rows(); ++r)
+    for (Index c = 0; c < qe.dim; ++c) {
+      auto const at = static_cast<std::size_t>(r * qe.dim + c);
+      auto const next = static_cast<std::size_t>(r * qe.dim + (c + 1) % qe.dim);
+      x[at] = offset + 0.05f * static_cast<float>(c % 7) + scale * (z[at] + 0.7f * z[next]);
+    }
+  return x;
+}
+
+/// kvc::query_statistics on the CPU over BHTD rows narrowed to T (the device side's rounding).
+template <class T>
+void cpu_statistics(kvc::KVExtents qe, std::vector<float> const& rows, std::vector<Index> const& positions,
+                    kvc::StatisticsRows sel, std::vector<float>& mean, std::vector<float>& cov) {
+  std::vector<T> q(rows.size());
+  for (std::size_t i = 0; i < q.size(); ++i)
+    q[i] = kvc::from_float<T>(rows[i]);
+  mean.assign(static_cast<std::size_t>(qe.batch * qe.heads * qe.dim), -9.0f);
+  cov.assign(static_cast<std::size_t>(qe.batch * qe.heads * qe.dim * qe.dim), -9.0f);
+  kvc::test::OwnedWorkspace ws(kvc::query_statistics_workspace_bytes(kvc::Cpu{}, qe));
+  REQUIRE(kvc::query_statistics(kvc::Cpu{}, kvc::TokenRows<T const, kvc::StridedLayout>(q.data(), kvc::bhtd_layout(qe)),
+                                positions.empty() ? nullptr : positions.data(), sel, mean.data(), cov.data(), ws.get())
+              .ok());
+}
+
+/// ExpectedAttention on the CPU with the same inputs as kc::expected_attention.
+template <class T>
+std::vector<float> cpu_expected_attention(kc::Case const& c, kc::EAInputs const& in) {
+  auto const h = host_cache<T>(c);
+  kvc::test::OwnedRope const rope(kc::test_rope_spec(in.style, in.rotary_dim), c.e.dim, kc::test_rope_positions);
+  kvc::QueryStatistics<> st{in.mean.data(), in.cov.empty() ? nullptr : in.cov.data(), c.e.batch, in.query_heads,
+                            c.e.dim};
+  if (in.rope)
+    st.rope = rope.table;
+  st.next_position = in.next_position.empty() ? nullptr : in.next_position.data();
+  st.observed = in.observed;
+  auto const obs = kvc::observe(st);
+  kvc::test::OwnedScores out(c.e.batch, c.e.heads, c.e.tokens);
+  kvc::test::OwnedWorkspace ws(kvc::score_workspace_bytes(kvc::Cpu{}, in.scorer, c.e, obs));
+  REQUIRE(kvc::score(kvc::Cpu{}, in.scorer, h.view(), obs, out.span, ws.get()).ok());
+  return out.data;
+}
+
+template <class Fn>
+void by_host_dtype(kc::Dtype d, Fn&& fn) {
+  if (d == kc::Dtype::f32)
+    fn(float{});
+  else if (d == kc::Dtype::f16)
+    fn(kvc::half{});
+  else
+    fn(kvc::bfloat16{});
+}
+
+}  // namespace
+
+TEST_CASE(
+    "cuda: query statistics match the CPU (fp32/fp16, sink, skip and count rules, positions in ring order, "
+    "token-major rows, three row splits, |mu| >> sigma, mean and covariance 1e-5 relative)",
+    "[cuda][query_statistics]") {
+  KVC_REQUIRE_DEVICE();
+  // 9000 rows: three row splits on the device; d = 64 is one covariance tile, d = 80 three (one partial).
+  // Tolerance: the mean within 1e-5 of max(|mean|, sigma_c), a covariance entry within 1e-5 of
+  // max(|Sigma_ij|, sqrt(Sigma_ii Sigma_jj)) (correlation units: fp32 rounding of the products scales with the
+  // channels' spread, not with an off-diagonal entry that happens to be near 0).
+  struct Rule {
+    kvc::StatisticsRows sel;
+    bool positions;
+  };
+  std::vector<Rule> const rules = {{{.n_sink = 4}, false},
+                                   {{.n_sink = 4500}, true},
+                                   {{.skip_rows = 3, .count = 8000}, false},
+                                   {{.n_sink = 2, .skip_rows = 1, .count = 40}, true},
+                                   {{.count = 0}, false}};
+  for (kvc::KVExtents const qe : {kvc::KVExtents{2, 4, 9000, 64}, kvc::KVExtents{1, 3, 9000, 80}})
+    for (auto dtype : {kc::Dtype::f32, kc::Dtype::f16})
+      for (float offset : {0.0f, 100.0f})
+        for (bool token_major : {false, true})
+          for (std::size_t k = 0; k < rules.size(); ++k) {
+            std::vector<Index> ring(static_cast<std::size_t>(qe.batch * qe.tokens));
+            for (Index b = 0; b < qe.batch; ++b)
+              for (Index i = 0; i < qe.tokens; ++i)  // gcd(7, 9000) = 1: a permutation of the positions
+                ring[static_cast<std::size_t>(b * qe.tokens + i)] = (i * 7 + 11 * b) % qe.tokens;
+            INFO("dim " << qe.dim << " dtype " << static_cast<int>(dtype) << " offset " << offset << " token_major "
+                        << token_major << " rule " << k);
+            auto const rows = query_rows(qe, offset, 1.0f, 5 + k);
+            std::vector<Index> const positions = rules[k].positions ? ring : std::vector<Index>{};
+            std::vector<float> cpu_mean, cpu_cov, gpu_mean, gpu_cov;
+            by_host_dtype(dtype, [&](auto tag) {
+              cpu_statistics<decltype(tag)>(qe, rows, positions, rules[k].sel, cpu_mean, cpu_cov);
+            });
+            REQUIRE(kc::query_statistics(dtype, qe, rows, token_major, positions, rules[k].sel, true, gpu_mean,
+                                         gpu_cov) == "");
+            Index const d = qe.dim;
+            for (Index item = 0; item < qe.batch * qe.heads; ++item)
+              for (Index i = 0; i < d; ++i) {
+                auto const at = static_cast<std::size_t>(item * d + i);
+                float const var_i = cpu_cov[static_cast<std::size_t>((item * d + i) * d + i)];
+                INFO("head " << item << " channel " << i << ": mean gpu " << gpu_mean[at] << " cpu " << cpu_mean[at]);
+                REQUIRE(std::abs(gpu_mean[at] - cpu_mean[at]) <=
+                        1e-5f * std::max(std::abs(cpu_mean[at]), std::sqrt(std::max(var_i, 0.0f))));
+                for (Index j = 0; j < d; ++j) {
+                  auto const ij = static_cast<std::size_t>((item * d + i) * d + j);
+                  float const var_j = cpu_cov[static_cast<std::size_t>((item * d + j) * d + j)];
+                  INFO("cov (" << i << ", " << j << "): gpu " << gpu_cov[ij] << " cpu " << cpu_cov[ij]);
+                  REQUIRE(std::abs(gpu_cov[ij] - cpu_cov[ij]) <=
+                          1e-5f * std::max(std::abs(cpu_cov[ij]), std::sqrt(std::max(var_i * var_j, 0.0f))));
+                }
+              }
+          }
+  // The mean alone (covariance null) is the same mean.
+  kvc::KVExtents const qe{2, 4, 9000, 64};
+  auto const rows = query_rows(qe, 0.0f, 1.0f, 3);
+  std::vector<float> with_cov, cov, alone, none;
+  REQUIRE(kc::query_statistics(kc::Dtype::f32, qe, rows, false, {}, {.n_sink = 4}, true, with_cov, cov) == "");
+  REQUIRE(kc::query_statistics(kc::Dtype::f32, qe, rows, false, {}, {.n_sink = 4}, false, alone, none) == "");
+  CHECK(alone == with_cov);
+}
+
+TEST_CASE(
+    "cuda: expected_attention matches the CPU (fp32/fp16, NeoX/interleaved/partial/no RoPE, GQA 2 and 4, ragged "
+    "heads, t0 from the context/next_position/observed, every option, 1e-4 relative, kept sets equal but near-ties)",
+    "[cuda][expected_attention]") {
+  KVC_REQUIRE_DEVICE();
+  // Tolerance: 1e-4 of max(|cpu|, 1e-2 * the head's largest score). The logits are fp32 dot products of d and d^2
+  // terms summed in another order (a few 1e-6 absolute at |lambda| ~ 10), the CPU's softmax denominator is a
+  // sequential fp32 sum (up to n * 2^-24 relative), and exp differs by an ulp or two: together well under 1e-4 of a
+  // probability; scores far below the head's largest are compared at 1e-2 of it.
+  using Set = void (*)(kc::EAInputs&);
+  std::vector<std::pair<char const*, Set>> const variants = {
+      {"default", [](kc::EAInputs&) {}},
+      {"kvpress_observed",
+       [](kc::EAInputs& in) {
+         in.scorer.reference = kvc::Reference::kvpress;
+         in.observed = 290;
+       }},
+      {"next_position",
+       [](kc::EAInputs& in) {
+         in.next_position = {1000, 2000};
+       }},
+      {"no_covariance",
+       [](kc::EAInputs& in) {
+         in.scorer.use_covariance = false;
+         in.cov.clear();
+       }},
+      {"gqa_max_normalize_sinks",
+       [](kc::EAInputs& in) {
+         in.scorer.gqa = kvc::GqaReduce::max;
+         in.scorer.normalize_sinks = true;
+       }},
+      {"no_vnorm_scale",
+       [](kc::EAInputs& in) {
+         in.scorer.use_vnorm = false;
+         in.scorer.epsilon = 0.0f;
+         in.scorer.scale = 0.2f;
+       }},
+      {"no_sinks_t1",
+       [](kc::EAInputs& in) {
+         in.scorer.n_sink = 0;
+         in.scorer.n_future_positions = 1;
+       }},
+      {"no_rope", [](kc::EAInputs& in) { in.rope = false; }},
+      {"partial_rotary", [](kc::EAInputs& in) { in.rotary_dim = 32; }},
+      {"every_slot_a_sink", [](kc::EAInputs& in) { in.scorer.n_sink = 400; }},
+  };
+  // d = 64 is one 64-column pass of the logit kernel; d = 96 two (one partial) and three staged blocks of Σ̄;
+  // d = 256 needs 76 KiB of shared memory for the key tile (the kernel opts in past 48 KiB).
+  for (auto dtype : {kc::Dtype::f32, kc::Dtype::f16})
+    for (auto style : {kvc::RopeStyle::neox, kvc::RopeStyle::interleaved})
+      for (auto [group, d] : {std::pair<Index, Index>{2, 64}, {4, 64}, {4, 96}, {2, 256}}) {
+        auto c = random_case({2, 2, 300, d}, 2 * group, 8, true, 31 + static_cast<std::uint64_t>(group));
+        c.dtype = dtype;
+        kc::EAInputs base;
+        base.query_heads = 2 * group;
+        base.style = style;
+        // Statistics from structured pre-RoPE rows (spread 2.5: peaked attention).
+        auto const rows = query_rows({2, 2 * group, 256, d}, 0.0f, 2.5f, 77);
+        cpu_statistics<float>({2, 2 * group, 256, d}, rows, {}, {.n_sink = 4}, base.mean, base.cov);
+        for (auto const& [name, set] : variants) {
+          kc::EAInputs in = base;
+          set(in);
+          INFO(name << " dtype " << static_cast<int>(dtype) << " style " << static_cast<int>(style) << " group "
+                    << group << " dim " << d);
+          std::vector<float> gpu, cpu;
+          REQUIRE(kc::expected_attention(c, in, gpu) == "");
+          by_host_dtype(dtype, [&](auto tag) { cpu = cpu_expected_attention<decltype(tag)>(c, in); });
+          require_close_in_head(gpu, cpu, c.e.tokens, 1e-4f, 1e-2f);
+          require_same_kept(kvc::TopKSelector{kvc::RatioBudget{0.5}}, gpu, cpu, c.e, c.lengths, c.per_head, 1e-4f,
+                            1e-2f);
+        }
+      }
+}
+
+TEST_CASE(
+    "cuda: H2O's accumulator follows the CPU through updates (window queries in tiles of 7 or 256 rows, the "
+    "engine's column sums), evictions with compaction and appends (fp32/fp16, GQA 2 and 4, pre-/post-RoPE, 1e-5 "
+    "relative)",
+    "[cuda][h2o]") {
+  KVC_REQUIRE_DEVICE();
+  // Tolerance: the accumulator (and the scores, which are it) within 1e-5 of max(|cpu|, 1e-2 * the head's largest):
+  // column sums of fp32 probabilities whose logits differ only in summation order (~1e-6), then the same fp32 adds
+  // on both sides. tracked and the lengths exactly.
+  Index const batch = 2, hkv = 2, n_cap = 200, d = 64;
+  Index const appends[] = {0, 5, 1, 3}, windows[] = {24, 5, 0, 3};  // step 2 feeds the engine's column sums
+  for (auto dtype : {kc::Dtype::f32, kc::Dtype::f16})
+    for (Index group : {2, 4})
+      for (Index tile : {7, 256})
+        for (bool pre_rope : {false, true}) {
+          Index const hq = group * hkv;
+          auto c = random_case({batch, hkv, n_cap, d}, hq, 1, true, 41);
+          c.dtype = dtype;
+          c.pre_rope = pre_rope;
+          c.rope_style = group == 4 ? kvc::RopeStyle::interleaved : kvc::RopeStyle::neox;
+          c.lengths = {150, 141, 147, 133};
+          c.positions.resize(static_cast<std::size_t>(c.e.rows()));
+          for (std::size_t i = 0; i < c.positions.size(); ++i)
+            c.positions[i] = static_cast<Index>(i) % n_cap;
+          INFO("dtype " << static_cast<int>(dtype) << " group " << group << " tile " << tile << " pre_rope "
+                        << pre_rope);
+          std::vector<kc::H2OStep> steps(4);
+          std::vector<kc::H2OResult> want;
+          std::vector<std::vector<Index>> scored_lengths;
+          by_host_dtype(dtype, [&](auto tag) {
+            using T = decltype(tag);
+            auto host = host_cache<T>(c);
+            std::vector<float> acc(static_cast<std::size_t>(c.e.rows()), -5.0f);
+            std::vector<Index> tracked(static_cast<std::size_t>(batch * hkv), 0);
+            kvc::H2OScorer<> const s{{{acc.data(), batch, hkv, n_cap}, tracked.data()}, tile};
+            kvc::test::OwnedRope const rope(kc::test_rope_spec(c.rope_style), d, kc::test_rope_positions);
+            Index next_position = 150;  // one past the longest head's last position
+            for (std::size_t k = 0; k < steps.size(); ++k) {
+              kc::H2OStep& step = steps[k];
+              if (appends[k] > 0) {
+                step.append = random_case({batch, hkv, appends[k], d}, hq, 1, false, 100 + k);
+                step.append.lengths.clear();
+                step.append.dtype = dtype;
+                for (Index i = 0; i < step.append.e.rows(); ++i)
+                  step.append.positions.push_back(next_position + i % appends[k]);
+                next_position += appends[k];
+                auto const src = host_cache<T>(step.append);
+                REQUIRE(kvc::append(kvc::Cpu{}, host.view(), src.view()).ok());
+              }
+              if (windows[k] == 0) {
+                step.columns = kvc::tools::random_values<float>(batch * hq * n_cap, 200 + k);
+                for (float& x : step.columns)
+                  x = std::abs(x);
+                step.column_heads = hq;
+                auto const obs = kvc::observe(kvc::AttentionColumnSums<>{step.columns.data(), batch, hq, n_cap, 1});
+                REQUIRE(kvc::update(kvc::Cpu{}, s, host.view(), obs, {}).ok());
+              } else {
+                step.q_ext = {batch, hq, windows[k], d};
+                step.queries = kvc::tools::random_values<float>(step.q_ext.rows() * d, 300 + k, 1.5f);
+                std::vector<T> q(step.queries.size());
+                for (std::size_t i = 0; i < q.size(); ++i)
+                  q[i] = kvc::from_float<T>(step.queries[i]);
+                kvc::WindowQueries<T> wq{
+                    kvc::TokenRows<T const, kvc::StridedLayout>(q.data(), kvc::bhtd_layout(step.q_ext))};
+                if (pre_rope)
+                  wq.rope = rope.table;
+                auto const obs = kvc::observe(wq);
+                kvc::test::OwnedWorkspace ws(kvc::update_workspace_bytes(kvc::Cpu{}, s, host.ext, obs));
+                REQUIRE(kvc::update(kvc::Cpu{}, s, host.view(), obs, ws.get()).ok());
+              }
+              kc::H2OResult r;
+              r.acc = acc;
+              r.tracked = tracked;
+              kvc::test::OwnedScores out(batch, hkv, n_cap);
+              REQUIRE(kvc::score(kvc::Cpu{}, s, host.view(), out.span, {}).ok());
+              r.scores = out.data;
+              scored_lengths.push_back(host.lengths);
+              if (k + 1 < steps.size()) {  // evict every third slot (shifting with the step and head), then compact
+                step.index.assign(static_cast<std::size_t>(batch * hkv * n_cap), -1);
+                step.count.assign(static_cast<std::size_t>(batch * hkv), 0);
+                for (Index bh = 0; bh < batch * hkv; ++bh) {
+                  Index kept = 0;
+                  for (Index j = 0; j < host.lengths[static_cast<std::size_t>(bh)]; ++j)
+                    if ((j + static_cast<Index>(k) + bh) % 3 != 0)
+                      step.index[static_cast<std::size_t>(bh * n_cap + kept++)] = j;
+                  step.count[static_cast<std::size_t>(bh)] = kept;
+                }
+                kvc::KeepPlan<> const plan{step.index.data(), step.count.data(), batch, hkv, n_cap};
+                REQUIRE(kvc::on_evict(kvc::Cpu{}, s, host.view(), plan, {}).ok());
+                REQUIRE(kvc::compact(kvc::Cpu{}, plan, host.view(), s.state.accumulated).ok());
+              }
+              r.lengths = host.lengths;
+              want.push_back(r);
+            }
+          });
+          std::vector<kc::H2OResult> got;
+          REQUIRE(kc::h2o(c, tile, steps, got) == "");
+          REQUIRE(got.size() == want.size());
+          for (std::size_t k = 0; k < want.size(); ++k) {
+            INFO("step " << k);
+            CHECK(got[k].tracked == want[k].tracked);
+            CHECK(got[k].lengths == want[k].lengths);
+            auto valid = [&](std::vector<float> a) {  // slots past a head's length hold stale values: masked
+              for (Index bh = 0; bh < batch * hkv; ++bh)
+                for (Index j = want[k].tracked[static_cast<std::size_t>(bh)]; j < n_cap; ++j)
+                  a[static_cast<std::size_t>(bh * n_cap + j)] = -std::numeric_limits<float>::infinity();
+              return a;
+            };
+            require_close_in_head(valid(got[k].acc), valid(want[k].acc), n_cap, 1e-5f, 1e-2f);
+            require_close_in_head(got[k].scores, want[k].scores, n_cap, 1e-5f, 1e-2f);
+            require_same_kept(kvc::TopKSelector{kvc::FixedBudget{60}}, got[k].scores, want[k].scores, c.e,
+                              scored_lengths[k], true, 1e-5f, 1e-2f);
+          }
+        }
+}
+
+TEST_CASE(
+    "cuda: ObservedAttention matches the CPU (every window query in tiles of 7 or 256 rows, default and explicit "
+    "query positions, pre-/post-RoPE, fp32/fp16, GQA 2 and 4, ragged heads, 1e-5 relative, kept sets equal but "
+    "near-ties)",
+    "[cuda][h2o]") {
+  KVC_REQUIRE_DEVICE();
+  // Tolerance: 1e-5 of max(|cpu|, 1e-2 * the head's largest score), as H2O's accumulator (same column sums).
+  for (auto dtype : {kc::Dtype::f32, kc::Dtype::f16})
+    for (Index group : {2, 4})
+      for (char const* policy : {"observed_attention", "observed_attention_one_tile"})
+        for (bool explicit_positions : {false, true})
+          for (bool pre_rope : {false, true}) {
+            auto c = random_case({2, 2, 300, 64}, 2 * group, 40, true, 29);
+            c.dtype = dtype;
+            c.pre_rope = pre_rope;
+            c.rope_style = group == 4 ? kvc::RopeStyle::interleaved : kvc::RopeStyle::neox;
+            for (float& x : c.queries)
+              x *= 0.6f;             // spread 1.5
+            if (explicit_positions)  // unordered, some repeated, some before the heads' last slots
+              for (Index b = 0; b < 2; ++b)
+                for (Index i = 0; i < 40; ++i)
+                  c.query_positions.push_back(300 - 3 * b - 1 - (i * 7) % 60);
+            INFO(policy << " dtype " << static_cast<int>(dtype) << " group " << group << " explicit positions "
+                        << explicit_positions << " pre_rope " << pre_rope);
+            std::vector<float> gpu, cpu;
+            REQUIRE(kc::scores(policy, c, gpu) == "");
+            by_host_dtype(dtype, [&](auto tag) { cpu = cpu_scores<decltype(tag)>(policy, c); });
+            require_close_in_head(gpu, cpu, c.e.tokens, 1e-5f, 1e-2f);
+            require_same_kept(kvc::TopKSelector{kvc::RatioBudget{0.5}}, gpu, cpu, c.e, c.lengths, c.per_head, 1e-5f,
+                              1e-2f);
+          }
 }

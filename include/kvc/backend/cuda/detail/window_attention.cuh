@@ -1,15 +1,19 @@
 // SPDX-License-Identifier: Apache-2.0
-// kvc/backend/cuda/detail/window_attention.cuh: the shared window-attention kernels on CUDA (SnapKV, TOVA; H2O and
-// MomentKV next): per query head, the column sums over R window queries of the causal softmax attention over each
-// KV head's slots. Three launches, never more than one logit per thread in flight:
+// kvc/backend/cuda/detail/window_attention.cuh: the shared window-attention kernels on CUDA (SnapKV, TOVA, H2O and
+// ObservedAttention; MomentKV next): per query head, the column sums over window query rows [first, last) of the
+// causal softmax attention over each KV head's slots. Three launches, never more than one logit per thread in
+// flight:
 //   1. prepare: each window query widened to fp32 and rotated to its position (RoPE table lookups), positions;
 //   2. lse: one warp per query row, lanes over slots: the row's log-sum-exp;
-//   3. columns: one thread per slot of a KV head, looping over the g * R rows of its group: sum of exp(l - lse).
-// Same definition as the CPU kernel (backend/cpu/detail/window_attention.hpp); parity is tested within fp32
-// rounding (different summation order).
+//   3. columns: one thread per slot of a KV head, looping over the g * R rows of its group: sum of exp(l - lse),
+//      written or (`accumulate`) added to the column sums, so long query ranges run in tiles of rows.
+// Same definition as the CPU kernel (backend/cpu/detail/window_attention.hpp, window_attention_columns with its row
+// range and `accumulate` flag); parity is tested within fp32 rounding (different summation order). No atomics:
+// every column sum is written by one thread, in a fixed row order, so results are deterministic.
 #pragma once
 
 #include <kvc/backend/cuda/config.cuh>
+#include <kvc/backend/cuda/detail/block_reduce.cuh>  // block_max (used by the window scorers' finish kernels)
 #include <kvc/backend/cuda/detail/logits.cuh>
 #include <kvc/core/observations.hpp>
 #include <kvc/core/workspace.hpp>
@@ -22,7 +26,8 @@ namespace kvc::backend::cuda {
 inline constexpr int window_threads = 256;
 inline constexpr int window_lse_warps = 8;
 
-/// Device workspace of the window attention for R rows per query head (aligned pieces, see WindowScratch::carve).
+/// Device workspace of the window attention for R rows per query head (aligned pieces, see WindowScratch::carve). A
+/// pass over fewer rows (the last tile of a range) uses a prefix of `q`, `q_pos` and `lse`, indexed with its own count.
 struct WindowScratch {
   float* q = nullptr;       ///< [B, Hq, R, d] rotated fp32 queries
   Index* q_pos = nullptr;   ///< [B, R] query positions
@@ -56,7 +61,7 @@ __global__ void window_prepare_kernel(WQ wq, C cache, Index first, Index rows, W
     end = wq.positions ? 0 : context_end(cache, b);
   __syncthreads();
   for (Index r = 0; r < rows; ++r) {
-    Index pos = wq.positions ? wq.positions[b * w + first + r] : end - w + first + r;
+    Index pos = wq.positions ? wq.given_position(b, first + r) : end - w + first + r;
     if (hq == 0 && threadIdx.x == 0)
       s.q_pos[b * rows + r] = pos;
     auto const* src = wq.rows.row(b, hq, first + r);
@@ -95,9 +100,10 @@ __global__ void window_lse_kernel(C cache, Index query_heads, Index rows, float 
 }
 
 /// Grid (slot blocks, Hkv, B): one thread per slot j of KV head h; colsum[b, q, j] for each query head q of h's
-/// group, summed over the R rows.
+/// group, summed over the R rows, written (or added to what is there, with `accumulate`). Padding slots get 0.
 template <class C>
-__global__ void window_columns_kernel(C cache, Index query_heads, Index rows, float scale, WindowScratch s) {
+__global__ void window_columns_kernel(C cache, Index query_heads, Index rows, float scale, WindowScratch s,
+                                      bool accumulate) {
   KVExtents const e = cache.keys.extents();
   Index const b = blockIdx.z, h = blockIdx.y, g = query_heads / e.heads, d = e.dim;
   Index const n = clamp_length(cache.length(b, h), e.tokens);
@@ -118,15 +124,22 @@ __global__ void window_columns_kernel(C cache, Index query_heads, Index rows, fl
         float const* q = s.q + ((b * query_heads + hq) * rows + r) * d;
         sum += expf(slot_logit(cache, b, h, j, q, pos, scale, false) - s.lse[(b * query_heads + hq) * rows + r]);
       }
-      s.colsum[(b * query_heads + hq) * e.tokens + j] = sum;
+      float& out = s.colsum[(b * query_heads + hq) * e.tokens + j];
+      out = accumulate ? out + sum : sum;
     }
   }
 }
 
-/// Enqueues the three kernels for rows [first, first + rows) of the window queries.
+/// Enqueues the three kernels for window query rows [first, last) (the scratch holds at least last - first rows):
+/// the column sums overwrite `s.colsum`, or are added to it with `accumulate` (callers tile a long query range:
+/// H2O's update, ObservedAttention), as the CPU's window_attention_columns.
 template <class WQ, class C>
-Status window_attention(Cuda const& cuda, WQ const& wq, C const& cache, Index first, Index rows, WindowScratch s) {
+Status window_attention(Cuda const& cuda, WQ const& wq, C const& cache, Index first, Index last, WindowScratch s,
+                        bool accumulate) {
   KVExtents const q = wq.rows.extents(), e = cache.keys.extents();
+  Index const rows = last - first;
+  if (rows <= 0)
+    return {};
   float const scale = 1.0f / sqrtf(static_cast<float>(e.dim));
   window_prepare_kernel<<<dim3(static_cast<unsigned>(q.heads), static_cast<unsigned>(q.batch)), 128, 0, cuda.stream>>>(
       wq, cache, first, rows, s);
@@ -135,7 +148,7 @@ Status window_attention(Cuda const& cuda, WQ const& wq, C const& cache, Index fi
                       window_lse_warps * warp_size, 0, cuda.stream>>>(cache, q.heads, rows, scale, s);
   window_columns_kernel<<<dim3(grid_dim((e.tokens + window_threads - 1) / window_threads, 4096),
                                static_cast<unsigned>(e.heads), static_cast<unsigned>(e.batch)),
-                          window_threads, 0, cuda.stream>>>(cache, q.heads, rows, scale, s);
+                          window_threads, 0, cuda.stream>>>(cache, q.heads, rows, scale, s, accumulate);
   return launch_status("kvc::score(window attention, Cuda): kernel launch failed");
 }
 
@@ -153,20 +166,6 @@ Status check_window(WQ const& wq, C const& cache, Index rows_used, char const* w
     return {Errc::invalid_argument, "RopeTable: needs cos, sin, positions > 0 and an even rotary_dim <= head dim"};
   KVC_RETURN_IF_ERROR(head_grid_status(q.batch, q.heads, "kvc::score(Cuda): batch and query heads must be <= 65535"));
   return {};
-}
-
-/// Block-wide max of one value per thread (blockDim.x a multiple of 32, at most 1024).
-__device__ inline float block_max(float x, float* scratch) {
-  int const warp = static_cast<int>(threadIdx.x) / warp_size, lane = static_cast<int>(threadIdx.x) % warp_size;
-  x = warp_max(x);
-  if (lane == 0)
-    scratch[warp] = x;
-  __syncthreads();
-  int const warps = static_cast<int>(blockDim.x) / warp_size;
-  x = lane < warps ? scratch[lane] : -CUDART_INF_F;
-  x = warp_max(x);
-  __syncthreads();
-  return x;
 }
 
 }  // namespace kvc::backend::cuda

@@ -132,7 +132,8 @@ struct Kernel<SnapKVScorer, Cuda> {
     if (e.batch * e.heads == 0 || e.tokens == 0)
       return {};
     KVC_RETURN_IF_ERROR(bc::pending_status());
-    KVC_RETURN_IF_ERROR(bc::window_attention(cuda, wq, cache, wq.window() - s.window_size, s.window_size, scratch));
+    KVC_RETURN_IF_ERROR(
+        bc::window_attention(cuda, wq, cache, wq.window() - s.window_size, wq.window(), scratch, false));
     bc::snap_kv_finish_kernel<<<dim3(static_cast<unsigned>(e.heads), static_cast<unsigned>(e.batch)),
                                 bc::finish_threads, 0, cuda.stream>>>(s, cache, hq, s.window_size, scratch, out);
     return bc::launch_status("kvc::score(snap_kv, Cuda): kernel launch failed");
@@ -164,7 +165,7 @@ struct Kernel<TOVAScorer, Cuda> {
     if (e.batch * e.heads == 0 || e.tokens == 0)
       return {};
     KVC_RETURN_IF_ERROR(bc::pending_status());
-    KVC_RETURN_IF_ERROR(bc::window_attention(cuda, wq, cache, wq.window() - 1, 1, scratch));
+    KVC_RETURN_IF_ERROR(bc::window_attention(cuda, wq, cache, wq.window() - 1, wq.window(), scratch, false));
     bc::tova_finish_kernel<<<static_cast<unsigned>(e.batch), bc::finish_threads, 0, cuda.stream>>>(s, cache, hq,
                                                                                                    scratch, out);
     return bc::launch_status("kvc::score(tova, Cuda): kernel launch failed");
