@@ -15,6 +15,8 @@
 //
 // The engine's step, per layer: append the new tokens' K and V (kvc::append), write their pre-RoPE queries and
 // positions into the QueryBuffer (QueryBuffer::row, then QueryBuffer::push), attend, then kvc::decode_step.
+// Key re-rotation needs the backend's re-rotation kernel (the CPU's; CUDA has none yet): without it, a schedule
+// that asks for it is refused before anything changes.
 #pragma once
 
 #include <kvc/core/observations.hpp>
@@ -149,6 +151,10 @@ Status decode_step(Bk const& backend, S const& scorer, DecodeSchedule const& sch
                    RopeTable<typename Bk::memory_space> const& rope, Workspace ws, bool* compressed = nullptr) {
   using Space = typename Bk::memory_space;
   KVC_RETURN_IF_ERROR(schedule.check());
+  if (schedule.rerotate_keys && !HasKernel<RerotateStep, Bk>)
+    return {Errc::invalid_argument,
+            "kvc::decode_step: rerotate_keys needs the backend's re-rotation kernel (include "
+            "<kvc/backend/cpu/pipeline/rerotate.hpp>; the CUDA backend has none yet)"};
   KVExtents const e = cache.keys.extents();
   if (buf.batch != e.batch || buf.dim != e.dim || buf.heads < 1 || buf.heads % e.heads != 0 || buf.count < 0 ||
       buf.count > buf.capacity || buf.fresh < 0 || buf.fresh > buf.count)
@@ -199,8 +205,10 @@ Status decode_step(Bk const& backend, S const& scorer, DecodeSchedule const& sch
     KVC_RETURN_IF_ERROR(compact(backend, plan, cache));
   else
     KVC_RETURN_IF_ERROR(compact(backend, plan, cache, carried_state(scorer)));
-  if (schedule.rerotate_keys)
-    KVC_RETURN_IF_ERROR(rerotate_keys(backend, rope, cache));
+  if constexpr (HasKernel<RerotateStep, Bk>) {
+    if (schedule.rerotate_keys)
+      KVC_RETURN_IF_ERROR(rerotate_keys(backend, rope, cache));
+  }
   counter.steps = 0;
   ++counter.compressions;
   buf.count = 0;

@@ -12,6 +12,7 @@
 #include <kvc/backend/cuda/scorers/streaming_llm.cuh>
 #include <kvc/backend/cuda/selectors/top_k.cuh>
 #include <kvc/pipeline/blockwise.hpp>
+#include <kvc/pipeline/decode.hpp>
 
 #include "cuda_kernels.hpp"
 
@@ -514,6 +515,23 @@ std::string h2o(Case const& c, Index tile, std::vector<H2OStep> const& steps, st
       return std::string();
     });
   });
+}
+
+/// The decode driver is written against entry points only: it must build for the CUDA backend with every scorer
+/// that has CUDA kernels (compile-time check; parity of the steps it calls is tested above).
+void decode_driver_builds_for_cuda(Cuda const& cuda, Workspace ws) {
+  KVExtents const e{1, 1, 0, 8};
+  auto const cache =
+      make_cache(bhtd_device_rows(static_cast<float*>(nullptr), e), bhtd_device_rows(static_cast<float*>(nullptr), e));
+  QueryBuffer<float, DeviceSpace> buf{};
+  DecodeCounter counter;
+  DecodeSchedule const schedule{};
+  RopeTable<DeviceSpace> const rope{};
+  (void)decode_step(cuda, KnormScorer{}, schedule, cache, buf, counter, rope, ws);
+  (void)decode_step(cuda, SnapKVScorer{}, schedule, cache, buf, counter, rope, ws);
+  (void)decode_step(cuda, ExpectedAttentionScorer{}, schedule, cache, buf, counter, rope, ws);
+  (void)decode_step(cuda, H2OScorer<DeviceSpace>{}, schedule, cache, buf, counter, rope, ws);
+  (void)decode_step(cuda, ObservedAttentionScorer{}, schedule, cache, buf, counter, rope, ws);
 }
 
 }  // namespace kvc::test::cuda

@@ -5,8 +5,10 @@
 // back and returns "" or an error message.
 #pragma once
 
+#include <kvc/core/backend.hpp>
 #include <kvc/core/extents.hpp>
 #include <kvc/core/rope.hpp>
+#include <kvc/core/workspace.hpp>
 #include <kvc/pipeline/query_statistics.hpp>
 #include <kvc/scorers/expected_attention.hpp>
 #include <kvc/selectors/top_k.hpp>
@@ -128,5 +130,9 @@ std::string append(Case& dst, Case const& src, Index begin, Index count);
 /// working cache's per-head lengths and positions [B, H, capacity].
 std::string blockwise_key_diff(Case const& src, Index budget, Index block, std::vector<Index>& lengths,
                                std::vector<Index>& positions);
+
+/// Instantiates kvc::decode_step on the CUDA backend for every scorer with CUDA kernels (a compile-time check; not
+/// meant to be called with real data).
+void decode_driver_builds_for_cuda(Cuda const& cuda, Workspace ws);
 
 }  // namespace kvc::test::cuda
