@@ -30,6 +30,19 @@ stateful_manifest.txt; their folders are named stateful_<...>:
                                token at a time to S - 1: final kept positions (ascending)
   <case>/h2o_decode_scores.npy float64 [B, Hkv, hh + recent]: their accumulated scores
 The oracle computes in float64 on the stored (rounded) inputs.
+
+Allocator cases (AdaKV; oracle in allocators.py) are listed in allocator_manifest.txt; their folders are named
+adakv_<...>:
+  <case>/scores.npy            float32 [B, H, N] (entries at or beyond a head's length are -inf padding)
+  <case>/lengths.npy           int64 [B, H]: valid tokens per head
+  <case>/meta.txt              "reference authors|kvpress", "alpha A", "budget fixed|ratio", "tokens T" (fixed) or
+                               "ratio R" (ratio), "n_sink S", "n_recent R" (numbers as Python's repr: exact doubles)
+  <case>/totals.npy            int64 [B, H]: tokens each head keeps, protected included (kvc::allocate's table)
+  <case>/kept.npy              int64 [B, H, N]: each head's kept indices, ascending, padded with -1
+PyramidKV schedules (allocators.py) in pyramid_kv/:
+  params.npy                   float64 [M, 7]: reference (0 authors, 1 kvpress), n, max_capacity_prompt (authors;
+                               0: int(n (1 - ratio))), compression_ratio, window, beta, layers
+  keep.npy                     int64 [M, max layers]: tokens each layer keeps (window included), padded with -1
 Exit code 77 (ctest's skip code) when NumPy is missing.
 """
 import argparse
@@ -44,6 +57,7 @@ except ImportError:
     sys.exit(77)
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import allocators  # noqa: E402
 import baselines  # noqa: E402
 import expected_attention  # noqa: E402
 import h2o  # noqa: E402
@@ -154,6 +168,11 @@ def main():
     with open(os.path.join(a.out, "stateful_manifest.txt"), "w") as f:
         f.write("\n".join(stateful_cases) + "\n")
     print(f"wrote {len(stateful_cases)} stateful (Expected Attention, H2O) cases to {a.out}")
+    allocator_cases = write_allocator_cases(a.out, window_cases)
+    with open(os.path.join(a.out, "allocator_manifest.txt"), "w") as f:
+        f.write("\n".join(allocator_cases) + "\n")
+    print(f"wrote {len(allocator_cases)} AdaKV allocation cases and {write_pyramid_schedules(a.out)} PyramidKV "
+          f"schedules to {a.out}")
 
 
 def write_window_cases(out, model_dir):
@@ -291,6 +310,124 @@ def write_stateful_cases(out, model_dir):
             cases.append(write_stateful_case(out, f"stateful_tinystories_{layer}", kk, vv, qq, theta, "neox",
                                              24, 16, 64))
     return cases
+
+
+
+def write_allocator_case(out, name, scores, lengths, reference, alpha, budget, n_sink, n_recent):
+    """One AdaKV case: float32 scores (padding -inf), lengths, meta.txt, the oracle's totals and kept sets.
+
+    budget: ("fixed", tokens) or ("ratio", fraction removed)."""
+    d = os.path.join(out, name)
+    os.makedirs(d, exist_ok=True)
+    B, H, N = scores.shape
+    scores = scores.astype(np.float32).copy()
+    for b in range(B):
+        for h in range(H):
+            scores[b, h, lengths[b, h]:] = -np.inf
+    kind, value = budget
+    keep = allocators.fixed_keep(value) if kind == "fixed" else allocators.ratio_keep(value)
+    s64 = scores.astype(np.float64).tolist()  # the oracle ranks the stored float32 values (exact in float64)
+    totals = allocators.ada_kv_allocate(s64, lengths.tolist(), keep, alpha, reference, n_sink, n_recent)
+    kept = allocators.ada_kv_kept(s64, lengths.tolist(), totals, n_sink, n_recent)
+    padded = np.full((B, H, N), -1, dtype=np.int64)
+    for b in range(B):
+        for h in range(H):
+            padded[b, h, : len(kept[b][h])] = kept[b][h]
+    np.save(os.path.join(d, "scores.npy"), scores)
+    np.save(os.path.join(d, "lengths.npy"), lengths.astype(np.int64))
+    np.save(os.path.join(d, "totals.npy"), np.array(totals, dtype=np.int64))
+    np.save(os.path.join(d, "kept.npy"), padded)
+    with open(os.path.join(d, "meta.txt"), "w") as f:
+        f.write(f"reference {reference}\nalpha {alpha!r}\nbudget {kind}\n"
+                f"{'tokens' if kind == 'fixed' else 'ratio'} {value!r}\nn_sink {n_sink}\nn_recent {n_recent}\n")
+    return name
+
+
+def exact_ties(scores, lengths):
+    """Pairs of equal valid scores within each sequence (the tie order then decides; random cases have none)."""
+    count = 0
+    for b in range(scores.shape[0]):
+        v = np.concatenate([scores[b, h, : lengths[b, h]] for h in range(scores.shape[1])])
+        count += len(v) - len(np.unique(v))
+    return count
+
+
+def write_allocator_cases(out, window_cases):
+    """AdaKV cases: random float32 scores [2, 4, 64] with per-head lengths (both behaviours, alpha in {0, 0.2, 0.5,
+    1}, FixedBudget and RatioBudget, with and without protected tokens), a short-prompt case, a case of exact ties
+    (both sides order them by score, head, index), and SnapKV scores of tinystories-656k when they were written."""
+    rng = np.random.default_rng(20261127)  # separate stream: every case above stays byte-identical
+    B, H, N = 2, 4, 64
+    lengths = np.array([[64, 51, 40, 57], [45, 64, 62, 48]], dtype=np.int64)
+    # uneven heads, so the adaptive budgets differ: a per-head scale, skewed values
+    while True:
+        scores = (rng.random((B, H, N)) * rng.random((B, H, N)) * rng.uniform(0.2, 1.0, (B, H, 1))).astype(np.float32)
+        if exact_ties(scores, lengths) == 0:
+            break
+    cases = []
+    for reference in ("authors", "kvpress"):
+        for alpha in (0.0, 0.2, 0.5, 1.0):
+            for budget in (("fixed", 24), ("ratio", 0.6)):
+                for n_sink, n_recent in ((0, 0), (2, 6)):
+                    tag = f"{budget[0]}{budget[1]}"
+                    cases.append(write_allocator_case(out, f"adakv_{reference}_a{alpha}_{tag}_s{n_sink}r{n_recent}",
+                                                      scores, lengths, reference, alpha, budget, n_sink, n_recent))
+        cases.append(write_allocator_case(out, f"adakv_{reference}_a0.3_ratio0.25_s4r8", scores, lengths, reference,
+                                          0.3, ("ratio", 0.25), 4, 8))
+        # short prompt: the budget covers every head (authors: no compression, §5.1 step 2); alpha 0.5 and odd
+        # candidate counts, where the mix alone would round tokens away
+        cases.append(write_allocator_case(out, f"adakv_{reference}_a0.5_fixed64_short_s0r6", scores, lengths,
+                                          reference, 0.5, ("fixed", 64), 0, 6))
+        # ratio 0 (nothing removed) at the default alpha 0.2: every head keeps its whole length
+        cases.append(write_allocator_case(out, f"adakv_{reference}_a0.2_ratio0.0_s0r0", scores, lengths, reference,
+                                          0.2, ("ratio", 0.0), 0, 0))
+        # exact ties everywhere (multiples of 1/8): kvc and the oracle both rank by (score desc, head, index)
+        tied = np.floor(scores / scores.max() * 8).astype(np.float32) / 8
+        for alpha in (0.2, 0.5):
+            cases.append(write_allocator_case(out, f"adakv_{reference}_a{alpha}_ties_fixed20_s1r3", tied, lengths,
+                                              reference, alpha, ("fixed", 20), 1, 3))
+    # real scores: SnapKV (window w = 16, folded in as max + 1) of tinystories-656k's layers; the window is protected
+    real = [c for c in window_cases if c.startswith("tinystories_layer")]
+    for case in real:
+        for reference, variant, alpha, budget in (("authors", "snap_kv_authors", 0.2, ("fixed", 48)),
+                                                  ("authors", "snap_kv_authors", 0.5, ("ratio", 0.75)),
+                                                  ("kvpress", "snap_kv_kvpress", 0.2, ("ratio", 0.75)),
+                                                  ("kvpress", "snap_kv_kvpress", 0.5, ("fixed", 48))):
+            s = np.load(os.path.join(out, case, f"scores_{variant}.npy")).astype(np.float32)
+            lens = np.full(s.shape[:2], s.shape[2], dtype=np.int64)
+            name = f"adakv_{case}_{variant}_a{alpha}_{budget[0]}{budget[1]}"
+            cases.append(write_allocator_case(out, name, s, lens, reference, alpha, budget, 0, 16))
+            print(f"{name}: {exact_ties(s, lens)} exact ties among the float32 scores (ordered by head, index)")
+    return cases
+
+
+def write_pyramid_schedules(out):
+    """PyramidKV per-layer totals over a grid of (n, C or ratio, w, beta, L), both behaviours; returns the count."""
+    rows, keeps = [], []
+    for n in (1, 7, 30, 50, 64, 100, 128, 300, 1000, 2787, 4096, 8000):
+        for w in (0, 4, 8, 32, 64):
+            for beta in (1, 5, 20):
+                for L in (2, 4, 32):
+                    for C in (16, 30, 128, 512, 2048):
+                        if C > w:
+                            rows.append((0, n, C, 0.0, w, beta, L))
+                            keeps.append(allocators.pyramid_authors(n, C, w, beta, L))
+                    for r in (0.25, 0.5, 0.75):  # the authors' C from a ratio: int(n (1 - r))
+                        C = int(n * (1.0 - r))
+                        if C > w:
+                            rows.append((0, n, 0, r, w, beta, L))
+                            keeps.append(allocators.pyramid_authors(n, C, w, beta, L))
+                    for r in (0.1, 0.25, 0.5, 0.7, 0.744, 0.9):
+                        rows.append((1, n, 0, r, w, beta, L))
+                        keeps.append(allocators.pyramid_kvpress(n, r, w, beta, L))
+    d = os.path.join(out, "pyramid_kv")
+    os.makedirs(d, exist_ok=True)
+    keep = np.full((len(keeps), max(len(k) for k in keeps)), -1, dtype=np.int64)
+    for i, k in enumerate(keeps):
+        keep[i, : len(k)] = k
+    np.save(os.path.join(d, "params.npy"), np.array(rows, dtype=np.float64))
+    np.save(os.path.join(d, "keep.npy"), keep)
+    return len(rows)
 
 
 if __name__ == "__main__":

@@ -111,16 +111,27 @@ struct KVCache {
   Index* positions = nullptr;
 
   KVC_HOST_DEVICE constexpr Index tokens() const noexcept { return keys.extents().tokens; }
-  /// Valid tokens of head (b, h) (readable where the memory space is).
-  KVC_HOST_DEVICE constexpr Index length(Index b, Index h) const noexcept { return lengths.at(b, h, tokens()); }
+  /// Valid tokens of head (b, h) (readable where the memory space is); without a table, the head's capacity.
+  KVC_HOST_DEVICE constexpr Index length(Index b, Index h) const noexcept { return lengths.at(b, h, capacity(b, h)); }
+  /// Token slots head (b, h) can hold: its segment in a ragged layout, `tokens()` otherwise.
+  KVC_HOST_DEVICE constexpr Index capacity(Index b, Index h) const noexcept {
+    return head_capacity(keys.layout(), b, h);
+  }
+  /// Where slot t of head (b, h) keeps its position: [batch, heads, tokens] contiguous, or for layouts that number
+  /// their rows (ragged, per-head paged) the row's number, so positions are as ragged as the rows.
+  KVC_HOST_DEVICE constexpr Index position_slot(Index b, Index h, Index t) const noexcept {
+    if constexpr (requires { keys.layout().slot(b, h, t); })
+      return keys.layout().slot(b, h, t);
+    else
+      return (b * keys.extents().heads + h) * tokens() + t;
+  }
   /// Absolute position of slot t of head (b, h).
   KVC_HOST_DEVICE constexpr Index position(Index b, Index h, Index t) const noexcept {
-    return positions ? positions[(b * keys.extents().heads + h) * tokens() + t] : t;
+    return positions ? positions[position_slot(b, h, t)] : t;
   }
-  /// The positions as a per-token array (data null when absent).
-  KVC_HOST_DEVICE constexpr TokenArray<Index, memory_space> position_array() const noexcept {
-    KVExtents const e = keys.extents();
-    return {positions, e.batch, e.heads, e.tokens};
+  /// The stored position of slot t of head (b, h), to write (`positions` must be non-null).
+  KVC_HOST_DEVICE constexpr Index& position_ref(Index b, Index h, Index t) const noexcept {
+    return positions[position_slot(b, h, t)];
   }
 
   /// A read-only view of the same cache.

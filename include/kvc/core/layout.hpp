@@ -90,6 +90,85 @@ constexpr PagedLayout paged_layout_csr(KVExtents e, Index page_size, PageOrder o
   return l;
 }
 
+/// Ragged rows per (sequence, KV head) in one flattened buffer of rows (the AdaKV authors' layout): head (b, h) owns
+/// rows [offsets[i], offsets[i + 1]) with i = b * heads + h, so each head holds exactly its own tokens (plus any
+/// reserve the engine sized in). `offsets` is [batch * heads + 1], non-decreasing, offsets[0] = 0, in the memory
+/// space of the data; `ext.tokens` is the largest head capacity (slot t < capacity(b, h) of each head is valid
+/// storage). Rows are `stride_t` elements apart (>= dim). Per-token arrays of a ragged cache (positions) are indexed
+/// by `slot(b, h, t)`, the row's number in the buffer, so they are ragged too.
+struct RaggedLayout {
+  KVExtents ext;
+  Index stride_t = 0;
+  Index const* offsets = nullptr;
+
+  KVC_HOST_DEVICE constexpr Index slot(Index b, Index h, Index t) const noexcept {
+    return offsets[b * ext.heads + h] + t;
+  }
+  KVC_HOST_DEVICE constexpr Index offset(Index b, Index h, Index t) const noexcept { return slot(b, h, t) * stride_t; }
+  /// Token slots head (b, h) owns.
+  KVC_HOST_DEVICE constexpr Index capacity(Index b, Index h) const noexcept {
+    Index const i = b * ext.heads + h;
+    return offsets[i + 1] - offsets[i];
+  }
+  /// Rows of the whole buffer (offsets[batch * heads]).
+  KVC_HOST_DEVICE constexpr Index rows() const noexcept { return offsets[ext.batch * ext.heads]; }
+};
+
+/// A ragged layout of rows `dim` elements apart over `offsets` ([batch * heads + 1]); `max_capacity` is the largest
+/// segment (ext.tokens).
+constexpr RaggedLayout ragged_layout(Index batch, Index heads, Index dim, Index max_capacity,
+                                     Index const* offsets) noexcept {
+  return {{batch, heads, max_capacity, dim}, dim, offsets};
+}
+
+/// One page list per (sequence, KV head): a page holds `page_size` rows of one head ([page_size, dim]), so a paged
+/// engine frees pages per head after per-head eviction. `block_table` is [batch * heads, max_pages] int32 page ids
+/// (row b * heads + h lists head (b, h)'s pages in token order); `ext.tokens` = max_pages * page_size is each head's
+/// capacity as far as the table goes (the engine maps a page before a head's length enters it). Per-token arrays
+/// (positions) are indexed by `slot(b, h, t)` = page * page_size + t % page_size, parallel to the pool.
+struct HeadPagedLayout {
+  KVExtents ext;
+  Index page_size = 0;
+  Index stride_page = 0;  ///< elements between consecutive pages in the pool
+  Index stride_t = 0;     ///< elements between rows inside a page (>= dim)
+  std::int32_t const* block_table = nullptr;
+  Index max_pages = 0;
+  Index num_pages = 0;  ///< pages in the pool: valid ids are [0, num_pages)
+
+  KVC_HOST_DEVICE constexpr Index page_of(Index b, Index h, Index t) const noexcept {
+    return block_table[(b * ext.heads + h) * max_pages + t / page_size];
+  }
+  KVC_HOST_DEVICE constexpr Index slot(Index b, Index h, Index t) const noexcept {
+    return page_of(b, h, t) * page_size + t % page_size;
+  }
+  KVC_HOST_DEVICE constexpr Index offset(Index b, Index h, Index t) const noexcept {
+    return page_of(b, h, t) * stride_page + (t % page_size) * stride_t;
+  }
+};
+
+/// Per-head pages of `page_size` contiguous rows over a pool of `num_pages` pages.
+constexpr HeadPagedLayout head_paged_layout(Index batch, Index heads, Index dim, Index page_size,
+                                            std::int32_t const* block_table, Index max_pages,
+                                            Index num_pages) noexcept {
+  return {
+      {batch, heads, max_pages * page_size, dim}, page_size, page_size * dim, dim, block_table, max_pages, num_pages};
+}
+
+/// Layouts whose heads own different numbers of slots (RaggedLayout).
+template <class L>
+concept HasHeadCapacity = requires(L const& l, Index i) {
+  { l.capacity(i, i) } -> std::same_as<Index>;
+};
+
+/// Token slots head (b, h) of a layout can hold: the head's segment for ragged layouts, ext.tokens otherwise.
+template <class L>
+KVC_HOST_DEVICE constexpr Index head_capacity(L const& l, Index b, Index h) noexcept {
+  if constexpr (HasHeadCapacity<L>)
+    return l.capacity(b, h);
+  else
+    return l.ext.tokens;
+}
+
 /// A token layout is a small copyable mapping with extents and an element offset for (b, h, t).
 template <class L>
 concept TokenLayout = std::is_trivially_copyable_v<L> && requires(L const& l, Index i) {
@@ -97,6 +176,7 @@ concept TokenLayout = std::is_trivially_copyable_v<L> && requires(L const& l, In
   { l.offset(i, i, i) } -> std::same_as<Index>;
 };
 
-static_assert(TokenLayout<StridedLayout> && TokenLayout<PagedLayout>);
+static_assert(TokenLayout<StridedLayout> && TokenLayout<PagedLayout> && TokenLayout<RaggedLayout> &&
+              TokenLayout<HeadPagedLayout>);
 
 }  // namespace kvc

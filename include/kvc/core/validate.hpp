@@ -164,6 +164,22 @@ Status layout_status(L const& l) noexcept {
       return {Errc::invalid_argument, "PagedLayout: CSR mode needs `page_indices`"};
     }
   }
+  if constexpr (std::is_same_v<L, RaggedLayout>) {
+    if (l.stride_t < e.dim)
+      return {Errc::invalid_argument, "RaggedLayout: `stride_t` must be >= dim (rows would overlap)"};
+    if (l.offsets == nullptr && e.batch * e.heads > 0)
+      return {Errc::invalid_argument, "RaggedLayout: `offsets` ([batch * heads + 1]) must not be null"};
+  } else if constexpr (std::is_same_v<L, HeadPagedLayout>) {
+    if (l.page_size <= 0 || l.stride_t < e.dim || l.max_pages < 0 || l.num_pages < 0)
+      return {Errc::invalid_argument,
+              "HeadPagedLayout: `page_size` must be > 0, `stride_t` >= dim, `max_pages` and `num_pages` >= 0"};
+    if (!checked_mul(l.page_size, l.stride_t, n) || l.stride_page < n)
+      return {Errc::invalid_argument, "HeadPagedLayout: `stride_page` must be >= page_size * stride_t"};
+    if (!checked_mul(l.max_pages, l.page_size, n) || n < e.tokens || (l.block_table == nullptr && e.rows() > 0))
+      return {Errc::invalid_argument, "HeadPagedLayout: need a block table with max_pages * page_size >= tokens"};
+    if (!checked_mul(e.batch * e.heads, l.max_pages, n) || !checked_mul(l.num_pages, l.stride_page, n))
+      return {Errc::invalid_argument, "HeadPagedLayout: the block table or the pool overflows 64 bits"};
+  }
   if constexpr (axes_layout<L>) {
     Index span = 0;
     SpanError const error = axes_span(row_axes(l), span);
@@ -207,6 +223,43 @@ inline Status pages_status(PagedLayout const& l, Lengths const& lengths) noexcep
                 "PagedLayout: a page id used within the valid length is outside the pool [0, num_pages)"};
     }
   }
+  return {};
+}
+
+/// Host ragged offsets: offsets[0] = 0, non-decreasing, every segment within ext.tokens, and the buffer's element
+/// offsets inside 64 bits.
+inline Status ragged_status(RaggedLayout const& l) noexcept {
+  KVExtents const e = l.ext;
+  Index const heads = e.batch * e.heads;
+  if (heads == 0)
+    return {};
+  if (l.offsets[0] != 0)
+    return {Errc::invalid_argument, "RaggedLayout: `offsets[0]` must be 0"};
+  for (Index i = 0; i < heads; ++i) {
+    Index const cap = l.offsets[i + 1] - l.offsets[i];
+    if (l.offsets[i + 1] < l.offsets[i] || cap > e.tokens)
+      return {Errc::invalid_argument,
+              "RaggedLayout: `offsets` must be non-decreasing, each segment at most ext.tokens (the largest) long"};
+  }
+  Index n = 0;
+  if (!checked_mul(l.offsets[heads], l.stride_t, n))
+    return {Errc::invalid_argument, "RaggedLayout: the buffer's offsets overflow 64 bits"};
+  return {};
+}
+
+/// Host per-head page tables: every page id a valid token uses is in [0, num_pages).
+inline Status head_pages_status(HeadPagedLayout const& l, Lengths const& lengths) noexcept {
+  KVExtents const e = l.ext;
+  for (Index b = 0; b < e.batch; ++b)
+    for (Index h = 0; h < e.heads; ++h) {
+      Index const n = lengths.at(b, h, e.tokens);
+      for (Index p = 0; p < n / l.page_size + (n % l.page_size != 0); ++p) {
+        Index const id = l.block_table[(b * e.heads + h) * l.max_pages + p];
+        if (id < 0 || id >= l.num_pages)
+          return {Errc::invalid_argument,
+                  "HeadPagedLayout: a page id used within a head's valid length is outside the pool [0, num_pages)"};
+      }
+    }
   return {};
 }
 
@@ -292,6 +345,15 @@ Status validate_rows(R const& rows, ValidateOptions opts = {}, Lengths lengths =
             return {Errc::invalid_argument, "kvc::validate: every valid length must be in [0, tokens]"};
     if constexpr (std::is_same_v<typename R::layout_type, PagedLayout>)
       KVC_RETURN_IF_ERROR(detail::pages_status(rows.layout(), lengths));
+    if constexpr (std::is_same_v<typename R::layout_type, HeadPagedLayout>)
+      KVC_RETURN_IF_ERROR(detail::head_pages_status(rows.layout(), lengths));
+    if constexpr (std::is_same_v<typename R::layout_type, RaggedLayout>) {
+      KVC_RETURN_IF_ERROR(detail::ragged_status(rows.layout()));
+      for (Index b = 0; b < e.batch; ++b)
+        for (Index h = 0; h < e.heads; ++h)
+          if (lengths.at(b, h, 0) > rows.layout().capacity(b, h))  // no table: every head is full
+            return {Errc::invalid_argument, "kvc::validate: a head's valid length passes its ragged segment"};
+    }
     if (opts.check_finite || opts.check_range)
       return detail::rows_finite(rows, lengths, opts.check_range);
   }
@@ -313,6 +375,15 @@ Status validate(C const& cache, ValidateOptions opts = {}) noexcept {
     return {Errc::invalid_argument, "kvc::validate: keys and values must agree on batch, heads and tokens"};
   if (detail::views_overlap(cache.keys, cache.values))
     return {Errc::invalid_argument, "kvc::validate: K and V memory overlap"};
+  if constexpr (HasHeadCapacity<typename C::keys_type::layout_type> &&
+                std::is_same_v<typename C::keys_type::layout_type, typename C::values_type::layout_type> &&
+                std::is_same_v<typename C::memory_space, HostSpace>) {
+    for (Index b = 0; b < k.batch; ++b)  // positions and lengths are per slot of the keys' layout: V must agree
+      for (Index h = 0; h < k.heads; ++h)
+        if (cache.keys.layout().capacity(b, h) != cache.values.layout().capacity(b, h) ||
+            cache.keys.layout().slot(b, h, 0) != cache.values.layout().slot(b, h, 0))
+          return {Errc::invalid_argument, "kvc::validate: K and V ragged segments must be the same"};
+  }
   if constexpr (std::is_same_v<typename C::memory_space, HostSpace>) {
     if (cache.positions)
       for (Index b = 0; b < k.batch; ++b)

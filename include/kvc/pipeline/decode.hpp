@@ -112,14 +112,16 @@ constexpr auto decode_window(QueryBuffer<T, Space> const& buf, Index first, Inde
 }  // namespace detail
 
 /// Workspace kvc::decode_step needs (any alignment), for a cache with key extents `keys` and buffer `buf`: the plan,
-/// statistics when the scorer reads them, and the largest of update's and compress's scratch.
-template <Backend B, Scorer S, Element T, class Space>
-std::size_t decode_workspace_bytes(B const& backend, S const& scorer, DecodeSchedule const& schedule,
-                                   KVExtents const& keys, QueryBuffer<T, Space> const& buf) {
+/// statistics when the scorer reads them, and the largest of update's and compress's scratch. `selector` is the
+/// selection compressions run (the overload without it: schedule.selector()).
+template <Backend B, Scorer S, Selector Sel, Element T, class Space>
+std::size_t decode_workspace_bytes(B const& backend, S const& scorer, Sel const& selector,
+                                   DecodeSchedule const& schedule, KVExtents const& keys,
+                                   QueryBuffer<T, Space> const& buf) {
   Index const rows =
       buf.capacity < schedule.hidden_states_buffer_size ? buf.capacity : schedule.hidden_states_buffer_size;
   auto const wq = observe(WindowQueries<T, Space>{buf.rows(0, rows), {}, buf.positions});
-  Press const press{scorer, schedule.selector()};
+  Press const press{scorer, selector};
   std::size_t compress_bytes = 0;
   if constexpr (has_need(S::needs, Needs::query_statistics)) {
     auto const stats = observe(QueryStatistics<Space>{nullptr, nullptr, keys.batch, buf.heads, keys.dim});
@@ -140,14 +142,23 @@ std::size_t decode_workspace_bytes(B const& backend, S const& scorer, DecodeSche
   return bytes_sum(plan_bytes, compress_bytes > update_bytes ? compress_bytes : update_bytes, workspace_slack);
 }
 
+template <Backend B, Scorer S, Element T, class Space>
+std::size_t decode_workspace_bytes(B const& backend, S const& scorer, DecodeSchedule const& schedule,
+                                   KVExtents const& keys, QueryBuffer<T, Space> const& buf) {
+  return decode_workspace_bytes(backend, scorer, schedule.selector(), schedule, keys, buf);
+}
+
 /// One decode forward of one layer (after the engine appended the new tokens and pushed their queries): folds the
 /// fresh queries into a stateful scorer, counts the step, and at the interval compresses `cache` in place (see the
 /// file comment). `rope` rotates the buffered pre-RoPE queries (and re-rotates keys when asked). `compressed`
 /// (optional) reports whether this step compressed. Workspace: decode_workspace_bytes(). The cache needs a per-head
-/// length table (compaction writes it) and, for re-rotation, a positions table.
-template <Backend Bk, Scorer S, KVCacheView C, Element T>
-Status decode_step(Bk const& backend, S const& scorer, DecodeSchedule const& schedule, C const& cache,
-                   QueryBuffer<T, typename Bk::memory_space>& buf, DecodeCounter& counter,
+/// length table (compaction writes it) and, for re-rotation, a positions table. `selector` is the selection each
+/// compression runs, in place of schedule.selector() (whose target_size, n_sink and n_recent it then replaces): e.g.
+/// AdaKVSelector<FixedBudget>{{target}, alpha} for per-head budgets, on a ragged store (store/ragged.hpp) so that the
+/// memory is freed. A selector must never keep more than a head holds, so the cache's segments always suffice.
+template <Backend Bk, Scorer S, Selector Sel, KVCacheView C, Element T>
+Status decode_step(Bk const& backend, S const& scorer, Sel const& selector, DecodeSchedule const& schedule,
+                   C const& cache, QueryBuffer<T, typename Bk::memory_space>& buf, DecodeCounter& counter,
                    RopeTable<typename Bk::memory_space> const& rope, Workspace ws, bool* compressed = nullptr) {
   using Space = typename Bk::memory_space;
   KVC_RETURN_IF_ERROR(schedule.check());
@@ -166,7 +177,7 @@ Status decode_step(Bk const& backend, S const& scorer, DecodeSchedule const& sch
   KeepPlan<Space> plan{carve.take<Index>(e.rows()), carve.take<Index>(e.batch * e.heads), e.batch, e.heads, e.tokens};
   Workspace const free = carve.rest();
   if ((plan.count == nullptr && e.batch * e.heads > 0) ||
-      ws.bytes < decode_workspace_bytes(backend, scorer, schedule, e, buf))
+      ws.bytes < decode_workspace_bytes(backend, scorer, selector, schedule, e, buf))
     return {Errc::out_of_capacity, "kvc::decode_step: workspace smaller than decode_workspace_bytes()"};
 
   if constexpr (StatefulScorer<S>) {  // H2O: the fresh queries' attention joins the accumulator
@@ -179,7 +190,7 @@ Status decode_step(Bk const& backend, S const& scorer, DecodeSchedule const& sch
     return {};
 
   Index const n = buf.count < schedule.hidden_states_buffer_size ? buf.count : schedule.hidden_states_buffer_size;
-  Press const press{scorer, schedule.selector()};
+  Press const press{scorer, selector};
   if constexpr (has_need(S::needs, Needs::query_statistics)) {
     WorkspaceCarver sc(free);
     float* mean = sc.take<float>(e.batch * buf.heads * e.dim);
@@ -215,6 +226,14 @@ Status decode_step(Bk const& backend, S const& scorer, DecodeSchedule const& sch
   if (compressed)
     *compressed = true;
   return {};
+}
+
+/// kvc::decode_step with the schedule's own selection (TopKSelector<FixedBudget>{target_size, n_sink, n_recent}).
+template <Backend Bk, Scorer S, KVCacheView C, Element T>
+Status decode_step(Bk const& backend, S const& scorer, DecodeSchedule const& schedule, C const& cache,
+                   QueryBuffer<T, typename Bk::memory_space>& buf, DecodeCounter& counter,
+                   RopeTable<typename Bk::memory_space> const& rope, Workspace ws, bool* compressed = nullptr) {
+  return decode_step(backend, scorer, schedule.selector(), schedule, cache, buf, counter, rope, ws, compressed);
 }
 
 }  // namespace kvc

@@ -10,6 +10,7 @@
 #include <kvc/backend/cuda/scorers/random.cuh>
 #include <kvc/backend/cuda/scorers/snap_kv.cuh>
 #include <kvc/backend/cuda/scorers/streaming_llm.cuh>
+#include <kvc/backend/cuda/selectors/ada_kv.cuh>
 #include <kvc/backend/cuda/selectors/top_k.cuh>
 #include <kvc/pipeline/blockwise.hpp>
 #include <kvc/pipeline/decode.hpp>
@@ -320,6 +321,72 @@ std::string top_k_per_head(std::vector<Index> const& budget, Index batch, Index 
   idx.to_host(index);
   cnt.to_host(count);
   return err;
+}
+
+std::string ada_kv(AdaKVCase const& c, std::vector<Index>& table, std::vector<Index>& index,
+                   std::vector<Index>& count) {
+  DeviceBuffer<float> s(c.scores);
+  DeviceBuffer<Index> len(c.lengths), tab(static_cast<std::size_t>(c.batch * c.heads)),
+      idx(static_cast<std::size_t>(c.batch * c.heads * c.tokens)), cnt(static_cast<std::size_t>(c.batch * c.heads));
+  Lengths const lengths = c.lengths.empty() ? Lengths{} : head_lengths(len.ptr, c.heads);
+  ScoreSpan<DeviceSpace> const span{s.ptr, c.batch, c.heads, c.tokens, lengths};
+  KeepPlan<DeviceSpace> const plan{idx.ptr, cnt.ptr, c.batch, c.heads, c.tokens};
+  Reference const ref = c.kvpress ? Reference::kvpress : Reference::authors;
+  auto run = [&](auto const& sel) {
+    std::size_t const bytes = select_workspace_bytes(Cuda{}, sel, c.batch, c.heads, c.tokens);
+    DeviceBuffer<unsigned char> ws(bytes);
+    std::string err = finish(allocate(Cuda{}, sel, span, tab.ptr, Workspace{ws.ptr, bytes}));
+    if (err.empty())
+      err = finish(select(Cuda{}, sel, span, plan, Workspace{ws.ptr, bytes}));
+    return err;
+  };
+  std::string const err = c.ratio >= 0 ? run(AdaKVSelector{RatioBudget{c.ratio}, c.alpha, ref, c.n_sink, c.n_recent})
+                                       : run(AdaKVSelector{FixedBudget{c.fixed}, c.alpha, ref, c.n_sink, c.n_recent});
+  tab.to_host(table);
+  idx.to_host(index);
+  cnt.to_host(count);
+  return err;
+}
+
+std::string ragged(Case const& c, std::vector<Index> const& index, std::vector<Index> const& count, Index capacity,
+                   Index reserve, Case const& extra, RaggedResult& result) {
+  return by_dtype(c.dtype, [&](auto tag) {
+    using T = decltype(tag);
+    Mirror<T> m(c), x(extra);
+    Index const heads = c.e.batch * c.e.heads, dv = c.dim_v > 0 ? c.dim_v : c.e.dim;
+    result.offsets.assign(static_cast<std::size_t>(heads + 1), 0);
+    RaggedShape shape;
+    std::vector<Index> room(count);
+    for (Index& r : room)
+      r += extra.e.tokens;
+    if (auto const st = ragged_offsets(room.data(), heads, reserve, result.offsets.data(), shape); !st.ok())
+      return std::string(st.message());
+    DeviceBuffer<Index> offsets(result.offsets), lengths(std::vector<Index>(static_cast<std::size_t>(heads), 0)),
+        positions(static_cast<std::size_t>(shape.rows)), idx(index), cnt(count);
+    DeviceBuffer<T> k(static_cast<std::size_t>(shape.rows * c.e.dim)), v(static_cast<std::size_t>(shape.rows * dv));
+    auto const store = ragged_cache<DeviceSpace>(k.ptr, v.ptr, c.e.batch, c.e.heads, c.e.dim, dv, shape, offsets.ptr,
+                                                 head_lengths(lengths.ptr, c.e.heads), positions.ptr);
+    KeepPlan<DeviceSpace> const plan{idx.ptr, cnt.ptr, c.e.batch, c.e.heads, capacity};
+    std::string err = m.with_cache([&](auto const& src) { return finish(kvc::gather(Cuda{}, plan, src, store)); });
+    if (err.empty())
+      err = x.with_cache([&](auto const& add) { return finish(kvc::append(Cuda{}, store, add)); });
+    DeviceBuffer<float> o(static_cast<std::size_t>(c.q_ext.rows() * dv)), l(static_cast<std::size_t>(c.q_ext.rows()));
+    if (err.empty()) {
+      AttendQueries<T, DeviceSpace> const q{
+          TokenRows<T const, StridedLayout, DeviceSpace>(m.q.ptr, bhtd_layout(c.q_ext))};
+      err = finish(kvc::attend(Cuda{}, Attention{}, q, store, AttendOutput<DeviceSpace>{o.ptr, l.ptr}, Workspace{}));
+    }
+    std::vector<T> kh, vh;
+    k.to_host(kh);
+    v.to_host(vh);
+    result.k = widen(kh);
+    result.v = widen(vh);
+    lengths.to_host(result.lengths);
+    positions.to_host(result.positions);
+    o.to_host(result.out);
+    l.to_host(result.lse);
+    return err;
+  });
 }
 
 std::string compact(Case& c, std::vector<Index> const& index, std::vector<Index> const& count, Index capacity) {

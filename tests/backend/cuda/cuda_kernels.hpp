@@ -12,6 +12,7 @@
 #include <kvc/pipeline/query_statistics.hpp>
 #include <kvc/scorers/expected_attention.hpp>
 #include <kvc/selectors/top_k.hpp>
+#include <kvc/store/ragged.hpp>
 
 #include <string>
 #include <vector>
@@ -115,6 +116,31 @@ std::string top_k(double ratio, Index fixed, Index n_sink, Index n_recent, Index
 /// Top-k with a per-(sequence, head) budget table that lives on the device.
 std::string top_k_per_head(std::vector<Index> const& budget, Index batch, Index heads, Index tokens,
                            std::vector<float> const& scores, std::vector<Index>& index, std::vector<Index>& count);
+
+/// AdaKV on the device (FixedBudget{fixed}, or RatioBudget{ratio} when ratio >= 0): kvc::allocate's per-head totals
+/// `table` [batch, heads] and kvc::select's plan (capacity `tokens`). `lengths` empty or per head.
+struct AdaKVCase {
+  double ratio = -1.0;
+  Index fixed = 0;
+  double alpha = 0.2;
+  bool kvpress = false;
+  Index n_sink = 0, n_recent = 0;
+  Index batch = 0, heads = 0, tokens = 0;
+  std::vector<float> scores;
+  std::vector<Index> lengths;
+};
+std::string ada_kv(AdaKVCase const& c, std::vector<Index>& table, std::vector<Index>& index, std::vector<Index>& count);
+
+/// A ragged store on the device: the case's rows kept by the plan (capacity `capacity`) gathered into a store with
+/// `reserve` free slots per head, then `extra`'s tokens appended (extra: same batch, heads and dims, with
+/// positions), then Case::queries (post-RoPE, at the context's last positions) attended. Returns the store's flat
+/// rows (fp32) and positions, its lengths, and the attention output and LSE.
+struct RaggedResult {
+  std::vector<Index> offsets, lengths, positions;
+  std::vector<float> k, v, out, lse;
+};
+std::string ragged(Case const& c, std::vector<Index> const& index, std::vector<Index> const& count, Index capacity,
+                   Index reserve, Case const& extra, RaggedResult& result);
 
 /// Compacts the cache in place with a host plan; returns K, V (as fp32), positions and lengths after compaction.
 std::string compact(Case& c, std::vector<Index> const& index, std::vector<Index> const& count, Index capacity);

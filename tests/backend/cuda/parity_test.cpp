@@ -2,7 +2,8 @@
 // tests/backend/cuda/parity_test.cpp: CUDA kernels against the CPU reference (the oracle), for every CUDA kernel:
 // the scorers (fp32/fp16/bf16; BHTD, BTHD and paged layouts; per-sequence and per-head lengths), top-k (ratio,
 // fixed and device per-head budgets), compaction, gather, append, attention, query statistics, ExpectedAttention,
-// H2O (update / evict / compact over several steps) and ObservedAttention. Tolerances are in docs/numerics.md and
+// H2O (update / evict / compact over several steps), ObservedAttention, AdaKV (allocation and selection, both
+// behaviours) and the ragged store (gather, append, attention). Tolerances are in docs/numerics.md and
 // beside each case. Without a CUDA device every case prints "SKIPPED: no CUDA device" and ctest reports it skipped.
 #include <kvc/backend/cpu/attention/attend.hpp>
 #include <kvc/backend/cpu/pipeline/compact.hpp>
@@ -14,10 +15,12 @@
 #include <kvc/backend/cpu/scorers/random.hpp>
 #include <kvc/backend/cpu/scorers/snap_kv.hpp>
 #include <kvc/backend/cpu/scorers/streaming_llm.hpp>
+#include <kvc/backend/cpu/selectors/ada_kv.hpp>
 #include <kvc/backend/cpu/selectors/top_k.hpp>
 #include <kvc/pipeline/blockwise.hpp>
 
 #include "backend/cuda/cuda_kernels.hpp"
+#include "common/ragged_store.hpp"
 #include "common/synthetic.hpp"
 #include "support/catch.hpp"
 #include "support/helpers.hpp"
@@ -851,4 +854,108 @@ TEST_CASE(
             require_same_kept(kvc::TopKSelector{kvc::RatioBudget{0.5}}, gpu, cpu, c.e, c.lengths, c.per_head, 1e-5f,
                               1e-2f);
           }
+}
+
+TEST_CASE("cuda: AdaKV allocates and selects exactly as the CPU (both behaviours, ties, ragged lengths)",
+          "[cuda][selectors]") {
+  KVC_REQUIRE_DEVICE();
+  for (bool kvpress : {false, true})
+    for (double alpha : {0.0, 0.2, 1.0})
+      for (Index tokens : {40, 3000}) {
+        kc::AdaKVCase c;
+        c.kvpress = kvpress;
+        c.alpha = alpha;
+        c.batch = 2;
+        c.heads = 4;
+        c.tokens = tokens;
+        c.fixed = tokens / 5;
+        c.n_sink = 2;
+        c.n_recent = 3;
+        auto const r = kvc::tools::random_values<float>(c.batch * c.heads * tokens, 17, 1.0f);
+        for (float x : r)  // a coarse grid: ties across heads and inside heads are frequent
+          c.scores.push_back(std::round(std::abs(x) * 8.0f) / 8.0f);
+        for (Index i = 0; i < c.batch * c.heads; ++i)
+          c.lengths.push_back(tokens - 3 * i);
+        std::vector<Index> table, index, count;
+        REQUIRE(kc::ada_kv(c, table, index, count) == "");
+        kvc::AdaKVSelector const sel{kvc::FixedBudget{c.fixed}, alpha,
+                                     kvpress ? kvc::Reference::kvpress : kvc::Reference::authors, c.n_sink, c.n_recent};
+        std::vector<Index> lengths = c.lengths;
+        kvc::ScoreSpan<> const span{const_cast<float*>(c.scores.data()), c.batch, c.heads, tokens,
+                                    kvc::head_lengths(lengths.data(), c.heads)};
+        std::vector<Index> cpu_table(static_cast<std::size_t>(c.batch * c.heads));
+        kvc::test::OwnedWorkspace ws(kvc::select_workspace_bytes(kvc::Cpu{}, sel, c.batch, c.heads, tokens));
+        REQUIRE(kvc::allocate(kvc::Cpu{}, sel, span, cpu_table.data(), ws.get()).ok());
+        kvc::test::OwnedPlan plan(c.batch, c.heads, tokens);
+        REQUIRE(kvc::select(kvc::Cpu{}, sel, span, plan.plan, ws.get()).ok());
+        INFO("kvpress " << kvpress << " alpha " << alpha << " tokens " << tokens);
+        CHECK(table == cpu_table);
+        CHECK(count == plan.count);
+        for (Index i = 0; i < c.batch * c.heads; ++i)
+          for (Index j = 0; j < count[static_cast<std::size_t>(i)]; ++j)
+            REQUIRE(index[static_cast<std::size_t>(i * tokens + j)] ==
+                    plan.index[static_cast<std::size_t>(i * tokens + j)]);
+      }
+}
+
+TEST_CASE("cuda: a ragged store gathers, appends and attends as the CPU's", "[cuda][store]") {
+  KVC_REQUIRE_DEVICE();
+  for (auto dtype : {kc::Dtype::f32, kc::Dtype::f16, kc::Dtype::bf16}) {
+    auto c = random_case({2, 2, 64, 32}, 4, 3, true, 5);
+    c.dtype = dtype;
+    c.lengths = {64, 64, 64, 64};
+    c.positions.resize(static_cast<std::size_t>(c.e.rows()));
+    for (std::size_t i = 0; i < c.positions.size(); ++i)
+      c.positions[i] = static_cast<Index>(i % 64);
+    std::vector<Index> const count{10, 33, 0, 64};
+    std::vector<Index> index(static_cast<std::size_t>(4 * 64), -1);
+    for (Index i = 0; i < 4; ++i)
+      for (Index j = 0; j < count[static_cast<std::size_t>(i)]; ++j)
+        index[static_cast<std::size_t>(i * 64 + j)] = count[static_cast<std::size_t>(i)] == 64 ? j : (i + 2 * j) % 64;
+    for (Index i = 0; i < 4; ++i)  // ascending
+      std::sort(index.begin() + i * 64, index.begin() + i * 64 + count[static_cast<std::size_t>(i)]);
+    kc::Case extra = random_case({2, 2, 1, 32}, 4, 3, true, 6);
+    extra.dtype = dtype;
+    extra.lengths = {1, 1, 1, 1};
+    extra.positions = {64, 64, 64, 64};
+    kc::RaggedResult r;
+    REQUIRE(kc::ragged(c, index, count, 64, 2, extra, r) == "");
+    auto run_cpu = [&](auto tag) {
+      using T = decltype(tag);
+      auto const src = host_cache<T>(c);
+      auto const add = host_cache<T>(extra);
+      std::vector<Index> room(count);
+      for (Index& x : room)
+        ++x;
+      kvc::tools::HostRaggedStore<T> store(2, 2, 32, 32, room.data(), 2);
+      kvc::KeepPlan<> const plan{index.data(), const_cast<Index*>(count.data()), 2, 2, 64};
+      REQUIRE(kvc::gather(kvc::Cpu{}, plan, src.view(), store.view()).ok());
+      REQUIRE(kvc::append(kvc::Cpu{}, store.view(), add.view()).ok());
+      CHECK(r.offsets == store.offsets);
+      CHECK(r.lengths == store.lengths);
+      CHECK(r.positions == store.positions);
+      std::vector<float> k(store.k.size()), v(store.v.size());
+      for (std::size_t i = 0; i < k.size(); ++i)
+        k[i] = kvc::to_float(store.k[i]);
+      for (std::size_t i = 0; i < v.size(); ++i)
+        v[i] = kvc::to_float(store.v[i]);
+      CHECK(r.k == k);
+      CHECK(r.v == v);
+      std::vector<T> q(c.queries.size());
+      for (std::size_t i = 0; i < q.size(); ++i)
+        q[i] = kvc::from_float<T>(c.queries[i]);
+      kvc::AttendQueries<T> const aq{kvc::TokenRows<T const, kvc::StridedLayout>(q.data(), kvc::bhtd_layout(c.q_ext))};
+      std::vector<float> o(r.out.size()), l(r.lse.size());
+      kvc::test::OwnedWorkspace ws(kvc::attend_workspace_bytes(kvc::Cpu{}, kvc::Attention{}, aq, store.view()));
+      REQUIRE(kvc::attend(kvc::Cpu{}, kvc::Attention{}, aq, store.view(), {o.data(), l.data()}, ws.get()).ok());
+      require_close(r.out, o, 1e-4f, 1e-5f);
+      require_close(r.lse, l, 1e-5f, 1e-5f);
+    };
+    if (dtype == kc::Dtype::f32)
+      run_cpu(float{});
+    else if (dtype == kc::Dtype::f16)
+      run_cpu(kvc::half{});
+    else
+      run_cpu(kvc::bfloat16{});
+  }
 }

@@ -55,7 +55,6 @@ struct Kernel<CompactStep, Cpu> {
         cache.lengths, plan.batch, plan.heads, [&](Index b, Index h) { return plan.kept(b, h); },
         "kvc::compact: heads of one sequence keep different counts; give the cache a per-head length table"));
     Index const dk = cache.keys.extents().dim, dv = cache.values.extents().dim;
-    auto const positions = cache.position_array();
     detail::parallel_for(cpu, plan.batch * plan.heads, [&](Index item, Index) {
       Index const b = item / plan.heads, h = item % plan.heads;
       Index const* idx = plan.indices(b, h);
@@ -64,8 +63,8 @@ struct Kernel<CompactStep, Cpu> {
           continue;
         std::copy_n(cache.keys.row(b, h, idx[j]), dk, cache.keys.row(b, h, j));
         std::copy_n(cache.values.row(b, h, idx[j]), dv, cache.values.row(b, h, j));
-        if (positions.data)
-          positions(b, h, j) = positions(b, h, idx[j]);
+        if (cache.positions)
+          cache.position_ref(b, h, j) = cache.position_ref(b, h, idx[j]);
         ((extra(b, h, j) = extra(b, h, idx[j])), ...);
       }
     });
@@ -83,20 +82,19 @@ struct Kernel<GatherStep, Cpu> {
     KVExtents const dk = dst.keys.extents();
     for (Index b = 0; b < plan.batch; ++b)
       for (Index h = 0; h < plan.heads; ++h)
-        if (plan.kept(b, h) > dk.tokens)
-          return {Errc::out_of_capacity, "kvc::gather: `dst` has fewer token slots than a head keeps"};
+        if (plan.kept(b, h) > dst.capacity(b, h))
+          return {Errc::out_of_capacity, "kvc::gather: a head of `dst` has fewer token slots than it keeps"};
     KVC_RETURN_IF_ERROR(detail::lengths_representable(
         dst.lengths, plan.batch, plan.heads, [&](Index b, Index h) { return plan.kept(b, h); },
         "kvc::gather: heads of one sequence keep different counts; give `dst` a per-head length table"));
-    auto const positions = dst.position_array();
     detail::parallel_for(cpu, plan.batch * plan.heads, [&](Index item, Index) {
       Index const b = item / plan.heads, h = item % plan.heads;
       Index const* idx = plan.indices(b, h);
       for (Index j = 0; j < plan.kept(b, h); ++j) {
         detail::copy_row(dst.keys.row(b, h, j), src.keys.row(b, h, idx[j]), dk.dim);
         detail::copy_row(dst.values.row(b, h, j), src.values.row(b, h, idx[j]), dst.values.extents().dim);
-        if (positions.data)
-          positions(b, h, j) = src.position(b, h, idx[j]);
+        if (dst.positions)
+          dst.position_ref(b, h, j) = src.position(b, h, idx[j]);
         ((carried.to(b, h, j) = carried.from(b, h, idx[j])), ...);
       }
     });
@@ -120,19 +118,18 @@ struct Kernel<AppendStep, Cpu> {
     };
     for (Index b = 0; b < de.batch; ++b)
       for (Index h = 0; h < de.heads; ++h)
-        if (dst.length(b, h) + added(b, h) > de.tokens)
-          return {Errc::out_of_capacity, "kvc::append: a head of `dst` would pass its capacity (tokens)"};
+        if (dst.length(b, h) + added(b, h) > dst.capacity(b, h))
+          return {Errc::out_of_capacity, "kvc::append: a head of `dst` would pass its capacity (its slots)"};
     KVC_RETURN_IF_ERROR(detail::lengths_representable(
         dst.lengths, de.batch, de.heads, added,
         "kvc::append: heads of one sequence receive different counts; give `dst` a per-head length table"));
-    auto const positions = dst.position_array();
     detail::parallel_for(cpu, de.batch * de.heads, [&](Index item, Index) {
       Index const b = item / de.heads, h = item % de.heads, at = dst.length(b, h);
       for (Index j = 0; j < added(b, h); ++j) {
         detail::copy_row(dst.keys.row(b, h, at + j), src.keys.row(b, h, begin + j), de.dim);
         detail::copy_row(dst.values.row(b, h, at + j), src.values.row(b, h, begin + j), dst.values.extents().dim);
-        if (positions.data)
-          positions(b, h, at + j) = src.position(b, h, begin + j);
+        if (dst.positions)
+          dst.position_ref(b, h, at + j) = src.position(b, h, begin + j);
       }
     });
     detail::write_lengths(dst.lengths, de.batch, de.heads,

@@ -45,7 +45,7 @@ struct Kernel<RerotateStep, Cpu> {
         for (Index i = 0; i < e.dim; ++i)
           k[i] = from_float<T>(row[i]);
         if (cache.positions)
-          cache.positions[(b * e.heads + h) * e.tokens + j] = j;
+          cache.position_ref(b, h, j) = j;
       }
     });
     return {};

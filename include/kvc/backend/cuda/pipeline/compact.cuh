@@ -55,6 +55,25 @@ __global__ void compact_tokens_kernel(KeepPlan<DeviceSpace> plan, TokenArray<T, 
   }
 }
 
+/// In place for the cache's positions (wherever its layout keeps them: [batch, heads, tokens] or one per row of a
+/// ragged or per-head paged pool), in the same tile order as compact_tokens_kernel.
+template <class C>
+__global__ void compact_positions_kernel(KeepPlan<DeviceSpace> plan, C cache) {
+  Index const b = blockIdx.y, h = blockIdx.x;
+  Index const count = clamp_length(plan.kept(b, h), plan.capacity);
+  Index const* idx = plan.indices(b, h);
+  for (Index base = 0; base < count; base += blockDim.x) {
+    Index const j = base + threadIdx.x;
+    Index value = 0;
+    if (j < count)
+      value = cache.position_ref(b, h, idx[j]);
+    __syncthreads();
+    if (j < count)
+      cache.position_ref(b, h, j) = value;
+    __syncthreads();
+  }
+}
+
 /// Writes each head's new length (count[b, h]) into a per-head table, or head 0's into a per-sequence one.
 /// (Every __global__ in a header is a template: a plain one is defined again in each translation unit.)
 template <class Plan>
@@ -69,12 +88,34 @@ __global__ void plan_lengths_kernel(Plan plan, Lengths lengths) {
     lengths.data[b] = plan.count[i];
 }
 
+/// Rows head (b, h) of a gather writes: the plan's count, clamped to the plan's and the destination head's capacity
+/// (a ragged destination's segment; the device cannot report a short segment, the engine sizes it from the counts).
+template <class DstRows>
+__device__ Index gathered_rows(KeepPlan<DeviceSpace> const& plan, DstRows const& dst, Index b, Index h) {
+  Index const count = clamp_length(plan.kept(b, h), plan.capacity);
+  Index const cap = head_capacity(dst.layout(), b, h);
+  return count < cap ? count : cap;
+}
+
+/// A gather's new lengths: the rows each head received (gathered_rows), like plan_lengths_kernel otherwise.
+template <class Dst>
+__global__ void gather_lengths_kernel(KeepPlan<DeviceSpace> plan, Dst dst) {
+  Index const i = static_cast<Index>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= plan.batch * plan.heads)
+    return;
+  Index const b = i / plan.heads, h = i % plan.heads;
+  if (dst.lengths.per_head())
+    dst.lengths.data[i] = gathered_rows(plan, dst.keys, b, h);
+  else if (h == 0)
+    dst.lengths.data[b] = gathered_rows(plan, dst.keys, b, h);
+}
+
 /// Out of place, fully parallel over the rows of every head: grid (row blocks, heads, batch).
 template <class SrcRows, class DstRows>
 __global__ void gather_rows_kernel(KeepPlan<DeviceSpace> plan, SrcRows src, DstRows dst) {
   using T = typename DstRows::value_type;
   Index const b = blockIdx.z, h = blockIdx.y, dim = dst.extents().dim;
-  Index const count = clamp_length(plan.kept(b, h), plan.capacity);
+  Index const count = gathered_rows(plan, dst, b, h);
   Index const* idx = plan.indices(b, h);
   Index const stride = static_cast<Index>(gridDim.x) * blockDim.x;
   for (Index e = static_cast<Index>(blockIdx.x) * blockDim.x + threadIdx.x; e < count * dim; e += stride)
@@ -85,12 +126,12 @@ __global__ void gather_rows_kernel(KeepPlan<DeviceSpace> plan, SrcRows src, DstR
 template <class Src, class Dst, class... Carried>
 __global__ void gather_tokens_kernel(KeepPlan<DeviceSpace> plan, Src src, Dst dst, Carried... carried) {
   Index const b = blockIdx.z, h = blockIdx.y;
-  Index const count = clamp_length(plan.kept(b, h), plan.capacity);
+  Index const count = gathered_rows(plan, dst.keys, b, h);
   Index const* idx = plan.indices(b, h);
   Index const stride = static_cast<Index>(gridDim.x) * blockDim.x;
   for (Index j = static_cast<Index>(blockIdx.x) * blockDim.x + threadIdx.x; j < count; j += stride) {
     if (dst.positions)
-      dst.positions[(b * plan.heads + h) * dst.keys.extents().tokens + j] = src.position(b, h, idx[j]);
+      dst.position_ref(b, h, j) = src.position(b, h, idx[j]);
     ((carried.to(b, h, j) = carried.from(b, h, idx[j])), ...);
   }
 }
@@ -101,7 +142,7 @@ template <class Dst, class Src>
 __global__ void append_rows_kernel(Dst dst, Src src, Index begin, Index count) {
   using TK = typename Dst::keys_type::value_type;
   using TV = typename Dst::values_type::value_type;
-  Index const b = blockIdx.z, h = blockIdx.y, cap = dst.keys.extents().tokens;
+  Index const b = blockIdx.z, h = blockIdx.y, cap = dst.capacity(b, h);
   Index const dk = dst.keys.extents().dim, dv = dst.values.extents().dim, width = dk > dv ? dk : dv;
   Index const at = clamp_length(dst.length(b, h), cap);
   Index left = clamp_length(src.length(b, h), src.keys.extents().tokens) - begin;
@@ -115,17 +156,17 @@ __global__ void append_rows_kernel(Dst dst, Src src, Index begin, Index count) {
     if (c < dv)
       dst.values.row(b, h, at + j)[c] = from_float<TV>(to_float(src.values.row(b, h, begin + j)[c]));
     if (c == 0 && dst.positions)
-      dst.positions[(b * dst.keys.extents().heads + h) * cap + at + j] = src.position(b, h, begin + j);
+      dst.position_ref(b, h, at + j) = src.position(b, h, begin + j);
   }
 }
 
 template <class Dst, class Src>
 __global__ void append_lengths_kernel(Dst dst, Src src, Index begin, Index count) {
-  Index const heads = dst.keys.extents().heads, cap = dst.keys.extents().tokens;
+  Index const heads = dst.keys.extents().heads;
   Index const i = static_cast<Index>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i >= dst.keys.extents().batch * heads)
     return;
-  Index const b = i / heads, h = i % heads;
+  Index const b = i / heads, h = i % heads, cap = dst.capacity(b, h);
   if (!dst.lengths.per_head() && h != 0)
     return;
   Index const at = clamp_length(dst.length(b, h), cap);
@@ -161,7 +202,7 @@ struct Kernel<CompactStep, Cuda> {
     bc::compact_rows_kernel<<<grid, 256, smem_k, cuda.stream>>>(plan, cache.keys);
     bc::compact_rows_kernel<<<grid, 256, smem_v, cuda.stream>>>(plan, cache.values);
     if (cache.positions)
-      bc::compact_tokens_kernel<<<grid, bc::token_tile, 0, cuda.stream>>>(plan, cache.position_array());
+      bc::compact_positions_kernel<<<grid, bc::token_tile, 0, cuda.stream>>>(plan, cache);
     (bc::compact_tokens_kernel<<<grid, bc::token_tile, 0, cuda.stream>>>(plan, extra), ...);
     if (cache.lengths.data)
       bc::plan_lengths_kernel<<<bc::grid_dim((plan.batch * plan.heads + 255) / 256), 256, 0, cuda.stream>>>(
@@ -177,7 +218,8 @@ struct Kernel<GatherStep, Cuda> {
   static Status run(Cuda const& cuda, KeepPlan<DeviceSpace> const& plan, Src const& src, Dst const& dst,
                     Carried const&... carried) {
     namespace bc = backend::cuda;
-    if (plan.capacity > dst.keys.extents().tokens)
+    // Uniform destinations must hold the plan's capacity; a ragged one is sized per head from the counts (clamped).
+    if (!HasHeadCapacity<typename Dst::keys_type::layout_type> && plan.capacity > dst.keys.extents().tokens)
       return {Errc::out_of_capacity, "kvc::gather(Cuda): `dst` needs at least plan.capacity token slots"};
     if (plan.batch * plan.heads == 0)
       return {};
@@ -194,8 +236,8 @@ struct Kernel<GatherStep, Cuda> {
       bc::gather_tokens_kernel<<<dim3(bc::grid_dim(plan.capacity / 256 + 1, 1024), grid.y, grid.z), 256, 0,
                                  cuda.stream>>>(plan, src, dst, carried...);
     if (dst.lengths.data)
-      bc::plan_lengths_kernel<<<bc::grid_dim((plan.batch * plan.heads + 255) / 256), 256, 0, cuda.stream>>>(
-          plan, dst.lengths);
+      bc::gather_lengths_kernel<<<bc::grid_dim((plan.batch * plan.heads + 255) / 256), 256, 0, cuda.stream>>>(plan,
+                                                                                                              dst);
     return bc::launch_status("kvc::gather(Cuda): kernel launch failed");
   }
 };
