@@ -79,6 +79,14 @@ BENCHMARK_CAPTURE(run, Observed_fp32, kb::Op::observed_attention, false)
 BENCHMARK_CAPTURE(run, Observed_fp16, kb::Op::observed_attention, true)
     ->Apply(grid128)
     ->Name("BM_ObservedAttention_Cuda/fp16");
+BENCHMARK_CAPTURE(run, AdaKVAllocate, kb::Op::ada_kv_allocate, false)->Apply(grid128)->Name("BM_AdaKVAllocate_Cuda");
+BENCHMARK_CAPTURE(run, AdaKVSelect, kb::Op::ada_kv_select, false)->Apply(grid128)->Name("BM_AdaKVSelect_Cuda");
+BENCHMARK_CAPTURE(run, RaggedAttend_fp16, kb::Op::ragged_attend, true)
+    ->Apply(grid128)
+    ->Name("BM_RaggedAttend_Cuda/fp16");
+BENCHMARK_CAPTURE(run, RaggedAttend_fp32, kb::Op::ragged_attend, false)
+    ->Apply(grid128)
+    ->Name("BM_RaggedAttend_Cuda/fp32");
 BENCHMARK_CAPTURE(run, Read_fp32, kb::Op::read, false)->Apply(grid)->Name("BM_Cuda_MemoryRead");
 BENCHMARK_CAPTURE(run, Fma, kb::Op::fma_peak, false)
     ->ArgNames({"tokens", "dim"})

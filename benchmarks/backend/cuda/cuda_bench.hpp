@@ -31,6 +31,10 @@ enum class Op {
   h2o_update,          ///< H2O's kvc::update with 32 new window queries per query head (a decode chunk)
   observed_attention,  ///< ObservedAttention over one 256-row query tile (the unit a prefill repeats N / 256 times)
   fma_peak,            ///< fp32 FMA throughput: the bound of the d^2 work
+  ada_kv_allocate,     ///< kvc::allocate (AdaKV, authors) over the scores [1, 8, tokens], half kept on average
+  ada_kv_select,       ///< kvc::select with AdaKVSelector (allocate + per-head top-k), half kept on average
+  ragged_attend,       ///< decode attention (32 query heads x 1 row) over a ragged store of uneven heads averaging
+                       ///< tokens / 2 (head h holds tokens (h + 1) / 9): bytes = the kept K + V
 };
 
 ContextPtr make_context(Index tokens, Index dim, bool fp16, Op op);

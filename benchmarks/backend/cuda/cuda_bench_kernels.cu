@@ -1,5 +1,6 @@
 // SPDX-License-Identifier: Apache-2.0
 // benchmarks/backend/cuda/cuda_bench_kernels.cu: device side of the CUDA benchmarks (see cuda_bench.hpp).
+#include <kvc/backend/cuda/attention/attend.cuh>
 #include <kvc/backend/cuda/pipeline/compact.cuh>
 #include <kvc/backend/cuda/pipeline/query_statistics.cuh>
 #include <kvc/backend/cuda/scorers/expected_attention.cuh>
@@ -7,13 +8,16 @@
 #include <kvc/backend/cuda/scorers/key_diff.cuh>
 #include <kvc/backend/cuda/scorers/knorm.cuh>
 #include <kvc/backend/cuda/scorers/snap_kv.cuh>
+#include <kvc/backend/cuda/selectors/ada_kv.cuh>
 #include <kvc/backend/cuda/selectors/top_k.cuh>
+#include <kvc/store/ragged.hpp>
 
 #include "backend/cuda/cuda_bench.hpp"
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <vector>
 
 namespace kvc::bench::cuda {
 
@@ -44,6 +48,15 @@ struct Context {
   void* rows = nullptr;
   float* rows_mean = nullptr;
   float* rows_cov = nullptr;
+  // AdaKV: the per-head table [1, 8]. Ragged attention: offsets [9], lengths [8], the store's shape, one decode
+  // query row per query head [1, 32, 1, dim] and its outputs.
+  Index* table = nullptr;
+  Index* offsets = nullptr;
+  Index* ragged_lengths = nullptr;
+  RaggedShape shape;
+  void* decode_queries = nullptr;
+  float* attn_out = nullptr;
+  float* attn_lse = nullptr;
 };
 
 namespace {
@@ -157,6 +170,16 @@ Status run(Context& c, Op op) {
           nullptr, StatisticsRows{.n_sink = 4}, c.rows_mean, c.rows_cov, ws);
     case Op::h2o_update: return update(Cuda{}, h2o, cache, obs, ws);
     case Op::observed_attention: return score(Cuda{}, ObservedAttentionScorer{256}, cache, tile, span, ws);
+    case Op::ada_kv_allocate: return allocate(Cuda{}, AdaKVSelector{FixedBudget{c.e.tokens / 2}}, span, c.table, ws);
+    case Op::ada_kv_select: return select(Cuda{}, AdaKVSelector{FixedBudget{c.e.tokens / 2}}, span, plan, ws);
+    case Op::ragged_attend: {
+      auto const store =
+          ragged_cache<DeviceSpace>(static_cast<T*>(c.k), static_cast<T*>(c.v), 1, c.e.heads, c.e.dim, c.e.dim, c.shape,
+                                    c.offsets, head_lengths(c.ragged_lengths, c.e.heads));
+      AttendQueries<T, DeviceSpace> const q{TokenRows<T const, StridedLayout, DeviceSpace>(
+          static_cast<T const*>(c.decode_queries), bhtd_layout({1, hq, 1, c.e.dim}))};
+      return attend(Cuda{}, Attention{}, q, store, AttendOutput<DeviceSpace>{c.attn_out, c.attn_lse}, ws);
+    }
     case Op::fma_peak:
       fma_kernel<<<fma_blocks, fma_threads>>>(0.999f, 1e-3f, fma_iterations, c.sink);
       return backend::cuda::launch_status("fma_kernel");
@@ -197,6 +220,22 @@ bool prepare(Context& c, Op op) {
       return false;
     fill_kernel<<<1024, 256>>>(static_cast<T*>(c.rows), re.rows() * d, 7u);
   }
+  if (op == Op::ada_kv_allocate && !alloc(&c.table, c.e.batch * c.e.heads, sizeof(Index)))
+    return false;
+  if (op == Op::ragged_attend) {
+    std::vector<Index> counts, offsets(static_cast<std::size_t>(c.e.heads + 1));
+    for (Index h = 0; h < c.e.heads; ++h)  // uneven heads averaging tokens / 2 (8 heads: sum = 4 tokens)
+      counts.push_back(c.e.tokens * (h + 1) / 9);
+    if (!ragged_offsets(counts.data(), c.e.heads, 0, offsets.data(), c.shape).ok() ||
+        !alloc(&c.offsets, c.e.heads + 1, sizeof(Index)) || !alloc(&c.ragged_lengths, c.e.heads, sizeof(Index)) ||
+        !alloc(&c.decode_queries, hq * d, sizeof(T)) || !alloc(&c.attn_out, hq * d, sizeof(float)) ||
+        !alloc(&c.attn_lse, hq, sizeof(float)) ||
+        cudaMemcpy(c.offsets, offsets.data(), offsets.size() * sizeof(Index), cudaMemcpyHostToDevice) != cudaSuccess ||
+        cudaMemcpy(c.ragged_lengths, counts.data(), counts.size() * sizeof(Index), cudaMemcpyHostToDevice) !=
+            cudaSuccess)
+      return false;
+    fill_kernel<<<1024, 256>>>(static_cast<T*>(c.decode_queries), hq * d, 8u);
+  }
   return cudaDeviceSynchronize() == cudaSuccess;
 }
 
@@ -225,6 +264,12 @@ void ContextDeleter::operator()(Context* c) const {
   cudaFree(c->rows);
   cudaFree(c->rows_mean);
   cudaFree(c->rows_cov);
+  cudaFree(c->table);
+  cudaFree(c->offsets);
+  cudaFree(c->ragged_lengths);
+  cudaFree(c->decode_queries);
+  cudaFree(c->attn_out);
+  cudaFree(c->attn_lse);
   cudaEventDestroy(c->start);
   cudaEventDestroy(c->stop);
   delete c;
@@ -248,7 +293,8 @@ ContextPtr make_context(Index tokens, Index dim, bool fp16, Op op) {
        score_workspace_bytes(Cuda{}, ExpectedAttentionScorer{}, c->e, stats),
        update_workspace_bytes(Cuda{}, h2o, c->e, obs),
        score_workspace_bytes(Cuda{}, ObservedAttentionScorer{256}, c->e, tile),
-       op == Op::query_statistics ? query_statistics_workspace_bytes(Cuda{}, rows_extents(c->e)) : std::size_t{0}});
+       op == Op::query_statistics ? query_statistics_workspace_bytes(Cuda{}, rows_extents(c->e)) : std::size_t{0},
+       select_workspace_bytes(Cuda{}, AdaKVSelector{FixedBudget{tokens / 2}}, 1, c->e.heads, tokens)});
   bool ok = cudaMalloc(&c->k, static_cast<std::size_t>(elems) * item) == cudaSuccess &&
             cudaMalloc(&c->v, static_cast<std::size_t>(elems) * item) == cudaSuccess &&
             cudaMalloc(&c->scores, static_cast<std::size_t>(c->e.rows()) * sizeof(float)) == cudaSuccess &&
@@ -303,6 +349,9 @@ double bytes_of(Context const& c, Op op) {
     case Op::h2o_update:
     case Op::observed_attention: return kbytes;  // keys at least once (twice in practice: LSE and column passes)
     case Op::fma_peak: return 0.0;
+    case Op::ada_kv_allocate:
+    case Op::ada_kv_select: return static_cast<double>(c.e.rows()) * sizeof(float);  // the scores, once at least
+    case Op::ragged_attend: return kbytes;  // half of K and half of V: the kept rows, once
   }
   return 0.0;
 }
