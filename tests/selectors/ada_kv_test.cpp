@@ -101,3 +101,30 @@ TEST_CASE("AdaKV properties of §5.6 on random scores") {
       CHECK(kv[h] >= static_cast<Index>(0.3 * budget));
   }
 }
+
+TEST_CASE("AdaKV: bad parameters and tables give clear errors before anything is written") {
+  std::vector<float> s(20, 1.0f);
+  std::vector<Index> table(2, -1);
+  kvc::test::OwnedWorkspace ws(1 << 12);
+  kvc::ScoreSpan<> const span{s.data(), 1, 2, 10};
+  auto code = [&](auto const& sel, Index* t) { return kvc::allocate(kvc::Cpu{}, sel, span, t, ws.get()); };
+  auto const bad_alpha = code(kvc::AdaKVSelector{kvc::FixedBudget{5}, 1.5}, table.data());
+  CHECK(bad_alpha.code() == kvc::Errc::invalid_argument);
+  CHECK(std::string(bad_alpha.message()).find("alpha_safeguard") != std::string::npos);
+  CHECK(code(kvc::AdaKVSelector{kvc::FixedBudget{-1}, 0.2}, table.data()).code() == kvc::Errc::invalid_argument);
+  CHECK(code(kvc::AdaKVSelector{kvc::RatioBudget{2.0}, 0.2}, table.data()).code() == kvc::Errc::invalid_argument);
+  CHECK(code(kvc::AdaKVSelector{kvc::FixedBudget{5}, 0.2, Reference::authors, -1, 0}, table.data()).code() ==
+        kvc::Errc::invalid_argument);
+  CHECK(std::string(code(kvc::AdaKVSelector{kvc::FixedBudget{5}, 0.2}, nullptr).message()).find("table") !=
+        std::string::npos);
+  CHECK(table == std::vector<Index>{-1, -1});
+  std::vector<Index> lengths{4, 11};  // past the 10 slots
+  kvc::ScoreSpan<> const bad_lengths{s.data(), 1, 2, 10, kvc::head_lengths(lengths.data(), 2)};
+  CHECK(
+      kvc::allocate(kvc::Cpu{}, kvc::AdaKVSelector{kvc::FixedBudget{5}}, bad_lengths, table.data(), ws.get()).code() ==
+      kvc::Errc::invalid_argument);
+  kvc::test::OwnedWorkspace tiny(8);
+  CHECK(kvc::allocate(kvc::Cpu{}, kvc::AdaKVSelector{kvc::FixedBudget{5}}, span, table.data(), tiny.get()).code() ==
+        kvc::Errc::out_of_capacity);
+  CHECK(table == std::vector<Index>{-1, -1});
+}

@@ -86,3 +86,13 @@ TEST_CASE("PyramidKV properties of §6.5") {
   CHECK(schedule(Reference::authors, 51, 30, 0, 4, 5, 4) == std::vector<Index>(4, 30));
   CHECK(schedule(Reference::authors, 52, 30, 0, 4, 5, 4).front() > 30);
 }
+
+TEST_CASE("PyramidKV: bad schedules are refused with the parameter's name") {
+  auto message = [](kvc::PyramidKVBudget const& b) { return std::string(b.check().message()); };
+  CHECK(message({4, 4}).find("layer") != std::string::npos);
+  CHECK(message({0, 0}).find("num_layers") != std::string::npos);
+  CHECK(message({0, 4, 8, 0}).find("beta") != std::string::npos);
+  CHECK(message({0, 4, 8, 20, Reference::authors, 0, 1.5}).find("compression_ratio") != std::string::npos);
+  CHECK(message({0, 4, 8, 20, Reference::kvpress, 128, 0.5}).find("capacity") != std::string::npos);
+  CHECK(kvc::PyramidKVBudget{0, 4, 8, 20, Reference::kvpress, 0, 0.5}.check().ok());
+}
