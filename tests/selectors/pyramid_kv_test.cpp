@@ -1,10 +1,15 @@
 // SPDX-License-Identifier: Apache-2.0
 // tests/selectors/pyramid_kv_test.cpp mirrors include/kvc/selectors/pyramid_kv.hpp: the per-layer schedules of
 // original_baselines.md §6.6 (worked examples) and the properties of §6.5.
+#include <kvc/backend/cpu/selectors/ada_kv.hpp>
+#include <kvc/backend/cpu/selectors/top_k.hpp>
 #include <kvc/selectors/pyramid_kv.hpp>
 
 #include "support/catch.hpp"
+#include "support/helpers.hpp"
 
+#include <numeric>
+#include <random>
 #include <vector>
 
 namespace {
@@ -95,4 +100,29 @@ TEST_CASE("PyramidKV: bad schedules are refused with the parameter's name") {
   CHECK(message({0, 4, 8, 20, Reference::authors, 0, 1.5}).find("compression_ratio") != std::string::npos);
   CHECK(message({0, 4, 8, 20, Reference::kvpress, 128, 0.5}).find("capacity") != std::string::npos);
   CHECK(kvc::PyramidKVBudget{0, 4, 8, 20, Reference::kvpress, 0, 0.5}.check().ok());
+}
+
+TEST_CASE("PyramidKV composes with both selectors: each layer's budget, uniform or spread by AdaKV") {
+  Index const heads = 4, n = 100, layers = 4;
+  std::mt19937 rng(3);
+  std::uniform_real_distribution<float> u(0.0f, 1.0f);
+  std::vector<float> s(static_cast<std::size_t>(heads * n));
+  for (float& x : s)
+    x = u(rng) * u(rng);
+  kvc::ScoreSpan<> const span{s.data(), 1, heads, n};
+  std::vector<Index> const layer_keep{54, 38, 22, 6};  // §6.6: kvpress, N = 100, r = 0.7, w = 4, beta = 5, L = 4
+  for (Index l = 0; l < layers; ++l) {
+    kvc::PyramidKVBudget const b{l, layers, 4, 5, Reference::kvpress, 0, 0.7};
+    kvc::test::OwnedPlan plan(1, heads, n);
+    kvc::TopKSelector const top{b, 0, 4};
+    kvc::test::OwnedWorkspace ws(kvc::select_workspace_bytes(kvc::Cpu{}, top, 1, heads, n));
+    REQUIRE(kvc::select(kvc::Cpu{}, top, span, plan.plan, ws.get()).ok());
+    CHECK(plan.count == std::vector<Index>(heads, layer_keep[static_cast<std::size_t>(l)]));
+    // AdaKV inside the layer (kvpress: exactly heads x the layer's budget, spread unevenly).
+    kvc::AdaKVSelector const ada{b, 0.2, Reference::kvpress};
+    std::vector<Index> table(heads);
+    kvc::test::OwnedWorkspace aws(kvc::select_workspace_bytes(kvc::Cpu{}, ada, 1, heads, n));
+    REQUIRE(kvc::allocate(kvc::Cpu{}, ada, span, table.data(), aws.get()).ok());
+    CHECK(std::accumulate(table.begin(), table.end(), Index{0}) == heads * layer_keep[static_cast<std::size_t>(l)]);
+  }
 }
