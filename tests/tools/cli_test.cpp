@@ -276,7 +276,8 @@ TEST_CASE("cli: --help prints each command's usage to stdout and exits 0", "[too
   r = run("compress --help", true);
   CHECK(r.code == 0);
   for (char const* s : {"usage: kvc compress", "--ratio R", "--budget N", "--out-dir DIR", "--queries Q.npy",
-                        "indices.npy", "counts.npy"})
+                        "indices.npy", "counts.npy", "--allocator ada_kv|pyramid_kv|pyramid_kv+ada_kv", "--dump DIR",
+                        "ragged_keys.npy", "offsets.npy", "padded_bytes", "Allocators: ada_kv"})
     CHECK(contains(r.output, s));
   CHECK(run("compress -h", true).output == r.output);
   for (char const* args : {"--help", "-h", "help"}) {
@@ -300,17 +301,19 @@ TEST_CASE("cli: --help prints each command's usage to stdout and exits 0", "[too
 TEST_CASE("cli: policies lists every policy with every parameter and its default, each accepted", "[tools][cli]") {
   auto const r = run("policies", true);
   REQUIRE(r.code == 0);
-  // Parse "NAME  (reads ...)" headings and "    --param NAME=DEFAULT ..." lines.
-  std::map<std::string, std::map<std::string, std::string>> listed;
-  std::string current;
+  // Parse "NAME  (reads ...)" and "NAME  (allocator)" headings and "    --param NAME=DEFAULT ..." lines.
+  std::map<std::string, std::map<std::string, std::string>> listed, allocators;
+  std::map<std::string, std::string>* current = nullptr;
   std::istringstream lines(r.output);
   for (std::string line; std::getline(lines, line);) {
     if (contains(line, "  (reads ") && line[0] != ' ') {
-      current = line.substr(0, line.find(' '));
-      listed[current];
+      current = &listed[line.substr(0, line.find(' '))];
+    } else if (contains(line, "  (allocator)") && line[0] != ' ') {
+      current = &allocators[line.substr(0, line.find(' '))];
     } else if (line.rfind("    --param ", 0) == 0) {
+      REQUIRE(current != nullptr);
       std::string const kv = line.substr(12, line.find(' ', 12) - 12);
-      listed[current][kv.substr(0, kv.find('='))] = kv.substr(kv.find('=') + 1);
+      (*current)[kv.substr(0, kv.find('='))] = kv.substr(kv.find('=') + 1);
     }
   }
   using M = std::map<std::string, std::string>;
@@ -348,6 +351,13 @@ TEST_CASE("cli: policies lists every policy with every parameter and its default
   for (char const* s : {"window_size=32 (kvpress: 64)", "kernel_size=7 (kvpress: 5)", "pooling=max (kvpress: avg)",
                         "epsilon=0.01 (kvpress: 0)", "recent_share=0.5 (kvpress: 0)"})
     CHECK(contains(r.output, s));
+  std::map<std::string, M> const expected_allocators = {
+      {"ada_kv", {{"reference", "authors"}, {"alpha_safeguard", "0.2"}}},
+      {"pyramid_kv",
+       {{"reference", "authors"}, {"window_size", "8"}, {"beta", "20"}, {"layer", "0"}, {"num_layers", "1"}}}};
+  CHECK(allocators == expected_allocators);
+  CHECK(contains(r.output, "pyramid_kv  (allocator)\n"));
+  CHECK(contains(r.output, "--param window_size=8 (kvpress: 64)"));
 
   // Every listed parameter, set to its listed default, is accepted and changes nothing.
   WindowFiles const f("defaults");
@@ -362,6 +372,19 @@ TEST_CASE("cli: policies lists every policy with every parameter and its default
             0);
     CHECK(ints(read(f.out("d_plain/indices.npy"))) == ints(read(f.out("d_all/indices.npy"))));
   }
+  // The allocators' parameters too, with any policy (pyramid_kv's layer 0 of 1 is its listed default).
+  for (auto const& [allocator, params] : expected_allocators)
+    for (char const* policy : {"knorm", "snap_kv"}) {
+      std::string const inputs = f.kv() + (reads_queries(policy) ? " --queries " + f.queries : "");
+      std::string all;
+      for (auto const& [name, value] : params)
+        all += " --param " + name + "=" + value;
+      std::string const base = std::string("compress --policy ") + policy + " --budget 20 --allocator " + allocator;
+      INFO(base << all);
+      REQUIRE(run(base + inputs + " --out-dir " + f.out("a_plain")).code == 0);
+      REQUIRE(run(base + all + inputs + " --out-dir " + f.out("a_all")).code == 0);
+      CHECK(ints(read(f.out("a_plain/indices.npy"))) == ints(read(f.out("a_all/indices.npy"))));
+    }
 }
 
 TEST_CASE("cli: a parameter a policy does not have is rejected with exit 2, naming it and the policy", "[tools][cli]") {
@@ -890,4 +913,392 @@ TEST_CASE("cli: .safetensors input errors exit 3 naming the file, the tensor and
   CHECK(r.code == 3);
   CHECK(contains(r.output, "is the same file as --keys " + two + ":a"));
   CHECK(file_bytes(two).size() > 8);  // untouched
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Allocators (--allocator ada_kv, pyramid_kv, pyramid_kv+ada_kv), the ragged store, the memory figures and --dump.
+
+namespace {
+
+/// The lines of `text` that hold `needle`.
+std::vector<std::string> lines_with(std::string const& text, std::string const& needle) {
+  std::vector<std::string> out;
+  std::istringstream lines(text);
+  for (std::string line; std::getline(lines, line);)
+    if (contains(line, needle))
+      out.push_back(line);
+  return out;
+}
+
+/// The integer after "KEY": in a JSON line.
+long long json_int(std::string const& line, std::string const& key) {
+  auto const at = line.find("\"" + key + "\": ");
+  INFO(line << " has no " << key);
+  REQUIRE(at != std::string::npos);
+  return std::stoll(line.substr(at + key.size() + 4));
+}
+
+/// Checks compress's outputs in `dir` over float32 keys k [B, H, N, d] and values v [B, H, N, dv]: keys.npy holds
+/// each head's kept rows, padded to the longest head; with `ragged`, offsets.npy is the prefix sum of the counts and
+/// ragged_keys.npy / ragged_values.npy hold exactly those rows; and the memory of the --time line `time` (when
+/// given) is that of B*H*N input rows, B*H*n_kept padded rows and sum(counts) ragged rows. Returns the counts.
+std::vector<std::int64_t> check_store(std::string const& dir, std::vector<float> const& k, std::vector<float> const& v,
+                                      std::vector<Index> const& shape, Index dv, bool ragged,
+                                      std::string const& time = "") {
+  Index const B = shape[0], H = shape[1], N = shape[2], d = shape[3];
+  auto const counts = ints(read(dir + "/counts.npy"));
+  REQUIRE(counts.size() == static_cast<std::size_t>(B * H));
+  Index const kept_max = *std::max_element(counts.begin(), counts.end());
+  Index total = 0;
+  for (auto c : counts)
+    total += c;
+  auto const keys = read(dir + "/keys.npy"), values = read(dir + "/values.npy");
+  REQUIRE(keys.shape == std::vector<Index>{B, H, kept_max, d});
+  REQUIRE(values.shape == std::vector<Index>{B, H, kept_max, dv});
+  auto const idx = ints(read(dir + "/indices.npy"));
+  auto const kf = floats(keys), vf = floats(values);
+  for (Index bh = 0; bh < B * H; ++bh)
+    for (Index j = 0; j < counts[static_cast<std::size_t>(bh)]; ++j) {
+      auto const t = idx[static_cast<std::size_t>(bh * kept_max + j)];
+      for (Index x = 0; x < d; ++x)
+        CHECK(kf[static_cast<std::size_t>((bh * kept_max + j) * d + x)] ==
+              k[static_cast<std::size_t>((bh * N + t) * d + x)]);
+      for (Index x = 0; x < dv; ++x)
+        CHECK(vf[static_cast<std::size_t>((bh * kept_max + j) * dv + x)] ==
+              v[static_cast<std::size_t>((bh * N + t) * dv + x)]);
+    }
+  if (ragged) {
+    auto const offsets = read(dir + "/offsets.npy");
+    CHECK(offsets.dtype == kvc::NpyDtype::i64);
+    REQUIRE(offsets.shape == std::vector<Index>{B * H + 1});
+    auto const off = ints(offsets);
+    CHECK(off[0] == 0);
+    for (Index bh = 0; bh < B * H; ++bh)
+      CHECK(off[static_cast<std::size_t>(bh + 1)] - off[static_cast<std::size_t>(bh)] ==
+            counts[static_cast<std::size_t>(bh)]);
+    auto const rk = read(dir + "/ragged_keys.npy"), rv = read(dir + "/ragged_values.npy");
+    REQUIRE(rk.shape == std::vector<Index>{total, d});
+    REQUIRE(rv.shape == std::vector<Index>{total, dv});
+    auto const rkf = floats(rk), rvf = floats(rv);
+    // Round trip: ragged row off[bh] + j is row j of head bh in keys.npy (and values.npy).
+    for (Index bh = 0; bh < B * H; ++bh)
+      for (Index j = 0; j < counts[static_cast<std::size_t>(bh)]; ++j) {
+        auto const row = off[static_cast<std::size_t>(bh)] + j;
+        for (Index x = 0; x < d; ++x)
+          CHECK(rkf[static_cast<std::size_t>(row * d + x)] ==
+                kf[static_cast<std::size_t>((bh * kept_max + j) * d + x)]);
+        for (Index x = 0; x < dv; ++x)
+          CHECK(rvf[static_cast<std::size_t>(row * dv + x)] ==
+                vf[static_cast<std::size_t>((bh * kept_max + j) * dv + x)]);
+      }
+  } else {
+    CHECK(!std::filesystem::exists(dir + "/ragged_keys.npy"));
+    CHECK(!std::filesystem::exists(dir + "/offsets.npy"));
+  }
+  if (!time.empty()) {
+    long long const row = (d + dv) * 4;
+    CHECK(json_int(time, "row_bytes") == row);
+    CHECK(json_int(time, "input_bytes") == B * H * N * row);
+    CHECK(json_int(time, "padded_bytes") == B * H * kept_max * row);
+    CHECK(json_int(time, "ragged_bytes") == total * row);
+    CHECK(json_int(time, "input_tokens") == B * H * N);
+    CHECK(json_int(time, "kept_tokens") == total);
+  }
+  return counts;
+}
+
+}  // namespace
+
+TEST_CASE("cli: compress --allocator ada_kv gives each head its own count and writes the ragged store",
+          "[tools][cli][allocator]") {
+  // Knorm keeps low-norm keys: heads (0, 0) and (1, 2) have 5x the norms, so AdaKV's global ranking gives them less.
+  Index const B = 2, H = 3, N = 40, d = 8, dv = 6;
+  auto k = randoms(static_cast<std::size_t>(B * H * N * d), 21);
+  for (Index bh : {0, 5})
+    for (Index i = 0; i < N * d; ++i)
+      k[static_cast<std::size_t>(bh * N * d + i)] *= 5.0f;
+  auto const v = randoms(static_cast<std::size_t>(B * H * N * dv), 22);
+  std::string const kv = " --keys " + write_npy("ada_k.npy", kvc::NpyDtype::f32, {B, H, N, d}, k) + " --values " +
+                         write_npy("ada_v.npy", kvc::NpyDtype::f32, {B, H, N, dv}, v);
+  auto compress = [&](std::string const& args, std::string const& out) {
+    auto const r = run("compress --policy knorm" + args + kv + " --out-dir " + work(out) + " --time");
+    INFO(args << "\n" << r.output);
+    REQUIRE(r.code == 0);
+    auto const lines = lines_with(r.output, "\"command\": \"compress\"");
+    REQUIRE(lines.size() == 1);
+    return lines[0];
+  };
+  // authors (the default): per-head counts differ; the scaled heads keep the fewest.
+  auto line = compress(" --ratio 0.5 --allocator ada_kv", "ada_authors");
+  CHECK(contains(line, "\"policy\": \"knorm\", \"allocator\": \"ada_kv\", \"seconds\": "));
+  auto counts = check_store(work("ada_authors"), k, v, {B, H, N, d}, dv, true, line);
+  for (Index b = 0; b < B; ++b) {
+    auto const* c = counts.data() + b * H;
+    CHECK(*std::min_element(c, c + H) != *std::max_element(c, c + H));
+  }
+  CHECK(counts[0] < counts[1]);
+  CHECK(counts[5] < counts[4]);
+  // kvpress: exactly Hkv x kept per sequence (kept = floor(40 x 0.5) = 20), still uneven.
+  line =
+      compress(" --ratio 0.5 --allocator ada_kv --param reference=kvpress --param alpha_safeguard=0.3", "ada_kvpress");
+  counts = check_store(work("ada_kvpress"), k, v, {B, H, N, d}, dv, true, line);
+  for (Index b = 0; b < B; ++b) {
+    auto const* c = counts.data() + b * H;
+    CHECK(c[0] + c[1] + c[2] == H * 20);
+    CHECK(*std::min_element(c, c + H) != *std::max_element(c, c + H));
+    for (Index h = 0; h < H; ++h)
+      CHECK(c[h] >= 6);  // the safeguard: floor(0.3 x 20) per head
+  }
+  // alpha 1 is uniform; without --allocator no ragged files, and the memory line still reports the three sizes.
+  line = compress(" --budget 12 --allocator ada_kv --param alpha_safeguard=1", "ada_uniform");
+  CHECK(check_store(work("ada_uniform"), k, v, {B, H, N, d}, dv, true, line) == std::vector<std::int64_t>(6, 12));
+  line = compress(" --budget 12", "no_allocator");
+  CHECK(!contains(line, "allocator"));
+  CHECK(check_store(work("no_allocator"), k, v, {B, H, N, d}, dv, false, line) == std::vector<std::int64_t>(6, 12));
+  CHECK(json_int(line, "ragged_bytes") == json_int(line, "padded_bytes"));
+  // pyramid_kv+ada_kv and --threads: the same outputs on every thread count.
+  compress(" --budget 16 --allocator pyramid_kv+ada_kv --param layer=1 --param num_layers=3", "py_ada1");
+  compress(" --budget 16 --allocator pyramid_kv+ada_kv --param layer=1 --param num_layers=3 --threads 3", "py_ada3");
+  for (char const* f : {"/indices.npy", "/counts.npy", "/offsets.npy", "/ragged_keys.npy", "/ragged_values.npy"})
+    CHECK(file_bytes(work("py_ada1") + f) == file_bytes(work("py_ada3") + f));
+  check_store(work("py_ada1"), k, v, {B, H, N, d}, dv, true);
+
+  // float16 stays float16, in the ragged store too; the memory is in the input dtype.
+  std::vector<kvc::half> h16;
+  for (float x : k)
+    h16.emplace_back(x);
+  auto const k16 = write_npy("ada_k16.npy", kvc::NpyDtype::f16, {B, H, N, d}, h16);
+  auto const r = run("compress --policy knorm --ratio 0.5 --allocator ada_kv --keys " + k16 + " --values " + k16 +
+                     " --out-dir " + work("ada16") + " --time");
+  REQUIRE(r.code == 0);
+  auto const rk = read(work("ada16/ragged_keys.npy"));
+  CHECK(rk.dtype == kvc::NpyDtype::f16);
+  CHECK(json_int(r.output, "row_bytes") == 2 * d * 2);
+  CHECK(json_int(r.output, "ragged_bytes") == rk.shape[0] * 2 * d * 2);
+}
+
+TEST_CASE("cli: ada_kv's counts are those of the worked examples of the AdaKV spec", "[tools][cli][allocator]") {
+  // original_baselines.md 5.7: two heads of 10 prefix tokens, B = 5. Knorm scores -|k| (d = 1): keys 1 - s rank as s.
+  auto counts = [](std::vector<float> const& s, std::string const& params, std::string const& tag) {
+    std::vector<float> k;
+    for (float x : s)
+      k.push_back(1.0f - x);
+    auto const keys = write_npy("spec_" + tag + ".npy", kvc::NpyDtype::f32, {1, 2, 10, 1}, k);
+    auto const r = run("compress --policy knorm --budget 5 --allocator ada_kv" + params + " --keys " + keys +
+                       " --values " + keys + " --out-dir " + work("spec_" + tag));
+    INFO(params << "\n" << r.output);
+    REQUIRE(r.code == 0);
+    return ints(read(work("spec_" + tag + "/counts.npy")));
+  };
+  std::vector<float> const first = {0.30f,  0.25f,  0.20f, 0.15f, 0.12f,  0.10f,  0.09f,  0.08f,  0.01f,  0.005f,
+                                    0.085f, 0.082f, 0.02f, 0.01f, 0.009f, 0.008f, 0.007f, 0.006f, 0.004f, 0.003f};
+  CHECK(counts(first, "", "a") == std::vector<std::int64_t>{7, 3});  // b = (round(7.4), round(2.6))
+  auto const kept = ints(read(work("spec_a/indices.npy")));
+  CHECK(kept == std::vector<std::int64_t>{0, 1, 2, 3, 4, 5, 6, 0, 1, 2, -1, -1, -1, -1});
+  CHECK(counts(first, " --param reference=kvpress", "b") == std::vector<std::int64_t>{8, 2});
+  std::vector<float> second = {0.9f, 0.8f, 0.7f, 0.6f, 0.5f, 0.4f, 0.3f, 0.2f, 0.15f, 0.001f, 0.12f};
+  second.resize(20, 0.0001f);
+  CHECK(counts(second, " --param alpha_safeguard=0.5", "c") == std::vector<std::int64_t>{6, 2});  // sum 8, not 10
+  CHECK(counts(second, " --param alpha_safeguard=0.5 --param reference=kvpress", "d") ==
+        std::vector<std::int64_t>{8, 2});
+}
+
+namespace {
+
+/// A dump folder as `kvc-eval dump` writes it: layer<L>/keys.npy, values.npy [1, 2, n, 8], queries.npy and
+/// queries_prerope.npy [1, 4, n, 8], float32, and meta.json (`meta`, or the sizes with RoPE theta 500000,
+/// interleaved). `n_of(L)` is layer L's token count. Returns the folder.
+std::string make_dump(std::string const& name, Index layers, Index n, std::string meta = "",
+                      Index (*n_of)(Index, Index) = nullptr) {
+  std::string const dir = work(name);
+  std::filesystem::remove_all(dir);
+  for (Index l = 0; l < layers; ++l) {
+    std::string const ld = name + "/layer" + std::to_string(l);
+    std::filesystem::create_directories(work(ld));
+    Index const t = n_of ? n_of(l, n) : n;
+    auto const seed = static_cast<std::uint64_t>(100 + 4 * l);
+    write_npy(ld + "/keys.npy", kvc::NpyDtype::f32, {1, 2, t, 8}, randoms(static_cast<std::size_t>(2 * t * 8), seed));
+    write_npy(ld + "/values.npy", kvc::NpyDtype::f32, {1, 2, t, 8},
+              randoms(static_cast<std::size_t>(2 * t * 8), seed + 1));
+    write_npy(ld + "/queries.npy", kvc::NpyDtype::f32, {1, 4, t, 8},
+              randoms(static_cast<std::size_t>(4 * t * 8), seed + 2));
+    write_npy(ld + "/queries_prerope.npy", kvc::NpyDtype::f32, {1, 4, t, 8},
+              randoms(static_cast<std::size_t>(4 * t * 8), seed + 3));
+  }
+  if (meta.empty())
+    meta = "{\"model\": \"synthetic\", \"tokens\": " + std::to_string(n) + ", \"layers\": " + std::to_string(layers) +
+           ", \"query_heads\": 4, \"kv_heads\": 2, \"head_dim\": 8, \"rope\": {\"theta\": 500000, \"style\": "
+           "\"interleaved\", \"scaled\": false}}\n";
+  std::ofstream(work(name + "/meta.json")) << meta;
+  return dir;
+}
+
+std::vector<float> floats_of(std::string const& path) {
+  return floats(read(path));
+}
+
+}  // namespace
+
+TEST_CASE("cli: compress --dump compresses every layer, with pyramid_kv's layer budgets on the schedule",
+          "[tools][cli][allocator][dump]") {
+  Index const L = 4, N = 100;
+  std::string const dump = make_dump("dump4", L, N);
+  auto compress = [&](std::string const& args, std::string const& out) {
+    auto const r = run("compress " + args + " --dump " + dump + " --out-dir " + work(out) + " --time");
+    INFO(args << "\n" << r.output);
+    REQUIRE(r.code == 0);
+    return r.output;
+  };
+  auto layer_counts = [&](std::string const& out, Index l) {
+    return ints(read(work(out) + "/layer" + std::to_string(l) + "/counts.npy"));
+  };
+  // The authors' schedule (original_baselines.md 6.6: N = 100, C = 30, w = 4, beta = 5, L = 4): 51, 37, 23, 9,
+  // each head the same (top-k), the window's 4 tokens on top.
+  auto text = compress("--policy knorm --budget 30 --allocator pyramid_kv --param window_size=4 --param beta=5", "py");
+  std::int64_t const authors[] = {51, 37, 23, 9};
+  long long ragged = 0, padded = 0;
+  for (Index l = 0; l < L; ++l) {
+    std::string const ld = work("py") + "/layer" + std::to_string(l);
+    CHECK(layer_counts("py", l) == std::vector<std::int64_t>(2, authors[l]));
+    auto const idx = ints(read(ld + "/indices.npy"));
+    for (Index t = 0; t < 4; ++t)
+      CHECK(idx[static_cast<std::size_t>(authors[l] - 4 + t)] == N - 4 + t);
+    std::string const lw = "dump4/layer" + std::to_string(l);
+    auto const lines = lines_with(text, "\"layer\": " + std::to_string(l) + ",");
+    REQUIRE(lines.size() == 1);
+    CHECK(contains(lines[0], "\"allocator\": \"pyramid_kv\", \"layer\": " + std::to_string(l) + ", \"seconds\""));
+    check_store(ld, floats_of(work(lw + "/keys.npy")), floats_of(work(lw + "/values.npy")), {1, 2, N, 8}, 8, true,
+                lines[0]);
+    ragged += json_int(lines[0], "ragged_bytes");
+    padded += json_int(lines[0], "padded_bytes");
+  }
+  // The total: one line with "layers", the sums (row = 16 floats).
+  auto const total = lines_with(text, "\"layers\": 4");
+  REQUIRE(total.size() == 1);
+  CHECK(json_int(total[0], "ragged_bytes") == ragged);
+  CHECK(ragged == (51 + 37 + 23 + 9) * 2 * 64);
+  CHECK(json_int(total[0], "padded_bytes") == padded);
+  CHECK(json_int(total[0], "input_bytes") == L * 2 * N * 64);
+  CHECK(json_int(total[0], "kept_tokens") == (51 + 37 + 23 + 9) * 2);
+
+  // kvpress's schedule (6.6: N = 100, kept 30 (r = 0.7), w = 4, beta = 5, L = 4): 54, 38, 22, 6; mean 30.
+  compress(
+      "--policy snap_kv --ratio 0.7 --allocator pyramid_kv --param reference=kvpress --param window_size=4 "
+      "--param beta=5",
+      "pk");
+  std::int64_t const kvpress[] = {54, 38, 22, 6};
+  for (Index l = 0; l < L; ++l)
+    CHECK(layer_counts("pk", l) == std::vector<std::int64_t>(2, kvpress[l]));
+
+  // Each layer is the job `--keys/--values/--queries` of its files would be, with meta.json's RoPE; post-RoPE
+  // queries (queries=post_rope) come from queries.npy.
+  compress("--policy snap_kv --budget 20 --param window_size=8", "plain");
+  compress("--policy snap_kv --budget 20 --param window_size=8 --param queries=post_rope", "post");
+  compress("--policy snap_kv --budget 20 --allocator pyramid_kv+ada_kv", "both");
+  for (Index l = 0; l < L; ++l) {
+    std::string const lw = work("dump4/layer" + std::to_string(l)),
+                      kv = " --keys " + lw + "/keys.npy --values " + lw + "/values.npy";
+    std::string const layer = "/layer" + std::to_string(l);
+    REQUIRE(run("compress --policy snap_kv --budget 20 --param window_size=8" + kv + " --queries " + lw +
+                "/queries_prerope.npy --rope theta=500000,style=interleaved --out-dir " + work("one"))
+                .code == 0);
+    CHECK(file_bytes(work("one/indices.npy")) == file_bytes(work("plain") + layer + "/indices.npy"));
+    CHECK(!std::filesystem::exists(work("plain") + layer + "/offsets.npy"));  // no allocator: no ragged store
+    REQUIRE(run("compress --policy snap_kv --budget 20 --param window_size=8 --param queries=post_rope" + kv +
+                " --queries " + lw + "/queries.npy --out-dir " + work("one"))
+                .code == 0);
+    CHECK(file_bytes(work("one/indices.npy")) == file_bytes(work("post") + layer + "/indices.npy"));
+    // pyramid_kv+ada_kv: layer l of 4 (set by --dump) is what --param layer=l --param num_layers=4 gives.
+    REQUIRE(run("compress --policy snap_kv --budget 20 --allocator pyramid_kv+ada_kv --param layer=" +
+                std::to_string(l) + " --param num_layers=4" + kv + " --queries " + lw +
+                "/queries_prerope.npy --rope theta=500000,style=interleaved --out-dir " + work("one"))
+                .code == 0);
+    for (char const* f : {"/indices.npy", "/counts.npy", "/ragged_keys.npy", "/ragged_values.npy", "/offsets.npy"})
+      CHECK(file_bytes(work("one") + f) == file_bytes(work("both") + layer + f));
+  }
+}
+
+TEST_CASE("cli: allocator and --dump errors exit 2 or 3 naming the option, the file or the field",
+          "[tools][cli][allocator][dump]") {
+  WindowFiles const f("alloc_err");
+  auto expect = [](int code, std::string const& args, std::vector<std::string> const& needles) {
+    auto const r = run(args);
+    INFO(args << "\n" << r.output);
+    CHECK(r.code == code);
+    for (auto const& n : needles)
+      CHECK(contains(r.output, n));
+  };
+  std::string const knorm = "compress --policy knorm --budget 10" + f.kv() + " --out-dir " + f.out("d");
+  // Usage (exit 2).
+  expect(2, knorm + " --allocator foo", {"--allocator 'foo': unknown allocator 'foo'", "usage: kvc compress"});
+  expect(2, knorm + " --allocator ada_kv+ada_kv", {"allocator 'ada_kv' named twice"});
+  expect(2, knorm + " --allocator ada_kv --allocator pyramid_kv", {"--allocator given twice"});
+  expect(2, knorm + " --param alpha_safeguard=0.3", {"'alpha_safeguard' is not a parameter of policy knorm"});
+  expect(2, knorm + " --allocator ada_kv --param beta=4", {"'beta' is not a parameter of policy knorm"});
+  expect(2, "score --policy knorm --allocator ada_kv --keys " + f.keys + " --out " + f.out("x.npy"),
+         {"--allocator is not an option of `kvc score`"});
+  expect(2, knorm + " --ratio 0.5 --allocator pyramid_kv", {"exactly one of --ratio and --budget"});
+  expect(2, knorm + " --allocator pyramid_kv --param reference=kvpress",
+         {"pyramid_kv with reference=kvpress schedules from a ratio: use --ratio, not --budget"});
+  std::string const dump = make_dump("dump_err", 3, 40);
+  std::string const on_dump = "compress --policy knorm --budget 10 --dump " + dump + " --out-dir " + f.out("dd");
+  expect(2, on_dump + " --keys " + f.keys, {"--keys given with --dump"});
+  expect(2, on_dump + " --rope theta=10000", {"--rope given with --dump"});
+  expect(2, on_dump + " --allocator pyramid_kv --param layer=1", {"--param layer given with --dump"});
+  expect(2, on_dump + " --allocator pyramid_kv --param num_layers=3", {"--param num_layers given with --dump"});
+  expect(2, "compress --policy knorm --budget 10 --keys " + f.keys + " --out-dir " + f.out("d"),
+         {"compress needs --policy, --out-dir, and --keys and --values or --dump"});
+  // Invalid input (exit 3).
+  expect(3, knorm + " --allocator pyramid_kv --param layer=4 --param num_layers=4",
+         {"--param layer = 4: expected a layer in [0, num_layers = 4)"});
+  expect(3, knorm + " --allocator ada_kv --param alpha_safeguard=1.5", {"--param alpha_safeguard = '1.5'"});
+  expect(3, knorm + " --allocator pyramid_kv --param beta=0", {"--param beta = 0: expected an integer >= 1"});
+  expect(3, knorm + " --allocator ada_kv --param reference=both", {"--param reference = 'both'"});
+  expect(3, "compress --policy knorm --budget 10 --dump " + work("no_such_dump") + " --out-dir " + f.out("dd"),
+         {"--dump " + work("no_such_dump") + ": " + work("no_such_dump") + "/meta.json: ", "kvc-eval dump"});
+  make_dump("dump_bad_json", 1, 40, "{\"layers\": 1,");
+  expect(3, "compress --policy knorm --budget 10 --dump " + work("dump_bad_json") + " --out-dir " + f.out("dd"),
+         {"dump_bad_json/meta.json: not JSON"});
+  make_dump("dump_no_layers", 1, 40, "{\"tokens\": 40}");
+  expect(3, "compress --policy knorm --budget 10 --dump " + work("dump_no_layers") + " --out-dir " + f.out("dd"),
+         {"dump_no_layers/meta.json: field 'layers' is missing"});
+  make_dump("dump_no_rope", 2, 40, "{\"layers\": 2}");
+  expect(3, "compress --policy snap_kv --budget 10 --dump " + work("dump_no_rope") + " --out-dir " + f.out("dd"),
+         {"dump_no_rope/meta.json: field 'rope' is missing", "queries=post_rope"});
+  CHECK(run("compress --policy knorm --budget 10 --dump " + work("dump_no_rope") + " --out-dir " + f.out("dd")).code ==
+        0);  // a policy that reads no queries needs no RoPE
+  make_dump("dump_scaled", 2, 40,
+            "{\"layers\": 2, \"rope\": {\"theta\": 10000, \"style\": \"neox\", \"scaled\": true}}");
+  expect(3, "compress --policy snap_kv --budget 10 --dump " + work("dump_scaled") + " --out-dir " + f.out("dd"),
+         {"field 'rope.scaled' is true", "--param queries=post_rope"});
+  CHECK(run("compress --policy snap_kv --budget 10 --param queries=post_rope --dump " + work("dump_scaled") +
+            " --out-dir " + f.out("dd"))
+            .code == 0);
+  make_dump("dump_bad_rope", 2, 40, "{\"layers\": 2, \"rope\": {\"theta\": 10000, \"style\": \"gptj\"}}");
+  expect(3, "compress --policy snap_kv --budget 10 --dump " + work("dump_bad_rope") + " --out-dir " + f.out("dd"),
+         {"field 'rope.style'"});
+  // meta.json lists more layers than the folder has.
+  make_dump("dump_short", 2, 40, "{\"layers\": 3}");
+  expect(3, "compress --policy knorm --budget 10 --dump " + work("dump_short") + " --out-dir " + f.out("dd"),
+         {"dump_short/layer2/keys.npy: No such file or directory", "lists 3 layers; layer 2 has no keys.npy"});
+  std::filesystem::remove(work("dump_err/layer1/queries_prerope.npy"));
+  expect(3, "compress --policy tova --budget 10 --dump " + dump + " --out-dir " + f.out("dd"),
+         {"layer 1 has no queries_prerope.npy"});
+  // Layers of another shape: against meta.json's sizes, or layer 0's when meta.json has none. Nothing is written.
+  auto const other = [](Index l, Index n) { return l == 2 ? n - 10 : n; };
+  make_dump("dump_mixed", 3, 40, "", other);
+  std::filesystem::remove_all(f.out("mixed_out"));
+  expect(3, "compress --policy knorm --budget 10 --dump " + work("dump_mixed") + " --out-dir " + f.out("mixed_out"),
+         {"keys file " + work("dump_mixed") + "/layer2/keys.npy: field 'shape': tokens (shape[2]) is 30, expected " +
+          work("dump_mixed") + "/meta.json's tokens 40"});
+  CHECK(!std::filesystem::exists(f.out("mixed_out")));
+  make_dump("dump_mixed2", 3, 40, "{\"layers\": 3}", other);
+  expect(3,
+         "compress --policy knorm --budget 10 --allocator ada_kv --dump " + work("dump_mixed2") + " --out-dir " +
+             f.out("mixed_out"),
+         {"layer2/keys.npy: field 'shape' is (1, 2, 30, 8), expected layer 0's (1, 2, 40, 8)"});
+  CHECK(!std::filesystem::exists(f.out("mixed_out")));
+  // The outputs may not replace the dump's own files.
+  expect(3, "compress --policy knorm --budget 10 --dump " + dump + " --out-dir " + dump,
+         {"output file " + dump + "/layer0/keys.npy is the same file as --dump input " + dump + "/layer0/keys.npy"});
 }

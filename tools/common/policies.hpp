@@ -13,6 +13,9 @@
 #include <kvc/backend/cpu/scorers/snap_kv.hpp>
 #include <kvc/backend/cpu/scorers/streaming_llm.hpp>
 #include <kvc/backend/cpu/scorers/tova.hpp>
+#include <kvc/backend/cpu/selectors/ada_kv.hpp>
+#include <kvc/backend/cpu/selectors/top_k.hpp>
+#include <kvc/selectors/pyramid_kv.hpp>
 
 #include <algorithm>
 #include <cerrno>
@@ -20,6 +23,7 @@
 #include <cstdlib>
 #include <initializer_list>
 #include <map>
+#include <optional>
 #include <stdexcept>
 #include <string>
 #include <string_view>
@@ -282,6 +286,166 @@ inline double parse_real(Params const& p, char const* name, double lo, double hi
 
 inline bool parse_bool(Params const& p, char const* name) {
   return choice<bool>(p, name, {{"true", true}, {"false", false}});
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Allocators: budgets across the heads of a layer (ada_kv) and across layers (pyramid_kv), composed with any scorer:
+// `kvc compress --allocator NAME[+NAME]`, `kvc-eval --policies scorer+allocator[+allocator]`.
+
+struct AllocatorInfo {
+  char const* name;
+  char const* summary;
+  std::vector<ParamInfo> params;
+};
+
+inline std::vector<AllocatorInfo> const& allocators() {
+  static std::vector<AllocatorInfo> const list = {
+      {"ada_kv",
+       "head-adaptive budgets inside a layer: a global top-k over the layer's heads with a safeguard floor (Feng et "
+       "al., arXiv 2407.11550)",
+       {{"reference", "authors",
+         "authors (b_h = round((1-alpha) c_h + floor(alpha B)), the window on top) or kvpress (AdaKVPress: each "
+         "head's top floor(alpha kept) pinned, exactly Hkv x kept per layer)",
+         Stage::selection},
+        {"alpha_safeguard", "0.2", "alpha in [0, 1]: the share of each head's budget it keeps whatever the others",
+         Stage::selection}}},
+      {"pyramid_kv",
+       "per-layer budgets falling linearly from the first layer to the last, window included (Cai et al., arXiv "
+       "2406.02069)",
+       {{"reference", "authors",
+         "authors (integer schedule from the capacity C, no compression below C, uniform below 2(C - w)) or kvpress "
+         "(PyramidKVPress: float schedule from the ratio, uniform fallback)",
+         Stage::selection},
+        {"window_size", "8", "w: the window kept on top of each layer's prefix budget (shared with snap_kv's)",
+         Stage::selection, "64"},
+        {"beta", "20", "beta: the last layer keeps about 1/beta of the mean prefix budget", Stage::selection},
+        {"layer", "0", "this layer's index (set per layer by --dump and kvc-eval)", Stage::selection},
+        {"num_layers", "1", "the model's layer count (set by --dump and kvc-eval)", Stage::selection}}},
+  };
+  return list;
+}
+
+/// Which allocators a `NAME[+NAME]` list names (each at most once).
+struct AllocatorChoice {
+  bool ada_kv = false;
+  bool pyramid_kv = false;
+  bool any() const { return ada_kv || pyramid_kv; }
+  std::string name() const {
+    return std::string(pyramid_kv ? "pyramid_kv" : "") + (ada_kv && pyramid_kv ? "+" : "") + (ada_kv ? "ada_kv" : "");
+  }
+};
+
+inline AllocatorChoice parse_allocators(std::string const& list, char const* what = "--allocator") {
+  AllocatorChoice c;
+  std::size_t start = 0;
+  while (start <= list.size()) {
+    std::size_t const plus = std::min(list.find('+', start), list.size());
+    std::string const name = list.substr(start, plus - start);
+    bool* flag = name == "ada_kv" ? &c.ada_kv : (name == "pyramid_kv" ? &c.pyramid_kv : nullptr);
+    if (flag == nullptr)
+      fail(exit_usage, std::string(what) + " '" + list + "': unknown allocator '" + name +
+                           "' (expected ada_kv, pyramid_kv or pyramid_kv+ada_kv)");
+    if (*flag)
+      fail(exit_usage, std::string(what) + " '" + list + "': allocator '" + name + "' named twice");
+    *flag = true;
+    start = plus + 1;
+  }
+  return c;
+}
+
+inline AllocatorInfo const& allocator_info(std::string_view name) {
+  for (auto const& a : allocators())
+    if (name == a.name)
+      return a;
+  throw std::logic_error("kvc: unknown allocator");
+}
+
+/// The policy's table entry with the chosen allocators' parameters added (a name both have, such as `reference` or
+/// snap_kv's `window_size`, is one parameter; the allocator's defaults win, as its paper's scripts set them).
+inline PolicyInfo with_allocators(PolicyInfo policy, AllocatorChoice const& choice) {
+  for (char const* name : {"pyramid_kv", "ada_kv"}) {
+    if ((name == std::string_view("ada_kv") && !choice.ada_kv) ||
+        (name == std::string_view("pyramid_kv") && !choice.pyramid_kv))
+      continue;
+    for (ParamInfo const& p : allocator_info(name).params) {
+      auto it = std::find_if(policy.params.begin(), policy.params.end(),
+                             [&](ParamInfo const& q) { return std::string_view(q.name) == p.name; });
+      if (it == policy.params.end())
+        policy.params.push_back(p);
+      else if (std::string_view(p.name) != "reference")
+        *it = ParamInfo{p.name, p.default_value, it->help, it->stage, p.kvpress_default};
+    }
+  }
+  return policy;
+}
+
+/// One runtime budget for the tools (a ratio, a token count, or PyramidKV's layer schedule), so each scorer
+/// compiles two selections (top-k and AdaKV) instead of six.
+struct ToolBudget {
+  enum class Kind : std::uint8_t { ratio, tokens, pyramid } kind = Kind::ratio;
+  kvc::RatioBudget ratio{};
+  kvc::FixedBudget tokens{};
+  kvc::PyramidKVBudget pyramid{};
+
+  constexpr kvc::Index keep(kvc::Index b, kvc::Index h, kvc::Index n) const noexcept {
+    return kind == Kind::ratio ? ratio.keep(b, h, n)
+                               : (kind == Kind::tokens ? tokens.keep(b, h, n) : pyramid.keep(b, h, n));
+  }
+  constexpr kvc::Status check() const noexcept {
+    return kind == Kind::ratio ? ratio.check() : (kind == Kind::tokens ? tokens.check() : pyramid.check());
+  }
+};
+
+/// The selection compress runs over `tokens`-slot heads: TopKSelector, or AdaKVSelector with the ada_kv
+/// allocator, over `ratio` (when set) or `budget` tokens, through PyramidKV's schedule with the pyramid_kv
+/// allocator. The authors' AdaKV and PyramidKV keep the observation window on top of the budget: a scorer with a
+/// `window_size` (snap_kv) has its window protected. Calls fn(selector).
+template <class Fn>
+void with_selection(AllocatorChoice const& alloc, Params const& p, Selection const& sel, std::optional<double> ratio,
+                    kvc::Index budget, kvc::Index tokens, Fn&& fn) {
+  auto count = [&](char const* name, kvc::Index min = 0) {
+    return parse_count(p.at(name), std::string("--param ") + name, min);
+  };
+  ToolBudget b;
+  if (ratio) {
+    b.kind = ToolBudget::Kind::ratio;
+    b.ratio = {*ratio};
+  } else {
+    b.kind = ToolBudget::Kind::tokens;
+    b.tokens = {budget};
+  }
+  bool const kvpress = p.count("reference") && reference_of(p) == kvc::Reference::kvpress;  // bad values: exit 3
+  kvc::Index window = p.count("window_size") ? count("window_size") : 0;
+  if (alloc.pyramid_kv) {
+    kvc::PyramidKVBudget& py = b.pyramid;
+    py.reference = kvpress ? kvc::Reference::kvpress : kvc::Reference::authors;
+    py.window_size = window;
+    py.beta = count("beta", 1);
+    py.num_layers = count("num_layers", 1);
+    py.layer = count("layer");
+    if (py.layer >= py.num_layers)
+      fail(exit_invalid,
+           "--param layer = " + p.at("layer") + ": expected a layer in [0, num_layers = " + p.at("num_layers") + ")");
+    if (ratio)
+      py.compression_ratio = *ratio;
+    else if (kvpress)
+      fail(exit_usage, "pyramid_kv with reference=kvpress schedules from a ratio: use --ratio, not --budget");
+    else
+      py.max_capacity_prompt = budget;
+    b.kind = ToolBudget::Kind::pyramid;
+  }
+  kvc::Index const keep = b.keep(0, 0, tokens);  // H2O's recent window is a share of it
+  kvc::Index n_recent = sel.recent(keep);
+  if (!kvpress && alloc.any() && p.count("window_size"))  // the authors' window sits on top of the budget
+    n_recent = std::max(n_recent, window);
+  if (alloc.ada_kv) {
+    kvc::AdaKVSelector<ToolBudget> const ada{b, parse_real(p, "alpha_safeguard", 0.0, 1.0),
+                                             kvpress ? kvc::Reference::kvpress : kvc::Reference::authors, sel.n_sink,
+                                             n_recent};
+    fn(ada);
+  } else {
+    fn(kvc::TopKSelector<ToolBudget>{b, sel.n_sink, n_recent});
+  }
 }
 
 /// The one place scorers are built: calls fn(scorer, selection) with the policy's scorer and its protections.

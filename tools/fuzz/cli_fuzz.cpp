@@ -14,6 +14,7 @@
 
 #include "cli.hpp"
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <cstdio>
@@ -94,7 +95,7 @@ kvc::NpyArray read_output(fs::path const& path) {
 /// Exit 0: the outputs have the documented shapes for keys [B, H, N, d] and values [B, H, N, d_v]: scores
 /// float32 [B, H, N]; or counts int64 [B, H] in [0, N], indices int64 [B, H, n_kept] ascending in [0, N) then -1,
 /// keys and values [B, H, n_kept, d] in the input dtype.
-void check_outputs(bool compress, fs::path const& dir, kvc::NpyArray const& keys) {
+void check_outputs(bool compress, bool allocator, fs::path const& dir, kvc::NpyArray const& keys) {
   std::vector<Index> const& k = keys.shape;
   if (!compress) {
     kvc::NpyArray const s = read_output(dir / "scores.npy");
@@ -123,6 +124,20 @@ void check_outputs(bool compress, fs::path const& dir, kvc::NpyArray const& keys
       if (j < n ? (row[j] < 0 || row[j] >= k[2] || (j > 0 && row[j] <= row[j - 1])) : row[j] != -1)
         violated("indices are not ascending in [0, N) followed by -1 padding");
   }
+  if (!allocator)
+    return;
+  // The ragged store: offsets are the prefix sum of the counts, and the rows are exactly the kept ones.
+  kvc::NpyArray const offsets = read_output(dir / "out" / "offsets.npy"),
+                      ragged = read_output(dir / "out" / "ragged_keys.npy");
+  (void)read_output(dir / "out" / "ragged_values.npy");
+  if (offsets.dtype != kvc::NpyDtype::i64 || offsets.shape != std::vector<Index>{k[0] * k[1] + 1})
+    violated("offsets.npy is not int64 [B * H + 1]");
+  std::int64_t const* off = offsets.as<std::int64_t>();
+  for (Index bh = 0; bh < k[0] * k[1]; ++bh)
+    if (off[bh + 1] - off[bh] != counts.as<std::int64_t>()[bh] || off[0] != 0)
+      violated("offsets.npy is not the prefix sum of counts.npy");
+  if (ragged.shape != std::vector<Index>{off[k[0] * k[1]], k[3]})
+    violated("ragged_keys.npy is not [sum of counts, d]");
 }
 
 /// A small dimension, now and then 0 or a large one.
@@ -223,11 +238,24 @@ extern "C" int LLVMFuzzerTestOneInput(std::uint8_t const* data, std::size_t size
     write_file(inputs.back(), file);
     args.insert(args.end(), {"--positions", inputs.back().string()});
   }
+  bool allocator = false;
   if (compress) {
     if (flags & 64)
       args.insert(args.end(), {"--ratio", std::to_string((in.u8() % 11) / 10.0)});
     else
       args.insert(args.end(), {"--budget", std::to_string(in.u8() % 16)});
+    // An allocator (AdaKV, PyramidKV or both) over the same scores; alpha beyond 1 is refused with exit 3.
+    // PyramidKV's kvpress schedule needs --ratio (a usage error otherwise, which this harness never makes).
+    std::uint8_t const pick = in.u8();
+    bool const kvpress = std::find(args.begin(), args.end(), "reference=kvpress") != args.end();
+    if (pick & 1) {
+      static char const* const allocators[] = {"ada_kv", "pyramid_kv", "pyramid_kv+ada_kv"};
+      std::string const name = kvpress && !(flags & 64) ? "ada_kv" : allocators[(pick >> 1) % 3];
+      args.insert(args.end(), {"--allocator", name});
+      if (name != "pyramid_kv" && (pick & 8))
+        args.insert(args.end(), {"--param", "alpha_safeguard=" + std::to_string((pick >> 4) / 10.0)});
+      allocator = true;
+    }
     if (policy != "streaming_llm" && (flags & 128))
       args.insert(args.end(), {"--param", "n_sink=" + std::to_string(in.u8() % 3), "--param",
                                "n_recent=" + std::to_string(in.u8() % 3)});
@@ -267,10 +295,13 @@ extern "C" int LLVMFuzzerTestOneInput(std::uint8_t const* data, std::size_t size
     violated("exit code other than 0 or 3:", std::to_string(code) + " " + text);
   if (code == 3 && (text.rfind("kvc: error: ", 0) != 0 || text.find('\n') + 1 != text.size()))
     violated("exit 3 without exactly one 'kvc: error: ' line:", text);
-  std::vector<fs::path> const outputs =
-      compress ? std::vector<fs::path>{dir / "out" / "keys.npy", dir / "out" / "values.npy",
-                                       dir / "out" / "indices.npy", dir / "out" / "counts.npy"}
-               : std::vector<fs::path>{dir / "scores.npy"};
+  std::vector<fs::path> outputs = compress
+                                      ? std::vector<fs::path>{dir / "out" / "keys.npy", dir / "out" / "values.npy",
+                                                              dir / "out" / "indices.npy", dir / "out" / "counts.npy"}
+                                      : std::vector<fs::path>{dir / "scores.npy"};
+  if (allocator)
+    for (char const* name : {"ragged_keys.npy", "ragged_values.npy", "offsets.npy"})
+      outputs.push_back(dir / "out" / name);
   for (auto const& p : outputs)
     if (code == 3 && fs::exists(p))
       violated("an output exists after a failure:", p.string());
@@ -279,7 +310,7 @@ extern "C" int LLVMFuzzerTestOneInput(std::uint8_t const* data, std::size_t size
     std::string error;
     if (!kvc::read_npy(inputs[0].string(), keys, error) || keys.shape.size() != 4)
       violated("exit 0 with keys that do not read as a rank-4 array");
-    check_outputs(compress, dir, keys);
+    check_outputs(compress, allocator, dir, keys);
   }
   if (has_temporary(dir) || (fs::exists(dir / "out") && has_temporary(dir / "out")))
     violated("a temporary file was left behind");

@@ -23,6 +23,7 @@
 #include <kvc/io/npy.hpp>
 #include <kvc/io/safetensors.hpp>
 #include <kvc/pipeline/press.hpp>
+#include <kvc/store/ragged.hpp>
 
 #include "common/observations.hpp"
 #include "common/policies.hpp"
@@ -47,6 +48,7 @@
 #include <string>
 #include <string_view>
 #include <sys/stat.h>
+#include <tuple>
 #include <type_traits>
 #include <unistd.h>
 #include <utility>
@@ -77,9 +79,9 @@ char const* const overview_text =
     "kvc: score and compress .npy or .safetensors KV-cache dumps with kvc's policies.\n"
     "usage:\n"
     "  kvc score    --policy NAME [--param NAME=VALUE]... --keys K.npy [--queries Q.npy] --out scores.npy\n"
-    "  kvc compress --policy NAME (--ratio R | --budget N) [--param NAME=VALUE]... --keys K.npy --values V.npy\n"
-    "               [--queries Q.npy] --out-dir DIR\n"
-    "  kvc policies        every policy with its parameters and defaults\n"
+    "  kvc compress --policy NAME (--ratio R | --budget N) [--allocator A] [--param NAME=VALUE]...\n"
+    "               (--keys K.npy --values V.npy [--queries Q.npy] | --dump DIR) --out-dir DIR\n"
+    "  kvc policies        every policy and allocator with its parameters and defaults\n"
     "  kvc COMMAND --help  the options of one command\n"
     "Keys and values are [B, Hkv, N, d] float32 or float16 .npy (C order), post-RoPE as an engine caches them, or\n"
     "a tensor of a .safetensors file (FILE.safetensors:TENSOR, or FILE.safetensors holding one tensor; F32, F16\n"
@@ -108,7 +110,8 @@ char const* const input_details =
     "of\n"
     "                         7 calls, file I/O excluded), \"select_seconds\" (compress: the selection, likewise),\n"
     "                         \"repeats\", \"bytes_read\" (K and Q bytes read per scoring call),\n"
-    "                         \"workspace_bytes\" (kvc's scratch for those calls), \"threads\"}\n"
+    "                         \"workspace_bytes\" (kvc's scratch for those calls), compress: the memory (below),\n"
+    "                         \"threads\"}\n"
     "  --threads N            worker threads over (sequence, KV head) items, over sequences for tova (default 1;\n"
     "                         results do not depend on it)\n";
 
@@ -123,20 +126,36 @@ std::vector<CommandInfo> const& commands() {
        {"--policy", "--param", "--keys", "--values", "--queries", "--positions", "--rope", "--out", "--time",
         "--threads"}},
       {"compress",
-       "usage: kvc compress --policy NAME (--ratio R | --budget N) [--param NAME=VALUE]... --keys K.npy\n"
-       "                    --values V.npy [--queries Q.npy [--positions P.npy] [--rope theta=T,style=S]]\n"
-       "                    --out-dir DIR [--time] [--threads N]\n",
+       "usage: kvc compress --policy NAME (--ratio R | --budget N) [--allocator ada_kv|pyramid_kv|pyramid_kv+ada_kv]\n"
+       "                    [--param NAME=VALUE]... (--keys K.npy --values V.npy [--queries Q.npy\n"
+       "                    [--positions P.npy] [--rope theta=T,style=S]] | --dump DIR) --out-dir DIR [--time]\n"
+       "                    [--threads N]\n",
        "Keeps the best-scored tokens of each (sequence, KV head) and writes, in DIR: keys.npy and values.npy\n"
-       "([B, Hkv, n_kept, d], input dtype), indices.npy (int64 [B, Hkv, n_kept], ascending, -1 padding where heads\n"
-       "keep different counts) and counts.npy (int64 [B, Hkv]).\n",
+       "([B, Hkv, n_kept, d], input dtype; n_kept the longest head's count), indices.npy (int64 [B, Hkv, n_kept],\n"
+       "ascending, -1 padding where heads keep different counts) and counts.npy (int64 [B, Hkv]); with --allocator\n"
+       "also the ragged store that holds exactly each head's kept tokens: ragged_keys.npy [rows, d],\n"
+       "ragged_values.npy [rows, d_v] (rows = the sum of the counts) and offsets.npy (int64 [B * Hkv + 1]: head\n"
+       "b * Hkv + h holds rows offsets[i] .. offsets[i + 1] - 1). All files are written, or none.\n",
        "  --ratio R              the fraction of tokens removed, in [0, 1]: kept = floor(N * (1 - R))\n"
        "  --budget N             tokens kept per head\n"
-       "  --out-dir DIR          created if absent\n",
+       "  --allocator A          ada_kv (head-adaptive budgets inside a layer), pyramid_kv (per-layer budgets)\n"
+       "                         or pyramid_kv+ada_kv, over any policy's scores; their parameters are --param\n"
+       "                         too (`kvc policies`; reference=kvpress sets the policy's and the allocator's)\n"
+       "  --dump DIR             every layer of a `kvc-eval dump` folder (meta.json, layer<L>/keys.npy,\n"
+       "                         values.npy, queries_prerope.npy or, with --param queries=post_rope,\n"
+       "                         queries.npy) instead of --keys/--values/--queries; RoPE from meta.json;\n"
+       "                         pyramid_kv's layer and num_layers from the dump; outputs in --out-dir's layer<L>/\n"
+       "  --out-dir DIR          created if absent\n"
+       "  memory (in --time)     \"input_bytes\" (K + V of the input), \"padded_bytes\" (a uniform cache padded to\n"
+       "                         the longest head: what keys.npy and values.npy hold), \"ragged_bytes\" (the\n"
+       "                         ragged store), \"row_bytes\" (one token's K + V row), \"input_tokens\",\n"
+       "                         \"kept_tokens\", in the input dtype; with --dump one line per layer and a total\n",
        {"--policy", "--param", "--keys", "--values", "--queries", "--positions", "--rope", "--ratio", "--budget",
-        "--out-dir", "--time", "--threads"}},
+        "--allocator", "--dump", "--out-dir", "--time", "--threads"}},
       {"policies",
        "usage: kvc policies\n",
-       "Lists every policy with every parameter (--param NAME=DEFAULT) and what it reads.\n",
+       "Lists every policy with every parameter (--param NAME=DEFAULT) and what it reads, then the allocators\n"
+       "(compress --allocator) with theirs.\n",
        "",
        {}},
   };
@@ -157,6 +176,8 @@ void print_help(CommandInfo const& c) {
     std::fputs(input_details, io.out);
     std::fputs(c.own_options, io.out);
     std::fprintf(io.out, "Policies: %s (parameters: `kvc policies`).\n", policy_names().c_str());
+    if (std::string_view(c.name) == "compress")
+      std::fputs("Allocators: ada_kv, pyramid_kv, pyramid_kv+ada_kv (parameters: `kvc policies`).\n", io.out);
     std::fputs("Exit codes: 0 success, 2 usage error, 3 invalid input.\n", io.out);
   }
 }
@@ -260,7 +281,8 @@ kvc::RopeSpec parse_rope(std::string const& text) {
   return spec;
 }
 
-/// Usage checks of --queries, --positions and --rope against the policy (before any file is read).
+/// Usage checks of --queries, --positions and --rope against the policy (before any file is read). With --dump the
+/// queries come from the dump folder (those options are refused there before this runs).
 void check_query_options(PolicyInfo const& policy, Options const& o, Params const& p) {
   if (!policy.reads_queries) {
     for (char const* opt : {"--queries", "--positions", "--rope"})
@@ -269,7 +291,7 @@ void check_query_options(PolicyInfo const& policy, Options const& o, Params cons
                              " does not read queries (the policies that do: " + policy_names(true) + ")");
     return;
   }
-  if (!o.has("--queries"))
+  if (!o.has("--queries") && !o.has("--dump"))
     fail(exit_usage, std::string("policy ") + policy.name +
                          " reads queries: pass --queries Q.npy (the context's last w queries, [B, Hq, w, d])");
   if (o.has("--rope") && p.at("queries") == "post_rope")
@@ -344,11 +366,24 @@ InputSpec input_spec(std::string const& arg) {
 /// The options naming input files, in the order they are read.
 constexpr char const* input_options[] = {"--keys", "--values", "--queries", "--positions"};
 
+/// An input file for check_outputs: how messages name it ("--keys", "--dump input") and the argument.
+using NamedInput = std::pair<std::string, std::string>;
+
+/// The input files the options name.
+std::vector<NamedInput> option_inputs(Options const& o) {
+  std::vector<NamedInput> inputs;
+  for (char const* opt : input_options)
+    if (o.has(opt))
+      inputs.emplace_back(opt, o.get(opt));
+  return inputs;
+}
+
 /// Checks, before any input is read, that the output paths can be replaced: each is new or a regular file (never a
 /// directory or a device such as /dev/null, which renaming would replace), none is one of the inputs, and no two are
 /// the same file (same device and inode, whatever the paths: symbolic and hard links included). `what` names the
 /// outputs in messages ("--out", "output file").
-void check_outputs(Options const& o, std::vector<std::string> const& paths, std::string const& what) {
+void check_outputs(std::vector<NamedInput> const& inputs, std::vector<std::string> const& paths,
+                   std::string const& what) {
   std::vector<std::optional<kvc::FileId>> ids;
   for (std::string const& path : paths) {
     struct stat st {};
@@ -356,9 +391,9 @@ void check_outputs(Options const& o, std::vector<std::string> const& paths, std:
       fail(exit_invalid,
            what + " " + path + " exists and is not a regular file; expected a new path or a file to replace");
     std::optional<kvc::FileId> const id = kvc::file_id(path);
-    for (char const* opt : input_options)
-      if (id && o.has(opt) && kvc::file_id(input_spec(o.get(opt)).file) == id)
-        fail(exit_invalid, what + " " + path + " is the same file as " + opt + " " + o.get(opt) +
+    for (auto const& [label, arg] : inputs)
+      if (id && kvc::file_id(input_spec(arg).file) == id)
+        fail(exit_invalid, what + " " + path + " is the same file as " + label + " " + arg +
                                ": refusing to overwrite an input (choose another output path)");
     for (std::size_t i = 0; i < ids.size(); ++i)
       if (id && ids[i] == id)
@@ -380,23 +415,38 @@ struct Output {
 /// and closed, every error checked), and they are renamed into place only once all are whole. A failure removes
 /// the temporaries and names the file; the destinations keep what they held. (Links are followed: an existing
 /// destination is replaced where its link points.)
-void write_outputs(std::vector<Output> const& outputs) {
-  std::vector<kvc::StagedFile> staged(outputs.size());
-  std::vector<std::string> destinations;
+struct Staged {
+  std::vector<kvc::StagedFile> files;
+  std::vector<std::string> paths;  ///< the outputs as named (for messages)
+};
+
+/// Stages `outputs` (written, synced and closed) into `staged`, to be committed with the rest by commit_outputs.
+void stage_outputs(std::vector<Output> const& outputs, Staged& staged) {
   std::string error;
-  for (std::size_t i = 0; i < outputs.size(); ++i) {
-    Output const& out = outputs[i];
+  for (Output const& out : outputs) {
     std::error_code ec;
     std::filesystem::path const real = std::filesystem::exists(out.path, ec) && !ec
                                            ? std::filesystem::canonical(out.path, ec)
                                            : std::filesystem::path(out.path);
-    destinations.push_back(ec ? out.path : real.string());
-    if (!kvc::stage_npy(staged[i], destinations[i], out.dtype, out.shape, out.data, error))
+    staged.files.emplace_back();
+    staged.paths.push_back(out.path);
+    if (!kvc::stage_npy(staged.files.back(), ec ? out.path : real.string(), out.dtype, out.shape, out.data, error))
       fail(exit_invalid, "output file " + out.path + ": " + error);
   }
+}
+
+/// Renames every staged output into place, or none.
+void commit_outputs(Staged& staged) {
+  std::string error;
   std::size_t failed = 0;
-  if (!kvc::commit_together(staged, error, failed))
-    fail(exit_invalid, "output file " + outputs[failed].path + ": " + error);
+  if (!kvc::commit_together(staged.files, error, failed))
+    fail(exit_invalid, "output file " + staged.paths[failed] + ": " + error);
+}
+
+void write_outputs(std::vector<Output> const& outputs) {
+  Staged staged;
+  stage_outputs(outputs, staged);
+  commit_outputs(staged);
 }
 
 /// Creates `dir` and any missing parents, one component at a time, and records the folders it made (parents
@@ -592,6 +642,17 @@ void check_key_norms(Rows const& rows, std::string const& path) {
   }
 }
 
+/// Calls fn(T{}) with the element type of `in` (float, kvc::half or kvc::bfloat16).
+template <class Fn>
+void with_element(Input const& in, Fn&& fn) {
+  if (in.array.elem == Elem::f16)
+    fn(kvc::half{});
+  else if (in.array.elem == Elem::bf16)
+    fn(kvc::bfloat16{});
+  else
+    fn(float{});
+}
+
 /// Runs fn(cache) with a typed host view over keys (and values, or keys again when absent), once the data passed
 /// the checks `range` asks for.
 template <class Fn>
@@ -626,12 +687,7 @@ void with_cache(Input const& keys, Input const* values, KeyRange range, Fn&& fn)
       check_key_norms(cache.keys, keys.path);
     fn(cache);
   };
-  if (keys.array.elem == Elem::f16)
-    run(kvc::half{});
-  else if (keys.array.elem == Elem::bf16)
-    run(kvc::bfloat16{});
-  else
-    run(float{});
+  with_element(keys, run);
 }
 
 /// Window queries widened to fp32 (exact for float16), their positions and the RoPE table that rotates them.
@@ -658,10 +714,11 @@ struct Queries {
 /// The largest RoPE table --positions may ask for (positions x head_dim fp32 cos/sin).
 constexpr std::size_t max_rope_table_bytes = std::size_t{1} << 30;
 
-/// Loads --queries (and --positions) for keys of extents `k`, and fills the RoPE table when they are pre-RoPE.
-void load_queries(Options const& o, kvc::KVExtents const& k, std::string const& keys_path, bool rotate,
-                  kvc::RopeSpec const& spec, Queries& q) {
-  q.path = o.get("--queries");
+/// Loads the queries file `path` (and the positions file `positions_path`, when not empty) for keys of extents `k`,
+/// and fills the RoPE table when they are pre-RoPE.
+void load_queries(std::string const& path, std::string const& positions_path, kvc::KVExtents const& k,
+                  std::string const& keys_path, bool rotate, kvc::RopeSpec const& spec, Queries& q) {
+  q.path = path;
   Input const in = load_tensor(q.path, "queries", "[batch, query_heads, window, head_dim]");
   q.ext = extents_of(in);
   q.file_bytes = in.array.data.size();
@@ -689,8 +746,8 @@ void load_queries(Options const& o, kvc::KVExtents const& k, std::string const& 
   }
 
   kvc::Index max_position = k.tokens - 1;  // the default positions end at N - 1
-  if (o.has("--positions")) {
-    q.positions_path = o.get("--positions");
+  if (!positions_path.empty()) {
+    q.positions_path = positions_path;
     std::string const pw = "positions file " + q.positions_path + ": ";
     Array p;
     read_array(q.positions_path, pw, p);
@@ -782,23 +839,63 @@ double median_seconds(int repeats, Fn&& fn) {
 
 constexpr int timing_repeats = 7;
 
+/// What compress measured (kvc::store_report, in the input dtype): K + V bytes of the input, of a uniform cache
+/// padded to the longest head (what keys.npy and values.npy hold) and of the ragged store holding exactly each
+/// head's kept tokens.
+struct Memory {
+  kvc::Index input_bytes = 0;
+  kvc::Index padded_bytes = 0;
+  kvc::Index ragged_bytes = 0;
+  kvc::Index row_bytes = 0;  ///< one token of one head: its K row + V row
+  kvc::Index input_tokens = 0;
+  kvc::Index kept_tokens = 0;
+
+  Memory& operator+=(Memory const& m) {
+    input_bytes += m.input_bytes;
+    padded_bytes += m.padded_bytes;
+    ragged_bytes += m.ragged_bytes;
+    row_bytes = m.row_bytes;  // every layer of a dump has the same shape
+    input_tokens += m.input_tokens;
+    kept_tokens += m.kept_tokens;
+    return *this;
+  }
+};
+
 /// What --time prints (one JSON line on stderr).
 struct Timing {
   double seconds = 0;               ///< scoring, median
   double select_seconds = -1;       ///< compress: the selection, median (left out when negative)
   std::size_t workspace_bytes = 0;  ///< kvc's workspaces for the calls timed (score, and select for compress)
   kvc::Index threads = 1;
+  std::size_t bytes_read = 0;
+  std::optional<Memory> memory;  ///< compress
 };
 
-void print_time(char const* command, PolicyInfo const& policy, Timing const& t, std::size_t bytes_read) {
+/// The --time line. `allocator` (empty: none) and `layer` (a --dump layer; "layers" for a dump's total line) are
+/// printed when given.
+void print_time(char const* command, PolicyInfo const& policy, std::string const& allocator, std::string const& layer,
+                Timing const& t) {
+  std::string extra;
+  if (!allocator.empty())
+    extra += ", \"allocator\": \"" + allocator + "\"";
+  extra += layer;
   char selection[64] = "";
   if (t.select_seconds >= 0)
     std::snprintf(selection, sizeof selection, ", \"select_seconds\": %.9g", t.select_seconds);
+  std::string memory;
+  if (t.memory) {
+    Memory const& m = *t.memory;
+    memory =
+        ", \"input_bytes\": " + std::to_string(m.input_bytes) +
+        ", \"padded_bytes\": " + std::to_string(m.padded_bytes) +
+        ", \"ragged_bytes\": " + std::to_string(m.ragged_bytes) + ", \"row_bytes\": " + std::to_string(m.row_bytes) +
+        ", \"input_tokens\": " + std::to_string(m.input_tokens) + ", \"kept_tokens\": " + std::to_string(m.kept_tokens);
+  }
   std::fprintf(io.err,
-               "{\"command\": \"%s\", \"policy\": \"%s\", \"seconds\": %.9g%s, \"repeats\": %d, \"bytes_read\": %zu, "
-               "\"workspace_bytes\": %zu, \"threads\": %lld}\n",
-               command, policy.name, t.seconds, selection, timing_repeats, bytes_read, t.workspace_bytes,
-               static_cast<long long>(t.threads));
+               "{\"command\": \"%s\", \"policy\": \"%s\"%s, \"seconds\": %.9g%s, \"repeats\": %d, \"bytes_read\": %zu, "
+               "\"workspace_bytes\": %zu%s, \"threads\": %lld}\n",
+               command, policy.name, extra.c_str(), t.seconds, selection, timing_repeats, t.bytes_read,
+               t.workspace_bytes, memory.c_str(), static_cast<long long>(t.threads));
 }
 
 /// --threads N (default 1): the worker threads of kvc::ThreadPool the kernels spread (sequence, head) items over.
@@ -814,9 +911,19 @@ void check_status(kvc::Status st, std::string const& context) {
     fail(exit_invalid, context + ": " + st.message());
 }
 
-/// What score and compress share: the policy, its parameters, the keys (and values) and the queries.
+/// The input files of one job: the options' files, or one layer of a --dump folder (empty: not given).
+struct JobFiles {
+  std::string keys, values, queries, positions;
+};
+
+JobFiles option_files(Options const& o) {
+  return {o.get("--keys"), o.get("--values"), o.get("--queries"), o.get("--positions")};
+}
+
+/// What score and compress share: the policy (with the allocators' parameters for compress --allocator), its
+/// parameters, the keys (and values) and the queries.
 struct Job {
-  PolicyInfo const& policy;
+  PolicyInfo policy;
   Params params;
   bool rotate = false;  ///< pre-RoPE queries, rotated with `rope`
   kvc::RopeSpec rope{};
@@ -824,7 +931,7 @@ struct Job {
   std::optional<Input> values;
   Queries queries;
 
-  explicit Job(PolicyInfo const& p) : policy(p) {}
+  explicit Job(PolicyInfo p) : policy(std::move(p)) {}
 
   std::size_t bytes_read() const {
     return (policy.reads_keys ? keys.array.data.size() : 0) + (policy.reads_queries ? queries.file_bytes : 0);
@@ -860,12 +967,13 @@ void check_job(Options const& o, bool compress, Job& job) {
 }
 
 /// Reads the keys, the values and the queries.
-void load_job(Options const& o, Job& job) {
-  job.keys = load_tensor(o.get("--keys"), "keys", kv_dims);
-  if (o.has("--values"))
-    job.values = load_tensor(o.get("--values"), "values", kv_dims);
+void load_job(JobFiles const& files, Job& job) {
+  job.keys = load_tensor(files.keys, "keys", kv_dims);
+  if (!files.values.empty())
+    job.values = load_tensor(files.values, "values", kv_dims);
   if (job.policy.reads_queries)
-    load_queries(o, extents_of(job.keys), job.keys.path, job.rotate, job.rope, job.queries);
+    load_queries(files.queries, files.positions, extents_of(job.keys), job.keys.path, job.rotate, job.rope,
+                 job.queries);
 }
 
 /// A kernel's workspace: uninitialised (kernels write before they read, so untouched pages cost nothing), within
@@ -898,8 +1006,8 @@ int cmd_score(Options const& o) {
   if (job.policy.reads_values && !o.has("--values") && job.params.at("use_vnorm") != "false")
     fail(exit_usage, std::string("policy ") + job.policy.name +
                          " weights scores by the value norms: pass --values V.npy (or --param use_vnorm=false)");
-  check_outputs(o, {o.get("--out")}, "--out");
-  load_job(o, job);
+  check_outputs(option_inputs(o), {o.get("--out")}, "--out");
+  load_job(option_files(o), job);
   kvc::KVExtents const e = extents_of(job.keys);
   kvc::Index const threads = thread_count(o);
   kvc::ThreadPool pool(threads);
@@ -911,120 +1019,423 @@ int cmd_score(Options const& o) {
     auto once = [&] { check_status(kvc::score(cpu, scorer, cache, obs, out, ws.span()), job.context()); };
     once();
     if (o.time)
-      print_time("score", job.policy, {median_seconds(timing_repeats, once), -1, ws.size, threads}, job.bytes_read());
+      print_time("score", job.policy, "", "",
+                 {median_seconds(timing_repeats, once), -1, ws.size, threads, job.bytes_read(), std::nullopt});
   });
   write_outputs({{o.get("--out"), kvc::NpyDtype::f32, {e.batch, e.heads, e.tokens}, scores.data()}});
   return 0;
 }
 
-/// The files compress writes into --out-dir.
+// ---------------------------------------------------------------------------------------------------------------
+// compress: one job per input (the options' files, or each layer of a --dump folder).
+
+/// The files compress writes into --out-dir (or --out-dir/layer<L> with --dump); the ragged store's with
+/// --allocator.
 constexpr char const* compress_outputs[] = {"keys.npy", "values.npy", "indices.npy", "counts.npy"};
+constexpr char const* ragged_outputs[] = {"ragged_keys.npy", "ragged_values.npy", "offsets.npy"};
+
+/// What every job of one compress call shares.
+struct CompressSettings {
+  AllocatorChoice alloc;
+  std::optional<double> ratio;
+  kvc::Index budget = 0;
+  kvc::Index threads = 1;
+  bool time = false;
+};
+
+/// One job's results: the arrays to write (kept until staged) and what --time prints.
+struct Compressed {
+  kvc::KVExtents ext{};
+  kvc::Index dim_v = 0, kept_max = 0;
+  kvc::NpyDtype k_dtype = kvc::NpyDtype::f32, v_dtype = kvc::NpyDtype::f32;
+  std::vector<std::byte> keys, values, ragged_keys, ragged_values;
+  std::vector<kvc::Index> indices, counts, offsets;
+  kvc::RaggedShape ragged{};
+  Timing timing;
+
+  std::vector<Output> outputs(std::string const& dir, bool ragged_store) const {
+    kvc::KVExtents const e = ext;
+    std::string const d = dir + "/";
+    std::vector<Output> out = {
+        {d + compress_outputs[0], k_dtype, {e.batch, e.heads, kept_max, e.dim}, keys.data()},
+        {d + compress_outputs[1], v_dtype, {e.batch, e.heads, kept_max, dim_v}, values.data()},
+        {d + compress_outputs[2], kvc::NpyDtype::i64, {e.batch, e.heads, kept_max}, indices.data()},
+        {d + compress_outputs[3], kvc::NpyDtype::i64, {e.batch, e.heads}, counts.data()}};
+    if (ragged_store) {
+      out.push_back({d + ragged_outputs[0], k_dtype, {ragged.rows, e.dim}, ragged_keys.data()});
+      out.push_back({d + ragged_outputs[1], v_dtype, {ragged.rows, dim_v}, ragged_values.data()});
+      out.push_back({d + ragged_outputs[2], kvc::NpyDtype::i64, {e.batch * e.heads + 1}, offsets.data()});
+    }
+    return out;
+  }
+};
+
+/// bfloat16 rows (from .safetensors) widened to float32, exactly, since .npy has no bfloat16; other dtypes as they
+/// are.
+std::vector<std::byte> npy_bytes(std::vector<std::byte> raw, Elem elem, std::string const& what) {
+  if (elem != Elem::bf16)
+    return raw;
+  std::size_t const n = raw.size() / 2;
+  std::vector<std::byte> out = buffer<std::byte>(n * 4, what);
+  for (std::size_t i = 0; i < n; ++i) {
+    kvc::bfloat16 x;
+    std::memcpy(&x, raw.data() + 2 * i, 2);
+    float const f = kvc::to_float(x);
+    std::memcpy(out.data() + 4 * i, &f, 4);
+  }
+  return out;
+}
+
+/// Scores, selects (top-k, or the allocators' selection: with_selection), builds the ragged store from the kept
+/// rows (kvc::gather), compacts and measures one job whose inputs are loaded. `layer` names a --dump layer in
+/// --time's line.
+Compressed compress_job(Job& job, CompressSettings const& s) {
+  Input const& keys = job.keys;
+  Input const& values = *job.values;
+  kvc::KVExtents const e = extents_of(keys);
+  Compressed c;
+  c.ext = e;
+  c.dim_v = values.array.shape[3];
+  auto const rows = static_cast<std::size_t>(e.rows()), heads = static_cast<std::size_t>(e.batch * e.heads);
+  std::vector<kvc::Index> index = buffer<kvc::Index>(rows, "the keep plan of " + job.context());
+  c.counts = buffer<kvc::Index>(heads, "the keep plan of " + job.context());
+  kvc::KeepPlan<> plan{index.data(), c.counts.data(), e.batch, e.heads, e.tokens};
+  kvc::ThreadPool pool(s.threads);
+  kvc::Cpu const cpu = s.threads > 1 ? pool.cpu() : kvc::Cpu{};
+  {
+    std::vector<float> scores = buffer<float>(rows, "the scores of " + job.context());
+    // kvc::compress is kvc::score then kvc::select; they are called one by one so that --time reports each. Each
+    // scorer compiles the two selections with_selection yields (TopKSelector, AdaKVSelector over ToolBudget).
+    job.run([&](auto const& scorer, Selection sel, auto const& cache, auto const& obs) {
+      with_selection(s.alloc, job.params, sel, s.ratio, s.budget, e.tokens, [&](auto const& selector) {
+        Scratch const score_ws = workspace(kvc::score_workspace_bytes(cpu, scorer, e, obs), job);
+        Scratch const select_ws =
+            workspace(kvc::select_workspace_bytes(cpu, selector, e.batch, e.heads, e.tokens), job);
+        kvc::ScoreSpan<> span{scores.data(), e.batch, e.heads, e.tokens, cache.lengths};
+        auto score_once = [&] {
+          check_status(kvc::score(cpu, scorer, cache, obs, span, score_ws.span()), job.context());
+        };
+        auto select_once = [&] {
+          check_status(kvc::select(cpu, selector, span, plan, select_ws.span()), job.context());
+        };
+        score_once();
+        select_once();
+        if (s.time)
+          c.timing = {median_seconds(timing_repeats, score_once),
+                      median_seconds(timing_repeats, select_once),
+                      score_ws.size + select_ws.size,
+                      s.threads,
+                      job.bytes_read(),
+                      std::nullopt};
+      });
+    });
+  }
+  for (kvc::Index n : c.counts)
+    c.kept_max = std::max(c.kept_max, n);
+
+  // The ragged store (each head exactly its kept rows, gathered from the uncompacted cache), then the compaction
+  // (kept rows to the front of each head); both measured by kvc::store_report.
+  c.offsets = buffer<kvc::Index>(heads + 1, "the ragged offsets of " + job.context());
+  check_status(kvc::ragged_offsets(c.counts.data(), e.batch * e.heads, 0, c.offsets.data(), c.ragged),
+               "the ragged store of " + job.context());
+  auto const item = static_cast<std::size_t>(keys.array.itemsize());
+  auto const ragged_rows = static_cast<std::size_t>(c.ragged.rows);
+  std::vector<std::byte> ragged_k =
+      buffer<std::byte>(ragged_rows * static_cast<std::size_t>(e.dim) * item, "the ragged store of " + keys.path);
+  std::vector<std::byte> ragged_v =
+      buffer<std::byte>(ragged_rows * static_cast<std::size_t>(c.dim_v) * item, "the ragged store of " + values.path);
+  std::vector<kvc::Index> lengths = buffer<kvc::Index>(heads, "the lengths of " + job.context(), e.tokens);
+  std::vector<kvc::Index> ragged_lengths = buffer<kvc::Index>(heads, "the lengths of " + job.context());
+  Memory m;
+  with_element(keys, [&](auto tag) {
+    using T = decltype(tag);
+    kvc::KVExtents const ev{e.batch, e.heads, e.tokens, c.dim_v};
+    auto* kp = const_cast<T*>(keys.array.as<T>());  // compaction writes to a copy owned by this program
+    auto* vp = const_cast<T*>(values.array.as<T>());
+    auto const cache =
+        kvc::make_cache(kvc::bhtd_rows(kp, e), kvc::bhtd_rows(vp, ev), kvc::head_lengths(lengths.data(), e.heads));
+    auto const store = kvc::ragged_cache(reinterpret_cast<T*>(ragged_k.data()), reinterpret_cast<T*>(ragged_v.data()),
+                                         e.batch, e.heads, e.dim, c.dim_v, c.ragged, c.offsets.data(),
+                                         kvc::head_lengths(ragged_lengths.data(), e.heads));
+    m.input_bytes = kvc::store_report(cache).held_bytes;
+    check_status(kvc::gather(cpu, plan, cache, store), "the ragged store of " + job.context());
+    check_status(kvc::compact(cpu, plan, cache), "compact");
+    // What keys.npy and values.npy hold: each head's first kept_max slots of the compacted cache.
+    kvc::StridedLayout pk = kvc::bhtd_layout(e), pv = kvc::bhtd_layout(ev);
+    pk.ext.tokens = pv.ext.tokens = c.kept_max;
+    m.padded_bytes = kvc::store_report(kvc::make_cache(kvc::TokenRows<T, kvc::StridedLayout>{kp, pk},
+                                                       kvc::TokenRows<T, kvc::StridedLayout>{vp, pv}))
+                         .held_bytes;
+    kvc::StoreReport const r = kvc::store_report(store);
+    m.ragged_bytes = r.held_bytes;
+    m.row_bytes = r.row_bytes;
+  });
+  m.input_tokens = e.rows();
+  m.kept_tokens = c.ragged.rows;
+  c.timing.memory = m;
+
+  // Repack [B, H, kept_max, d]: compaction left each head's kept rows in its first slots. Every size is at most the
+  // input's (kept_max <= tokens). bfloat16 (from .safetensors) is written as float32, exactly.
+  auto repack = [&](Input const& in) {
+    kvc::Index const d = in.array.shape[3], in_item = in.array.itemsize();
+    std::vector<std::byte> out = buffer<std::byte>(heads * static_cast<std::size_t>(c.kept_max * d * in_item),
+                                                   "the compressed copy of " + in.path);
+    for (kvc::Index bh = 0; bh < e.batch * e.heads; ++bh)
+      std::copy_n(in.array.data.data() + bh * e.tokens * d * in_item,
+                  c.counts[static_cast<std::size_t>(bh)] * d * in_item, out.data() + bh * c.kept_max * d * in_item);
+    return npy_bytes(std::move(out), in.array.elem, "the compressed copy of " + in.path);
+  };
+  auto npy_dtype = [](Input const& in) { return in.array.elem == Elem::f16 ? kvc::NpyDtype::f16 : kvc::NpyDtype::f32; };
+  c.k_dtype = npy_dtype(keys);
+  c.v_dtype = npy_dtype(values);
+  c.indices =
+      buffer<kvc::Index>(heads * static_cast<std::size_t>(c.kept_max), "the kept indices of " + job.context(), -1);
+  for (kvc::Index bh = 0; bh < e.batch * e.heads; ++bh)
+    std::copy_n(index.data() + bh * e.tokens, c.counts[static_cast<std::size_t>(bh)],
+                c.indices.data() + bh * c.kept_max);
+  c.keys = repack(keys);
+  c.values = repack(values);
+  if (s.alloc.any()) {
+    c.ragged_keys = npy_bytes(std::move(ragged_k), keys.array.elem, "the ragged store of " + keys.path);
+    c.ragged_values = npy_bytes(std::move(ragged_v), values.array.elem, "the ragged store of " + values.path);
+  }
+  return c;
+}
+
+/// A `kvc-eval dump` folder: meta.json and layer<L>/{keys,values,queries,queries_prerope}.npy.
+struct Dump {
+  std::string dir;
+  kvc::Index layers = 0;
+  std::optional<kvc::RopeSpec> rope;  ///< meta.json's "rope" (theta, style), when it has one
+  bool scaled = false;                ///< "rope": {"scaled": true}: inv_freq kvc cannot rebuild from theta
+  std::optional<kvc::Index> tokens, kv_heads, head_dim;  ///< meta.json's sizes, checked against each layer's keys
+
+  std::string meta_path() const { return dir + "/meta.json"; }
+  std::string layer_dir(kvc::Index l) const { return dir + "/layer" + std::to_string(l); }
+};
+
+/// Reads DIR/meta.json (exit 3 naming the file and the field). `pre_rope_queries`: the policy rotates the
+/// queries_prerope.npy rows with meta.json's RoPE, which must then be there (and not scaled).
+Dump read_dump(std::string const& dir, bool pre_rope_queries) {
+  Dump d;
+  d.dir = dir;
+  std::string const path = d.meta_path(), where = "--dump " + dir + ": " + path + ": ";
+  std::vector<std::byte> bytes;
+  std::string error;
+  if (!kvc::read_regular_file(path, bytes, error, std::uint64_t{1} << 20))
+    fail(exit_invalid, where + error + " (expected a folder as `kvc-eval dump` writes it: meta.json and " +
+                           "layer<L>/keys.npy, values.npy, queries.npy, queries_prerope.npy)");
+  kvc::json::Value meta;
+  if (!kvc::json::parse(std::string_view(reinterpret_cast<char const*>(bytes.data()), bytes.size()), meta, error))
+    fail(exit_invalid, where + "not JSON: " + error);
+  if (!meta.is_object())
+    fail(exit_invalid, where + "expected a JSON object");
+  auto count = [&](char const* field, bool required) -> std::optional<kvc::Index> {
+    kvc::json::Value const* v = meta.find(field);
+    if (v == nullptr) {
+      if (required)
+        fail(exit_invalid, where + "field '" + field + "' is missing, expected the model's layer count");
+      return std::nullopt;
+    }
+    std::int64_t x = 0;
+    if (!kvc::json::to_int64(*v, x) || x < 1 || x > (std::int64_t{1} << 20))
+      fail(exit_invalid, where + "field '" + field + "' is not an integer in [1, 2^20]");
+    return x;
+  };
+  d.layers = *count("layers", true);
+  d.tokens = count("tokens", false);
+  d.kv_heads = count("kv_heads", false);
+  d.head_dim = count("head_dim", false);
+  if (kvc::json::Value const* rope = meta.find("rope")) {
+    kvc::json::Value const* theta = rope->find("theta");
+    kvc::json::Value const* style = rope->find("style");
+    kvc::json::Value const* scaled = rope->find("scaled");
+    if (!rope->is_object() || theta == nullptr || !theta->is_number() || !std::isfinite(theta->as_double()) ||
+        !(theta->as_double() > 1.0))
+      fail(exit_invalid, where + "field 'rope.theta' is missing or not a number > 1");
+    kvc::RopeSpec spec;
+    spec.theta = theta->as_double();
+    if (style == nullptr || (style->as_string() != "neox" && style->as_string() != "interleaved"))
+      fail(exit_invalid, where + "field 'rope.style' is missing or not \"neox\" or \"interleaved\"");
+    spec.style = style->as_string() == "neox" ? kvc::RopeStyle::neox : kvc::RopeStyle::interleaved;
+    if (scaled != nullptr && !scaled->is_bool())
+      fail(exit_invalid, where + "field 'rope.scaled' is not true or false");
+    d.scaled = scaled != nullptr && scaled->as_bool();
+    d.rope = spec;
+  }
+  if (pre_rope_queries && !d.rope)
+    fail(exit_invalid, where + "field 'rope' is missing: pre-RoPE queries (queries_prerope.npy) need the model's " +
+                           "RoPE ({\"theta\": T, \"style\": \"neox\"}); or pass --param queries=post_rope");
+  if (pre_rope_queries && d.scaled)
+    fail(exit_invalid, where + "field 'rope.scaled' is true: the model's RoPE frequencies are scaled, which kvc " +
+                           "cannot rebuild from theta; pass --param queries=post_rope to read each layer's " +
+                           "queries.npy (the model's own post-RoPE queries)");
+  return d;
+}
+
+/// A dump layer's shape: its keys' extents and the values' head dim.
+struct LayerShape {
+  kvc::KVExtents ext;
+  kvc::Index dim_v;
+};
+
+/// Checks, after a dump layer is read, that its keys have the shape meta.json gives and the first layer's.
+void check_dump_layer(Dump const& d, Job const& job, std::optional<LayerShape> const& first) {
+  auto const& s = job.keys.array.shape;
+  std::string const where = "keys file " + job.keys.path + ": field 'shape'";
+  for (auto const& [axis, field, value] : {std::tuple{1, "kv_heads", d.kv_heads}, std::tuple{2, "tokens", d.tokens},
+                                           std::tuple{3, "head_dim", d.head_dim}})
+    if (value && s[static_cast<std::size_t>(axis)] != *value)
+      fail(exit_invalid, where + ": " + field + " (shape[" + std::to_string(axis) + "]) is " +
+                             std::to_string(s[static_cast<std::size_t>(axis)]) + ", expected " + d.meta_path() + "'s " +
+                             field + " " + std::to_string(*value));
+  if (!first)
+    return;
+  kvc::KVExtents const e = extents_of(job.keys), f = first->ext;
+  auto text = [](kvc::KVExtents x, kvc::Index dv) {
+    return "(" + std::to_string(x.batch) + ", " + std::to_string(x.heads) + ", " + std::to_string(x.tokens) + ", " +
+           std::to_string(dv) + ")";
+  };
+  if (e.batch != f.batch || e.heads != f.heads || e.tokens != f.tokens || e.dim != f.dim)
+    fail(exit_invalid, where + " is " + text(e, e.dim) + ", expected layer 0's " + text(f, f.dim) +
+                           ": every layer of a dump has the same shape");
+  kvc::Index const dv = job.values->array.shape[3];
+  if (dv != first->dim_v)
+    fail(exit_invalid, "values file " + job.values->path + ": field 'shape': head_dim (shape[3]) is " +
+                           std::to_string(dv) + ", expected layer 0's " + std::to_string(first->dim_v) +
+                           ": every layer of a dump has the same shape");
+}
+
+/// Whether --param NAME=... was given.
+bool param_given(Options const& o, std::string_view name) {
+  return std::any_of(o.params.begin(), o.params.end(),
+                     [&](std::string const& kv) { return std::string_view(kv).substr(0, kv.find('=')) == name; });
+}
 
 int cmd_compress(Options const& o) {
-  if (!o.has("--policy") || !o.has("--keys") || !o.has("--values") || !o.has("--out-dir"))
-    fail(exit_usage, "compress needs --policy, --keys, --values and --out-dir");
+  bool const dump = o.has("--dump");
+  if (!o.has("--policy") || !o.has("--out-dir") || (!dump && (!o.has("--keys") || !o.has("--values"))))
+    fail(exit_usage, "compress needs --policy, --out-dir, and --keys and --values or --dump");
   if (o.has("--ratio") == o.has("--budget"))
     fail(exit_usage, "compress needs exactly one of --ratio and --budget");
-  Job job(find_policy(o.get("--policy")));
-  check_job(o, true, job);
-  std::optional<double> const ratio = o.has("--ratio") ? std::optional(parse_ratio(o.get("--ratio"))) : std::nullopt;
-  kvc::Index const budget = o.has("--budget") ? parse_count(o.get("--budget"), "--budget") : 0;
+  if (dump)
+    for (char const* opt : {"--keys", "--values", "--queries", "--positions", "--rope"})
+      if (o.has(opt))
+        fail(exit_usage, std::string(opt) + " given with --dump: the dump folder gives each layer's keys, values " +
+                             "and queries (at positions 0 .. N - 1), and its meta.json the RoPE");
+  CompressSettings s;
+  if (o.has("--allocator"))
+    s.alloc = parse_allocators(o.get("--allocator"));
+  Job setup(with_allocators(find_policy(o.get("--policy")), s.alloc));
+  check_job(o, true, setup);
+  if (dump && s.alloc.pyramid_kv)
+    for (char const* name : {"layer", "num_layers"})
+      if (param_given(o, name))
+        fail(exit_usage, std::string("--param ") + name + " given with --dump: each layer's index and the layer " +
+                             "count come from the dump (meta.json's layers)");
+  s.ratio = o.has("--ratio") ? std::optional(parse_ratio(o.get("--ratio"))) : std::nullopt;
+  s.budget = o.has("--budget") ? parse_count(o.get("--budget"), "--budget") : 0;
+  s.threads = thread_count(o);
+  s.time = o.time;
+  // The selection's parameters (allocators' included) are checked before any file is read.
+  if (setup.params.count("reference"))
+    reference_of(setup.params);
+  with_selection(s.alloc, setup.params, Selection{}, s.ratio, s.budget, 0, [](auto const&) {});
   std::string const out_dir = o.get("--out-dir");
   struct stat st {};
   if (::stat(out_dir.c_str(), &st) == 0 && !S_ISDIR(st.st_mode))
     fail(exit_invalid, "--out-dir " + out_dir + " exists and is not a directory");
-  std::vector<std::string> outputs;
-  for (char const* name : compress_outputs)
-    outputs.push_back(out_dir + "/" + name);
-  check_outputs(o, outputs, "output file");
-  load_job(o, job);
-  Input const& keys = job.keys;
-  Input const& values = *job.values;
-  kvc::KVExtents const e = extents_of(keys);
-  auto const rows = static_cast<std::size_t>(e.rows()), heads = static_cast<std::size_t>(e.batch * e.heads);
-  std::vector<kvc::Index> index = buffer<kvc::Index>(rows, "the keep plan of " + job.context());
-  std::vector<kvc::Index> count = buffer<kvc::Index>(heads, "the keep plan of " + job.context());
-  kvc::KeepPlan<> plan{index.data(), count.data(), e.batch, e.heads, e.tokens};
-  kvc::Index const threads = thread_count(o);
-  kvc::ThreadPool pool(threads);
-  kvc::Cpu const cpu = threads > 1 ? pool.cpu() : kvc::Cpu{};
-  std::vector<float> scores = buffer<float>(rows, "the scores of " + job.context());
 
-  // kvc::compress is kvc::score then kvc::select; they are called one by one so that --time reports each.
-  job.run([&](auto const& scorer, Selection sel, auto const& cache, auto const& obs) {
-    auto run = [&](auto budget_value) {
-      kvc::Index const keep = budget_value.keep(0, 0, e.tokens);  // H2O's recent window is a share of it
-      kvc::TopKSelector<decltype(budget_value)> const selector{budget_value, sel.n_sink, sel.recent(keep)};
-      Scratch const score_ws = workspace(kvc::score_workspace_bytes(cpu, scorer, e, obs), job);
-      Scratch const select_ws = workspace(kvc::select_workspace_bytes(cpu, selector, e.batch, e.heads, e.tokens), job);
-      kvc::ScoreSpan<> span{scores.data(), e.batch, e.heads, e.tokens, cache.lengths};
-      auto score_once = [&] {
-        check_status(kvc::score(cpu, scorer, cache, obs, span, score_ws.span()), job.context());
-      };
-      auto select_once = [&] { check_status(kvc::select(cpu, selector, span, plan, select_ws.span()), job.context()); };
-      score_once();
-      select_once();
-      if (o.time)
-        print_time("compress", job.policy,
-                   {median_seconds(timing_repeats, score_once), median_seconds(timing_repeats, select_once),
-                    score_ws.size + select_ws.size, threads},
-                   job.bytes_read());
-    };
-    if (ratio)
-      run(kvc::RatioBudget{*ratio});
-    else
-      run(kvc::FixedBudget{budget});
-    check_status(kvc::compact(cpu, plan, cache), "compact");
-  });
-  kvc::Index kept_max = 0;
-  for (kvc::Index c : count)
-    kept_max = std::max(kept_max, c);
-
-  // Repack [B, H, kept_max, d]: compaction left each head's kept rows in its first slots. Every size is at most the
-  // input's (kept_max <= tokens).
-  // bfloat16 (from .safetensors) is written as float32, exactly: .npy has no bfloat16.
-  auto repack = [&](Input const& in) {
-    kvc::Index const d = in.array.shape[3], item = in.array.itemsize();
-    bool const widen = in.array.elem == Elem::bf16;
-    kvc::Index const out_item = widen ? 4 : item;
-    std::vector<std::byte> out = buffer<std::byte>(heads * static_cast<std::size_t>(kept_max * d * out_item),
-                                                   "the compressed copy of " + in.path);
-    for (kvc::Index bh = 0; bh < e.batch * e.heads; ++bh) {
-      kvc::Index const n = count[static_cast<std::size_t>(bh)] * d;
-      if (widen) {
-        kvc::bfloat16 const* src = in.array.as<kvc::bfloat16>() + bh * e.tokens * d;
-        for (kvc::Index i = 0; i < n; ++i) {
-          float const x = kvc::to_float(src[i]);
-          std::memcpy(out.data() + (bh * kept_max * d + i) * 4, &x, 4);
+  // The jobs: the options' files, or every layer of the dump (each file checked to exist before any is read).
+  std::optional<Dump> d;
+  std::vector<JobFiles> jobs;
+  std::vector<std::string> dirs;
+  std::vector<NamedInput> inputs = option_inputs(o);
+  if (dump) {
+    d = read_dump(o.get("--dump"), setup.policy.reads_queries && setup.rotate);
+    inputs.clear();
+    for (kvc::Index l = 0; l < d->layers; ++l) {
+      std::string const ld = d->layer_dir(l) + "/";
+      JobFiles f{ld + "keys.npy", ld + "values.npy", std::string(), std::string()};
+      if (setup.policy.reads_queries)
+        f.queries = ld + (setup.rotate ? "queries_prerope.npy" : "queries.npy");
+      for (std::string const* file : {&f.keys, &f.values, &f.queries}) {
+        if (file->empty())
+          continue;
+        struct stat fs {};
+        if (::stat(file->c_str(), &fs) != 0) {
+          int const err = errno;
+          fail(exit_invalid, "--dump " + d->dir + ": " + *file + ": " + std::strerror(err) + " (" + d->meta_path() +
+                                 " lists " + std::to_string(d->layers) + " layers; layer " + std::to_string(l) +
+                                 " has no " + file->substr(ld.size()) + ")");
         }
-      } else {
-        std::copy_n(in.array.data.data() + bh * e.tokens * d * item, n * item, out.data() + bh * kept_max * d * item);
+        inputs.emplace_back("--dump input", *file);
       }
+      jobs.push_back(f);
+      dirs.push_back(out_dir + "/layer" + std::to_string(l));
     }
-    return out;
-  };
-  auto npy_dtype = [](Input const& in) { return in.array.elem == Elem::f16 ? kvc::NpyDtype::f16 : kvc::NpyDtype::f32; };
-  std::vector<kvc::Index> kept_index =
-      buffer<kvc::Index>(heads * static_cast<std::size_t>(kept_max), "the kept indices of " + job.context(), -1);
-  for (kvc::Index bh = 0; bh < e.batch * e.heads; ++bh)
-    std::copy_n(index.data() + bh * e.tokens, count[static_cast<std::size_t>(bh)], kept_index.data() + bh * kept_max);
-  auto const k_out = repack(keys), v_out = repack(values);
+  } else {
+    jobs.push_back(option_files(o));
+    dirs.push_back(out_dir);
+  }
+  std::vector<std::string> outputs;
+  for (std::string const& dir : dirs) {
+    for (char const* name : compress_outputs)
+      outputs.push_back(dir + "/" + name);
+    if (s.alloc.any())
+      for (char const* name : ragged_outputs)
+        outputs.push_back(dir + "/" + name);
+  }
+  check_outputs(inputs, outputs, "output file");
 
   std::vector<std::string> made;  // the folders this call creates, removed again if the outputs cannot be written
-  std::string const dir = out_dir + "/";
+  Staged staged;
+  std::vector<Timing> timings;
+  std::optional<LayerShape> first;  // layer 0's shape
   try {
-    make_folders(out_dir, made);
-    write_outputs({{dir + compress_outputs[0], npy_dtype(keys), {e.batch, e.heads, kept_max, e.dim}, k_out.data()},
-                   {dir + compress_outputs[1],
-                    npy_dtype(values),
-                    {e.batch, e.heads, kept_max, values.array.shape[3]},
-                    v_out.data()},
-                   {dir + compress_outputs[2], kvc::NpyDtype::i64, {e.batch, e.heads, kept_max}, kept_index.data()},
-                   {dir + compress_outputs[3], kvc::NpyDtype::i64, {e.batch, e.heads}, count.data()}});
+    for (std::size_t i = 0; i < jobs.size(); ++i) {
+      Job job(setup.policy);
+      job.params = setup.params;
+      job.rope = d && d->rope ? *d->rope : setup.rope;
+      job.rotate = setup.rotate;
+      if (d && s.alloc.pyramid_kv) {  // PyramidKV's schedule: this layer of the dump's
+        job.params["layer"] = std::to_string(i);
+        job.params["num_layers"] = std::to_string(d->layers);
+      }
+      load_job(jobs[i], job);
+      if (d)
+        check_dump_layer(*d, job, first);
+      Compressed c = compress_job(job, s);
+      make_folders(dirs[i], made);
+      stage_outputs(c.outputs(dirs[i], s.alloc.any()), staged);
+      timings.push_back(c.timing);
+      if (!first)
+        first = LayerShape{c.ext, c.dim_v};
+    }
+    commit_outputs(staged);
   } catch (Failure const&) {
+    staged.files.clear();  // the temporaries go first, then the folders that held them
     for (auto folder = made.rbegin(); folder != made.rend(); ++folder)  // deepest first; each is empty
       ::rmdir(folder->c_str());
     throw;
+  }
+  if (s.time) {
+    std::string const alloc = s.alloc.any() ? s.alloc.name() : std::string();
+    Timing total = timings.front();
+    total.memory = Memory{};
+    total.seconds = total.select_seconds = 0;
+    total.bytes_read = total.workspace_bytes = 0;
+    for (std::size_t i = 0; i < timings.size(); ++i) {
+      Timing const& t = timings[i];
+      print_time("compress", setup.policy, alloc, d ? ", \"layer\": " + std::to_string(i) : std::string(), t);
+      total.seconds += t.seconds;
+      total.select_seconds += t.select_seconds;
+      total.bytes_read += t.bytes_read;
+      total.workspace_bytes = std::max(total.workspace_bytes, t.workspace_bytes);
+      *total.memory += *t.memory;
+    }
+    if (d)
+      print_time("compress", setup.policy, alloc, ", \"layers\": " + std::to_string(d->layers), total);
   }
   return 0;
 }
@@ -1040,6 +1451,9 @@ int cmd_policies() {
   for (auto const& policy : policies())
     for (auto const& p : policy.params)
       width = std::max(width, param_text(p).size());
+  for (auto const& a : allocators())
+    for (auto const& p : a.params)
+      width = std::max(width, param_text(p).size());
   for (auto const& policy : policies()) {
     char const* reads = policy.reads_queries ? "keys and --queries" : (policy.reads_keys ? "keys" : "no tensor data");
     std::fprintf(io.out, "%s  (reads %s)\n    %s\n", policy.name, reads, policy.summary);
@@ -1050,6 +1464,15 @@ int cmd_policies() {
       io.out,
       "n_sink and n_recent protect tokens in compress's top-k selection; `kvc score` rejects them.\n"
       "budgets (compress): --ratio R (fraction removed, kept = floor(N*(1-R))) or --budget N (tokens per head)\n");
+  std::fprintf(io.out,
+               "\nallocators (compress --allocator ada_kv, pyramid_kv or pyramid_kv+ada_kv, with any policy): their "
+               "parameters\nare --param too; one the policy also has (reference, snap_kv's window_size) is one "
+               "parameter, with the\nallocator's default\n");
+  for (auto const& a : allocators()) {
+    std::fprintf(io.out, "%s  (allocator)\n    %s\n", a.name, a.summary);
+    for (auto const& p : a.params)
+      std::fprintf(io.out, "    %-*s  %s\n", static_cast<int>(width), param_text(p).c_str(), p.help);
+  }
   return 0;
 }
 

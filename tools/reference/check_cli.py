@@ -25,8 +25,20 @@ N - S + i): `kvc score --policy expected_attention --param n_future_positions=F 
 h2o --budget hh+recent --param recent_share=recent/(hh+recent)` h2o_kept.npy (the heavy hitters may swap only at
 ties among the candidates [0, S - recent) within 1e-5 relative). Explicit --positions 0..S-1 must give each
 policy identical scores.
+
+Allocators (AdaKV, PyramidKV; oracle in allocators.py), for every case in manifest.txt: `kvc compress --policy knorm
+--allocator ada_kv|pyramid_kv|pyramid_kv+ada_kv` (ALLOCATOR_VARIANTS: both references, alpha 0.2 and 0.5, ratios and
+budgets, protected tokens, PyramidKV layers) must keep, per head, exactly the oracle's totals and kept sets computed
+on kvc's own Knorm scores (`kvc score`; the scores are checked above, so this checks the allocation, ranking by
+score, head, index as both sides do), write the ragged store (offsets.npy the prefix sums of counts.npy,
+ragged_keys.npy / ragged_values.npy the kept input rows) and report in --time's JSON the memory of B*H*N input rows,
+B*H*max(count) padded rows and sum(count) ragged rows. With tinystories-656k's dump, `kvc compress --dump` (a
+meta.json written beside the oracle's layers, RoPE from the window case's meta.txt) must give every layer the
+PyramidKV schedule of that layer (pyramid_kv+ada_kv over SnapKV, authors; pyramid_kv over SnapKV, kvpress) on kvc's
+own SnapKV scores of the layer, and a total --time line that sums the layers'.
 Usage: check_cli.py KVC_BINARY VECTORS_DIR WORK_DIR
 """
+import json
 import os
 import re
 import subprocess
@@ -39,6 +51,7 @@ except ImportError:
     sys.exit(77)
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import allocators  # noqa: E402
 import baselines  # noqa: E402
 
 # oracle variant (make_vectors.WINDOW_VARIANTS) -> CLI policy and parameters; window_size comes from meta.txt
@@ -296,6 +309,182 @@ def check_stateful_policies(kvc, vectors, work):
     return checked
 
 
+# (allocator, parameters, budget option): knorm's scores; n_sink / n_recent are knorm's own selection parameters
+ALLOCATOR_VARIANTS = (
+    ("ada_kv", {}, ("--ratio", "0.5")),
+    ("ada_kv", {"alpha_safeguard": "0.5", "n_sink": "2", "n_recent": "4"}, ("--budget", "64")),
+    ("ada_kv", {"reference": "kvpress"}, ("--ratio", "0.75")),
+    ("ada_kv", {"reference": "kvpress", "alpha_safeguard": "0.5", "n_recent": "3"}, ("--budget", "40")),
+    ("pyramid_kv", {"layer": "1", "num_layers": "4"}, ("--budget", "100")),
+    ("pyramid_kv", {"layer": "3", "num_layers": "4", "beta": "5", "window_size": "4"}, ("--ratio", "0.5")),
+    ("pyramid_kv", {"reference": "kvpress", "layer": "2", "num_layers": "4", "window_size": "4"}, ("--ratio", "0.7")),
+    ("pyramid_kv+ada_kv", {"layer": "0", "num_layers": "3"}, ("--budget", "120")),
+    ("pyramid_kv+ada_kv", {"reference": "kvpress", "layer": "5", "num_layers": "8", "window_size": "16"},
+     ("--ratio", "0.6")),
+)
+
+
+def run_full(cmd):
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    if r.returncode != 0:
+        sys.exit(f"FAILED: {' '.join(cmd)} exited {r.returncode}: {r.stderr}")
+    return r.stdout, r.stderr
+
+
+def time_lines(stderr):
+    """The --time JSON lines of a compress run."""
+    return [json.loads(line) for line in stderr.splitlines() if line.startswith('{"command": "compress"')]
+
+
+def expected_allocation(scores, alloc, params, budget):
+    """The oracle's per-head totals and kept index lists for scores [B, H, N] (every head holds N tokens)."""
+    B, H, N = scores.shape
+    reference = params.get("reference", "authors")
+    kvpress = reference == "kvpress"
+    option, value = budget
+    if "pyramid_kv" in alloc:
+        w = int(params.get("window_size", 64 if kvpress else 8))
+        beta, layers, layer = int(params.get("beta", 20)), int(params["num_layers"]), int(params["layer"])
+        if kvpress:
+            def keep(n):
+                return allocators.pyramid_kvpress(n, float(value), w, beta, layers)[layer]
+        else:
+            def keep(n):
+                capacity = int(value) if option == "--budget" else int(n * (1.0 - float(value)))
+                return allocators.pyramid_authors(n, capacity, w, beta, layers)[layer]
+    else:
+        w = 0
+        keep = allocators.fixed_keep(int(value)) if option == "--budget" else allocators.ratio_keep(float(value))
+    n_sink = int(params.get("n_sink", 0))
+    # the authors' window sits on top of the budget (protected); kvpress's is inside it (here: no window)
+    n_recent = max(int(params.get("n_recent", 0)), 0 if kvpress else w)
+    s64 = scores.astype(np.float64).tolist()
+    lengths = [[N] * H for _ in range(B)]
+    if "ada_kv" in alloc:
+        alpha = float(params.get("alpha_safeguard", 0.2))
+        totals = allocators.ada_kv_allocate(s64, lengths, keep, alpha, reference, n_sink, n_recent)
+    else:
+        totals = [[keep(N)] * H for _ in range(B)]
+    return allocators.ada_kv_kept(s64, lengths, totals, n_sink, n_recent)
+
+
+def check_compressed(label, od, kept, keys, values, memory):
+    """counts/indices equal the oracle's kept lists, keys/values/ragged store hold the kept rows, and the --time
+    memory (a dict) is that of the input, padded and ragged rows."""
+    B, H, N = keys.shape[:3]
+    counts, idx = np.load(os.path.join(od, "counts.npy")), np.load(os.path.join(od, "indices.npy"))
+    want = np.array([[len(kept[b][h]) for h in range(H)] for b in range(B)], dtype=np.int64)
+    if not np.array_equal(counts, want):
+        sys.exit(f"FAILED: {label}: counts {counts.tolist()}, the oracle's {want.tolist()}")
+    kk, vv = np.load(os.path.join(od, "keys.npy")), np.load(os.path.join(od, "values.npy"))
+    offsets = np.load(os.path.join(od, "offsets.npy"))
+    rk, rv = np.load(os.path.join(od, "ragged_keys.npy")), np.load(os.path.join(od, "ragged_values.npy"))
+    if not np.array_equal(offsets, np.concatenate([[0], np.cumsum(counts.ravel())])):
+        sys.exit(f"FAILED: {label}: offsets.npy {offsets.tolist()} is not the prefix sum of the counts")
+    if rk.shape != (counts.sum(), keys.shape[3]) or rv.shape != (counts.sum(), values.shape[3]):
+        sys.exit(f"FAILED: {label}: ragged store shapes {rk.shape}, {rv.shape}")
+    for b in range(B):
+        for h in range(H):
+            c, i = counts[b, h], b * H + h
+            if list(idx[b, h, :c]) != list(kept[b][h]) or (idx[b, h, c:] != -1).any():
+                sys.exit(f"FAILED: {label}: head ({b},{h}) keeps {idx[b, h, :c].tolist()}, the oracle {kept[b][h]}")
+            rows = idx[b, h, :c]
+            if not (np.array_equal(kk[b, h, :c], keys[b, h, rows]) and
+                    np.array_equal(vv[b, h, :c], values[b, h, rows])):
+                sys.exit(f"FAILED: {label}: keys.npy/values.npy of head ({b},{h}) are not the kept input rows")
+            if not (np.array_equal(rk[offsets[i]:offsets[i + 1]], keys[b, h, rows]) and
+                    np.array_equal(rv[offsets[i]:offsets[i + 1]], values[b, h, rows])):
+                sys.exit(f"FAILED: {label}: the ragged store of head ({b},{h}) is not its kept input rows")
+    row = keys.shape[3] * keys.itemsize + values.shape[3] * values.itemsize
+    want_memory = {"row_bytes": row, "input_bytes": B * H * N * row, "padded_bytes": B * H * int(counts.max()) * row,
+                   "ragged_bytes": int(counts.sum()) * row, "input_tokens": B * H * N,
+                   "kept_tokens": int(counts.sum())}
+    got = {k: memory.get(k) for k in want_memory}
+    if got != want_memory:
+        sys.exit(f"FAILED: {label}: --time memory {got}, expected {want_memory}")
+
+
+def check_allocators(kvc, vectors, work):
+    checked = 0
+    for case in open(os.path.join(vectors, "manifest.txt")).read().split():
+        d = os.path.join(vectors, case)
+        keys = np.load(os.path.join(d, "keys.npy"))
+        values = np.load(os.path.join(d, "values.npy"))
+        files = ["--keys", os.path.join(d, "keys.npy"), "--values", os.path.join(d, "values.npy")]
+        scores_file = os.path.join(work, f"{case}_alloc_knorm.npy")
+        run([kvc, "score", "--policy", "knorm", "--keys", os.path.join(d, "keys.npy"), "--out", scores_file])
+        scores = np.load(scores_file)
+        for i, (alloc, params, budget) in enumerate(ALLOCATOR_VARIANTS):
+            label = f"{case} {alloc} {params} {' '.join(budget)}"
+            od = os.path.join(work, f"{case}_alloc_{i}")
+            args = [a for k, v in params.items() for a in ("--param", f"{k}={v}")]
+            _, err = run_full([kvc, "compress", "--policy", "knorm", "--allocator", alloc, *budget, *args, *files,
+                               "--out-dir", od, "--time"])
+            lines = time_lines(err)
+            if len(lines) != 1:
+                sys.exit(f"FAILED: {label}: expected one --time line, got {err!r}")
+            check_compressed(label, od, expected_allocation(scores, alloc, params, budget), keys, values, lines[0])
+            checked += 1
+    return checked
+
+
+def check_dump(kvc, vectors, work):
+    """kvc compress --dump over tinystories-656k's layers (the oracle's dump with a meta.json beside it)."""
+    src = os.path.join(vectors, "tinystories_dump")
+    meta_case = os.path.join(vectors, "tinystories_layer0", "meta.txt")
+    if not os.path.isdir(src) or not os.path.exists(meta_case):
+        print("note: no tinystories dump: the --dump CLI check skipped")
+        return 0
+    _, theta, style = read_meta(os.path.dirname(meta_case))
+    layers = sorted(int(x[5:]) for x in os.listdir(src) if x.startswith("layer"))
+    if layers != list(range(len(layers))):
+        sys.exit(f"FAILED: {src}: layer folders {layers} are not layer0 .. layer{len(layers) - 1}")
+    dump = os.path.join(work, "tinystories_dump")
+    os.makedirs(dump, exist_ok=True)
+    k0 = np.load(os.path.join(src, "layer0", "keys.npy"))
+    q0 = np.load(os.path.join(src, "layer0", "queries_prerope.npy"))
+    for layer in layers:
+        link = os.path.join(dump, f"layer{layer}")
+        if not os.path.lexists(link):
+            os.symlink(os.path.abspath(os.path.join(src, f"layer{layer}")), link)
+    with open(os.path.join(dump, "meta.json"), "w") as f:
+        json.dump({"model": "tinystories-656k (oracle dump)", "tokens": k0.shape[2], "layers": len(layers),
+                   "query_heads": q0.shape[1], "kv_heads": k0.shape[1], "head_dim": k0.shape[3],
+                   "rope": {"theta": theta, "style": style, "scaled": False}}, f)
+    checked = 0
+    for alloc, params, budget, snap in (
+            ("pyramid_kv+ada_kv", {}, ("--budget", "48"), ["--param", "window_size=8"]),
+            ("pyramid_kv", {"reference": "kvpress"}, ("--ratio", "0.5"),
+             ["--param", "reference=kvpress", "--param", "window_size=64"])):
+        od = os.path.join(work, f"dump_{alloc}")
+        args = [a for k, v in params.items() for a in ("--param", f"{k}={v}")]
+        _, err = run_full([kvc, "compress", "--policy", "snap_kv", "--allocator", alloc, *budget, *args, "--dump", dump,
+                           "--out-dir", od, "--time"])
+        lines = time_lines(err)
+        per_layer = [x for x in lines if "layer" in x]
+        total = [x for x in lines if "layers" in x]
+        if len(per_layer) != len(layers) or len(total) != 1 or total[0]["layers"] != len(layers):
+            sys.exit(f"FAILED: --dump {alloc}: expected {len(layers)} layer lines and a total, got {err!r}")
+        for key in ("input_bytes", "padded_bytes", "ragged_bytes", "input_tokens", "kept_tokens"):
+            if total[0][key] != sum(x[key] for x in per_layer):
+                sys.exit(f"FAILED: --dump {alloc}: the total's {key} is not the sum of the layers'")
+        for layer in layers:
+            ld = os.path.join(src, f"layer{layer}")
+            scores_file = os.path.join(work, f"dump_scores_{layer}.npy")
+            run([kvc, "score", "--policy", "snap_kv", *snap, "--keys", os.path.join(ld, "keys.npy"), "--queries",
+                 os.path.join(ld, "queries_prerope.npy"), "--rope", f"theta={theta:g},style={style}", "--out",
+                 scores_file])
+            layer_params = dict(params, layer=str(layer), num_layers=str(len(layers)))
+            kept = expected_allocation(np.load(scores_file), alloc, layer_params, budget)
+            if per_layer[layer]["layer"] != layer:
+                sys.exit(f"FAILED: --dump {alloc}: --time lines out of layer order")
+            check_compressed(f"--dump {alloc} layer {layer}", os.path.join(od, f"layer{layer}"), kept,
+                             np.load(os.path.join(ld, "keys.npy")), np.load(os.path.join(ld, "values.npy")),
+                             per_layer[layer])
+            checked += 1
+    return checked
+
+
 def main():
     kvc, vectors, work = sys.argv[1:4]
     os.makedirs(work, exist_ok=True)
@@ -311,6 +500,8 @@ def main():
         checked += check_stateful_policies(kvc, vectors, work)
     else:
         print("note: no stateful_manifest.txt: Expected Attention/H2O CLI checks skipped")
+    checked += check_allocators(kvc, vectors, work)
+    checked += check_dump(kvc, vectors, work)
     print(f"{checked} CLI checks against the NumPy oracle passed")
 
 
