@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # tools/demo.sh: the main job. Installs what is missing (Debian 12, as root), builds the demo and runs it:
-# kvc-eval on a real model (every policy at four ratios: quality against memory, plots, a generation side by side)
+# kvc-eval on a real model (every policy at four ratios, and SnapKV with AdaKV's head budgets on a ragged store:
+# quality against memory, plots, a generation side by side)
 # when one is at hand, else every policy on the documented synthetic cache.
 #   bash tools/demo.sh                   # kvc-eval on both models of ../shared/models when that folder exists
 #                                        # next to the repository, else the synthetic cache
@@ -68,8 +69,9 @@ if ((${#models[@]} > 0)); then
   for m in "${models[@]}"; do
     out=$PWD/build-demo/eval/$(basename "$m" .bin)
     echo
-    echo "demo: build-demo/tools/eval/kvc-eval run --model $m --out-dir $out"
-    build-demo/tools/eval/kvc-eval run --model "$m" --out-dir "$out"
+    # Every policy, plus one with AdaKV's head-adaptive budgets on a ragged per-head store (docs/eval.md).
+    echo "demo: build-demo/tools/eval/kvc-eval run --model $m --out-dir $out --policies all,snap_kv+ada_kv"
+    build-demo/tools/eval/kvc-eval run --model "$m" --out-dir "$out" --policies all,snap_kv+ada_kv
     echo "demo: plots written to $out/kl.svg and $out/top1.svg (open them in a browser); table in $out/results.csv"
   done
   exit 0

@@ -1,10 +1,13 @@
 // SPDX-License-Identifier: Apache-2.0
 // tests/tools/eval_test.cpp: kvc-eval's measurement (tools/eval/): metrics against hand-computed values, the
 // guarantees of a run on the real models (ratio 0 is exactly lossless, runs are deterministic for a seed, paged and
-// dense caches give identical numbers, compression costs quality), the outputs' format, the model loader's checks
-// on damaged files, and the program's exit codes.
+// dense caches give identical numbers, compression costs quality), rows with an allocator (AdaKV, PyramidKV) on a
+// ragged per-head store (lossless at ratio 0, equal to the uniform rows when AdaKV is uniform, the memory measured
+// from the store, PyramidKV's per-layer schedule, decoding), the outputs' format, the model loader's checks on
+// damaged files, and the program's exit codes.
 #include <kvc/io/json.hpp>
 #include <kvc/io/npy.hpp>
+#include <kvc/selectors/pyramid_kv.hpp>
 
 #include "eval/engine.hpp"
 #include "eval/metrics.hpp"
@@ -57,6 +60,14 @@ RunOptions options_for(std::vector<std::string> const& names, std::vector<double
   o.continuation = 16;
   o.cache = cache;
   return o;
+}
+
+/// A row `scorer+allocators` with `given` parameters (as kvc-eval's --policies and --param build it).
+PolicyRun allocator_run(std::string const& scorer, std::string const& allocators,
+                        std::vector<std::string> const& given = {}) {
+  auto const& info = kvc::tools::find_policy(scorer);
+  auto const alloc = kvc::tools::parse_allocators(allocators);
+  return {&info, kvc::tools::resolve_params(kvc::tools::with_allocators(info, alloc), given, true), alloc};
 }
 
 std::string work_dir(char const* name) {
@@ -146,6 +157,12 @@ TEST_CASE("ratio 0 is exactly lossless, compression costs quality, runs repeat e
       // 48 prompt tokens per head at ratio 0.75 keep 12: a quarter of the bytes (fp16 K + V, 2 layers x 4 heads).
       CHECK(r.kv_bytes == 2 * 4 * 12 * 2 * 16 * 2);
       CHECK(r.kv_bytes_full == 2 * 4 * 48 * 2 * 16 * 2);
+      // Held: a uniform store of the kept tokens + the continuation's 16 slots per head; a row is K + V + its
+      // position (2 x 16 x 2 + 8 bytes).
+      CHECK(r.kv_held_bytes == 2 * 4 * (12 + 16) * 72);
+      CHECK(r.kv_held_bytes_full == 2 * 4 * (48 + 16) * 72);
+      CHECK(r.kept_min == 12);
+      CHECK(r.kept_max == 12);
     }
   }
   auto const again = evaluate(model, opts, samples);
@@ -272,6 +289,247 @@ TEST_CASE("compression keeps the tokens the policy names, in every layer, and ra
   }
 }
 
+TEST_CASE("allocator rows: ratio 0 is exactly lossless, and the compressed cache is a ragged per-head store") {
+  if (!have(tinystories))
+    return;
+  Model const model = load(tinystories);
+  auto const cache = CacheOptions{CacheType::f16, CacheLayout::dense};
+  std::vector<std::vector<std::int32_t>> const samples{sample_tokens(model, cache, 65, 1, 13, {1, 2})};
+  RunOptions opts = options_for({}, {0.0, 0.5}, cache);
+  for (auto const& [scorer, alloc] : std::vector<std::pair<std::string, std::string>>{
+           {"snap_kv", "ada_kv"}, {"snap_kv", "pyramid_kv"}, {"key_diff", "pyramid_kv+ada_kv"}})
+    opts.policies.push_back(allocator_run(scorer, alloc, {"window_size=8"}));  // the window below the budget
+  auto const records = evaluate(model, opts, samples);
+  REQUIRE(records.size() == 6);
+  CHECK(records[0].policy == "snap_kv+ada_kv");
+  CHECK(records[4].policy == "key_diff+pyramid_kv+ada_kv");
+  for (Record const& r : records) {
+    INFO(r.policy << " at " << r.ratio);
+    if (r.ratio == 0.0) {
+      CHECK(r.kl == 0.0);
+      CHECK(r.top1 == 1.0);
+      CHECK(r.perplexity == r.perplexity_full);
+      CHECK(r.layer_error[0] == 0.0);
+      CHECK(r.kv_bytes == r.kv_bytes_full);
+      CHECK(r.kv_held_bytes == r.kv_held_bytes_full);  // every head: 48 tokens + 16 reserve
+    } else {
+      CHECK(r.kl > 0.0);
+      CHECK(r.kept_min < r.kept_max);  // heads (ada_kv) or layers (pyramid_kv) keep different counts
+    }
+  }
+  // The session's layers are ragged stores after compression with an allocator, and hold what store_report says:
+  // every head its count + the reserve (the 16 tokens the session can still take), K + V + position per row.
+  auto prefilled = make_session(model, cache, 64);
+  RowMatrix logits;
+  REQUIRE(prefilled->forward(std::span(samples[0]).subspan(0, 48), logits).ok());
+  auto s = prefilled->clone();
+  double seconds = 0;
+  auto const ada = allocator_run("snap_kv", "ada_kv", {"window_size=8"});
+  REQUIRE(s->compress(*ada.policy, ada.params, 0.5, seconds, 0, ada.alloc).ok());
+  std::size_t expected_held = 0;
+  for (Index l = 0; l < 2; ++l) {
+    CHECK(s->ragged(l));
+    CHECK_FALSE(prefilled->ragged(l));
+    Index total = 0;
+    for (Index h = 0; h < 4; ++h) {
+      total += s->length(l, h);
+      expected_held += static_cast<std::size_t>((s->length(l, h) + 16) * 72);
+      for (Index t = 1; t < s->length(l, h); ++t)
+        CHECK(s->slot_position(l, h, t) > s->slot_position(l, h, t - 1));
+      CHECK(s->slot_position(l, h, s->length(l, h) - 1) == 47);  // SnapKV's window is kept
+    }
+    CHECK(std::abs(total - 4 * 24) <= 2);  // the layer's budget, up to the authors' rounding
+  }
+  StoreBytes const b = s->store_bytes();
+  CHECK(b.held == expected_held);
+  CHECK(b.min_count < b.max_count);
+  // The continuation appends after each head's own length, at the next position.
+  std::int32_t const next = 5;
+  REQUIRE(s->forward(std::span(&next, 1), logits).ok());
+  CHECK(s->slot_position(1, 2, s->length(1, 2) - 1) == 48);
+}
+
+TEST_CASE("AdaKV at alpha 1 on the ragged store gives exactly the uniform row's logits") {
+  if (!have(tinystories))
+    return;
+  Model const model = load(tinystories);
+  for (CacheLayout layout : {CacheLayout::dense, CacheLayout::paged}) {
+    auto const cache = CacheOptions{CacheType::f16, layout};
+    std::vector<std::vector<std::int32_t>> samples;
+    for (std::uint64_t s = 0; s < 2; ++s)
+      samples.push_back(sample_tokens(model, cache, 65, 1, 31 + s, {1, 2}));
+    // alpha = 1: every head keeps exactly its uniform share, so the kept sets are the uniform row's (the window,
+    // which the allocator protects, is SnapKV's top score anyway when the budget holds it).
+    RunOptions opts = options_for({}, {0.25, 0.5, 0.75}, cache);
+    auto const& snap = kvc::tools::find_policy("snap_kv");
+    opts.policies.push_back({&snap, kvc::tools::resolve_params(snap, {"window_size=8"}, true)});
+    opts.policies.push_back(allocator_run("snap_kv", "ada_kv", {"window_size=8", "alpha_safeguard=1"}));
+    auto const records = evaluate(model, opts, samples);
+    REQUIRE(records.size() == 6);
+    for (std::size_t i = 0; i < 3; ++i) {
+      Record const &u = records[i], &a = records[i + 3];
+      INFO(a.policy << " at " << a.ratio);
+      CHECK(a.policy == "snap_kv+ada_kv");
+      CHECK(a.kl == u.kl);
+      CHECK(a.top1 == u.top1);
+      CHECK(a.perplexity == u.perplexity);
+      CHECK(a.layer_error == u.layer_error);
+      CHECK(a.kv_bytes == u.kv_bytes);
+      CHECK(a.kv_held_bytes == u.kv_held_bytes);  // equal counts: the ragged store holds what a uniform one does
+      CHECK(a.kept_min == a.kept_max);
+    }
+    // Logits of a continuation after compression, compared bit for bit.
+    auto prefilled = make_session(model, cache, 64);
+    RowMatrix logits, uniform_logits, ragged_logits;
+    REQUIRE(prefilled->forward(std::span(samples[0]).subspan(0, 48), logits).ok());
+    auto u = prefilled->clone(), a = prefilled->clone();
+    double seconds = 0;
+    REQUIRE(u->compress(*opts.policies[0].policy, opts.policies[0].params, 0.5, seconds).ok());
+    REQUIRE(
+        a->compress(*opts.policies[1].policy, opts.policies[1].params, 0.5, seconds, 0, opts.policies[1].alloc).ok());
+    CHECK(a->ragged(0));
+    CHECK_FALSE(u->ragged(0));
+    std::span<std::int32_t const> const fed = std::span(samples[0]).subspan(48, 16);
+    REQUIRE(u->forward(fed, uniform_logits).ok());
+    REQUIRE(a->forward(fed, ragged_logits).ok());
+    CHECK(ragged_logits == uniform_logits);
+  }
+}
+
+TEST_CASE("AdaKV rows hold at most the uniform rows' bytes, plus the authors' rounding") {
+  if (!have(stories260k))
+    return;
+  Model const model = load(stories260k);
+  auto const cache = CacheOptions{CacheType::f16, CacheLayout::dense};
+  std::vector<std::vector<std::int32_t>> const samples{sample_tokens(model, cache, 65, 1, 17, {1, 2})};
+  RunOptions opts = options_for({"snap_kv", "key_diff"}, {0.25, 0.5, 0.75, 0.9}, cache);
+  opts.policies.push_back(allocator_run("snap_kv", "ada_kv"));
+  opts.policies.push_back(allocator_run("key_diff", "ada_kv", {"reference=kvpress"}));
+  auto const records = evaluate(model, opts, samples);
+  REQUIRE(records.size() == 16);
+  double const row = 2 * 8 * 2 + 8;  // fp16 K + V (d 8) and the position
+  for (std::size_t i = 0; i < 4; ++i) {
+    Record const &snap = records[i], &key_diff = records[4 + i], &authors = records[8 + i], &kvpress = records[12 + i];
+    INFO("ratio " << snap.ratio);
+    // The authors keep the window (32) on top of the budget and round each head's share: at most half a token per
+    // head over the budget, or the window where the budget is below it.
+    double const budget = std::max(snap.kv_held_bytes, 5 * 4 * (32 + 16) * row);
+    CHECK(authors.kv_held_bytes <= budget + 5 * 4 * row);
+    // kvpress: exactly the layer's budget, so the ragged store holds what the uniform store does.
+    CHECK(kvpress.kv_bytes == key_diff.kv_bytes);
+    CHECK(kvpress.kv_held_bytes == key_diff.kv_held_bytes);
+    CHECK(kvpress.kept_min < kvpress.kept_max);
+  }
+}
+
+TEST_CASE("PyramidKV rows keep per layer what the schedule says") {
+  if (!have(stories260k))
+    return;
+  Model const model = load(stories260k);
+  auto const cache = CacheOptions{CacheType::f32, CacheLayout::paged};
+  auto const tokens = sample_tokens(model, cache, 96, 1, 23, {1, 2});
+  auto prefilled = make_session(model, cache, 112);
+  RowMatrix logits;
+  REQUIRE(prefilled->forward(tokens, logits).ok());
+  for (char const* reference : {"authors", "kvpress"})
+    for (double ratio : {0.25, 0.5, 0.75}) {
+      auto const run = allocator_run("snap_kv", "pyramid_kv", {std::string("reference=") + reference});
+      auto s = prefilled->clone();
+      double seconds = 0;
+      REQUIRE(s->compress(*run.policy, run.params, ratio, seconds, 0, run.alloc).ok());
+      std::vector<Index> kept;
+      for (Index l = 0; l < 5; ++l) {
+        INFO(reference << " at " << ratio << ", layer " << l);
+        kvc::PyramidKVBudget budget;
+        budget.layer = l;
+        budget.num_layers = 5;
+        budget.window_size = std::string(reference) == "kvpress" ? 64 : 8;
+        budget.reference = std::string(reference) == "kvpress" ? kvc::Reference::kvpress : kvc::Reference::authors;
+        budget.compression_ratio = ratio;
+        Index expected = budget.keep(0, 0, 96);
+        if (std::string(reference) == "authors")  // the window is protected on top
+          expected = std::max<Index>(expected, 8);
+        CHECK(s->ragged(l));
+        for (Index h = 0; h < 4; ++h)
+          CHECK(s->length(l, h) == expected);
+        kept.push_back(expected);
+      }
+      if (std::string(reference) == "authors" && ratio == 0.5)  // a real pyramid: lower layers keep more
+        CHECK(kept == std::vector<Index>{86, 67, 48, 29, 10});
+    }
+}
+
+TEST_CASE("decode-time runs with ada_kv: the ragged store grows and compresses, alpha 1 equals the uniform row") {
+  if (!have(tinystories))
+    return;
+  Model const model = load(tinystories);
+  auto const cache = CacheOptions{CacheType::f16, CacheLayout::dense};
+  Index const prompt = 24, continuation = 80;
+  std::vector<std::vector<std::int32_t>> samples;
+  for (std::uint64_t s = 0; s < 2; ++s)
+    samples.push_back(sample_tokens(model, cache, prompt + continuation + 1, 1, 41 + s, {1, 2}));
+  RunOptions opts = options_for({}, {}, cache);
+  auto const& snap = kvc::tools::find_policy("snap_kv");
+  opts.policies.push_back({&snap, kvc::tools::resolve_params(snap, {"window_size=4"}, true)});
+  opts.policies.push_back(allocator_run("snap_kv", "ada_kv", {"window_size=4", "alpha_safeguard=1"}));
+  opts.policies.push_back(allocator_run("snap_kv", "ada_kv", {"window_size=4"}));
+  opts.policies.push_back(allocator_run("key_diff", "ada_kv", {"reference=kvpress"}));
+  opts.policies.push_back(allocator_run("snap_kv", "pyramid_kv", {"window_size=4"}));
+  opts.prompt_tokens = prompt;
+  opts.continuation = continuation;
+  opts.schedule = Schedule::decode;
+  opts.decode.compression_interval = 8;
+  opts.decode.target_size = 32;
+  opts.decode.hidden_states_buffer_size = 8;
+  auto const records = evaluate(model, opts, samples);
+  REQUIRE(records.size() == 5);
+  Record const &uniform = records[0], &alpha1 = records[1], &authors = records[2], &kvpress = records[3];
+  // alpha = 1 keeps the uniform sets at every compression, across the store's re-layouts: the same numbers.
+  CHECK(alpha1.kl == uniform.kl);
+  CHECK(alpha1.top1 == uniform.top1);
+  CHECK(alpha1.layer_error == uniform.layer_error);
+  CHECK(alpha1.kv_bytes_steps == uniform.kv_bytes_steps);
+  CHECK(authors.kl > 0.0);
+  CHECK(authors.kept_min < authors.kept_max);
+  // kvpress keeps the layer's budget (each head's share is min(its length, target)): never more than the uniform
+  // sawtooth of valid bytes, in unequal heads.
+  REQUIRE(kvpress.kv_bytes_steps.size() == uniform.kv_bytes_steps.size());
+  for (std::size_t t = 0; t < uniform.kv_bytes_steps.size(); ++t)
+    CHECK(kvpress.kv_bytes_steps[t] <= uniform.kv_bytes_steps[t]);
+  CHECK(kvpress.kept_min < kvpress.kept_max);
+  CHECK(records[4].kl > 0.0);
+  // Re-laying the ragged stores out after every compression too frees the slots compaction emptied: the same
+  // numbers, less memory held where heads shrink unevenly (ada_kv; the uniform rows are not ragged: unchanged).
+  // Heads that keep every token (alpha 1 and pyramid_kv below the target) only get their reserve a step earlier.
+  opts.relayout_on_compress = true;
+  auto const relaid = evaluate(model, opts, samples);
+  for (std::size_t i = 0; i < records.size(); ++i) {
+    INFO(records[i].policy);
+    CHECK(relaid[i].kl == records[i].kl);
+    CHECK(relaid[i].kv_bytes == records[i].kv_bytes);
+  }
+  CHECK(relaid[0].kv_held_bytes == records[0].kv_held_bytes);
+  CHECK(relaid[2].kv_held_bytes < records[2].kv_held_bytes);
+  CHECK(relaid[3].kv_held_bytes < records[3].kv_held_bytes);
+  opts.relayout_on_compress = false;
+  // A target above the sequence never evicts: exactly the full cache's numbers, through the ragged store.
+  opts.decode.target_size = prompt + continuation + 1;
+  for (Record const& r : evaluate(model, opts, samples)) {
+    INFO(r.policy);
+    CHECK(r.kl == 0.0);
+    CHECK(r.top1 == 1.0);
+    CHECK(r.kv_bytes == r.kv_bytes_full);
+  }
+  // H2O's per-token state does not follow a re-layout: refused with a message.
+  auto session = make_session(model, cache, 64);
+  RowMatrix logits;
+  REQUIRE(session->forward(std::span(samples[0]).subspan(0, 24), logits).ok());
+  auto const h2o = allocator_run("h2o", "ada_kv");
+  kvc::Status const st = session->begin_decode(*h2o.policy, h2o.params, opts.decode, 0, h2o.alloc);
+  CHECK_FALSE(st.ok());
+  CHECK(std::string(st.message()).find("stateful") != std::string::npos);
+}
+
 TEST_CASE("an fp16 cache moves the numbers by what its rounding implies") {
   if (!have(tinystories))
     return;
@@ -325,14 +583,16 @@ TEST_CASE("results.json holds every field docs/eval.md lists") {
   REQUIRE(kvc::json::parse(text, v, error));
   REQUIRE(v.items().size() == 1);
   kvc::json::Value const& rec = v.items()[0];
-  for (char const* field : {"policy", "ratio", "kl", "top1", "perplexity", "perplexity_full", "kv_bytes",
-                            "kv_bytes_full", "seconds", "layer_error", "params", "model", "cache", "layout"})
+  for (char const* field :
+       {"policy", "ratio", "kl", "top1", "perplexity", "perplexity_full", "kv_bytes", "kv_bytes_full", "kv_held_bytes",
+        "kv_held_bytes_full", "kept_min", "kept_max", "seconds", "layer_error", "params", "model", "cache", "layout"})
     CHECK(rec.find(field) != nullptr);
   CHECK(rec.find("kl")->as_double() == 0.125);
   CHECK(rec.find("model")->as_string() == "m\"odel");
   CHECK(rec.find("layer_error")->items()[1].is_null());  // NaN is not JSON: null
   CHECK(results_csv({r}).rfind("policy,ratio,kl,top1,perplexity,perplexity_full,kv_bytes,kv_bytes_full,seconds,"
-                               "samples,layer_error_0,layer_error_1\nsnap_kv,0.5,0.125,0.75,3,2.5,1024,2048,",
+                               "samples,kv_held_bytes,kv_held_bytes_full,kept_min,kept_max,layer_error_0,layer_error_1"
+                               "\nsnap_kv,0.5,0.125,0.75,3,2.5,1024,2048,",
                                0) == 0);
 }
 
@@ -431,7 +691,26 @@ TEST_CASE("kvc-eval: exit codes 2 (usage) and 3 (invalid input), logits and dump
   CHECK(run_command(eval + " run --model x --out-dir y --decode interval=8,target=4 --ratios 0.5", out) == 2);
   CHECK(out.find("neither --schedule nor --ratios") != std::string::npos);
   CHECK(run_command(eval + " run --model x --out-dir y --decode interval=0,target=4", out) == 3);
+  CHECK(run_command(eval + " run --model x --out-dir y --decode interval=8,target=4,relayout=never", out) == 2);
+  CHECK(out.find("relayout=fill|compress") != std::string::npos);
   CHECK(out.find("--decode interval") != std::string::npos);
+  // Allocators: unknown or repeated names, bad parameters, and the per-layer parameters kvc-eval sets itself.
+  CHECK(run_command(eval + " run --model x --out-dir y --policies snap_kv+foo_kv", out) == 2);
+  CHECK(out.find("unknown allocator 'foo_kv' (expected ada_kv, pyramid_kv or pyramid_kv+ada_kv)") != std::string::npos);
+  CHECK(run_command(eval + " run --model x --out-dir y --policies snap_kv+ada_kv+ada_kv", out) == 2);
+  CHECK(out.find("allocator 'ada_kv' named twice") != std::string::npos);
+  CHECK(run_command(eval + " run --model x --out-dir y --policies snap_kv+ --no-progress", out) == 2);
+  CHECK(out.find("unknown allocator ''") != std::string::npos);
+  CHECK(run_command(
+            eval + " run --model x --out-dir y --policies snap_kv+ada_kv --param snap_kv+ada_kv.alpha_safeguard=2",
+            out) == 3);
+  CHECK(out.find("alpha_safeguard") != std::string::npos);
+  CHECK(
+      run_command(eval + " run --model x --out-dir y --policies snap_kv+pyramid_kv --param snap_kv+pyramid_kv.layer=1",
+                  out) == 2);
+  CHECK(out.find("sets pyramid_kv's layer and num_layers per layer") != std::string::npos);
+  CHECK(run_command(eval + " run --model x --out-dir y --policies snap_kv+ada_kv,snap_kv+ada_kv", out) == 2);
+  CHECK(out.find("snap_kv+ada_kv listed twice") != std::string::npos);
   CHECK(run_command(eval + " logits --model /nonexistent --tokens t.npy --out l.npy", out) == 3);
   CHECK(out.find("/nonexistent") != std::string::npos);
   if (have(stories260k)) {  // two llama2.c tokenizers beside a checkpoint: which one belongs to it is unknown
@@ -470,12 +749,15 @@ TEST_CASE("kvc-eval: exit codes 2 (usage) and 3 (invalid input), logits and dump
   CHECK(fs::exists(dir + "/dump/meta.json"));
   // A short run end to end: every output appears.
   REQUIRE(run_command(eval + " run --model " + tinystories + " --out-dir " + dir +
-                          "/run --policies snap_kv --ratios 0,0.5 --prompt-tokens 32 --continuation 8 --samples 1 "
-                          "--generate 8 --no-progress",
+                          "/run --policies snap_kv,snap_kv+ada_kv --ratios 0,0.5 --prompt-tokens 32 --continuation 8 "
+                          "--samples 1 --generate 8 --show snap_kv+ada_kv@0.5 --no-progress",
                       out) == 0);
   for (char const* f : {"results.json", "results.csv", "kl.svg", "top1.svg", "generation.txt"})
     CHECK(fs::exists(dir + "/run/" + f));
+  CHECK(read_text(dir + "/run/generation.txt").find("snap_kv+ada_kv at ratio 0.50") != std::string::npos);
   kvc::json::Value v;
   REQUIRE(kvc::json::parse(read_text(dir + "/run/results.json"), v, error));
-  CHECK(v.items().size() == 4);  // snap_kv and random at two ratios
+  REQUIRE(v.items().size() == 6);  // snap_kv, snap_kv+ada_kv and random at two ratios
+  CHECK(v.items()[2].find("policy")->as_string() == "snap_kv+ada_kv");
+  CHECK(v.items()[2].find("params")->as_string().find("alpha_safeguard=0.2") != std::string::npos);
 }

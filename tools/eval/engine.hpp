@@ -7,6 +7,12 @@
 // One sequence (batch 1). Storage fp32, fp16 or bf16; layout dense ([Hkv, capacity, d] per layer, the Hugging Face
 // cache) or paged (vLLM-style NHD pages of 16 tokens found through a block table whose page order is reversed, so
 // that a layout bug cannot hide behind contiguous pages). Activations and attention accumulate in fp32.
+//
+// Compression with an allocator (AdaKV, PyramidKV: heads or layers keep different counts) moves each layer into a
+// ragged per-head store (kvc::ragged_cache, store/ragged.hpp): the kept tokens are gathered (kvc::gather with the
+// plan) into segments of count + reserve rows per head, and from then on that layer's appends, attention and
+// decode-time compressions (in place) run on the store. A head whose segment would overflow re-lays the whole store
+// out with a fresh reserve (kvc::append into a new store), as the AdaKV authors do, once per reserve tokens.
 #pragma once
 
 #include <kvc/backend/cpu/attention/attend.hpp>
@@ -19,9 +25,11 @@
 #include <kvc/core/rope.hpp>
 #include <kvc/pipeline/decode.hpp>
 #include <kvc/pipeline/press.hpp>
+#include <kvc/store/ragged.hpp>
 
 #include "common/observations.hpp"
 #include "common/policies.hpp"
+#include "common/ragged_store.hpp"
 #include "eval/model.hpp"
 
 #include <Eigen/Core>
@@ -31,10 +39,12 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <span>
 #include <stdexcept>
 #include <string>
 #include <type_traits>
+#include <variant>
 #include <vector>
 
 namespace kvc::eval {
@@ -68,6 +78,14 @@ struct ForwardTrace {
   std::vector<LayerProjections> qkv;  ///< [layers], filled when `projections`
 };
 
+/// What a session's caches hold, measured from their stores with kvc::store_report, summed over layers.
+struct StoreBytes {
+  std::size_t kv = 0;    ///< K + V bytes of the valid tokens (positions not counted)
+  std::size_t held = 0;  ///< bytes allocated for K, V and positions (see Session::store_bytes)
+  Index min_count = 0;   ///< fewest valid tokens of one (layer, KV head)
+  Index max_count = 0;   ///< most valid tokens of one (layer, KV head)
+};
+
 /// The state of one sequence: a KV cache per layer and the next absolute position. Copyable through clone(), so a
 /// prefilled cache can be compressed by many policies in turn.
 class Session {
@@ -84,21 +102,41 @@ class Session {
   /// queries (the prompt's, after prefill). Adds the wall time spent to `seconds`. `salt` varies the random
   /// baseline: its seed becomes a hash of (seed parameter, salt, layer), so that every layer and every sample draws
   /// its own tokens (kvc::RandomScorer hashes (seed, b, h, t) only, the same draw in every layer otherwise).
+  /// With an allocator (`alloc`: ada_kv, pyramid_kv or both; its parameters are in `params`, pyramid_kv's layer
+  /// and num_layers are set per layer here), the selection is the allocator's (tools::with_selection) and each
+  /// layer's kept tokens are gathered into a ragged per-head store with a reserve of the tokens the session can
+  /// still take (capacity - position(): the continuation).
   virtual Status compress(tools::PolicyInfo const& policy, tools::Params const& params, double ratio, double& seconds,
-                          std::uint64_t salt = 0) = 0;
+                          std::uint64_t salt = 0, tools::AllocatorChoice const& alloc = {}) = 0;
 
   /// Compression while decoding: from now on every forward call ends with kvc::decode_step on every layer (the
   /// decode driver), with a policy of the tool's table and `schedule` (interval, target, query buffer; the
   /// selection's protections come from the policy's parameters: n_sink, n_recent, H2O's recent_share of the
   /// target). A stateful scorer's state starts from the last forward call's queries (the prompt's). Later forward
   /// calls take one token each. A clone does not inherit it. `salt` varies the random baseline as in compress().
+  /// With an allocator, every layer moves into a ragged store (reserve: one interval) and each compression runs
+  /// the allocator's selection (AdaKVSelector / PyramidKVBudget of the target) in place on it; stateful scorers
+  /// (h2o) are refused there (their per-token state does not follow a re-layout). The store is re-laid out when a
+  /// head would overflow, and with `relayout_on_compress` also after every compression (freeing the slots the
+  /// in-place compaction emptied).
   virtual Status begin_decode(tools::PolicyInfo const& policy, tools::Params const& params,
-                              DecodeSchedule const& schedule, std::uint64_t salt = 0) = 0;
+                              DecodeSchedule const& schedule, std::uint64_t salt = 0,
+                              tools::AllocatorChoice const& alloc = {}, bool relayout_on_compress = false) = 0;
   /// Wall time the decode driver spent since begin_decode (all layers), and the compressions it ran (all layers).
   double decode_seconds() const noexcept { return decode_seconds_; }
 
+  /// The bytes the caches hold, measured with kvc::store_report on every layer's store. `held` is what a store
+  /// allocates for K, V and positions: a ragged store's segments (counts + reserve, every row allocated); for the
+  /// uniform cache, a uniform store sized by the same rule (every head: the longest head + the reserve), since
+  /// kvc-eval's own dense or paged buffer is sized for the whole sample and never shrinks.
+  virtual StoreBytes store_bytes() const = 0;
   /// Bytes of K and V held (valid tokens of every layer and KV head, in the cache's storage type).
-  virtual std::size_t kv_bytes() const = 0;
+  std::size_t kv_bytes() const { return store_bytes().kv; }
+  /// From now on a store that fills up is re-sized to its longest head + `reserve` (ragged: re-laid out), and every
+  /// store is sized so now (the full cache of a decode run is measured under the same rule as the compressed ones).
+  virtual void set_reserve(Index reserve) = 0;
+  /// Whether layer l's cache is a ragged per-head store.
+  virtual bool ragged(Index layer) const = 0;
   /// Valid tokens of layer l, KV head h.
   virtual Index length(Index layer, Index head) const = 0;
   /// Absolute position of the token in slot `slot` (< length) of layer l, KV head h.
@@ -142,6 +180,7 @@ class Engine final : public Session {
       l.v.resize(l.k.size());
       l.lengths.assign(static_cast<std::size_t>(c.kv_heads), 0);
       l.positions.assign(static_cast<std::size_t>(ext_.rows()), 0);
+      l.held = capacity_;
     }
     if constexpr (Paged) {
       Index const pages = capacity_ / page;
@@ -161,6 +200,7 @@ class Engine final : public Session {
         model_(o.model_),
         options_(o.options_),
         capacity_(o.capacity_),
+        reserve_(o.reserve_),
         ext_(o.ext_),
         layers_(o.layers_),
         block_table_(o.block_table_),
@@ -224,15 +264,17 @@ class Engine final : public Session {
       auto const src = make_cache(TokenRows<float const, StridedLayout>(k_.data(), bthd_layout(new_ext)),
                                   TokenRows<float const, StridedLayout>(v_.data(), bthd_layout(new_ext)), Lengths{},
                                   src_positions_.data());
-      auto const cache = view(layer);
-      KVC_RETURN_IF_ERROR(append(Cpu{}, cache, src));
-
+      make_room(layer, n);
       AttendQueries<float> const queries{TokenRows<float const, StridedLayout>(q_.data(), bthd_layout({1, hq, n, d})),
                                          positions_.data()};
-      grow(workspace_, attend_workspace_bytes(Cpu{}, Attention{}, queries, cache));
       out_.resize(hq * n, d);  // [Hq, n, d]
-      KVC_RETURN_IF_ERROR(
-          attend(Cpu{}, Attention{}, queries, cache, {out_.data()}, {workspace_.data(), workspace_.size()}));
+      Status const attended = with_view(layer, [&](auto const& cache) -> Status {
+        KVC_RETURN_IF_ERROR(append(Cpu{}, cache, src));
+        grow(workspace_, attend_workspace_bytes(Cpu{}, Attention{}, queries, cache));
+        return attend(Cpu{}, Attention{}, queries, cache, {out_.data()}, {workspace_.data(), workspace_.size()});
+      });
+      if (!attended.ok())
+        return attended;
       o_.resize(n, hq * d);
       for (Index h = 0; h < hq; ++h)
         for (Index t = 0; t < n; ++t)
@@ -260,15 +302,24 @@ class Engine final : public Session {
   }
 
   Status begin_decode(tools::PolicyInfo const& policy, tools::Params const& params, DecodeSchedule const& schedule,
-                      std::uint64_t salt) override {
+                      std::uint64_t salt, tools::AllocatorChoice const& alloc, bool relayout_on_compress) override {
     Status status = schedule.check();
     if (!status.ok())
       return status;
     tools::with_policy(policy, params, [&](auto const& scorer, tools::Selection sel) {
       using S = std::remove_cvref_t<decltype(scorer)>;
+      if constexpr (StatefulScorer<S>) {
+        if (alloc.any()) {
+          status = {Errc::invalid_argument,
+                    "kvc-eval: --decode with an allocator does not support stateful scorers (h2o): their per-token "
+                    "state would not follow the ragged store's re-layouts"};
+          return;
+        }
+      }
       ModelConfig const& c = model_->config;
       auto run = std::make_shared<DecodeRun<S>>();
       run->schedule = schedule;
+      run->relayout_on_compress = relayout_on_compress;
       run->schedule.n_sink = sel.n_sink;
       run->schedule.n_recent = sel.recent(schedule.target_size);
       Index future = 0;  // ExpectedAttention averages RoPE past the cache's positions
@@ -278,20 +329,28 @@ class Engine final : public Session {
       if (!fill_rope_table(c.rope(), c.head_dim, capacity_ + future, run->rope_storage.data(), run->rope).ok())
         throw std::logic_error("kvc-eval: the model's RoPE does not fill a table");
       Index const rows = schedule.compression_interval;  // one token per forward: an interval's queries
+      set_reserve(schedule.compression_interval);
       run->layers.resize(layers_.size());
       for (std::size_t li = 0; li < layers_.size() && status.ok(); ++li) {
         auto& l = run->layers[li];
+        Layer& layer = layers_[li];
         l.scorer = scorer;
         if constexpr (std::is_same_v<S, RandomScorer>)
           l.scorer.seed = mix_seed(scorer.seed, salt, li);
         l.queries.assign(static_cast<std::size_t>(c.heads * rows * c.head_dim), 0.0f);
         l.positions.assign(static_cast<std::size_t>(rows), 0);
         l.buffer = {l.queries.data(), l.positions.data(), 1, c.heads, rows, c.head_dim};
+        if (alloc.any()) {  // the allocator's selection of the target, on a ragged store
+          tools::with_selection(alloc, layer_params(params, alloc, li), sel, std::nullopt, schedule.target_size,
+                                schedule.target_size, [&](auto const& selector) { l.selector = selector; });
+          if (!layer.store)
+            status = to_ragged(layer);
+          continue;
+        }
         if constexpr (StatefulScorer<S>) {  // H2O: the prompt's attention starts the accumulator
           l.accumulated.assign(static_cast<std::size_t>(ext_.rows()), 0.0f);
           l.tracked.assign(static_cast<std::size_t>(ext_.heads), 0);
           l.scorer.state = {{l.accumulated.data(), 1, ext_.heads, capacity_}, l.tracked.data()};
-          Layer& layer = layers_[li];
           Index const w = static_cast<Index>(layer.query_positions.size());
           auto const obs = observe(WindowQueries<float>{
               TokenRows<float const, StridedLayout>(layer.queries.data(), bthd_layout({1, c.heads, w, c.head_dim})),
@@ -299,7 +358,6 @@ class Engine final : public Session {
           grow(run->workspace, update_workspace_bytes(Cpu{}, l.scorer, ext_, obs));
           status = update(Cpu{}, l.scorer, view(layer), obs, {run->workspace.data(), run->workspace.size()});
         }
-        grow(run->workspace, decode_workspace_bytes(Cpu{}, l.scorer, run->schedule, ext_, l.buffer));
       }
       decode_hook_ = [this, run]() { return run->step(*this); };
     });
@@ -307,8 +365,12 @@ class Engine final : public Session {
   }
 
   Status compress(tools::PolicyInfo const& policy, tools::Params const& params, double ratio, double& seconds,
-                  std::uint64_t salt) override {
+                  std::uint64_t salt, tools::AllocatorChoice const& alloc) override {
+    for (Layer const& layer : layers_)
+      if (layer.store)
+        return {Errc::invalid_argument, "kvc-eval: this session's cache is already a ragged store"};
     Status status;
+    reserve_ = capacity_ - next_position_;  // the tokens still to come: the continuation
     auto const start = std::chrono::steady_clock::now();
     tools::with_policy(policy, params, [&](auto const& scorer, tools::Selection sel) {
       using S = std::remove_cvref_t<decltype(scorer)>;
@@ -321,52 +383,100 @@ class Engine final : public Session {
         if constexpr (std::is_same_v<S, RandomScorer>)
           layer_scorer.seed = mix_seed(scorer.seed, salt, li);
         auto const cache = view(layer);
-        Index const keep = RatioBudget{ratio}.keep(0, 0, layer.lengths[0]);
-        auto const run = [&](auto const& live, auto const& obs) {
-          Press const press{live, TopKSelector{RatioBudget{ratio}, sel.n_sink, sel.recent(keep)}};
-          grow(workspace_, compress_workspace_bytes(Cpu{}, press, ext_, obs));
-          status = kvc::compress(Cpu{}, press, cache, obs, plan, {workspace_.data(), workspace_.size()});
-          if (status.ok())
-            status = compact(Cpu{}, plan, cache);
-        };
-        // The observations kvc-eval passes are the last forward call's pre-RoPE queries (the prompt's).
-        ModelConfig const& c = model_->config;
-        Index const w = static_cast<Index>(layer.query_positions.size());
-        TokenRows<float const, StridedLayout> const rows(layer.queries.data(),
-                                                         bthd_layout({1, c.heads, w, c.head_dim}));
-        tools::ObservationStorage store;
-        tools::with_observations(layer_scorer, cache,
-                                 tools::ObservedQueries{rows, layer.query_positions.data(), rope_, c.rope(), true},
-                                 "layer " + std::to_string(li), store, run);
+        std::optional<tools::HostRaggedStore<T>> store;
+        tools::with_selection(
+            alloc, layer_params(params, alloc, li), sel, ratio, 0, longest(layer), [&](auto const& selector) {
+              auto const run = [&](auto const& live, auto const& obs) {
+                Press const press{live, selector};
+                grow(workspace_, compress_workspace_bytes(Cpu{}, press, ext_, obs));
+                status = kvc::compress(Cpu{}, press, cache, obs, plan, {workspace_.data(), workspace_.size()});
+                if (!status.ok())
+                  return;
+                if (!alloc.any()) {
+                  status = compact(Cpu{}, plan, cache);
+                  return;
+                }
+                // The kept tokens move into a ragged store: each head gets its own count + the reserve.
+                store.emplace(1, ext_.heads, ext_.dim, ext_.dim, count_.data(), reserve_);
+                status = gather(Cpu{}, plan, cache, store->view());
+              };
+              // The observations kvc-eval passes are the last forward call's pre-RoPE queries (the prompt's).
+              ModelConfig const& c = model_->config;
+              Index const w = static_cast<Index>(layer.query_positions.size());
+              TokenRows<float const, StridedLayout> const rows(layer.queries.data(),
+                                                               bthd_layout({1, c.heads, w, c.head_dim}));
+              tools::ObservationStorage obs_store;
+              tools::with_observations(
+                  layer_scorer, cache,
+                  tools::ObservedQueries{rows, layer.query_positions.data(), rope_, c.rope(), true},
+                  "layer " + std::to_string(li), obs_store, run);
+            });
+        if (status.ok() && store)
+          adopt(layer, std::move(*store));
+        else if (status.ok())
+          layer.held = longest(layer) + reserve_;
       }
     });
     seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     return status;
   }
 
-  std::size_t kv_bytes() const override {
-    std::size_t tokens = 0;
-    for (Layer const& l : layers_)
-      for (Index n : l.lengths)
-        tokens += static_cast<std::size_t>(n);
-    return tokens * static_cast<std::size_t>(2 * ext_.dim) * sizeof(T);
+  StoreBytes store_bytes() const override {
+    StoreBytes s;
+    s.min_count = capacity_;
+    for (Layer const& l : layers_) {
+      StoreReport r;
+      std::size_t held = 0;
+      if (l.store) {
+        r = store_report(l.store->view());
+        held = static_cast<std::size_t>(r.held_bytes);
+      } else {
+        r = store_report(view(const_cast<Layer&>(l)));  // read only: store_report writes nothing
+        held = static_cast<std::size_t>(l.held * ext_.heads * r.row_bytes);
+      }
+      Index const rows = r.row_bytes > 0 ? r.used_bytes / r.row_bytes : 0;
+      s.kv += static_cast<std::size_t>(rows) * static_cast<std::size_t>(2 * ext_.dim) * sizeof(T);
+      s.held += held;
+      for (Index h = 0; h < ext_.heads; ++h) {
+        s.min_count = std::min(s.min_count, length(l, h));
+        s.max_count = std::max(s.max_count, length(l, h));
+      }
+    }
+    return s;
   }
 
+  void set_reserve(Index reserve) override {
+    reserve_ = reserve;
+    for (Layer& l : layers_) {
+      if (l.store)
+        *l.store = tools::relayout(*l.store, reserve_);
+      else
+        l.held = longest(l) + reserve_;
+    }
+  }
+
+  bool ragged(Index layer) const override { return layers_[static_cast<std::size_t>(layer)].store.has_value(); }
+
   Index slot_position(Index layer, Index head, Index slot) const override {
-    return layers_[static_cast<std::size_t>(layer)].positions[static_cast<std::size_t>(head * capacity_ + slot)];
+    Layer const& l = layers_[static_cast<std::size_t>(layer)];
+    if (l.store)
+      return l.store->positions[static_cast<std::size_t>(l.store->offsets[static_cast<std::size_t>(head)] + slot)];
+    return l.positions[static_cast<std::size_t>(head * capacity_ + slot)];
   }
 
   Index length(Index layer, Index head) const override {
-    return layers_[static_cast<std::size_t>(layer)].lengths[static_cast<std::size_t>(head)];
+    return length(layers_[static_cast<std::size_t>(layer)], head);
   }
 
  private:
   struct Layer {
-    std::vector<T> k, v;                 // dense: [Hkv, capacity, d]; paged: pool [pages, page, Hkv, d]
-    std::vector<Index> lengths;          // [Hkv] valid tokens
-    std::vector<Index> positions;        // [Hkv, capacity] absolute position of each slot
-    RowMatrix queries;                   // the last forward call's pre-RoPE queries [n, Hq * d]
-    std::vector<Index> query_positions;  // [n]
+    std::vector<T> k, v;                             // dense: [Hkv, capacity, d]; paged: pool [pages, page, Hkv, d]
+    std::vector<Index> lengths;                      // [Hkv] valid tokens
+    std::vector<Index> positions;                    // [Hkv, capacity] absolute position of each slot
+    RowMatrix queries;                               // the last forward call's pre-RoPE queries [n, Hq * d]
+    std::vector<Index> query_positions;              // [n]
+    Index held = 0;                                  // uniform: slots per head a store sized by the reserve rule holds
+    std::optional<tools::HostRaggedStore<T>> store;  // after compression with an allocator: the ragged store
   };
 
   auto view(Layer& l) {
@@ -378,6 +488,67 @@ class Engine final : public Session {
     } else {
       return dense_cache(l.k.data(), l.v.data(), ext_, head_lengths(l.lengths.data(), ext_.heads), l.positions.data());
     }
+  }
+  auto view(Layer& l) const { return const_cast<Engine*>(this)->view(l); }
+
+  /// fn(cache) over the layer's current store: the ragged store when it has one, else the engine's cache.
+  template <class Fn>
+  Status with_view(Layer& l, Fn&& fn) {
+    if (l.store)
+      return fn(l.store->view());
+    return fn(view(l));
+  }
+
+  Index length(Layer const& l, Index head) const {
+    return (l.store ? l.store->lengths : l.lengths)[static_cast<std::size_t>(head)];
+  }
+  Index longest(Layer const& l) const {
+    Index n = 0;
+    for (Index h = 0; h < ext_.heads; ++h)
+      n = std::max(n, length(l, h));
+    return n;
+  }
+
+  /// Before appending `n` tokens: a ragged store whose head would overflow is re-laid out (every head: its length
+  /// + max(reserve, n) slots); a uniform store is re-sized by the same rule (its `held`).
+  void make_room(Layer& l, Index n) {
+    Index const fresh = std::max(reserve_, n);
+    if (!l.store) {
+      if (longest(l) + n > l.held)
+        l.held = longest(l) + fresh;
+      return;
+    }
+    for (Index h = 0; h < ext_.heads; ++h)
+      if (l.store->lengths[static_cast<std::size_t>(h)] + n > l.store->capacity(0, h)) {
+        *l.store = tools::relayout(*l.store, fresh);
+        return;
+      }
+  }
+
+  /// The layer's cache becomes `store`; the engine's own buffers are released (the memory an engine frees).
+  void adopt(Layer& l, tools::HostRaggedStore<T>&& store) {
+    l.store = std::move(store);
+    std::vector<T>().swap(l.k);
+    std::vector<T>().swap(l.v);
+    std::vector<Index>().swap(l.positions);
+    l.held = 0;
+  }
+
+  /// Every token of the layer's cache into a ragged store with the current reserve.
+  Status to_ragged(Layer& l) {
+    tools::HostRaggedStore<T> store(1, ext_.heads, ext_.dim, ext_.dim, l.lengths.data(), reserve_);
+    KVC_RETURN_IF_ERROR(append(Cpu{}, store.view(), view(l)));
+    adopt(l, std::move(store));
+    return {};
+  }
+
+  /// The policy's parameters for layer `li`: pyramid_kv's layer and num_layers come from the model.
+  tools::Params layer_params(tools::Params params, tools::AllocatorChoice const& alloc, std::size_t li) const {
+    if (alloc.pyramid_kv) {
+      params["layer"] = std::to_string(li);
+      params["num_layers"] = std::to_string(layers_.size());
+    }
+    return params;
   }
 
   /// splitmix64 of (seed, salt, layer): a seed per (sample, layer) for the random baseline.
@@ -403,24 +574,31 @@ class Engine final : public Session {
       ws.resize(bytes);
   }
 
-  /// The decode driver's state for one policy: per layer the scorer (with its state), the query buffer and the
-  /// counter; a RoPE table long enough for ExpectedAttention's future positions; one workspace.
+  /// The selection a decode-time compression runs: the schedule's own (uniform rows), or an allocator's.
+  using DecodeSelector =
+      std::variant<std::monostate, TopKSelector<tools::ToolBudget>, AdaKVSelector<tools::ToolBudget>>;
+
+  /// The decode driver's state for one policy: per layer the scorer (with its state), the selection, the query
+  /// buffer and the counter; a RoPE table long enough for ExpectedAttention's future positions; one workspace.
   template <class S>
   struct DecodeRun {
     struct PerLayer {
       S scorer{};
+      DecodeSelector selector{};
       std::vector<float> queries, accumulated;
       std::vector<Index> positions, tracked;
       QueryBuffer<float> buffer{};
       DecodeCounter counter{};
     };
     DecodeSchedule schedule{};
+    bool relayout_on_compress = false;  // re-lay a ragged store out after each compression
     std::vector<PerLayer> layers;
     std::vector<float> rope_storage;
     RopeTable<> rope{};
     std::vector<std::byte> workspace;
 
-    /// After a forward call: each layer's new pre-RoPE queries into its buffer, then kvc::decode_step.
+    /// After a forward call: each layer's new pre-RoPE queries into its buffer, then kvc::decode_step (in place on
+    /// the layer's store: the engine's cache, or the ragged store with the allocator's selection).
     Status step(Engine& e) {
       ModelConfig const& c = e.model_->config;
       for (std::size_t li = 0; li < layers.size(); ++li) {
@@ -437,8 +615,31 @@ class Engine final : public Session {
               layer.query_positions[static_cast<std::size_t>(t)];
         }
         KVC_RETURN_IF_ERROR(l.buffer.push(n));
-        KVC_RETURN_IF_ERROR(decode_step(Cpu{}, l.scorer, schedule, e.view(layer), l.buffer, l.counter, rope,
-                                        {workspace.data(), workspace.size()}));
+        KVC_RETURN_IF_ERROR(std::visit(
+            [&](auto const& selector) -> Status {
+              return e.with_view(layer, [&](auto const& cache) -> Status {
+                using Sel = std::remove_cvref_t<decltype(selector)>;
+                constexpr bool ragged_store =
+                    std::is_same_v<typename std::remove_cvref_t<decltype(cache)>::keys_type::layout_type, RaggedLayout>;
+                if constexpr (std::is_same_v<Sel, std::monostate> == ragged_store) {
+                  return {Errc::invalid_argument, "kvc-eval: a decode selection does not match the layer's store"};
+                } else if constexpr (std::is_same_v<Sel, std::monostate>) {
+                  grow(workspace, decode_workspace_bytes(Cpu{}, l.scorer, schedule, cache.keys.extents(), l.buffer));
+                  return decode_step(Cpu{}, l.scorer, schedule, cache, l.buffer, l.counter, rope,
+                                     {workspace.data(), workspace.size()});
+                } else {
+                  grow(workspace,
+                       decode_workspace_bytes(Cpu{}, l.scorer, selector, schedule, cache.keys.extents(), l.buffer));
+                  bool compressed = false;
+                  Status const st = decode_step(Cpu{}, l.scorer, selector, schedule, cache, l.buffer, l.counter, rope,
+                                                {workspace.data(), workspace.size()}, &compressed);
+                  if (st.ok() && compressed && relayout_on_compress)  // give the emptied slots back
+                    *layer.store = tools::relayout(*layer.store, e.reserve_);
+                  return st;
+                }
+              });
+            },
+            l.selector));
       }
       return {};
     }
@@ -448,6 +649,7 @@ class Engine final : public Session {
   Model const* model_;
   CacheOptions options_;
   Index capacity_ = 0;
+  Index reserve_ = 0;  // free slots per head a store is (re-)sized with (set by compress, begin_decode, set_reserve)
   KVExtents ext_{};
   std::vector<Layer> layers_;
   std::vector<std::int32_t> block_table_;  // [pages]: sequence page p lives in pool page pages - 1 - p

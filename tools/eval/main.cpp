@@ -42,14 +42,17 @@ using kvc::tools::fail;
 
 constexpr char usage_text[] =
     "usage:\n"
-    "  kvc-eval run    --model DIR --out-dir D [--policies P,...] [--ratios R,...] [--prompt-tokens N]\n"
+    "  kvc-eval run    --model DIR --out-dir D [--policies P[+ALLOC],...] [--ratios R,...] [--prompt-tokens N]\n"
     "                  [--continuation M] [--samples S] [--seed X] [--prompt-file TEXT] [--cache fp16|bf16|fp32]\n"
     "                  [--layout dense|paged] [--schedule prefill] [--param POLICY.NAME=VALUE]...\n"
     "                  [--show POLICY@RATIO] [--generate G] [--no-progress]\n"
-    "  kvc-eval run    ... --decode interval=I,target=T[,buffer=B] [--show POLICY]   (no --ratios: compression\n"
-    "                  while decoding the continuation, every I tokens back to T per head)\n"
+    "  kvc-eval run    ... --decode interval=I,target=T[,buffer=B][,relayout=fill|compress] [--show POLICY]\n"
+    "                  (no --ratios: compression while decoding the continuation, every I tokens back to T per head)\n"
     "  kvc-eval logits --model DIR --tokens T.npy --out L.npy [--cache fp32|fp16|bf16] [--layout dense|paged]\n"
     "  kvc-eval dump   --model DIR --tokens T.npy --out-dir D\n"
+    "P: a policy of `kvc policies`, or `all` (the default: every one); +ALLOC adds budgets across heads (ada_kv) or\n"
+    "layers (pyramid_kv), or both, e.g. snap_kv+ada_kv, snap_kv+pyramid_kv+ada_kv: the compressed cache is then a\n"
+    "ragged per-head store.\n"
     "DIR: a Hugging Face Llama directory (config.json, model.safetensors, tokenizer.json) or a llama2.c checkpoint\n"
     "(a .bin file, or a directory with one checkpoint .bin and its tok*.bin tokenizer). See docs/eval.md.\n";
 
@@ -230,29 +233,39 @@ void make_directory(std::string const& dir) {
 /// and what this runner cannot honour: it passes pre-RoPE window queries with the model's RoPE table, so
 /// `queries=post_rope` would be recorded and ignored; a window longer than the prompt has nothing to observe.
 void check_policy(kvc::eval::PolicyRun const& p, kvc::eval::RunOptions const& run) {
+  std::string const label = p.label();
   if (auto const q = p.params.find("queries"); q != p.params.end() && q->second != "pre_rope")
-    fail(exit_usage, std::string("--param ") + p.policy->name + ".queries=" + q->second +
+    fail(exit_usage, "--param " + label + ".queries=" + q->second +
                          ": kvc-eval passes the model's pre-RoPE queries with its RoPE table (queries=pre_rope)");
-  kvc::tools::with_policy(*p.policy, p.params, [&](auto const& scorer, kvc::tools::Selection) {
+  bool const decode = run.schedule == kvc::eval::Schedule::decode;
+  if (p.alloc.pyramid_kv && decode && p.params.at("reference") == "kvpress")
+    fail(exit_usage, "--policies " + label +
+                         ": pyramid_kv with reference=kvpress schedules from a ratio; --decode compresses to a target "
+                         "size (use reference=authors)");
+  kvc::tools::with_policy(*p.policy, p.params, [&](auto const& scorer, kvc::tools::Selection sel) {
+    if (p.alloc.any())  // the allocators' parameters (errors exit 3, naming the parameter)
+      kvc::tools::with_selection(p.alloc, p.params, sel, decode ? std::nullopt : std::optional<double>(0.5),
+                                 run.decode.target_size, run.prompt_tokens, [](auto const&) {});
     if constexpr (requires { scorer.window_size; }) {
       if (run.schedule == kvc::eval::Schedule::decode) {  // the window comes from the queries of one interval
         Index const rows = std::min(run.decode.compression_interval, run.decode.hidden_states_buffer_size);
         if (scorer.window_size > rows)
-          fail(exit_usage, std::string("--param ") + p.policy->name + ".window_size=" +
-                               std::to_string(scorer.window_size) + " is longer than the " + std::to_string(rows) +
+          fail(exit_usage, "--param " + label + ".window_size=" + std::to_string(scorer.window_size) +
+                               " is longer than the " + std::to_string(rows) +
                                " queries a decode-time compression sees (min of --decode interval and buffer)");
         return;
       }
       if (scorer.window_size > run.prompt_tokens)
-        fail(exit_usage, std::string("--param ") + p.policy->name +
-                             ".window_size=" + std::to_string(scorer.window_size) + " is longer than --prompt-tokens " +
-                             std::to_string(run.prompt_tokens));
+        fail(exit_usage, "--param " + label + ".window_size=" + std::to_string(scorer.window_size) +
+                             " is longer than --prompt-tokens " + std::to_string(run.prompt_tokens));
+      if (p.alloc.any())  // the allocators keep the window on top of the budget (tools::with_selection)
+        return;
       for (double r : run.ratios)
         if (static_cast<Index>(static_cast<double>(run.prompt_tokens) * (1.0 - r)) < scorer.window_size)
           std::fprintf(stderr,
                        "kvc-eval: note: %s at ratio %.2f keeps fewer tokens than its window (%lld): the kept set is "
                        "the window's oldest tokens, with nothing of the prefix and not the newest tokens\n",
-                       p.policy->name, r, static_cast<long long>(scorer.window_size));
+                       label.c_str(), r, static_cast<long long>(scorer.window_size));
     }
   });
 }
@@ -276,7 +289,7 @@ Shown shown_cache(std::string const& show, kvc::eval::RunOptions const& run) {
     fail(exit_usage, "--show '" + show + "': with --decode, expected POLICY (the schedule sets the cache size)");
   s.run = nullptr;
   for (auto const& r : run.policies)
-    if (r.policy->name == show.substr(0, at))
+    if (r.label() == show.substr(0, at))
       s.run = &r;
   if (s.run == nullptr)
     fail(exit_usage, "--show: policy " + show.substr(0, at) + " is not in --policies");
@@ -356,8 +369,9 @@ int command_dump(int argc, char** argv) {
   return 0;
 }
 
-/// --decode interval=I,target=T[,buffer=B]: the decode driver's schedule (kvpress's DecodingPress fields).
-kvc::DecodeSchedule parse_decode(std::string const& text) {
+/// --decode interval=I,target=T[,buffer=B][,relayout=fill|compress]: the decode driver's schedule (kvpress's
+/// DecodingPress fields), and when a ragged store (rows with an allocator) is re-laid out.
+kvc::DecodeSchedule parse_decode(std::string const& text, bool& relayout_on_compress) {
   kvc::DecodeSchedule s;
   s.hidden_states_buffer_size = 256;
   bool interval = false, target = false;
@@ -372,8 +386,11 @@ kvc::DecodeSchedule parse_decode(std::string const& text) {
       target = true;
     } else if (key == "buffer") {
       s.hidden_states_buffer_size = kvc::tools::parse_count(value, "--decode buffer", 1);
+    } else if (key == "relayout" && (value == "fill" || value == "compress")) {
+      relayout_on_compress = value == "compress";
     } else {
-      fail(exit_usage, "--decode '" + text + "': expected interval=I,target=T[,buffer=B], not '" + item + "'");
+      fail(exit_usage, "--decode '" + text +
+                           "': expected interval=I,target=T[,buffer=B][,relayout=fill|compress], not '" + item + "'");
     }
   }
   if (!interval || !target)
@@ -386,9 +403,15 @@ kvc::DecodeSchedule parse_decode(std::string const& text) {
 std::string schedule_text(kvc::eval::RunOptions const& run) {
   if (run.schedule == kvc::eval::Schedule::prefill)
     return "prefill";
-  return "decode interval=" + std::to_string(run.decode.compression_interval) +
-         ",target=" + std::to_string(run.decode.target_size) +
-         ",buffer=" + std::to_string(run.decode.hidden_states_buffer_size);
+  std::string text = "decode interval=";  // += rather than "lit" + std::string (GCC 12's false -Wrestrict)
+  text += std::to_string(run.decode.compression_interval);
+  text += ",target=";
+  text += std::to_string(run.decode.target_size);
+  text += ",buffer=";
+  text += std::to_string(run.decode.hidden_states_buffer_size);
+  if (run.relayout_on_compress)
+    text += ",relayout=compress";
+  return text;
 }
 
 int command_run(int argc, char** argv) {
@@ -407,7 +430,7 @@ int command_run(int argc, char** argv) {
     if (o.has("--schedule") || o.has("--ratios"))
       fail(exit_usage, "--decode compresses to a target size while decoding: it takes neither --schedule nor --ratios");
     run.schedule = kvc::eval::Schedule::decode;
-    run.decode = parse_decode(o.get("--decode"));
+    run.decode = parse_decode(o.get("--decode"), run.relayout_on_compress);
   }
   run.cache = cache_options(o, "fp16");
   run.prompt_tokens = count_option(o, "--prompt-tokens", 256, 1, 1 << 20);
@@ -422,10 +445,13 @@ int command_run(int argc, char** argv) {
     run.ratios.push_back(kvc::tools::parse_ratio(r));
 
   // Policies: the listed ones (default: every policy of the table), random always included as the baseline.
+  // `all` (the default) stands for every policy of the table.
   std::vector<std::string> names;
-  if (o.has("--policies")) {
-    names = split(o.get("--policies"), ',');
-  } else {
+  for (std::string const& name : split(o.get("--policies", "all"), ',')) {
+    if (name != "all") {
+      names.push_back(name);
+      continue;
+    }
     for (auto const& p : kvc::tools::policies())
       names.push_back(p.name);
   }
@@ -442,11 +468,24 @@ int command_run(int argc, char** argv) {
     given[policy].push_back(it->second.substr(dot + 1));
   }
   for (std::string const& name : names) {
+    // SCORER[+ALLOCATOR[+ALLOCATOR]]: the scorer's parameters and the allocators' (pyramid_kv's layer and
+    // num_layers come from the model).
+    auto const plus = name.find('+');
+    auto const& info = kvc::tools::find_policy(name.substr(0, plus));
+    kvc::tools::AllocatorChoice alloc;
+    if (plus != std::string::npos)
+      alloc = kvc::tools::parse_allocators(name.substr(plus + 1), "--policies");
+    for (std::string const& kv : given[name])
+      if (kv.rfind("layer=", 0) == 0 || kv.rfind("num_layers=", 0) == 0)
+        fail(exit_usage, "--param " + name + "." + kv +
+                             ": kvc-eval sets pyramid_kv's layer and num_layers per layer "
+                             "from the model");
+    kvc::eval::PolicyRun policy_run{
+        &info, kvc::tools::resolve_params(kvc::tools::with_allocators(info, alloc), given[name], true), alloc};
     for (auto const& r : run.policies)
-      if (r.policy->name == name)
-        fail(exit_usage, "--policies: " + name + " listed twice");
-    auto const& info = kvc::tools::find_policy(name);
-    run.policies.push_back({&info, kvc::tools::resolve_params(info, given[name], true)});
+      if (r.label() == policy_run.label())
+        fail(exit_usage, "--policies: " + policy_run.label() + " listed twice");
+    run.policies.push_back(std::move(policy_run));
     check_policy(run.policies.back(), run);
   }
   Shown const shown = shown_cache(o.get("--show"), run);
@@ -538,7 +577,7 @@ int command_run(int argc, char** argv) {
   std::string generation;
   if (generate > 0 && tokenizer) {
     kvc::eval::PolicyRun const* chosen = shown.run;
-    std::string const show_policy = chosen->policy->name;
+    std::string const show_policy = chosen->label();
     double const show_ratio = shown.ratio;
     std::vector<std::int32_t> const prompt(data[0].begin(), data[0].begin() + run.prompt_tokens);
     auto full = kvc::eval::make_session(model, run.cache, run.prompt_tokens + generate);
@@ -548,8 +587,10 @@ int command_run(int argc, char** argv) {
     auto compressed = full->clone();
     double seconds = 0;
     bool const decode = run.schedule == kvc::eval::Schedule::decode;
-    kvc::Status const st = decode ? compressed->begin_decode(*chosen->policy, chosen->params, run.decode)
-                                  : compressed->compress(*chosen->policy, chosen->params, show_ratio, seconds);
+    kvc::Status const st =
+        decode ? compressed->begin_decode(*chosen->policy, chosen->params, run.decode, 0, chosen->alloc,
+                                          run.relayout_on_compress)
+               : compressed->compress(*chosen->policy, chosen->params, show_ratio, seconds, 0, chosen->alloc);
     if (!st.ok())
       fail(exit_invalid, std::string("generation: ") + st.message());
     auto const a = kvc::eval::greedy(*full, last, generate);

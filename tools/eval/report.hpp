@@ -66,7 +66,7 @@ inline std::string results_json(std::vector<Record> const& records, std::vector<
                                 RunInfo const& info) {
   std::map<std::string, std::string> params;
   for (PolicyRun const& r : runs)
-    params[r.policy->name] = params_text(r.params);
+    params[r.label()] = params_text(r.params);
   std::string out = "[\n";
   for (std::size_t i = 0; i < records.size(); ++i) {
     Record const& r = records[i];
@@ -79,11 +79,14 @@ inline std::string results_json(std::vector<Record> const& records, std::vector<
            ", \"kl\": " + json_number(r.kl) + ", \"top1\": " + json_number(r.top1) +
            ", \"perplexity\": " + json_number(r.perplexity) +
            ", \"perplexity_full\": " + json_number(r.perplexity_full) + ", \"kv_bytes\": " + json_number(r.kv_bytes) +
-           ", \"kv_bytes_full\": " + json_number(r.kv_bytes_full) + ", \"seconds\": " + json_number(r.seconds) +
-           ", \"layer_error\": [" + errors + "], \"samples\": " + std::to_string(r.samples) +
-           ", \"params\": " + json_string(params[r.policy]) + ", \"model\": " + json_string(info.model) +
-           ", \"cache\": " + json_string(info.cache) + ", \"layout\": " + json_string(info.layout) +
-           ", \"prompt_tokens\": " + std::to_string(info.prompt_tokens) +
+           ", \"kv_bytes_full\": " + json_number(r.kv_bytes_full) +
+           ", \"kv_held_bytes\": " + json_number(r.kv_held_bytes) +
+           ", \"kv_held_bytes_full\": " + json_number(r.kv_held_bytes_full) +
+           ", \"kept_min\": " + json_number(r.kept_min) + ", \"kept_max\": " + json_number(r.kept_max) +
+           ", \"seconds\": " + json_number(r.seconds) + ", \"layer_error\": [" + errors +
+           "], \"samples\": " + std::to_string(r.samples) + ", \"params\": " + json_string(params[r.policy]) +
+           ", \"model\": " + json_string(info.model) + ", \"cache\": " + json_string(info.cache) +
+           ", \"layout\": " + json_string(info.layout) + ", \"prompt_tokens\": " + std::to_string(info.prompt_tokens) +
            ", \"continuation\": " + std::to_string(info.continuation) + ", \"seed\": " + std::to_string(info.seed) +
            ", \"prompt_source\": " + json_string(info.prompt_source) + ", \"schedule\": " + json_string(info.schedule) +
            (steps.empty() ? std::string() : ", \"kv_bytes_steps\": [" + steps + "]") + "}" +
@@ -92,15 +95,17 @@ inline std::string results_json(std::vector<Record> const& records, std::vector<
   return out + "]\n";
 }
 
-/// results.csv: one header line, one line per record; layer errors as layer_error_0, layer_error_1, ...
+/// results.csv: one header line, one line per record; layer errors as layer_error_0, layer_error_1, ... (last).
 inline std::string results_csv(std::vector<Record> const& records) {
   std::size_t const layers = records.empty() ? 0 : records.front().layer_error.size();
-  std::string out = "policy,ratio,kl,top1,perplexity,perplexity_full,kv_bytes,kv_bytes_full,seconds,samples";
+  std::string out =
+      "policy,ratio,kl,top1,perplexity,perplexity_full,kv_bytes,kv_bytes_full,seconds,samples,kv_held_bytes,"
+      "kv_held_bytes_full,kept_min,kept_max";
   for (std::size_t l = 0; l < layers; ++l)
     out += ",layer_error_" + std::to_string(l);
   out += "\n";
   for (Record const& r : records) {
-    out += r.policy;  // policy names are [a-z_]: no quoting needed
+    out += r.policy;  // policy names are [a-z_+]: no quoting needed
     // (out += ','; out += ... rather than "," + ...: GCC 12 reports a false -Wrestrict on the temporary.)
     for (double x : {r.ratio, r.kl, r.top1, r.perplexity, r.perplexity_full, r.kv_bytes, r.kv_bytes_full, r.seconds}) {
       out += ',';
@@ -108,6 +113,10 @@ inline std::string results_csv(std::vector<Record> const& records) {
     }
     out += ',';
     out += std::to_string(r.samples);
+    for (double x : {r.kv_held_bytes, r.kv_held_bytes_full, r.kept_min, r.kept_max}) {
+      out += ',';
+      out += json_number(x);
+    }
     for (double e : r.layer_error) {
       out += ',';
       out += json_number(e);
@@ -124,16 +133,19 @@ inline std::string results_table(std::vector<Record> const& records) {
   int width = 14;  // the policy column fits the longest name
   for (Record const& r : records)
     width = std::max(width, static_cast<int>(std::min<std::size_t>(r.policy.size(), 64)));
-  std::snprintf(line, sizeof line, "%-*s %5s %8s %10s %10s %7s %10s %9s %10s\n", width, "policy", "ratio", "KV kept",
-                "KV KiB", "KL (nats)", "top-1", "perplexity", "max err", "ms/sample");
+  std::snprintf(line, sizeof line, "%-*s %5s %8s %8s %9s %10s %7s %10s %9s %10s %11s\n", width, "policy", "ratio",
+                "KV kept", "held", "held KiB", "KL (nats)", "top-1", "perplexity", "max err", "ms/sample",
+                "tokens/head");
   out += line;
   for (Record const& r : records) {
     double max_error = 0;
     for (double e : r.layer_error)
       max_error = std::max(max_error, e);
-    std::snprintf(line, sizeof line, "%-*s %5.2f %7.1f%% %10.1f %10.4f %7.3f %10.3f %9.4f %10.2f\n", width,
-                  r.policy.c_str(), r.ratio, r.kv_bytes_full > 0 ? 100.0 * r.kv_bytes / r.kv_bytes_full : 0.0,
-                  r.kv_bytes / 1024.0, r.kl, r.top1, r.perplexity, max_error, 1e3 * r.seconds);
+    std::snprintf(line, sizeof line, "%-*s %5.2f %7.1f%% %7.1f%% %9.1f %10.4f %7.3f %10.3f %9.4f %10.2f %5.0f-%-5.0f\n",
+                  width, r.policy.c_str(), r.ratio, r.kv_bytes_full > 0 ? 100.0 * r.kv_bytes / r.kv_bytes_full : 0.0,
+                  r.kv_held_bytes_full > 0 ? 100.0 * r.kv_held_bytes / r.kv_held_bytes_full : 0.0,
+                  r.kv_held_bytes / 1024.0, r.kl, r.top1, r.perplexity, max_error, 1e3 * r.seconds, r.kept_min,
+                  r.kept_max);
     out += line;
   }
   return out;

@@ -9,6 +9,10 @@
 // are teacher-forced in one call (causal attention over the cache by position equals `continuation` decode steps). Each
 // of those `continuation` rows predicts the next token with the (compressed) cache; the prompt's own last row is
 // made before compression and is the same for every policy, so it is not counted.
+//
+// A policy with an allocator (`snap_kv+ada_kv`, `key_diff+pyramid_kv`, ...) compresses with the allocator's selection
+// and continues on a ragged per-head store (eval/engine.hpp). Memory is measured from the stores after compression
+// (kvc::store_report): the K + V of the valid tokens, and what the stores hold (StoreBytes).
 #pragma once
 
 #include "common/policies.hpp"
@@ -30,8 +34,18 @@ namespace kvc::eval {
 enum class Schedule : std::uint8_t { prefill, decode };
 
 struct PolicyRun {
-  tools::PolicyInfo const* policy = nullptr;
-  tools::Params params;
+  tools::PolicyInfo const* policy = nullptr;  ///< the scorer's entry of the policy table
+  tools::Params params;                       ///< the scorer's and the allocators' parameters
+  tools::AllocatorChoice alloc{};             ///< ada_kv, pyramid_kv, both or none
+  /// The row's name: the scorer's, then `+allocator` (e.g. snap_kv+pyramid_kv+ada_kv).
+  std::string label() const {
+    std::string s = policy->name;
+    if (alloc.any()) {
+      s += '+';
+      s += alloc.name();
+    }
+    return s;
+  }
 };
 
 struct RunOptions {
@@ -42,7 +56,8 @@ struct RunOptions {
   CacheOptions cache;
   Schedule schedule = Schedule::prefill;
   DecodeSchedule decode{};  ///< Schedule::decode: interval, target and buffer (protections come from the policy)
-  std::uint64_t seed = 0;   ///< with the sample's index, salts the random baseline (Session::compress)
+  bool relayout_on_compress = false;  ///< Schedule::decode: ragged stores are also re-laid out after compressions
+  std::uint64_t seed = 0;             ///< with the sample's index, salts the random baseline (Session::compress)
 };
 
 /// One (policy, ratio) row, averaged over samples.
@@ -55,6 +70,10 @@ struct Record {
   double perplexity_full = 0;          ///< the same with the full cache
   double kv_bytes = 0;                 ///< K + V bytes held after compression (all layers), mean over samples
   double kv_bytes_full = 0;            ///< K + V bytes of the full prompt cache
+  double kv_held_bytes = 0;            ///< bytes the stores hold after compression (StoreBytes::held)
+  double kv_held_bytes_full = 0;       ///< the same for the full cache
+  double kept_min = 0;                 ///< fewest tokens of one (layer, KV head) after compression, mean over samples
+  double kept_max = 0;                 ///< most tokens of one (layer, KV head) after compression, mean over samples
   double seconds = 0;                  ///< compression wall time per sample (score + select + compact, all layers)
   std::vector<double> layer_error;     ///< [layers] ||O_c - O_full|| / ||O_full|| of attention outputs (continuation)
   std::vector<double> kv_bytes_steps;  ///< Schedule::decode: K + V bytes after each decode step, mean over samples
@@ -64,6 +83,7 @@ struct Record {
 /// The per-sample sums a Record is averaged from.
 struct Accumulator {
   double kl = 0, top1 = 0, nll = 0, nll_full = 0, kv_bytes = 0, kv_bytes_full = 0, seconds = 0;
+  double held = 0, held_full = 0, kept_min = 0, kept_max = 0;
   Index tokens = 0, samples = 0;
   std::vector<double> layer_error, kv_bytes_steps;
 };
@@ -73,12 +93,20 @@ struct Reference {
   RowMatrix logits;    ///< [continuation, vocab]
   ForwardTrace trace;  ///< attention outputs of the continuation
   double nll = 0;      ///< summed over the continuation
-  std::size_t kv_bytes = 0;
+  double kv_bytes = 0;
+  double held = 0;  ///< StoreBytes::held of the full cache
+};
+
+/// What a compressed run held: K + V of the valid tokens and the stores' bytes (decode runs: means over the steps),
+/// and the fewest and most tokens of one (layer, KV head).
+struct Held {
+  double kv = 0, held = 0;
+  Index min_count = 0, max_count = 0;
 };
 
 /// Adds one compressed run of a sample to `acc`.
 inline void accumulate(Accumulator& acc, Reference const& ref, RowMatrix const& logits, ForwardTrace const& trace,
-                       std::span<std::int32_t const> targets, std::size_t kv_bytes, double seconds) {
+                       std::span<std::int32_t const> targets, Held const& bytes, double seconds) {
   Index const m = logits.rows(), vocab = logits.cols();
   double kl = 0, top1 = 0, nll = 0;
   std::vector<double> lp, lq;  // one log-softmax per row and cache, shared by KL and NLL
@@ -96,8 +124,12 @@ inline void accumulate(Accumulator& acc, Reference const& ref, RowMatrix const& 
   acc.nll += nll;
   acc.nll_full += ref.nll;
   acc.tokens += m;
-  acc.kv_bytes += static_cast<double>(kv_bytes);
-  acc.kv_bytes_full += static_cast<double>(ref.kv_bytes);
+  acc.kv_bytes += bytes.kv;
+  acc.kv_bytes_full += ref.kv_bytes;
+  acc.held += bytes.held;
+  acc.held_full += ref.held;
+  acc.kept_min += static_cast<double>(bytes.min_count);
+  acc.kept_max += static_cast<double>(bytes.max_count);
   acc.seconds += seconds;
   acc.layer_error.resize(trace.attention.size(), 0.0);
   for (std::size_t l = 0; l < trace.attention.size(); ++l)
@@ -116,6 +148,10 @@ inline Record finish(Accumulator const& acc, std::string policy, double ratio) {
   r.perplexity_full = std::exp(acc.nll_full / static_cast<double>(std::max<Index>(acc.tokens, 1)));
   r.kv_bytes = acc.kv_bytes / s;
   r.kv_bytes_full = acc.kv_bytes_full / s;
+  r.kv_held_bytes = acc.held / s;
+  r.kv_held_bytes_full = acc.held_full / s;
+  r.kept_min = acc.kept_min / s;
+  r.kept_max = acc.kept_max / s;
   r.seconds = acc.seconds / s;
   for (double e : acc.layer_error)
     r.layer_error.push_back(e / s);
@@ -176,13 +212,25 @@ inline std::vector<Record> evaluate(Model const& model, RunOptions const& option
     RowMatrix logits;
     check(prefilled->forward(prompt, logits), "prefill");
     Reference ref;
-    ref.kv_bytes = prefilled->kv_bytes();
+    StoreBytes const prompt_bytes = prefilled->store_bytes();
+    ref.kv_bytes = static_cast<double>(prompt_bytes.kv);
+    ref.held = static_cast<double>(prompt_bytes.held);
     {
       auto full = prefilled->clone();
-      if (decode)  // token by token, as the decode runs go: the same fp32 arithmetic, so no eviction = exactly equal
-        check(forward_each(*full, fed, ref.logits, ref.trace), "full-cache continuation");
-      else
+      if (decode) {  // token by token, as the decode runs go: the same fp32 arithmetic, so no eviction = exactly equal
+        // Memory: means over the steps of what the full cache holds, its store sized by the decode runs' rule.
+        full->set_reserve(options.decode.compression_interval);
+        ref.kv_bytes = ref.held = 0;
+        check(forward_each(*full, fed, ref.logits, ref.trace,
+                           [&](Index) {
+                             StoreBytes const b = full->store_bytes();
+                             ref.kv_bytes += static_cast<double>(b.kv) / static_cast<double>(m);
+                             ref.held += static_cast<double>(b.held) / static_cast<double>(m);
+                           }),
+              "full-cache continuation");
+      } else {
         check(full->forward(fed, ref.logits, &ref.trace), "full-cache continuation");
+      }
       for (Index r = 0; r < m; ++r)
         ref.nll +=
             negative_log_likelihood(ref.logits.row(r).data(), ref.logits.cols(), targets[static_cast<std::size_t>(r)]);
@@ -190,28 +238,31 @@ inline std::vector<Record> evaluate(Model const& model, RunOptions const& option
     std::size_t slot = 0;
     if (options.schedule == Schedule::decode) {
       // Each policy decodes the continuation one token per forward call under the decode driver; the reference
-      // is the same tokens with the full cache. Memory is the mean over the steps of the bytes held.
-      std::size_t const per_token = ref.kv_bytes / static_cast<std::size_t>(std::max<Index>(n, 1));
-      ref.kv_bytes = per_token * static_cast<std::size_t>(n) + per_token * static_cast<std::size_t>(m + 1) / 2;
+      // is the same tokens with the full cache. Memory is the mean over the steps of the bytes held; the token
+      // counts are the last step's.
       for (PolicyRun const& run : options.policies) {
         if (progress)
-          progress(done, total, run.policy->name, 0.0);
+          progress(done, total, run.label(), 0.0);
         auto session = prefilled->clone();
         std::uint64_t const salt = options.seed * 0x9E3779B97F4A7C15ull + static_cast<std::uint64_t>(sample);
-        check(session->begin_decode(*run.policy, run.params, options.decode, salt),
-              std::string("decode with ") + run.policy->name);
+        check(session->begin_decode(*run.policy, run.params, options.decode, salt, run.alloc,
+                                    options.relayout_on_compress),
+              std::string("decode with ") + run.label());
         ForwardTrace trace;
         Accumulator& a = acc[slot++];
         a.kv_bytes_steps.resize(static_cast<std::size_t>(m), 0.0);
-        double bytes = 0;
+        Held bytes;
         check(forward_each(*session, fed, logits, trace,
                            [&](Index t) {
-                             double const held = static_cast<double>(session->kv_bytes());
-                             a.kv_bytes_steps[static_cast<std::size_t>(t)] += held;
-                             bytes += held / static_cast<double>(m);
+                             StoreBytes const b = session->store_bytes();
+                             a.kv_bytes_steps[static_cast<std::size_t>(t)] += static_cast<double>(b.kv);
+                             bytes.kv += static_cast<double>(b.kv) / static_cast<double>(m);
+                             bytes.held += static_cast<double>(b.held) / static_cast<double>(m);
+                             bytes.min_count = b.min_count;
+                             bytes.max_count = b.max_count;
                            }),
-              std::string("decode with ") + run.policy->name);
-        accumulate(a, ref, logits, trace, targets, static_cast<std::size_t>(bytes), session->decode_seconds());
+              std::string("decode with ") + run.label());
+        accumulate(a, ref, logits, trace, targets, bytes, session->decode_seconds());
         ++done;
       }
       continue;
@@ -219,13 +270,14 @@ inline std::vector<Record> evaluate(Model const& model, RunOptions const& option
     for (PolicyRun const& run : options.policies)
       for (double ratio : options.ratios) {
         if (progress)
-          progress(done, total, run.policy->name, ratio);
+          progress(done, total, run.label(), ratio);
         auto session = prefilled->clone();
         double seconds = 0;
         check(session->compress(*run.policy, run.params, ratio, seconds,
-                                options.seed * 0x9E3779B97F4A7C15ull + static_cast<std::uint64_t>(sample)),
-              std::string("compress with ") + run.policy->name);
-        std::size_t const bytes = session->kv_bytes();
+                                options.seed * 0x9E3779B97F4A7C15ull + static_cast<std::uint64_t>(sample), run.alloc),
+              std::string("compress with ") + run.label());
+        StoreBytes const b = session->store_bytes();
+        Held const bytes{static_cast<double>(b.kv), static_cast<double>(b.held), b.min_count, b.max_count};
         ForwardTrace trace;
         check(session->forward(fed, logits, &trace), "continuation");
         accumulate(acc[slot++], ref, logits, trace, targets, bytes, seconds);
@@ -238,13 +290,13 @@ inline std::vector<Record> evaluate(Model const& model, RunOptions const& option
   std::size_t slot = 0;
   for (PolicyRun const& run : options.policies) {
     if (decode) {  // the ratio a decode run reaches: 1 - mean bytes held / the full cache's mean
-      Record r = finish(acc[slot++], run.policy->name, 0.0);
+      Record r = finish(acc[slot++], run.label(), 0.0);
       r.ratio = r.kv_bytes_full > 0 ? 1.0 - r.kv_bytes / r.kv_bytes_full : 0.0;
       records.push_back(std::move(r));
       continue;
     }
     for (double ratio : options.ratios)
-      records.push_back(finish(acc[slot++], run.policy->name, ratio));
+      records.push_back(finish(acc[slot++], run.label(), ratio));
   }
   return records;
 }

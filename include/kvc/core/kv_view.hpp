@@ -117,6 +117,12 @@ struct KVCache {
   KVC_HOST_DEVICE constexpr Index capacity(Index b, Index h) const noexcept {
     return head_capacity(keys.layout(), b, h);
   }
+  /// length(b, h) clamped to [0, capacity(b, h)]: what device kernels read, since device length tables are not
+  /// validated and a ragged head must never read into the next head's segment or past the buffer.
+  KVC_HOST_DEVICE constexpr Index clamped_length(Index b, Index h) const noexcept {
+    Index const n = length(b, h), cap = capacity(b, h);
+    return n < 0 ? 0 : (n > cap ? cap : n);
+  }
   /// Where slot t of head (b, h) keeps its position: [batch, heads, tokens] contiguous, or for layouts that number
   /// their rows (ragged, per-head paged) the row's number, so positions are as ragged as the rows.
   KVC_HOST_DEVICE constexpr Index position_slot(Index b, Index h, Index t) const noexcept {
@@ -157,10 +163,8 @@ concept KVCacheView = requires(C const& c, Index i) {
 template <KVCacheView C>
 KVC_HOST_DEVICE constexpr Index context_end(C const& cache, Index b) noexcept {
   Index end = 0;
-  Index const capacity = cache.keys.extents().tokens;
   for (Index h = 0; h < cache.keys.extents().heads; ++h) {
-    Index n = cache.length(b, h);
-    n = n < 0 ? 0 : (n > capacity ? capacity : n);  // device tables are not validated: never read past the buffer
+    Index const n = cache.clamped_length(b, h);  // device tables are not validated: never read past the buffer
     Index const last = n > 0 ? cache.position(b, h, n - 1) + 1 : 0;
     end = last > end ? last : end;
   }
@@ -171,9 +175,7 @@ KVC_HOST_DEVICE constexpr Index context_end(C const& cache, Index b) noexcept {
 /// slots, found by binary search (the window keys of SnapKV and TOVA start there).
 template <KVCacheView C>
 KVC_HOST_DEVICE constexpr Index slots_before(C const& cache, Index b, Index h, Index position) noexcept {
-  Index const capacity = cache.keys.extents().tokens;
-  Index lo = 0, hi = cache.length(b, h);
-  hi = hi < 0 ? 0 : (hi > capacity ? capacity : hi);
+  Index lo = 0, hi = cache.clamped_length(b, h);
   while (lo < hi) {
     Index const mid = lo + (hi - lo) / 2;
     if (cache.position(b, h, mid) < position)

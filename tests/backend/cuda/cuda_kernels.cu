@@ -364,6 +364,10 @@ std::string ragged(Case const& c, std::vector<Index> const& index, std::vector<I
     DeviceBuffer<Index> offsets(result.offsets), lengths(std::vector<Index>(static_cast<std::size_t>(heads), 0)),
         positions(static_cast<std::size_t>(shape.rows)), idx(index), cnt(count);
     DeviceBuffer<T> k(static_cast<std::size_t>(shape.rows * c.e.dim)), v(static_cast<std::size_t>(shape.rows * dv));
+    // The reserve's rows are never written: zero them as the host store's are, so whole buffers compare.
+    cudaMemset(k.ptr, 0, k.n * sizeof(T));
+    cudaMemset(v.ptr, 0, v.n * sizeof(T));
+    cudaMemset(positions.ptr, 0, positions.n * sizeof(Index));
     auto const store = ragged_cache<DeviceSpace>(k.ptr, v.ptr, c.e.batch, c.e.heads, c.e.dim, dv, shape, offsets.ptr,
                                                  head_lengths(lengths.ptr, c.e.heads), positions.ptr);
     KeepPlan<DeviceSpace> const plan{idx.ptr, cnt.ptr, c.e.batch, c.e.heads, capacity};

@@ -28,7 +28,7 @@ __global__ void __launch_bounds__(attend_warps* warp_size)
   Index const b = blockIdx.z, hq = blockIdx.y, i = static_cast<Index>(blockIdx.x) * attend_warps + warp;
   if (i >= qe.tokens)
     return;  // whole warp leaves together: no block-level barrier below
-  Index const h = hq / (qe.heads / ke.heads), n = clamp_length(cache.length(b, h), ke.tokens);
+  Index const h = hq / (qe.heads / ke.heads), n = cache.clamped_length(b, h);
   float* q = q_rows + warp * dk;
   auto const* src = queries.rows.row(b, hq, i);
   for (Index c = lane; c < dk; c += warp_size)

@@ -93,7 +93,7 @@ __global__ void window_lse_kernel(C cache, Index query_heads, Index rows, float 
   if (r >= rows)
     return;
   Index const h = hq / (query_heads / cache.keys.extents().heads);
-  Index const n = clamp_length(cache.length(b, h), cache.keys.extents().tokens), pos = s.q_pos[b * rows + r];
+  Index const n = cache.clamped_length(b, h), pos = s.q_pos[b * rows + r];
   float const lse = warp_lse(cache, b, h, n, s.q + ((b * query_heads + hq) * rows + r) * d, pos, scale, true);
   if (lane == 0)  // +inf for a row that sees nothing: its exps are then all 0
     s.lse[(b * query_heads + hq) * rows + r] = lse == -CUDART_INF_F ? CUDART_INF_F : lse;
@@ -106,7 +106,7 @@ __global__ void window_columns_kernel(C cache, Index query_heads, Index rows, fl
                                       bool accumulate) {
   KVExtents const e = cache.keys.extents();
   Index const b = blockIdx.z, h = blockIdx.y, g = query_heads / e.heads, d = e.dim;
-  Index const n = clamp_length(cache.length(b, h), e.tokens);
+  Index const n = cache.clamped_length(b, h);
   Index const stride = static_cast<Index>(gridDim.x) * blockDim.x;
   for (Index j = static_cast<Index>(blockIdx.x) * blockDim.x + threadIdx.x; j < e.tokens; j += stride) {
     if (j >= n) {  // padding: zeros, so readers that sum over a longer head (TOVA) stay deterministic

@@ -144,8 +144,8 @@ __global__ void append_rows_kernel(Dst dst, Src src, Index begin, Index count) {
   using TV = typename Dst::values_type::value_type;
   Index const b = blockIdx.z, h = blockIdx.y, cap = dst.capacity(b, h);
   Index const dk = dst.keys.extents().dim, dv = dst.values.extents().dim, width = dk > dv ? dk : dv;
-  Index const at = clamp_length(dst.length(b, h), cap);
-  Index left = clamp_length(src.length(b, h), src.keys.extents().tokens) - begin;
+  Index const at = dst.clamped_length(b, h);
+  Index left = src.clamped_length(b, h) - begin;
   left = left < 0 ? 0 : (left < count ? left : count);
   Index const m = at + left > cap ? cap - at : left;
   Index const stride = static_cast<Index>(gridDim.x) * blockDim.x;
@@ -169,8 +169,8 @@ __global__ void append_lengths_kernel(Dst dst, Src src, Index begin, Index count
   Index const b = i / heads, h = i % heads, cap = dst.capacity(b, h);
   if (!dst.lengths.per_head() && h != 0)
     return;
-  Index const at = clamp_length(dst.length(b, h), cap);
-  Index left = clamp_length(src.length(b, h), src.keys.extents().tokens) - begin;
+  Index const at = dst.clamped_length(b, h);
+  Index left = src.clamped_length(b, h) - begin;
   left = left < 0 ? 0 : (left < count ? left : count);
   dst.lengths.data[dst.lengths.per_head() ? i : b] = at + left > cap ? cap : at + left;
 }

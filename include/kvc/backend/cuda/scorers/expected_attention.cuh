@@ -155,7 +155,7 @@ __global__ void __launch_bounds__(ea_threads)
   KVExtents const e = cache.keys.extents();
   Index const d = e.dim, b = blockIdx.z, h = blockIdx.y, g = query_heads / e.heads;
   float* sg = kt + d * ea_key_stride;  // [ea_inner][ea_cols]: a block of Σ̄
-  Index const n = clamp_length(cache.length(b, h), e.tokens);
+  Index const n = cache.clamped_length(b, h);
   int const tx = static_cast<int>(threadIdx.x) % 16, ty = static_cast<int>(threadIdx.x) / 16;
   for (Index j0 = static_cast<Index>(blockIdx.x) * ea_keys; j0 < n; j0 += static_cast<Index>(gridDim.x) * ea_keys) {
     __syncthreads();  // the previous tile's readers are done
@@ -229,7 +229,7 @@ __global__ void __launch_bounds__(ea_softmax_threads)
   __shared__ float scratch[ea_softmax_threads / warp_size];
   KVExtents const e = cache.keys.extents();
   Index const b = blockIdx.y, hq = blockIdx.x, h = hq / (query_heads / e.heads), item = b * query_heads + hq;
-  Index const n = clamp_length(cache.length(b, h), e.tokens);
+  Index const n = cache.clamped_length(b, h);
   Index const from = s.normalize_sinks ? 0 : (s.n_sink < n ? s.n_sink : n);
   float const* lg = ws.logits + item * e.tokens;
   float peak = -CUDART_INF_F;
@@ -256,7 +256,7 @@ __global__ void __launch_bounds__(ea_score_warps* warp_size)
   __shared__ float scratch[ea_score_warps];
   KVExtents const e = cache.keys.extents();
   Index const b = blockIdx.z, h = blockIdx.y, g = query_heads / e.heads, dv = cache.values.extents().dim;
-  Index const n = clamp_length(cache.length(b, h), e.tokens), sink_end = s.n_sink < n ? s.n_sink : n;
+  Index const n = cache.clamped_length(b, h), sink_end = s.n_sink < n ? s.n_sink : n;
   int const warp = static_cast<int>(threadIdx.x) / warp_size, lane = static_cast<int>(threadIdx.x) % warp_size;
   float local = -CUDART_INF_F;
   Index const stride = static_cast<Index>(gridDim.x) * ea_score_warps;
@@ -314,7 +314,7 @@ __global__ void __launch_bounds__(ea_softmax_threads)
   top = block_max(top, scratch);
   float const sink = (top == -CUDART_INF_F ? 0.0f : top) + 1.0f;
   for (Index bh = 0; bh < e.batch * e.heads; ++bh) {
-    Index const n = clamp_length(cache.length(bh / e.heads, bh % e.heads), e.tokens);
+    Index const n = cache.clamped_length(bh / e.heads, bh % e.heads);
     Index const sink_end = s.n_sink < n ? s.n_sink : n;
     for (Index j = threadIdx.x; j < sink_end; j += blockDim.x)
       out.row(bh / e.heads, bh % e.heads)[j] = sink;

@@ -57,7 +57,7 @@ __global__ void h2o_add_kernel(C cache, Acc acc, Index const* tracked, float con
                                Index col_tokens) {
   KVExtents const e = cache.keys.extents();
   Index const b = blockIdx.z, h = blockIdx.y, g = col_heads / e.heads;
-  Index const n = clamp_length(cache.length(b, h), e.tokens), t = clamp_length(tracked[b * e.heads + h], n);
+  Index const n = cache.clamped_length(b, h), t = clamp_length(tracked[b * e.heads + h], n);
   Index const stride = static_cast<Index>(gridDim.x) * blockDim.x;
   for (Index j = static_cast<Index>(blockIdx.x) * blockDim.x + threadIdx.x; j < n; j += stride) {
     float a = j < t ? acc(b, h, j) : 0.0f;
@@ -73,7 +73,7 @@ __global__ void h2o_track_kernel(C cache, Index* tracked) {
   KVExtents const e = cache.keys.extents();
   Index const i = static_cast<Index>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i < e.batch * e.heads)
-    tracked[i] = clamp_length(cache.length(i / e.heads, i % e.heads), e.tokens);
+    tracked[i] = cache.clamped_length(i / e.heads, i % e.heads);
 }
 
 /// tracked[b, h] = plan.count[b, h] (clamped to the plan's capacity, as kvc::compact clamps it).
@@ -91,7 +91,7 @@ __global__ void observed_finish_kernel(WQ wq, C cache, Index query_heads, Window
   __shared__ Index end_shared;
   KVExtents const e = cache.keys.extents();
   Index const b = blockIdx.z, h = blockIdx.y, g = query_heads / e.heads, w = wq.window();
-  Index const n = clamp_length(cache.length(b, h), e.tokens);
+  Index const n = cache.clamped_length(b, h);
   if (threadIdx.x == 0)
     end_shared = wq.positions ? 0 : context_end(cache, b);
   __syncthreads();

@@ -36,7 +36,7 @@ __global__ void key_diff_anchor_kernel(Keys keys, KeyDiffScorer s, ScoreSpan<Dev
   for (Index i = threadIdx.x; i < key_diff_warps * dim; i += blockDim.x)
     warp_rows[i] = 0.0;
   __syncthreads();
-  Index const n = clamp_length(out.length(b, h), out.tokens), per = (n + splits - 1) / splits;
+  Index const n = clamp_length(out.length(b, h), head_capacity(keys.layout(), b, h)), per = (n + splits - 1) / splits;
   Index const t0 = split * per, t1 = t0 + per < n ? t0 + per : n;
   double* mine = warp_rows + warp * dim;
   bool const unit = s.anchor == KeyDiffAnchor::normalized_mean;
@@ -123,7 +123,7 @@ __global__ void key_diff_score_kernel(Keys keys, KeyDiffScorer s, ScoreSpan<Devi
   Index const dim = keys.extents().dim;
   Index const b = blockIdx.z, h = blockIdx.y, split = blockIdx.x;
   int const warp = static_cast<int>(threadIdx.x) / warp_size, lane = static_cast<int>(threadIdx.x) % warp_size;
-  Index const n = clamp_length(out.length(b, h), out.tokens);
+  Index const n = clamp_length(out.length(b, h), head_capacity(keys.layout(), b, h));
   float* norm_parts = anchor + dim;
   auto const mean = [&](Index i) {
     double sum = 0.0;

@@ -33,7 +33,7 @@ __global__ void knorm_kernel(Keys keys, ScoreSpan<DeviceSpace> out) {
   Index const dim = keys.extents().dim;
   Index const b = blockIdx.z, h = blockIdx.y;
   int const lane = static_cast<int>(threadIdx.x) % warp_size;
-  Index const n = clamp_length(out.length(b, h), out.tokens);
+  Index const n = clamp_length(out.length(b, h), head_capacity(keys.layout(), b, h));
   Index const stride = static_cast<Index>(gridDim.x) * knorm_warps;
   for (Index t = static_cast<Index>(blockIdx.x) * knorm_warps + threadIdx.x / warp_size; t < out.tokens; t += stride) {
     float sq = 0.0f;

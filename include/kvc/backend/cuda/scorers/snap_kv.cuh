@@ -23,7 +23,7 @@ __global__ void __launch_bounds__(finish_threads)
   __shared__ float scratch[finish_threads / warp_size];
   __shared__ Index m_shared;
   KVExtents const e = cache.keys.extents();
-  Index const b = blockIdx.y, h = blockIdx.x, g = query_heads / e.heads, n = clamp_length(cache.length(b, h), e.tokens);
+  Index const b = blockIdx.y, h = blockIdx.x, g = query_heads / e.heads, n = cache.clamped_length(b, h);
   if (threadIdx.x == 0)
     m_shared = slots_before(cache, b, h, ws.q_pos[b * rows]);
   __syncthreads();
@@ -71,7 +71,7 @@ __global__ void __launch_bounds__(finish_threads)
   __shared__ float scratch[finish_threads / warp_size];
   __shared__ Index m_shared;
   KVExtents const e = cache.keys.extents();
-  Index const b = blockIdx.x, n = e.heads > 0 ? clamp_length(cache.length(b, 0), e.tokens) : 0;
+  Index const b = blockIdx.x, n = e.heads > 0 ? cache.clamped_length(b, 0) : 0;
   if (threadIdx.x == 0)
     m_shared = s.reference == Reference::kvpress ? slots_before(cache, b, 0, ws.q_pos[b]) : n;
   __syncthreads();
