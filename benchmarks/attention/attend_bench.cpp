@@ -1,6 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
 // benchmarks/attention/attend_bench.cpp mirrors include/kvc/attention/attend.hpp: one decode query per KV head over
-// the whole cache (the reference kernel; not a flash kernel). bytes/s counts one read of K and V.
+// the whole cache (a FlashAttention-style kernel: one pass over each KV head for its whole GQA group). bytes/s
+// counts one read of K and V.
 #include <kvc/backend/cpu/attention/attend.hpp>
 
 #include "bench_support.hpp"
