@@ -8,22 +8,11 @@ import math
 import os
 import sys
 
-try:
-    import numpy as np
-except ImportError:
-    print("SKIPPED: NumPy is not installed (apt-get install python3-numpy)")
-    sys.exit(77)
-
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from selftest import check, finish, require_numpy  # noqa: E402
+
+np = require_numpy()
 import allocators as al  # noqa: E402
-
-failures = []
-
-
-def check(name, ok, detail=""):
-    if not ok:
-        failures.append(f"{name}: {detail}")
-
 
 def equal(name, got, expected):
     check(name, got == expected, f"got {got}, expected {expected}")
@@ -176,10 +165,7 @@ def main():
     test_ada_kv_properties()
     test_pyramid_examples()
     test_pyramid_properties()
-    if failures:
-        print("FAILED:\n  " + "\n  ".join(failures))
-        sys.exit(1)
-    print("allocators: AdaKV §5.7 examples and §5.6 properties, PyramidKV §6.6 table, §2.9 and §6.5 properties "
+    finish("allocators: AdaKV §5.7 examples and §5.6 properties, PyramidKV §6.6 table, §2.9 and §6.5 properties "
           "hold")
 
 

@@ -7,23 +7,12 @@ identities. Run: python3 tools/reference/test_baselines.py (exit 0 = pass). Exit
 import os
 import sys
 
-try:
-    import numpy as np
-except ImportError:
-    print("SKIPPED: NumPy is not installed (apt-get install python3-numpy)")
-    sys.exit(77)
-
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from selftest import check, finish, require_numpy  # noqa: E402
+
+np = require_numpy()
 import baselines as bl  # noqa: E402
 import oracle  # noqa: E402
-
-failures = []
-
-
-def check(name, ok, detail=""):
-    if not ok:
-        failures.append(f"{name}: {detail}")
-
 
 def close4(name, actual, printed):
     actual, printed = np.asarray(actual, dtype=np.float64), np.asarray(printed, dtype=np.float64)
@@ -117,10 +106,7 @@ def main():
     test_snap_kv()
     test_tova()
     test_rope()
-    if failures:
-        print("FAILED:\n  " + "\n  ".join(failures))
-        sys.exit(1)
-    print("baselines: all worked examples match (SnapKV §2.6, TOVA §3.5) and RoPE identities hold")
+    finish("baselines: all worked examples match (SnapKV §2.6, TOVA §3.5) and RoPE identities hold")
 
 
 if __name__ == "__main__":

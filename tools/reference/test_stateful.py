@@ -9,24 +9,13 @@ against the one-shot accumulator. Run: python3 tools/reference/test_stateful.py 
 import os
 import sys
 
-try:
-    import numpy as np
-except ImportError:
-    print("SKIPPED: NumPy is not installed (apt-get install python3-numpy)")
-    sys.exit(77)
-
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from selftest import check, failures, finish, require_numpy  # noqa: E402
+
+np = require_numpy()
 import baselines as bl  # noqa: E402
 import expected_attention as ea  # noqa: E402
 import h2o  # noqa: E402
-
-failures = []
-
-
-def check(name, ok, detail=""):
-    if not ok:
-        failures.append(f"{name}: {detail}")
-
 
 def allclose(name, a, b, tol=1e-12):
     a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
@@ -175,10 +164,7 @@ def main():
     test_rope_matrices()
     test_ea_properties()
     test_h2o()
-    if failures:
-        print("FAILED:\n  " + "\n  ".join(failures))
-        sys.exit(1)
-    print("stateful oracle: selftests and cross-checks all pass")
+    finish("stateful oracle: selftests and cross-checks all pass")
 
 
 if __name__ == "__main__":
