@@ -26,7 +26,7 @@ using kvc::Index;
 
 namespace {
 
-/// A plan whose head i keeps the first counts[i] odd slots... : every other slot from slot i % 2, `counts[i]` of them.
+/// A plan whose head i keeps `counts[i]` slots: every other slot from slot i % 2.
 kvc::test::OwnedPlan strided_plan(Index batch, Index heads, Index capacity, std::vector<Index> const& counts) {
   kvc::test::OwnedPlan plan(batch, heads, capacity);
   for (Index i = 0; i < batch * heads; ++i) {
@@ -153,7 +153,6 @@ TEST_CASE("ragged store: in-place compaction and scoring match the uniform cache
   kvc::KVExtents const e{1, 4, 32, 8};
   auto uni = kvc::tools::HostCache<float>::random(e, 9);
   uni.track(32);
-  std::vector<Index> const counts{30, 12, 25, 32};
   auto first = strided_plan(1, 4, 32, std::vector<Index>{16, 12, 16, 16});
   for (Index j = 0; j < 16; ++j)  // head 0 and 3: the first 16 slots; heads 1 and 2 strided (within 32)
     first.index[static_cast<std::size_t>(j)] = first.index[static_cast<std::size_t>(3 * 32 + j)] = j;
@@ -177,7 +176,6 @@ TEST_CASE("ragged store: in-place compaction and scoring match the uniform cache
       CHECK(same_row(store.view().keys.row(0, h, j), uni.key(0, h, j), 8));
       CHECK(store.view().position(0, h, j) == uni.view().position(0, h, j));
     }
-  (void)counts;
 }
 
 TEST_CASE("per-head paged store: each head's own page list, attention equal, pages freed per head") {
