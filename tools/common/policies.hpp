@@ -144,6 +144,27 @@ inline std::vector<PolicyInfo> const& policies() {
         n_sink_param},
        true,
        true},
+      {"moment_kv",
+       "evict what the moments of the evicted set already explain (score = base attention x ||v - f_E(k)||), and "
+       "correct attention with those moments (Li, Li, Lan, arXiv 2606.01563)",
+       {{"window_size", "32", "w: the last w rows of --queries give the base score; the window is protected"},
+        {"kernel_size", "4", "pooling size of the base score (chunk_mean: the paper's chunks of 4)"},
+        {"pooling", "chunk_mean", "chunk_mean (aligned chunks), max (Ada-KV: use kernel_size=7) or none"},
+        {"prefill_rounds", "8", "rounds of the prefill eviction: 1 = one shot, N - L = exact greedy"},
+        {"clamp_tau", "1e-6", "entries of the co-moment below tau in magnitude read as 0 (paper App. C.2)"},
+        {"order", "first", "first (f_E = v_mean + c/n C q) or zeroth (f_E = v_mean; the ablation)"},
+        {"mi", "true", "true: moment-informed eviction; false: the base score alone (the NC-only ablation)"},
+        {"correction", "true", "true: attention corrected by the moments (kvc-eval, kvc attend); false: plain"},
+        {"storage", "fp32", "moments stored as fp32, fp16 or bf16 (the paper's 16-bit setting)"},
+        {"decode_evict", "true", "true: Algorithm 1 while decoding (one eviction per step per head over budget)"},
+        {"residual_refresh", "0",
+         "0: recompute C k_j every score; k > 0: cache u_j = C k_j, recomputed every k evictions"},
+        queries_param,
+        {"n_sink", "1", "first tokens always kept (the sink)", Stage::selection},
+        {"n_recent", "32", "last tokens always kept (the observation window)", Stage::selection}},
+       true,
+       true,
+       true},
       {"random",
        "uniform random eviction, the baseline every policy must beat (kvpress RandomPress)",
        {{"seed", "0", "64-bit; scores hash (seed, b, h, t): the same on every run and backend"},
@@ -522,6 +543,8 @@ void with_policy(PolicyInfo const& policy, Params const& p, Fn&& fn) {
       emit(kvc::ObservedAttentionScorer{});
     else
       emit(kvc::H2OScorer<>{});
+  } else if (name == "moment_kv") {
+    throw std::logic_error("kvc: moment_kv has state and a prefill driver: build it with tools/common/moment_kv.hpp");
   } else if (name == "random") {
     std::string const& seed = p.at("seed");
     char* end = nullptr;

@@ -193,15 +193,38 @@ Status update(B const& backend, S const& scorer, C const& cache, Obs const& obs,
   }
 }
 
+namespace detail {
+/// The on_evict kernel's scratch: its on_evict_workspace_bytes when it declares one, else none.
+template <class K, class B, class S>
+std::size_t on_evict_scratch(B const& backend, S const& scorer, KVExtents const& keys) {
+  if constexpr (requires { K::on_evict_workspace_bytes(backend, scorer, keys); })
+    return K::on_evict_workspace_bytes(backend, scorer, keys);
+  else
+    return 0;
+}
+}  // namespace detail
+
+/// Bytes of workspace kvc::on_evict needs (0 for stateless scorers and kernels that declare none); any alignment.
+template <Backend B, Scorer S>
+std::size_t on_evict_workspace_bytes(B const& backend, S const& scorer, KVExtents const& keys) {
+  if constexpr (StatefulScorer<S>)
+    return bytes_sum(detail::on_evict_scratch<Kernel<S, B>>(backend, scorer, keys), workspace_slack);
+  else
+    return 0;
+}
+
 /// State hook: a stateful scorer sees the plan (the complement is the evicted set) before kvc::compact moves the
-/// cache. A no-op for stateless scorers.
+/// cache (MomentKV folds the evicted rows into its moments). A no-op for stateless scorers.
 template <Backend B, Scorer S, KVCacheView C>
 Status on_evict(B const& backend, S const& scorer, C const& cache, KeepPlan<typename B::memory_space> const& plan,
                 Workspace ws) {
-  if constexpr (StatefulScorer<S>)
+  if constexpr (StatefulScorer<S>) {
+    if (ws.bytes < detail::on_evict_scratch<Kernel<S, B>>(backend, scorer, cache.keys.extents()))
+      return {Errc::out_of_capacity, "kvc::on_evict: workspace smaller than on_evict_workspace_bytes()"};
     return Kernel<S, B>::on_evict(backend, scorer, cache, plan, ws);
-  else
+  } else {
     return {};
+  }
 }
 
 }  // namespace kvc

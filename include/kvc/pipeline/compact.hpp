@@ -43,16 +43,31 @@ template <class A>
 inline constexpr bool is_token_array = false;
 template <class T, class S>
 inline constexpr bool is_token_array<TokenArray<T, S>> = !std::is_const_v<T>;
+template <class T, class L, class S>
+inline constexpr bool is_token_array<TokenRows<T, L, S>> = !std::is_const_v<T>;  // per-token rows (MomentKV's u_j)
 template <class A>
 inline constexpr bool is_carried_array = false;
 template <class T, class S>
 inline constexpr bool is_carried_array<CarriedArray<T, S>> = true;
 }  // namespace detail
 
+namespace detail {
+template <class T, class S>
+constexpr bool extra_mismatch(TokenArray<T, S> const& a, KVExtents const& e) noexcept {
+  return a.batch != e.batch || a.heads != e.heads || a.tokens < e.tokens;
+}
+template <class T, class L, class S>
+constexpr bool extra_mismatch(TokenRows<T, L, S> const& a, KVExtents const& e) noexcept {
+  KVExtents const x = a.extents();
+  return a.data() != nullptr && (x.batch != e.batch || x.heads != e.heads || x.tokens < e.tokens);
+}
+}  // namespace detail
+
 /// Compacts `cache` in place (any layout: dense, strided or paged inside the sequence's own pages), with its
 /// positions, its length table and every extra per-token array [batch, heads, tokens] in `extra` (writable
-/// TokenArrays in the cache's memory space). The CPU rejects a plan that fails validate_plan() before moving
-/// anything; the CUDA kernels trust a plan produced by kvc::select.
+/// TokenArrays in the cache's memory space, or TokenRows of per-token rows; a TokenRows with null data is skipped). The
+/// CPU rejects a plan that fails validate_plan() before moving anything; the CUDA kernels trust a plan produced by
+/// kvc::select.
 template <Backend B, KVCacheView C, class... Extra>
 Status compact(B const& backend, KeepPlan<typename B::memory_space> const& plan, C const& cache,
                Extra const&... extra) {
@@ -70,7 +85,7 @@ Status compact(B const& backend, KeepPlan<typename B::memory_space> const& plan,
     return {Errc::invalid_argument, "kvc::compact: `plan` must have the cache's batch and heads"};
   KVC_RETURN_IF_ERROR(
       check_length_table(cache.lengths, e.heads, "kvc::compact: a per-head length table must be [batch, KV heads]"));
-  if (((extra.batch != e.batch || extra.heads != e.heads || extra.tokens < e.tokens) || ...))
+  if ((detail::extra_mismatch(extra, e) || ...))
     return {Errc::invalid_argument, "kvc::compact: every extra array must be [batch, heads, >= tokens] of the cache"};
   return Kernel<CompactStep, B>::run(backend, plan, cache, extra...);
 }

@@ -86,11 +86,13 @@ struct QueryBuffer {
   }
 };
 
-/// A scorer's per-token state that compaction must carry (H2O's accumulator), when it has one.
+/// A scorer's per-token state that compaction must carry (H2O's accumulator, MomentKV's u_j rows), when it has one.
 template <Scorer S>
 constexpr auto carried_state(S const& s) noexcept {
   if constexpr (requires { s.state.accumulated; })
-    return s.state.accumulated;
+    return s.state.accumulated;  // H2O's accumulator
+  else if constexpr (requires { s.residuals.rows; })
+    return s.residuals.rows;  // MomentKV's u_j rows (compaction skips them when disabled)
   else
     return nullptr;
 }
@@ -135,8 +137,10 @@ std::size_t decode_workspace_bytes(B const& backend, S const& scorer, Sel const&
   } else {
     compress_bytes = compress_workspace_bytes(backend, press, keys);
   }
-  std::size_t const update_bytes =
+  std::size_t update_bytes =
       update_workspace_bytes(backend, scorer, keys, observe(WindowQueries<T, Space>{buf.rows(0, buf.capacity)}));
+  std::size_t const evict_bytes = on_evict_workspace_bytes(backend, scorer, keys);
+  update_bytes = update_bytes > evict_bytes ? update_bytes : evict_bytes;
   std::size_t const plan_bytes = bytes_sum(workspace_round(bytes_product(keys.rows(), sizeof(Index))),
                                            workspace_round(bytes_product(keys.batch, keys.heads, sizeof(Index))));
   return bytes_sum(plan_bytes, compress_bytes > update_bytes ? compress_bytes : update_bytes, workspace_slack);

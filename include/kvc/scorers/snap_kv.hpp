@@ -25,7 +25,12 @@
 namespace kvc {
 
 /// 1-D pooling of scores along the token axis.
-enum class Pooling : std::uint8_t { max, avg };
+enum class Pooling : std::uint8_t {
+  max,         ///< sliding max, kernel k (odd), stride 1 (the authors')
+  avg,         ///< sliding mean, kernel k (odd), zero padding counted (kvpress's)
+  chunk_mean,  ///< aligned chunks [c·k, (c+1)·k) of the prefix: each slot gets its chunk's mean (MomentKV's "chunks
+               ///< of size 4"; a last partial chunk averages its own slots); any k >= 1
+};
 
 /// How scores of the g query heads of a KV head are combined into one score per KV head.
 enum class GqaReduce : std::uint8_t {
@@ -54,9 +59,9 @@ struct SnapKVScorer {
   constexpr Status check() const noexcept {
     if (window_size < 1)
       return {Errc::invalid_argument, "SnapKVScorer: `window_size` must be >= 1"};
-    if (kernel_size < 1 || kernel_size % 2 == 0)
+    if (kernel_size < 1 || (kernel_size % 2 == 0 && pooling != Pooling::chunk_mean))
       return {Errc::invalid_argument,
-              "SnapKVScorer: `kernel_size` must be odd and >= 1 (an even kernel shifts scores)"};
+              "SnapKVScorer: `kernel_size` must be odd and >= 1 (an even kernel shifts scores; chunk_mean takes any)"};
     if (reference == Reference::kvpress && gqa != GqaReduce::mean)
       return {Errc::invalid_argument, "SnapKVScorer: reference=kvpress averages over the GQA group (gqa=mean)"};
     return {};

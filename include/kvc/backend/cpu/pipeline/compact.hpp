@@ -44,6 +44,18 @@ void write_lengths(Lengths const& lengths, Index batch, Index heads, Count&& cou
       lengths.data[lengths.per_head() ? b * heads + h : b] = count(b, h);
 }
 
+/// Moves slot `from` of an extra per-token array to slot `to`: a scalar (TokenArray) or a row (TokenRows; a view
+/// with a null data pointer is an absent array and is skipped).
+template <class T>
+void move_token(TokenArray<T, HostSpace> const& a, Index b, Index h, Index from, Index to) noexcept {
+  a(b, h, to) = a(b, h, from);
+}
+template <class T, class L>
+void move_token(TokenRows<T, L, HostSpace> const& a, Index b, Index h, Index from, Index to) noexcept {
+  if (a.data() != nullptr)
+    std::copy_n(a.row(b, h, from), a.extents().dim, a.row(b, h, to));
+}
+
 }  // namespace detail
 
 template <>
@@ -65,7 +77,7 @@ struct Kernel<CompactStep, Cpu> {
         std::copy_n(cache.values.row(b, h, idx[j]), dv, cache.values.row(b, h, j));
         if (cache.positions)
           cache.position_ref(b, h, j) = cache.position_ref(b, h, idx[j]);
-        ((extra(b, h, j) = extra(b, h, idx[j])), ...);
+        (detail::move_token(extra, b, h, idx[j], j), ...);
       }
     });
     detail::write_lengths(cache.lengths, plan.batch, plan.heads, [&](Index b, Index h) { return plan.kept(b, h); });

@@ -17,8 +17,19 @@ namespace kvc {
 namespace detail {
 
 /// 1-D pooling of x[0, m) into out[0, m) (out != x): stride 1, padding k / 2; max pads with -inf, avg pads with
-/// zeros and always divides by k (PyTorch's count_include_pad), so edges are damped.
+/// zeros and always divides by k (PyTorch's count_include_pad), so edges are damped. chunk_mean: the mean of each
+/// aligned chunk of k slots (the last chunk over its own slots), broadcast to them.
 inline void pool1d(float const* x, Index m, Index k, Pooling pooling, float* out) noexcept {
+  if (pooling == Pooling::chunk_mean) {
+    for (Index c0 = 0; c0 < m; c0 += k) {
+      Index const c1 = std::min(m, c0 + k);
+      float sum = 0.0f;
+      for (Index t = c0; t < c1; ++t)
+        sum += x[t];
+      std::fill(out + c0, out + c1, sum / static_cast<float>(c1 - c0));
+    }
+    return;
+  }
   Index const r = k / 2;
   for (Index j = 0; j < m; ++j) {
     Index const lo = std::max<Index>(0, j - r), hi = std::min(m, j + r + 1);
