@@ -39,6 +39,29 @@ adakv_<...>:
                                "ratio R" (ratio), "n_sink S", "n_recent R" (numbers as Python's repr: exact doubles)
   <case>/totals.npy            int64 [B, H]: tokens each head keeps, protected included (kvc::allocate's table)
   <case>/kept.npy              int64 [B, H, N]: each head's kept indices, ascending, padded with -1
+MomentKV cases (moment_kv.py) are listed in moment_manifest.txt; their folders are named moment_<...>. Each is one
+prefill (kvc::moment_kv_prefill with TopKSelector<FixedBudget>{{budget}, n_sink, n_recent}) and the corrected
+attention over its result (kvc::attend_corrected). Inputs (case dtype; the oracle computes in float64 on them):
+  <case>/keys.npy              POST-RoPE keys [B, Hkv, N, dk] (key j at position j)
+  <case>/values.npy            [B, Hkv, N, dv] (dv may differ from dk)
+  <case>/queries.npy           POST-RoPE window queries [B, Hq, w, dk], row i at position N - w + i (no RoPE table)
+  <case>/attn_queries.npy      POST-RoPE queries of the attention check [B, Hq, nq, dk]
+  <case>/attn_positions.npy    int64 [B, nq]: their positions (causal mask over the kept slots' positions)
+  <case>/meta.txt              "window_size W", "kernel_size K" (chunk_mean pooling), "budget L", "n_sink S",
+                               "n_recent R", "prefill_rounds P", "clamp_tau T" (repr); the scale is 1/sqrt(dk)
+Oracle outputs (float64 unless stated):
+  <case>/alpha.npy             the frozen base score α [B, Hkv, N]
+  <case>/mi_first.npy          the MI scores of round 1 [B, Hkv, N] (n = 0: α‖v‖)
+  <case>/kept.npy              int64 [B, Hkv, L]: each head's final kept slots (original indices, ascending)
+  <case>/min_gap.npy           [B, Hkv]: the smallest relative score gap at a round's selection boundary (a kept
+                               set may differ from kvc's only where this is a near-tie)
+  <case>/count.npy             int64 [B, Hkv]; key_mean.npy [B, Hkv, dk]; value_mean.npy [B, Hkv, dv];
+                               comoment.npy [B, Hkv, dv, dk]: the final moments (Welford form, C = Σ(v−v̄)(k−k̄)ᵀ)
+  <case>/final_alpha.npy       float32 [B, Hkv, L]: α at the kept slots, rounded to float32 (a fixed_base)
+  <case>/final_mi.npy          [B, Hkv, L]: MI scores of the kept slots under the final moments, from final_alpha
+  <case>/out_corrected.npy lse_corrected.npy   [B, Hq, nq, dv], [B, Hq, nq]: corrected attention (order first)
+  <case>/out_zeroth.npy lse_zeroth.npy         the same with order zeroth (f̂_E = v̄)
+  <case>/out_plain.npy lse_plain.npy           plain attention over the kept slots
 PyramidKV schedules (allocators.py) in pyramid_kv/:
   params.npy                   float64 [M, 7]: reference (0 authors, 1 kvpress), n, max_capacity_prompt (authors;
                                0: int(n (1 - ratio))), compression_ratio, window, beta, layers
@@ -61,6 +84,7 @@ import allocators  # noqa: E402
 import baselines  # noqa: E402
 import expected_attention  # noqa: E402
 import h2o  # noqa: E402
+import moment_kv  # noqa: E402
 import oracle  # noqa: E402
 
 RATIOS = (0.25, 0.5, 0.75)
@@ -173,6 +197,10 @@ def main():
         f.write("\n".join(allocator_cases) + "\n")
     print(f"wrote {len(allocator_cases)} AdaKV allocation cases and {write_pyramid_schedules(a.out)} PyramidKV "
           f"schedules to {a.out}")
+    moment_cases = write_moment_cases(a.out, a.model)
+    with open(os.path.join(a.out, "moment_manifest.txt"), "w") as f:
+        f.write("\n".join(moment_cases) + "\n")
+    print(f"wrote {len(moment_cases)} MomentKV cases to {a.out}")
 
 
 def write_window_cases(out, model_dir):
@@ -398,6 +426,106 @@ def write_allocator_cases(out, window_cases):
             name = f"adakv_{case}_{variant}_a{alpha}_{budget[0]}{budget[1]}"
             cases.append(write_allocator_case(out, name, s, lens, reference, alpha, budget, 0, 16))
             print(f"{name}: {exact_ties(s, lens)} exact ties among the float32 scores (ordered by head, index)")
+    return cases
+
+
+def write_moment_case(out, name, keys, values, queries, attn_queries, attn_positions, budget, n_sink, n_recent,
+                      rounds, kernel_size=4, tau=1e-6, require_gap=0.0):
+    """One MomentKV case: inputs, meta.txt, the oracle's prefill result and attention outputs (see the docstring).
+    Returns None, writing nothing, when a round's selection boundary is closer than require_gap (relative)."""
+    values, queries, attn_queries = (x.astype(keys.dtype) for x in (values, queries, attn_queries))
+    attn_positions = np.asarray(attn_positions, dtype=np.int64)
+    k64, v64, q64, a64 = (x.astype(np.float64) for x in (keys, values, queries, attn_queries))
+    B, Hkv, N, dk = keys.shape
+    c = 1.0 / np.sqrt(dk)
+    alpha, res = moment_kv.prefill(k64, v64, q64, budget, n_sink, n_recent, rounds, kernel_size, c, tau)
+    gaps = np.array([[r["min_gap"] for r in row] for row in res])
+    if gaps.min() < require_gap:
+        return None
+    d = os.path.join(out, name)
+    os.makedirs(d, exist_ok=True)
+    for f, x in (("keys", keys), ("values", values), ("queries", queries), ("attn_queries", attn_queries),
+                 ("attn_positions", attn_positions)):
+        np.save(os.path.join(d, f"{f}.npy"), x)
+    w = queries.shape[2]
+    with open(os.path.join(d, "meta.txt"), "w") as f:
+        f.write(f"window_size {w}\nkernel_size {kernel_size}\nbudget {budget}\nn_sink {n_sink}\nn_recent {n_recent}\n"
+                f"prefill_rounds {rounds}\nclamp_tau {tau!r}\n")
+    kept = np.array([[r["kept"] for r in row] for row in res], dtype=np.int64)  # every head ends at the same L
+    moms = [[r["moments"] for r in row] for row in res]
+    np.save(os.path.join(d, "alpha.npy"), alpha)
+    np.save(os.path.join(d, "mi_first.npy"), np.array([[r["mi_first"] for r in row] for row in res]))
+    np.save(os.path.join(d, "kept.npy"), kept)
+    np.save(os.path.join(d, "min_gap.npy"), gaps)
+    np.save(os.path.join(d, "count.npy"), np.array([[m["n"] for m in row] for row in moms], dtype=np.int64))
+    for f, key in (("key_mean", "km"), ("value_mean", "vm"), ("comoment", "C")):
+        np.save(os.path.join(d, f"{f}.npy"), np.array([[m[key] for m in row] for row in moms]))
+    fa = np.array([[alpha[b, h, kept[b, h]] for h in range(Hkv)] for b in range(B)]).astype(np.float32)
+    np.save(os.path.join(d, "final_alpha.npy"), fa)
+    fm = np.array([[moment_kv.mi_scores(fa[b, h].astype(np.float64), k64[b, h, kept[b, h]], v64[b, h, kept[b, h]],
+                                        moms[b][h], c, tau) for h in range(Hkv)] for b in range(B)])
+    np.save(os.path.join(d, "final_mi.npy"), fm)
+    out_c, lse_c, out_p, lse_p = moment_kv.corrected_attention(a64, attn_positions, k64, v64, kept, moms, c, tau)
+    out_z, lse_z, _, _ = moment_kv.corrected_attention(a64, attn_positions, k64, v64, kept, moms, c, tau, "zeroth")
+    for f, x in (("out_corrected", out_c), ("lse_corrected", lse_c), ("out_zeroth", out_z), ("lse_zeroth", lse_z),
+                 ("out_plain", out_p), ("lse_plain", lse_p)):
+        np.save(os.path.join(d, f"{f}.npy"), x)
+    # diagnostics: the outputs' errors against full attention over all N slots
+    every = [[np.arange(N)] * Hkv] * B
+    none = [[moment_kv.empty_moments(dk, values.shape[-1])] * Hkv] * B
+    full = moment_kv.corrected_attention(a64, attn_positions, k64, v64, every, none, c, tau)[0]
+
+    def rel(x):
+        return np.mean(np.linalg.norm(x - full, axis=-1) / np.linalg.norm(full, axis=-1))
+
+    print(f"{name}: N {N}, L {kept.shape[2]}, {rounds} rounds, smallest boundary gap {gaps.min():.1e}; mean error "
+          f"vs full attention: corrected {rel(out_c):.3f}, zeroth {rel(out_z):.3f}, plain {rel(out_p):.3f}")
+    return name
+
+
+def write_moment_cases(out, model_dir):
+    """Random GQA cases (Hq 4, Hkv 2: float32 and float16, d_k != d_v once, 1, 3, 8 and N − L rounds, a budget
+    below the protected slots, more rounds than evictions; redrawn until no selection boundary is a near-tie), plus
+    tinystories-656k's layers when dumped (w = 32, budget 64, 8 rounds; layer 0 also N − L rounds: its values repeat
+    with the token, so exact ties of score 0 occur, broken by index)."""
+    rng = np.random.default_rng(20261129)  # separate stream: every case above stays byte-identical
+    cases = []
+    for name, (B, Hkv, Hq, N, dk, dv, w), dtype, (budget, n_sink, n_recent, rounds) in (
+            ("moment_gqa_f32_r1", (2, 2, 4, 200, 32, 32, 16), np.float32, (64, 1, 16, 1)),
+            ("moment_gqa_f32_r3", (1, 2, 4, 257, 32, 32, 16), np.float32, (100, 1, 16, 3)),
+            ("moment_gqa_f32_r8", (2, 2, 4, 180, 16, 16, 16), np.float32, (48, 1, 16, 8)),
+            ("moment_gqa_f16_r8", (1, 2, 4, 300, 32, 32, 32), np.float16, (96, 1, 32, 8)),
+            ("moment_gqa_f32_dk32_dv16_r3", (1, 2, 4, 150, 32, 16, 16), np.float32, (40, 2, 8, 3)),
+            ("moment_gqa_f16_small_budget_r3", (1, 2, 4, 100, 24, 24, 16), np.float16, (8, 4, 16, 3)),
+            ("moment_gqa_f32_few_evictions_r8", (1, 2, 4, 100, 16, 16, 8), np.float32, (95, 1, 8, 8)),
+            ("moment_gqa_f32_greedy", (1, 2, 4, 72, 16, 16, 8), np.float32, (24, 1, 8, None))):
+        if rounds is None:  # N − L: one eviction per round, the exact greedy
+            rounds = N - moment_kv.fixed_budget(N, budget, n_sink, n_recent)
+        written = None
+        while written is None:  # redraw until no round's boundary is a near-tie (1e-4 relative)
+            keys = rng.standard_normal((B, Hkv, N, dk)) + 0.5 * rng.standard_normal((1, Hkv, 1, dk))
+            values = rng.standard_normal((B, Hkv, N, dv)) + 0.3 * rng.standard_normal((1, Hkv, 1, dv))
+            q = 1.5 * rng.standard_normal((B, Hq, w + 1, dk))
+            # attention rows: the first and last two window rows, and a fresh query at position N (a decode step)
+            rows = [0, w - 2, w - 1, w]
+            positions = np.broadcast_to(np.array([N - w, N - 2, N - 1, N]), (B, 4))
+            written = write_moment_case(out, name, keys.astype(dtype), values, q[:, :, :w], q[:, :, rows], positions,
+                                        budget, n_sink, n_recent, rounds, require_gap=1e-4)
+        cases.append(written)
+    dump = os.path.join(out, "tinystories_dump")
+    if model_dir and os.path.exists(os.path.join(model_dir, "model.safetensors")):  # main() has just dumped it
+        for layer in sorted(x for x in os.listdir(dump) if x.startswith("layer")):
+            ld = os.path.join(dump, layer)
+            kk, vv = np.load(os.path.join(ld, "keys.npy")), np.load(os.path.join(ld, "values.npy"))
+            qq = np.load(os.path.join(ld, "queries.npy"))  # the model's own post-RoPE queries, row i at position i
+            n, w = kk.shape[2], 32
+            pos = np.array([n - w, n - w // 2, n - 2, n - 1])
+            positions = np.broadcast_to(pos, (kk.shape[0], 4))
+            for tag, rounds in (("r8", 8), ("greedy", n - moment_kv.fixed_budget(n, 64, 1, w))):
+                if tag == "greedy" and layer != "layer0":
+                    continue
+                cases.append(write_moment_case(out, f"moment_tinystories_{layer}_{tag}", kk, vv, qq[:, :, n - w:],
+                                               qq[:, :, pos], positions, 64, 1, w, rounds))
     return cases
 
 

@@ -151,19 +151,28 @@ KVC_HOST_DEVICE inline Real log_add_exp(Real a, Real b) noexcept {
 
 /// The normalisation-corrected merge of one query row (spec §2.6, the log-domain form): the retained attention
 /// (out_r [d_v], lse_r = log Z_R) and the evicted set as one virtual token with log-weight lse_e = log n + c qᵀk̄
-/// and value f̂_E [d_v] (in `estimate`) become out = ŵ_R out_r + (1 − ŵ_R) f̂_E with ŵ_R = exp(lse_r − lse), written
-/// in place into out_r. Returns lse = logaddexp(lse_r, lse_e), the merged state's log-sum-exp. Stable for logits
-/// near ±1000: only differences of log-weights are exponentiated. lse_r = -inf (no retained slot visible) gives
-/// out = f̂_E.
+/// and value f̂_E [d_v] (in `estimate`) become out = ŵ_R out_r + ŵ_E f̂_E with ŵ_R = sigmoid(lse_r − lse_e) and
+/// ŵ_E = 1 − ŵ_R, written in place into out_r. Returns lse = logaddexp(lse_r, lse_e), the merged state's
+/// log-sum-exp. Both weights come from one e = exp(−|lse_r − lse_e|) (1/(1 + e) and e/(1 + e)), so they sum to 1
+/// to rounding and only a difference of log-weights is exponentiated: stable for logits near ±1000. lse_r = -inf
+/// (no retained slot visible) gives out = f̂_E; lse_e = -inf leaves out_r as it is.
 template <class Real>
 KVC_HOST_DEVICE inline Real merge_evicted(Real* out_r, Real lse_r, Real const* estimate, Real lse_e,
                                           Index dv) noexcept {
-  Real const lse = log_add_exp(lse_r, lse_e);
-  Real const w_r = lse_r == -INFINITY ? Real(0) : std::exp(lse_r - lse);
-  Real const w_e = lse_e == -INFINITY ? Real(0) : std::exp(lse_e - lse);
+  if (lse_e == -INFINITY)
+    return lse_r;
+  if (lse_r == -INFINITY) {
+    for (Index a = 0; a < dv; ++a)
+      out_r[a] = estimate[a];
+    return lse_e;
+  }
+  Real const diff = lse_r - lse_e;
+  Real const e = std::exp(diff < 0 ? diff : -diff);
+  Real const big = Real(1) / (Real(1) + e), small = e / (Real(1) + e);
+  Real const w_r = diff >= 0 ? big : small, w_e = diff >= 0 ? small : big;
   for (Index a = 0; a < dv; ++a)
     out_r[a] = w_r * out_r[a] + w_e * estimate[a];
-  return lse;
+  return (diff >= 0 ? lse_r : lse_e) + std::log1p(e);
 }
 
 }  // namespace detail
