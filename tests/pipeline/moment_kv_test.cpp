@@ -4,9 +4,11 @@
 // 23–26, 28). The references are greedy loops written here in double: α from its definition (softmax of the window
 // queries), r_j from two-pass moments of the evicted tokens, argmin (or bottom-k per round) with protected sink and
 // window, the moments updated by recomputing them from the evicted tokens.
+#include <kvc/backend/cpu/attention/corrected.hpp>
 #include <kvc/backend/cpu/pipeline/compact.hpp>
 #include <kvc/backend/cpu/scorers/moment_kv.hpp>
 #include <kvc/backend/cpu/selectors/top_k.hpp>
+#include <kvc/core/validate.hpp>
 #include <kvc/pipeline/decode.hpp>
 #include <kvc/pipeline/moment_kv.hpp>
 #include <kvc/store/ragged.hpp>
@@ -662,6 +664,56 @@ TEST_CASE("moment_kv prefill: a ragged per-head store gives the dense cache's ke
   CHECK(md.count == mr.count);
   CHECK(md.km == mr.km);
   CHECK(md.cm == mr.cm);
+}
+
+TEST_CASE("moment_kv prefill and corrected attention: a paged cache gives the dense cache's results") {
+  Index const N = 16, d = 4, page = 4;
+  auto dense = kvc::tools::HostCache<float>::random({1, 2, N, d}, 131);
+  dense.track(N);
+  // The same tokens in a pool of 6 pages, NHD order, pages out of order (ids 5, 0, 3, 1).
+  std::vector<std::int32_t> const table{5, 0, 3, 1};
+  auto const layout = kvc::paged_layout({1, 2, N, d}, page, kvc::PageOrder::nhd, table.data(), 4, 6);
+  std::vector<float> kpool(static_cast<std::size_t>(6 * layout.stride_page), 0.0f), vpool(kpool.size(), 0.0f);
+  for (Index h = 0; h < 2; ++h)
+    for (Index t = 0; t < N; ++t)
+      for (Index x = 0; x < d; ++x) {
+        kpool[static_cast<std::size_t>(layout.offset(0, h, t) + x)] =
+            dense.k[static_cast<std::size_t>((h * N + t) * d + x)];
+        vpool[static_cast<std::size_t>(layout.offset(0, h, t) + x)] =
+            dense.v[static_cast<std::size_t>((h * N + t) * d + x)];
+      }
+  std::vector<Index> lengths{N, N}, positions(dense.positions);
+  auto const paged = kvc::make_cache(kvc::TokenRows<float, kvc::PagedLayout>(kpool.data(), layout),
+                                     kvc::TokenRows<float, kvc::PagedLayout>(vpool.data(), layout),
+                                     kvc::head_lengths(lengths.data(), 2), positions.data());
+  REQUIRE(kvc::validate(paged).ok());
+  auto const q = random_queries({1, 4, 4, d}, 132);
+  OwnedMoments<> md(1, 2, d, d), mp(1, 2, d, d);
+  kvc::MomentKVScorer<> sd{md.state}, sp{mp.state};
+  sd.base.window_size = sp.base.window_size = 4;
+  sd.prefill_rounds = sp.prefill_rounds = 3;
+  kvc::TopKSelector<kvc::FixedBudget> const sel{{7}, 1, 4};
+  REQUIRE(prefill(sd, sel, dense.view(), q).ok());
+  REQUIRE(prefill(sp, sel, paged, q).ok());
+  CHECK(lengths == std::vector<Index>{7, 7});
+  for (Index h = 0; h < 2; ++h)
+    CHECK(std::vector<Index>(positions.begin() + h * N, positions.begin() + h * N + 7) == dense.head_positions(0, h));
+  CHECK(md.count == mp.count);
+  CHECK(md.km == mp.km);
+  CHECK(md.cm == mp.cm);
+  // The corrected attention over both, for queries after the prompt.
+  auto const aq = random_queries({1, 4, 2, d}, 133);
+  std::vector<Index> const qpos{N, N + 1};
+  kvc::AttendQueries<float> const queries{aq.rows(), qpos.data()};
+  kvc::CorrectedAttention const op{};
+  std::vector<float> od(static_cast<std::size_t>(4 * 2 * d)), op_(od.size()), ld(8), lp(8);
+  kvc::test::OwnedWorkspace wd(kvc::attend_corrected_workspace_bytes(kvc::Cpu{}, op, queries, dense.view(), md.state)),
+      wp(kvc::attend_corrected_workspace_bytes(kvc::Cpu{}, op, queries, paged, mp.state));
+  REQUIRE(
+      kvc::attend_corrected(kvc::Cpu{}, op, queries, dense.view(), md.state, {od.data(), ld.data()}, wd.get()).ok());
+  REQUIRE(kvc::attend_corrected(kvc::Cpu{}, op, queries, paged, mp.state, {op_.data(), lp.data()}, wp.get()).ok());
+  CHECK(od == op_);
+  CHECK(ld == lp);
 }
 
 TEST_CASE("moment_kv prefill: a 16-bit state folds the same evicted tokens") {
