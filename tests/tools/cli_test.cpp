@@ -253,10 +253,10 @@ struct WindowFiles {
   std::string kq() const { return " --keys " + keys + " --queries " + queries; }
 };
 
-std::vector<std::string> const all_policies = {"streaming_llm", "key_diff",           "knorm", "snap_kv",
-                                               "tova",          "expected_attention", "h2o",   "random"};
+std::vector<std::string> const all_policies = {"streaming_llm",      "key_diff", "knorm",  "snap_kv",  "tova",
+                                               "expected_attention", "h2o",      "random", "moment_kv"};
 std::vector<std::string> const key_only_policies = {"streaming_llm", "key_diff", "knorm", "random"};
-std::vector<std::string> const query_policies = {"snap_kv", "tova", "expected_attention", "h2o"};
+std::vector<std::string> const query_policies = {"snap_kv", "tova", "expected_attention", "h2o", "moment_kv"};
 
 bool reads_queries(std::string const& policy) {
   return std::find(query_policies.begin(), query_policies.end(), policy) != query_policies.end();
@@ -346,6 +346,21 @@ TEST_CASE("cli: policies lists every policy with every parameter and its default
         {"n_recent", "0"}}},
       {"h2o", {{"reference", "authors"}, {"recent_share", "0.5"}, {"queries", "pre_rope"}, {"n_sink", "0"}}},
       {"random", with_selection({{"seed", "0"}})},
+      {"moment_kv",
+       {{"window_size", "32"},
+        {"kernel_size", "4"},
+        {"pooling", "chunk_mean"},
+        {"prefill_rounds", "8"},
+        {"clamp_tau", "1e-6"},
+        {"order", "first"},
+        {"mi", "true"},
+        {"correction", "true"},
+        {"storage", "fp32"},
+        {"decode_evict", "true"},
+        {"residual_refresh", "0"},
+        {"queries", "pre_rope"},
+        {"n_sink", "1"},
+        {"n_recent", "32"}}},
   };
   CHECK(listed == expected);
   for (char const* s : {"window_size=32 (kvpress: 64)", "kernel_size=7 (kvpress: 5)", "pooling=max (kvpress: avg)",
@@ -1301,4 +1316,407 @@ TEST_CASE("cli: allocator and --dump errors exit 2 or 3 naming the option, the f
   // The outputs may not replace the dump's own files.
   expect(3, "compress --policy knorm --budget 10 --dump " + dump + " --out-dir " + dump,
          {"output file " + dump + "/layer0/keys.npy is the same file as --dump input " + dump + "/layer0/keys.npy"});
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// MomentKV: compress --policy moment_kv (the kept cache and the moments of the evicted sets), score with empty
+// moments, and kvc attend (plain and corrected). The values themselves are checked against NumPy by check_cli.py.
+
+namespace {
+
+/// The moments of head `bh`'s evicted slots (those not in `kept`), in double: (n, k_mean, v_mean, C [dv, dk]).
+struct RefMoments {
+  std::int64_t n = 0;
+  std::vector<double> km, vm, c;
+};
+
+RefMoments evicted_moments(std::vector<float> const& k, std::vector<float> const& v, Index bh, Index n, Index dk,
+                           Index dv, std::vector<std::int64_t> const& kept) {
+  RefMoments m;
+  m.km.assign(static_cast<std::size_t>(dk), 0.0);
+  m.vm.assign(static_cast<std::size_t>(dv), 0.0);
+  m.c.assign(static_cast<std::size_t>(dv * dk), 0.0);
+  std::vector<Index> ev;
+  for (Index t = 0; t < n; ++t)
+    if (std::find(kept.begin(), kept.end(), t) == kept.end())
+      ev.push_back(t);
+  m.n = static_cast<std::int64_t>(ev.size());
+  auto kat = [&](Index t, Index x) { return static_cast<double>(k[static_cast<std::size_t>((bh * n + t) * dk + x)]); };
+  auto vat = [&](Index t, Index a) { return static_cast<double>(v[static_cast<std::size_t>((bh * n + t) * dv + a)]); };
+  for (Index t : ev) {
+    for (Index x = 0; x < dk; ++x)
+      m.km[static_cast<std::size_t>(x)] += kat(t, x) / static_cast<double>(ev.size());
+    for (Index a = 0; a < dv; ++a)
+      m.vm[static_cast<std::size_t>(a)] += vat(t, a) / static_cast<double>(ev.size());
+  }
+  for (Index t : ev)
+    for (Index a = 0; a < dv; ++a)
+      for (Index x = 0; x < dk; ++x)
+        m.c[static_cast<std::size_t>(a * dk + x)] +=
+            (vat(t, a) - m.vm[static_cast<std::size_t>(a)]) * (kat(t, x) - m.km[static_cast<std::size_t>(x)]);
+  return m;
+}
+
+double max_abs_diff(std::vector<float> const& a, std::vector<double> const& b) {
+  REQUIRE(a.size() == b.size());
+  double e = 0;
+  for (std::size_t i = 0; i < a.size(); ++i)
+    e = std::max(e, std::abs(static_cast<double>(a[i]) - b[i]));
+  return e;
+}
+
+std::vector<float> halves(kvc::NpyArray const& a) {
+  std::vector<float> out;
+  for (Index i = 0; i < a.size(); ++i)
+    out.push_back(kvc::to_float(a.as<kvc::half>()[i]));
+  return out;
+}
+
+char const* const moment_files[] = {"moment_count.npy", "moment_key_mean.npy", "moment_value_mean.npy",
+                                    "moment_comoment.npy"};
+
+}  // namespace
+
+TEST_CASE("cli: compress --policy moment_kv writes the kept cache and the moments of each head's evicted set",
+          "[tools][cli][moment_kv]") {
+  WindowFiles const f("mkv");
+  std::string const base =
+      "compress --policy moment_kv --budget 12 --param n_recent=4" + f.kv() + " --queries " + f.queries + " --out-dir ";
+  auto const r = run(base + f.out("o") + " --time");
+  INFO(r.output);
+  REQUIRE(r.code == 0);
+  Index const n = WindowFiles::n, dk = 4, dv = 4;
+  auto const keys = floats_of(f.keys), values = floats_of(f.values);
+  auto const counts = ints(read(f.out("o/counts.npy")));
+  auto const idx = read(f.out("o/indices.npy"));
+  CHECK(counts == std::vector<std::int64_t>{12, 12});
+  REQUIRE(idx.shape == std::vector<Index>{1, 2, 12});
+  auto const count = read(f.out("o/moment_count.npy"));
+  CHECK(count.dtype == kvc::NpyDtype::i64);
+  CHECK(count.shape == std::vector<Index>{1, 2});
+  CHECK(ints(count) == std::vector<std::int64_t>{28, 28});
+  auto const km = read(f.out("o/moment_key_mean.npy")), vm = read(f.out("o/moment_value_mean.npy")),
+             cm = read(f.out("o/moment_comoment.npy"));
+  CHECK(km.dtype == kvc::NpyDtype::f32);
+  CHECK(km.shape == std::vector<Index>{1, 2, dk});
+  CHECK(vm.shape == std::vector<Index>{1, 2, dv});
+  CHECK(cm.shape == std::vector<Index>{1, 2, dv, dk});
+  auto const kk = floats_of(f.out("o/keys.npy"));
+  auto const all_kept = ints(idx);
+  for (Index h = 0; h < 2; ++h) {
+    std::vector<std::int64_t> const kept(all_kept.begin() + h * 12, all_kept.begin() + (h + 1) * 12);
+    CHECK(kept.front() == 0);  // the sink
+    for (Index t = 0; t < 4; ++t)
+      CHECK(kept[static_cast<std::size_t>(8 + t)] == n - 4 + t);  // the recent window
+    for (Index j = 0; j < 12; ++j)                                // keys.npy holds the kept rows
+      for (Index x = 0; x < dk; ++x)
+        CHECK(kk[static_cast<std::size_t>((h * 12 + j) * dk + x)] ==
+              keys[static_cast<std::size_t>((h * n + kept[static_cast<std::size_t>(j)]) * dk + x)]);
+    RefMoments const ref = evicted_moments(keys, values, h, n, dk, dv, kept);
+    CHECK(ref.n == 28);
+    auto part = [](std::vector<float> const& all, Index h_, Index size) {
+      return std::vector<float>(all.begin() + h_ * size, all.begin() + (h_ + 1) * size);
+    };
+    CHECK(max_abs_diff(part(floats(km), h, dk), ref.km) < 1e-5);
+    CHECK(max_abs_diff(part(floats(vm), h, dv), ref.vm) < 1e-5);
+    CHECK(max_abs_diff(part(floats(cm), h, dv * dk), ref.c) < 1e-4);
+  }
+  // --time: the moments' memory beside the kept cache's: per head (16 + 4 + 4) fp32 + the 8-byte count.
+  auto const line = lines_with(r.output, "\"command\": \"compress\"");
+  REQUIRE(line.size() == 1);
+  CHECK(json_int(line[0], "moment_head_bytes") == 104);
+  CHECK(json_int(line[0], "moment_bytes") == 208);
+  CHECK(json_int(line[0], "ragged_bytes") == 24 * 32);
+  CHECK(contains(line[0], "\"moment_ratio\": 0.270833333"));
+  CHECK(!contains(line[0], "select_seconds"));  // the selection is inside the rounds
+
+  // --threads changes nothing; storage fp16 writes float16 moments (the same kept set here), bf16 float32.
+  REQUIRE(run(base + f.out("t2") + " --threads 2").code == 0);
+  for (char const* name : {"indices.npy", "keys.npy", "moment_comoment.npy", "moment_count.npy"})
+    CHECK(file_bytes(f.out("o/") + name) == file_bytes(f.out("t2/") + name));
+  REQUIRE(run(base + f.out("f16") + " --param storage=fp16 --time").code == 0);
+  auto const cm16 = read(f.out("f16/moment_comoment.npy"));
+  CHECK(cm16.dtype == kvc::NpyDtype::f16);
+  CHECK(cm16.shape == cm.shape);
+  auto const c32 = floats(cm), c16 = halves(cm16);
+  for (std::size_t i = 0; i < c32.size(); ++i)
+    CHECK(std::abs(c32[i] - c16[i]) <= 2e-2f * std::max(1.0f, std::abs(c32[i])));
+  REQUIRE(run(base + f.out("bf16") + " --param storage=bf16").code == 0);
+  CHECK(read(f.out("bf16/moment_key_mean.npy")).dtype == kvc::NpyDtype::f32);
+
+  // mi=false: the base score's selection, the moments of what it evicted; prefill_rounds=1 differs from 8 only in
+  // the set (the counts stay the budget's).
+  REQUIRE(run(base + f.out("nc") + " --param mi=false").code == 0);
+  CHECK(ints(read(f.out("nc/moment_count.npy"))) == std::vector<std::int64_t>{28, 28});
+  REQUIRE(run(base + f.out("r1") + " --param prefill_rounds=1").code == 0);
+  CHECK(ints(read(f.out("r1/counts.npy"))) == std::vector<std::int64_t>{12, 12});
+
+  // With an allocator: the ragged store and the moments, eleven files; counts and moments add up per head.
+  REQUIRE(run(base + f.out("ada") + " --allocator ada_kv").code == 0);
+  auto const ac = ints(read(f.out("ada/counts.npy"))), an = ints(read(f.out("ada/moment_count.npy")));
+  for (std::size_t h = 0; h < 2; ++h)
+    CHECK(ac[h] + an[h] == n);
+  for (char const* name : {"ragged_keys.npy", "offsets.npy", "moment_comoment.npy"})
+    CHECK(std::filesystem::exists(f.out("ada/") + name));
+}
+
+TEST_CASE("cli: compress --policy moment_kv --dump writes each layer's moments, and the total memory line",
+          "[tools][cli][moment_kv][dump]") {
+  std::string const dump = make_dump("mkv_dump", 2, 48);
+  auto const r = run("compress --policy moment_kv --budget 16 --param window_size=8 --param n_recent=8 --dump " + dump +
+                     " --out-dir " + work("mkv_dump_out") + " --time");
+  INFO(r.output);
+  REQUIRE(r.code == 0);
+  for (Index l = 0; l < 2; ++l) {
+    std::string const ld = work("mkv_dump_out/layer" + std::to_string(l) + "/");
+    CHECK(ints(read(ld + "moment_count.npy")) == std::vector<std::int64_t>{32, 32});
+    CHECK(read(ld + "moment_comoment.npy").shape == std::vector<Index>{1, 2, 8, 8});
+    // The layer is the single-file job with meta.json's RoPE.
+    std::string const lw = work("mkv_dump/layer" + std::to_string(l));
+    REQUIRE(run("compress --policy moment_kv --budget 16 --param window_size=8 --param n_recent=8 --keys " + lw +
+                "/keys.npy --values " + lw + "/values.npy --queries " + lw +
+                "/queries_prerope.npy --rope theta=500000,style=interleaved --out-dir " + work("mkv_one"))
+                .code == 0);
+    for (char const* name : {"indices.npy", "moment_comoment.npy"})
+      CHECK(file_bytes(work("mkv_one/") + name) == file_bytes(ld + name));
+  }
+  auto const total = lines_with(r.output, "\"layers\": 2");
+  REQUIRE(total.size() == 1);
+  CHECK(json_int(total[0], "moment_bytes") == 2 * 2 * ((64 + 16) * 4 + 8));
+}
+
+TEST_CASE("cli: score --policy moment_kv writes the base score times the value norms (empty moments)",
+          "[tools][cli][moment_kv]") {
+  WindowFiles const f("mkv_score");
+  REQUIRE(run("score --policy moment_kv" + f.kq() + " --values " + f.values + " --out " + f.out("mi.npy")).code == 0);
+  REQUIRE(run("score --policy moment_kv --param mi=false" + f.kq() + " --out " + f.out("base.npy")).code == 0);
+  auto const mi = floats_of(f.out("mi.npy")), base = floats_of(f.out("base.npy")), v = floats_of(f.values);
+  REQUIRE(mi.size() == 80);
+  for (std::size_t i = 0; i < mi.size(); ++i) {
+    double norm = 0;
+    for (std::size_t a = 0; a < 4; ++a)
+      norm += static_cast<double>(v[i * 4 + a]) * v[i * 4 + a];
+    CHECK(std::abs(mi[i] - base[i] * std::sqrt(norm)) <= 1e-5 * std::max(1.0, std::abs(static_cast<double>(mi[i]))));
+  }
+  // The storage does not change scores before any eviction; --values is needed unless mi=false.
+  REQUIRE(run("score --policy moment_kv --param storage=fp16" + f.kq() + " --values " + f.values + " --out " +
+              f.out("mi16.npy"))
+              .code == 0);
+  CHECK(file_bytes(f.out("mi.npy")) == file_bytes(f.out("mi16.npy")));
+  auto const r = run("score --policy moment_kv" + f.kq() + " --out " + f.out("x.npy"));
+  CHECK(r.code == 2);
+  CHECK(contains(r.output, "policy moment_kv weights scores by the norms of the values' residuals: pass --values"));
+  auto const s = run("score --policy moment_kv --param n_recent=3" + f.kq() + " --values " + f.values + " --out " +
+                     f.out("x.npy"));
+  CHECK(s.code == 2);
+  CHECK(contains(s.output, "'n_recent' of policy moment_kv"));
+}
+
+TEST_CASE("cli: moment_kv's bad parameters and inputs exit 3 or 2 and write nothing", "[tools][cli][moment_kv]") {
+  WindowFiles const f("mkv_bad");
+  std::filesystem::remove_all(f.out("bad"));
+  std::string const args = " --budget 12 --param n_recent=4" + f.kv() + " --queries " + f.queries + " --out-dir ";
+  auto expect = [&](int code, std::string const& extra, std::string const& needle) {
+    auto const r = run("compress --policy moment_kv" + args + f.out("bad") + " " + extra);
+    INFO(extra << "\n" << r.output);
+    CHECK(r.code == code);
+    CHECK(contains(r.output, needle));
+    CHECK(!std::filesystem::exists(f.out("bad")));
+  };
+  expect(3, "--param storage=fp8", "--param storage = 'fp8': expected fp32, fp16 or bf16");
+  expect(3, "--param prefill_rounds=0", "--param prefill_rounds = 0: expected an integer >= 1");
+  expect(3, "--param pooling=max", "pooling=max needs an odd kernel_size");
+  expect(3, "--param order=third", "--param order = 'third'");
+  expect(3, "--param clamp_tau=-1", "--param clamp_tau = '-1'");
+  expect(3, "--param window_size=33", "policy moment_kv reads the last 33 query rows");
+  expect(2, "--param bogus=1", "'bogus' is not a parameter of policy moment_kv");
+  expect(2, "--rope theta=1e4 --param queries=post_rope", "--rope given, but --param queries=post_rope");
+  // Values too large for the co-moment in 16 bits: refused, naming the files and the way out.
+  std::vector<float> big = randoms(2 * 40 * 4, 3);
+  for (float& x : big)
+    x *= 50000.0f;
+  auto const v = write_npy("mkv_bad_big.npy", kvc::NpyDtype::f32, {1, 2, 40, 4}, big);
+  auto const r = run("compress --policy moment_kv --budget 12 --param n_recent=4 --param storage=fp16 --keys " +
+                     f.keys + " --values " + v + " --queries " + f.queries + " --out-dir " + f.out("bad"));
+  INFO(r.output);
+  CHECK(r.code == 3);
+  CHECK(contains(r.output, "are not finite in fp16"));
+  CHECK(contains(r.output, "try --param storage=fp32"));
+  CHECK(!std::filesystem::exists(f.out("bad")));
+}
+
+TEST_CASE("cli: attend writes plain and corrected attention over a compressed cache", "[tools][cli][moment_kv]") {
+  WindowFiles const f("att");
+  REQUIRE(run("compress --policy moment_kv --budget 12 --param n_recent=4" + f.kv() + " --queries " + f.queries +
+              " --out-dir " + f.out("c"))
+              .code == 0);
+  std::string const c = f.out("c/");
+  auto const dq = write_npy("att_dq.npy", kvc::NpyDtype::f32, {1, 4, 3, 4}, randoms(48, 11));
+  auto const dp = write_npy("att_dp.npy", kvc::NpyDtype::i64, {1, 3}, std::vector<std::int64_t>{40, 41, 42});
+  std::string const cache = " --keys " + c + "keys.npy --values " + c + "values.npy --indices " + c + "indices.npy";
+  std::string const q = " --queries " + dq + " --positions " + dp;
+  auto const r = run("attend" + cache + q + " --moments " + f.out("c") + " --out-dir " + f.out("a") + " --time");
+  INFO(r.output);
+  REQUIRE(r.code == 0);
+  CHECK(r.output.rfind("{\"command\": \"attend\", \"seconds\": ", 0) == 0);
+  CHECK(contains(r.output, "\"corrected_seconds\": "));
+  CHECK(json_int(r.output, "moment_bytes") == 208);
+  auto const out = read(f.out("a/out.npy")), lse = read(f.out("a/lse.npy"));
+  CHECK(out.dtype == kvc::NpyDtype::f32);
+  CHECK(out.shape == std::vector<Index>{1, 4, 3, 4});
+  CHECK(lse.shape == std::vector<Index>{1, 4, 3});
+  auto const plain = floats_of(f.out("a/plain_out.npy")), plain_lse = floats_of(f.out("a/plain_lse.npy"));
+  // The evicted set adds mass: lse = logaddexp(lse_R, lse_E) > lse_R, and the output moves.
+  for (std::size_t i = 0; i < plain_lse.size(); ++i)
+    CHECK(floats(lse)[i] > plain_lse[i]);
+  CHECK(floats(out) != plain);
+  // Without --moments: kvc::attend alone, out.npy and lse.npy are the plain ones; no other file.
+  REQUIRE(run("attend" + cache + q + " --out-dir " + f.out("p")).code == 0);
+  CHECK(floats_of(f.out("p/out.npy")) == plain);
+  CHECK(floats_of(f.out("p/lse.npy")) == plain_lse);
+  CHECK(!std::filesystem::exists(f.out("p/plain_out.npy")));
+  // Nothing evicted (count 0 everywhere): the corrected attention is the plain one.
+  REQUIRE(run("compress --policy moment_kv --budget 40 --param n_recent=4" + f.kv() + " --queries " + f.queries +
+              " --out-dir " + f.out("full"))
+              .code == 0);
+  CHECK(ints(read(f.out("full/moment_count.npy"))) == std::vector<std::int64_t>{0, 0});
+  REQUIRE(run("attend --keys " + f.keys + " --values " + f.values + q + " --moments " + f.out("full") + " --out-dir " +
+              f.out("z"))
+              .code == 0);
+  CHECK(floats_of(f.out("z/out.npy")) == floats_of(f.out("z/plain_out.npy")));
+  // order=zeroth differs from first; the clamp at a huge tau is the zeroth order; float16 moments read back.
+  REQUIRE(
+      run("attend" + cache + q + " --moments " + f.out("c") + " --param order=zeroth --out-dir " + f.out("z0")).code ==
+      0);
+  REQUIRE(run("attend" + cache + q + " --moments " + f.out("c") + " --param clamp_tau=1e30 --out-dir " + f.out("zt"))
+              .code == 0);
+  CHECK(floats_of(f.out("z0/out.npy")) != floats(out));
+  auto const z0 = floats_of(f.out("z0/out.npy")), zt = floats_of(f.out("zt/out.npy"));
+  for (std::size_t i = 0; i < z0.size(); ++i)
+    CHECK(std::abs(z0[i] - zt[i]) <= 1e-6f);
+  REQUIRE(run("compress --policy moment_kv --budget 12 --param n_recent=4 --param storage=fp16" + f.kv() +
+              " --queries " + f.queries + " --out-dir " + f.out("c16"))
+              .code == 0);
+  REQUIRE(run("attend --keys " + f.out("c16/keys.npy") + " --values " + f.out("c16/values.npy") + " --indices " +
+              f.out("c16/indices.npy") + q + " --moments " + f.out("c16") + " --out-dir " + f.out("a16"))
+              .code == 0);
+  // Pre-RoPE queries: --rope rotates them to their positions (the same as rotating them first is checked by
+  // check_cli.py); default positions are the cache's last ones (indices' last + 1 - n + i), here 37 .. 39.
+  REQUIRE(run("attend" + cache + " --queries " + dq + " --rope theta=10000 --out-dir " + f.out("r")).code == 0);
+  auto const pos = write_npy("att_pos.npy", kvc::NpyDtype::i64, {1, 3}, std::vector<std::int64_t>{37, 38, 39});
+  REQUIRE(run("attend" + cache + " --queries " + dq + " --positions " + pos + " --param queries=pre_rope --out-dir " +
+              f.out("r2"))
+              .code == 0);
+  CHECK(file_bytes(f.out("r/out.npy")) == file_bytes(f.out("r2/out.npy")));
+  CHECK(file_bytes(f.out("r/out.npy")) != file_bytes(f.out("p/out.npy")));
+}
+
+TEST_CASE("cli: attend refuses hostile inputs with exit 2 or 3, naming the file, and writes nothing",
+          "[tools][cli][moment_kv][hostile]") {
+  WindowFiles const f("atth");
+  std::filesystem::remove_all(f.out("bad"));
+  REQUIRE(run("compress --policy moment_kv --budget 12 --param n_recent=4" + f.kv() + " --queries " + f.queries +
+              " --out-dir " + f.out("c"))
+              .code == 0);
+  std::string const c = f.out("c");
+  auto const dq = write_npy("atth_dq.npy", kvc::NpyDtype::f32, {1, 4, 3, 4}, randoms(48, 11));
+  std::string const cache =
+      " --keys " + c + "/keys.npy --values " + c + "/values.npy --indices " + c + "/indices.npy --queries " + dq;
+  auto expect = [&](int code, std::string const& args, std::vector<std::string> const& needles) {
+    auto const r = run("attend " + args + " --out-dir " + f.out("bad"));
+    INFO(args << "\n" << r.output);
+    CHECK(r.code == code);
+    for (auto const& n : needles)
+      CHECK(contains(r.output, n));
+    CHECK(!std::filesystem::exists(f.out("bad")));
+  };
+  // A moments folder with one file replaced (copied from the good one first).
+  auto moments_with = [&](std::string const& name, std::string const& file, std::vector<std::byte> const& bytes) {
+    std::string const dir = f.out(name);
+    std::filesystem::remove_all(dir);
+    std::filesystem::create_directories(dir);
+    for (char const* m : moment_files)
+      std::filesystem::copy_file(c + "/" + m, dir + "/" + m);
+    if (bytes.empty())
+      std::filesystem::remove(dir + "/" + file);
+    else
+      std::ofstream(dir + "/" + file, std::ios::binary)
+          .write(reinterpret_cast<char const*>(bytes.data()), static_cast<std::streamsize>(bytes.size()));
+    return " --moments " + dir;
+  };
+  auto npy = [](kvc::NpyDtype dt, std::vector<Index> shape, auto const& data) {
+    return kvc::serialize_npy(dt, shape, data.data());
+  };
+  expect(3, cache + moments_with("m_missing", "moment_comoment.npy", {}),
+         {"moments file " + f.out("m_missing") + "/moment_comoment.npy: cannot open"});
+  expect(3, cache + moments_with("m_dk", "moment_key_mean.npy", npy(kvc::NpyDtype::f32, {1, 2, 5}, randoms(10))),
+         {"moment_key_mean.npy: field 'shape' is (1, 2, 5), expected [B, Hkv, d_k] = (1, 2, 4)"});
+  expect(3, cache + moments_with("m_dv", "moment_comoment.npy", npy(kvc::NpyDtype::f32, {1, 2, 4, 3}, randoms(24))),
+         {"moment_comoment.npy: field 'shape' is (1, 2, 4, 3), expected [B, Hkv, d_v, d_k] = (1, 2, 4, 4)"});
+  expect(3,
+         cache + moments_with("m_heads", "moment_count.npy",
+                              npy(kvc::NpyDtype::i64, {1, 3}, std::vector<std::int64_t>{1, 2, 3})),
+         {"moment_count.npy: field 'shape' is (1, 3), expected [B, Hkv] = (1, 2)"});
+  expect(3,
+         cache + moments_with("m_neg", "moment_count.npy",
+                              npy(kvc::NpyDtype::i64, {1, 2}, std::vector<std::int64_t>{5, -1})),
+         {"the count of head (0, 1) is -1, expected >= 0"});
+  expect(3, cache + moments_with("m_cdt", "moment_count.npy", npy(kvc::NpyDtype::f32, {1, 2}, randoms(2))),
+         {"moment_count.npy: field 'descr' is <f4, expected '<i8' (int64)"});
+  std::vector<kvc::half> h16(32, kvc::half(0.5f));
+  expect(3, cache + moments_with("m_mix", "moment_comoment.npy", npy(kvc::NpyDtype::f16, {1, 2, 4, 4}, h16)),
+         {"moment_comoment.npy: field 'descr' is <f2, expected <f4", "share one dtype"});
+  std::vector<float> nan(32, 0.0f);
+  nan[7] = std::numeric_limits<float>::quiet_NaN();
+  expect(3, cache + moments_with("m_nan", "moment_comoment.npy", npy(kvc::NpyDtype::f32, {1, 2, 4, 4}, nan)),
+         {"moment_comoment.npy: field 'data' holds NaN or Inf (element 7)"});
+  std::vector<float> huge(32, 3e38f);
+  auto const q3 = write_npy("atth_q3.npy", kvc::NpyDtype::f32, {1, 4, 3, 4}, std::vector<float>(48, 3.0f));
+  expect(3,
+         " --keys " + c + "/keys.npy --values " + c + "/values.npy --indices " + c + "/indices.npy --queries " + q3 +
+             moments_with("m_huge", "moment_comoment.npy", npy(kvc::NpyDtype::f32, {1, 2, 4, 4}, huge)),
+         {"the corrected attention output of query [0, 0, 0] is not finite"});
+  expect(3, cache + " --moments " + f.out("nothing_here"), {"moment_count.npy: cannot open"});
+  // --indices: int64 [B, Hkv, N], ascending then -1.
+  auto const idx = ints(read(c + "/indices.npy"));
+  auto with_indices = [&](std::string const& name, std::vector<std::int64_t> v, kvc::NpyDtype dt = kvc::NpyDtype::i64) {
+    return " --keys " + c + "/keys.npy --values " + c + "/values.npy --queries " + dq + " --indices " +
+           write_npy(name, dt, {1, 2, 12}, v);
+  };
+  auto swapped = idx;
+  std::swap(swapped[3], swapped[4]);
+  expect(3, with_indices("atth_i1.npy", swapped), {"indices file", "head (0, 0) slot 4", "ascending"});
+  auto hole = idx;
+  hole[5] = -1;
+  expect(3, with_indices("atth_i2.npy", hole), {"slot 6 holds", "expected -1 (padding: the head's count is 5)"});
+  expect(3, with_indices("atth_i3.npy", idx, kvc::NpyDtype::f64), {"field 'descr' is <f8, expected '<i8' (int64)"});
+  expect(3,
+         " --keys " + c + "/keys.npy --values " + c + "/values.npy --queries " + dq + " --indices " + c + "/counts.npy",
+         {"expected [B, Hkv, N] = [1, 2, 12]"});
+  // The cache and the queries.
+  expect(3, " --keys " + c + "/keys.npy --values " + f.values + " --queries " + dq,
+         {"values file " + f.values + ": field 'shape' [B, Hkv, N] must equal the keys'"});
+  auto const q5 = write_npy("atth_q5.npy", kvc::NpyDtype::f32, {1, 4, 3, 5}, randoms(60));
+  expect(3, " --keys " + c + "/keys.npy --values " + c + "/values.npy --queries " + q5,
+         {"queries file " + q5 + ": field 'shape': head_dim (shape[3]) is 5, expected the keys' 4"});
+  auto const q40 = write_npy("atth_q40.npy", kvc::NpyDtype::f32, {1, 4, 13, 4}, randoms(208));
+  expect(3, " --keys " + c + "/keys.npy --values " + c + "/values.npy --queries " + q40,
+         {"13 query rows (shape[2])", "ends at position 12 (pass --positions P.npy)"});
+  // Parameters and options.
+  expect(3, cache + " --moments " + c + " --param order=second",
+         {"--param order = 'second': expected first or zeroth"});
+  expect(3, cache + " --param scale=2", {"--param scale = '2'"});
+  expect(2, cache + " --param order=zeroth", {"--param order sets the correction by the moments: pass --moments DIR"});
+  expect(2, cache + " --param window_size=4", {"'window_size' is not a parameter of `kvc attend`"});
+  expect(2, cache + " --param scale=0 --param scale=0", {"'scale' given twice"});
+  expect(2, cache + " --rope theta=1e4 --param queries=post_rope", {"--rope given, but --param queries=post_rope"});
+  expect(2, cache + " --policy moment_kv", {"--policy is not an option of `kvc attend`"});
+  expect(2, " --keys " + c + "/keys.npy --queries " + dq, {"attend needs --keys, --values, --queries and --out-dir"});
+  // An output that is an input is refused before anything is read.
+  auto const r = run("attend" + cache + " --moments " + c + " --out-dir " + c);
+  CHECK(r.code == 0);  // out.npy ... do not collide with compress's files
+  auto const same = run("attend" + cache + " --out-dir " + f.out("same") + " --keys x");
+  CHECK(same.code == 2);
+  CHECK(run("attend --help", true).code == 0);
+  CHECK(contains(run("attend --help", true).output, "plain_out.npy"));
 }

@@ -1,6 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
 // tools/fuzz/cli_fuzz.cpp: libFuzzer harness for the whole `kvc` path: parse -> validate -> score -> select ->
-// compact -> write, on small fuzzed files (keys, values, queries, positions) and fuzzed options.
+// compact -> write, on small fuzzed files (keys, values, queries, positions) and fuzzed options; MomentKV's score and
+// compress (with its moments) and `kvc attend` (fuzzed --indices and --moments files) included.
 //   cmake -DCMAKE_CXX_COMPILER=clang++ -DKVC_BUILD_FUZZERS=ON ... && ./tools/kvc_cli_fuzz -max_total_time=60
 //
 // Each input chooses a command, a policy with parameters, and each file either as raw bytes (the parser's hostile
@@ -8,13 +9,15 @@
 // scorers, the selection and the writers with NaN, Inf, huge and tiny values and mismatched shapes). Beyond "no
 // crash, no sanitizer report", every run must keep the contract (docs/cli.md):
 //   - the exit code is 0, or 3 with one "kvc: error: " line (never 2: the options are well formed);
-//   - exit 0 writes every output, each a .npy file of the documented shape; exit 3 writes none;
+//   - exit 0 writes every output, each a .npy file of the documented shape (moment_kv: each head's kept and evicted
+//     counts add up to N; attend: finite outputs); exit 3 writes none;
 //   - no temporary file is left behind, and the inputs are unchanged.
 #include <kvc/io/npy.hpp>
 
 #include "cli.hpp"
 
 #include <algorithm>
+#include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <cstdio>
@@ -90,6 +93,48 @@ kvc::NpyArray read_output(fs::path const& path) {
   if (!kvc::read_npy(path.string(), a, error))
     violated("an output does not read back:", path.string() + ": " + error);
   return a;
+}
+
+/// Exit 0 of moment_kv's compress: the moments have the documented shapes, and per head the kept and the evicted
+/// tokens add up to N.
+void check_moments(fs::path const& dir, kvc::NpyArray const& keys, kvc::NpyArray const& counts) {
+  std::vector<Index> const& k = keys.shape;
+  kvc::NpyArray const n = read_output(dir / "out" / "moment_count.npy"),
+                      km = read_output(dir / "out" / "moment_key_mean.npy"),
+                      vm = read_output(dir / "out" / "moment_value_mean.npy"),
+                      cm = read_output(dir / "out" / "moment_comoment.npy");
+  if (n.dtype != kvc::NpyDtype::i64 || n.shape != std::vector<Index>{k[0], k[1]})
+    violated("moment_count.npy is not int64 [B, H]");
+  if (km.shape != std::vector<Index>{k[0], k[1], k[3]} || vm.shape.size() != 3 || cm.shape.size() != 4 ||
+      cm.shape[2] != vm.shape[2] || cm.shape[3] != k[3] || km.dtype != vm.dtype || km.dtype != cm.dtype ||
+      (km.dtype != kvc::NpyDtype::f32 && km.dtype != kvc::NpyDtype::f16))
+    violated("the moments are not [B, H, d], [B, H, d_v], [B, H, d_v, d] of one float dtype");
+  for (Index bh = 0; bh < k[0] * k[1]; ++bh)
+    if (n.as<std::int64_t>()[bh] + counts.as<std::int64_t>()[bh] != k[2])
+      violated("a head's kept and evicted counts do not add up to N");
+}
+
+/// Exit 0 of attend: out.npy float32 [B, Hq, n, d_v] and lse.npy float32 [B, Hq, n] (and the plain ones with
+/// --moments), the output finite.
+void check_attend(fs::path const& dir, kvc::NpyArray const& queries, kvc::NpyArray const& values, bool moments) {
+  std::vector<Index> const& q = queries.shape;
+  for (char const* name : {"out.npy", "plain_out.npy"}) {
+    if (!moments && name[0] == 'p')
+      continue;
+    kvc::NpyArray const o = read_output(dir / "out" / name);
+    if (o.dtype != kvc::NpyDtype::f32 || o.shape != std::vector<Index>{q[0], q[1], q[2], values.shape[3]})
+      violated("an attention output is not float32 [B, Hq, n, d_v]:", name);
+    for (Index i = 0; i < o.size(); ++i)
+      if (!std::isfinite(o.as<float>()[i]))
+        violated("an attention output is not finite:", name);
+  }
+  for (char const* name : {"lse.npy", "plain_lse.npy"}) {
+    if (!moments && name[0] == 'p')
+      continue;
+    kvc::NpyArray const l = read_output(dir / "out" / name);
+    if (l.dtype != kvc::NpyDtype::f32 || l.shape != std::vector<Index>{q[0], q[1], q[2]})
+      violated("a log-sum-exp output is not float32 [B, Hq, n]:", name);
+  }
 }
 
 /// Exit 0: the outputs have the documented shapes for keys [B, H, N, d] and values [B, H, N, d_v]: scores
@@ -193,21 +238,31 @@ extern "C" int LLVMFuzzerTestOneInput(std::uint8_t const* data, std::size_t size
   fs::remove_all(dir / "out", ec);
   fs::remove(dir / "scores.npy", ec);
 
-  static char const* const policies[] = {"streaming_llm", "key_diff", "knorm", "snap_kv", "tova", "random"};
+  fs::remove_all(dir / "moments", ec);
+
+  static char const* const policies[] = {"streaming_llm", "key_diff", "knorm",    "snap_kv",
+                                         "tova",          "random",   "moment_kv"};
   std::uint8_t const choice = in.u8(), flags = in.u8();
-  std::string const policy = policies[choice % 6];
-  bool const compress = flags & 1, queries = policy == "snap_kv" || policy == "tova";
+  std::string const policy = policies[choice % 7];
+  bool const moment_kv = policy == "moment_kv";
+  // kvc attend (with moment_kv's draw): attention over a cache, with fuzzed --indices and --moments files.
+  bool const attend = moment_kv && (choice & 128);
+  bool const compress = !attend && (flags & 1), queries = policy == "snap_kv" || policy == "tova" || moment_kv;
   bool const positions = queries && (flags & 2);
 
   Index const batch = 1 + in.u8() % 2, heads = 1 + in.u8() % 2, tokens = 1 + in.u8() % 12, dim = 2 * (1 + in.u8() % 4);
   Index const group = 1 + in.u8() % 2, window = 1 + in.u8() % 4;
   kvc::NpyDtype const dtype = flags & 4 ? kvc::NpyDtype::f16 : kvc::NpyDtype::f32;
 
-  std::vector<std::string> args = {"kvc", compress ? "compress" : "score", "--policy", policy};
+  std::vector<std::string> args = {"kvc", attend ? "attend" : (compress ? "compress" : "score")};
+  if (!attend)
+    args.insert(args.end(), {"--policy", policy});
   std::vector<fs::path> inputs = {dir / "keys.npy"};
   write_file(inputs[0], make_file(in, {batch, heads, tokens, dim}, dtype));
   args.insert(args.end(), {"--keys", inputs[0].string()});
-  if (compress || (flags & 8)) {
+  // moment_kv's score reads the values unless mi=false (the harness never makes a usage error).
+  bool const mi_false = moment_kv && !compress && !attend && !(flags & 8);
+  if (compress || attend || (flags & 8)) {
     inputs.push_back(dir / "values.npy");
     write_file(inputs.back(), make_file(in, {batch, heads, tokens, dim}, dtype));
     args.insert(args.end(), {"--values", inputs.back().string()});
@@ -218,7 +273,22 @@ extern "C" int LLVMFuzzerTestOneInput(std::uint8_t const* data, std::size_t size
     args.insert(args.end(), {"--queries", inputs.back().string()});
     if (flags & 16)
       args.insert(args.end(), {"--param", "queries=post_rope"});
-    if (policy == "snap_kv") {
+    if (attend) {
+      if (!(flags & 16) && (flags & 32))  // pre-RoPE queries (queries=post_rope with --rope is a usage error)
+        args.insert(args.end(), {"--rope", "theta=10000,style=interleaved"});
+    } else if (moment_kv) {  // MomentKV's parameters (its selection ones are compress's only)
+      std::uint8_t const p = in.u8();
+      args.insert(args.end(), {"--param", "window_size=" + std::to_string(1 + in.u8() % 4)});
+      args.insert(args.end(), {"--param", "kernel_size=" + std::to_string(1 + in.u8() % 5)});
+      args.insert(args.end(), {"--param", p & 1 ? "pooling=chunk_mean" : (p & 2 ? "pooling=none" : "pooling=max")});
+      args.insert(args.end(), {"--param", "prefill_rounds=" + std::to_string(1 + (p >> 2) % 4)});
+      static char const* const storage[] = {"storage=fp32", "storage=fp16", "storage=bf16"};
+      args.insert(args.end(), {"--param", storage[(p >> 4) % 3]});
+      if (p & 64)
+        args.insert(args.end(), {"--param", "clamp_tau=" + std::to_string(in.u8() % 3)});
+      if (mi_false || (compress && (p & 128)))
+        args.insert(args.end(), {"--param", "mi=false"});
+    } else if (policy == "snap_kv") {
       args.insert(args.end(), {"--param", "window_size=" + std::to_string(1 + in.u8() % 4)});
       args.insert(args.end(), {"--param", "kernel_size=" + std::to_string(1 + 2 * (in.u8() % 3))});
       args.insert(args.end(), {"--param", in.u8() % 2 ? "pooling=avg" : "pooling=max"});
@@ -237,6 +307,51 @@ extern "C" int LLVMFuzzerTestOneInput(std::uint8_t const* data, std::size_t size
           file[i] = std::byte{0};
     write_file(inputs.back(), file);
     args.insert(args.end(), {"--positions", inputs.back().string()});
+  }
+  bool moments = false;
+  if (attend) {
+    if (flags & 64) {  // --indices: mostly compress's layout (ascending positions, -1 padding), sometimes fuzzed
+      inputs.push_back(dir / "indices.npy");
+      std::vector<std::byte> file = make_file(in, {batch, heads, tokens}, kvc::NpyDtype::i64);
+      if (in.u8() & 1) {
+        std::vector<std::int64_t> idx(static_cast<std::size_t>(batch * heads * tokens));
+        for (Index bh = 0; bh < batch * heads; ++bh) {
+          Index const count = in.u8() % (tokens + 1), stride = 1 + in.u8() % 3;
+          for (Index t = 0; t < tokens; ++t)
+            idx[static_cast<std::size_t>(bh * tokens + t)] = t < count ? t * stride : -1;
+        }
+        std::vector<Index> const shape = {batch, heads, tokens};
+        file = kvc::serialize_npy(kvc::NpyDtype::i64, shape, idx.data());
+      }
+      write_file(inputs.back(), file);
+      args.insert(args.end(), {"--indices", inputs.back().string()});
+    }
+    if (flags & 128) {  // --moments: four fuzzed files of the documented shapes (counts small and >= 0 mostly)
+      moments = true;
+      fs::create_directories(dir / "moments");
+      kvc::NpyDtype const mt = in.u8() & 1 ? kvc::NpyDtype::f16 : kvc::NpyDtype::f32;
+      std::vector<std::byte> count = make_file(in, {batch, heads}, kvc::NpyDtype::i64);
+      if (in.u8() & 1) {
+        std::vector<std::int64_t> n(static_cast<std::size_t>(batch * heads));
+        for (auto& x : n)
+          x = in.u8() % 40;
+        std::vector<Index> const shape = {batch, heads};
+        count = kvc::serialize_npy(kvc::NpyDtype::i64, shape, n.data());
+      }
+      std::vector<std::vector<std::byte>> const files = {count, make_file(in, {batch, heads, dim}, mt),
+                                                         make_file(in, {batch, heads, dim}, mt),
+                                                         make_file(in, {batch, heads, dim, dim}, mt)};
+      static char const* const names[] = {"moment_count.npy", "moment_key_mean.npy", "moment_value_mean.npy",
+                                          "moment_comoment.npy"};
+      for (std::size_t i = 0; i < 4; ++i) {
+        inputs.push_back(dir / "moments" / names[i]);
+        write_file(inputs.back(), files[i]);
+      }
+      args.insert(args.end(), {"--moments", (dir / "moments").string()});
+      if (in.u8() & 1)
+        args.insert(args.end(), {"--param", "order=zeroth"});
+    }
+    args.insert(args.end(), {"--out-dir", (dir / "out").string()});
   }
   bool allocator = false;
   if (compress) {
@@ -260,7 +375,7 @@ extern "C" int LLVMFuzzerTestOneInput(std::uint8_t const* data, std::size_t size
       args.insert(args.end(), {"--param", "n_sink=" + std::to_string(in.u8() % 3), "--param",
                                "n_recent=" + std::to_string(in.u8() % 3)});
     args.insert(args.end(), {"--out-dir", (dir / "out").string()});
-  } else {
+  } else if (!attend) {
     args.insert(args.end(), {"--out", (dir / "scores.npy").string()});
   }
 
@@ -283,12 +398,15 @@ extern "C" int LLVMFuzzerTestOneInput(std::uint8_t const* data, std::size_t size
 
   static bool const stats = std::getenv("KVC_FUZZ_STATS") != nullptr;
   if (stats) {  // how often runs get through (exit 0) versus are refused (exit 3), per command
-    static long counts[2][4] = {};
-    ++counts[compress][code & 3];
-    static bool registered = std::atexit([] {
-                               std::fprintf(stderr, "cli_fuzz: score exit 0/3: %ld/%ld, compress exit 0/3: %ld/%ld\n",
-                                            counts[0][0], counts[0][3], counts[1][0], counts[1][3]);
-                             }) == 0;
+    static long counts[3][4] = {};
+    ++counts[attend ? 2 : compress][code & 3];
+    static bool registered =
+        std::atexit([] {
+          std::fprintf(stderr,
+                       "cli_fuzz: score exit 0/3: %ld/%ld, compress exit 0/3: %ld/%ld, attend "
+                       "exit 0/3: %ld/%ld\n",
+                       counts[0][0], counts[0][3], counts[1][0], counts[1][3], counts[2][0], counts[2][3]);
+        }) == 0;
     (void)registered;
   }
   if (code != 0 && code != 3)
@@ -299,8 +417,14 @@ extern "C" int LLVMFuzzerTestOneInput(std::uint8_t const* data, std::size_t size
                                       ? std::vector<fs::path>{dir / "out" / "keys.npy", dir / "out" / "values.npy",
                                                               dir / "out" / "indices.npy", dir / "out" / "counts.npy"}
                                       : std::vector<fs::path>{dir / "scores.npy"};
+  if (attend)
+    outputs = {dir / "out" / "out.npy", dir / "out" / "lse.npy", dir / "out" / "plain_out.npy",
+               dir / "out" / "plain_lse.npy"};
   if (allocator)
     for (char const* name : {"ragged_keys.npy", "ragged_values.npy", "offsets.npy"})
+      outputs.push_back(dir / "out" / name);
+  if (compress && moment_kv)
+    for (char const* name : {"moment_count.npy", "moment_key_mean.npy", "moment_value_mean.npy", "moment_comoment.npy"})
       outputs.push_back(dir / "out" / name);
   for (auto const& p : outputs)
     if (code == 3 && fs::exists(p))
@@ -310,11 +434,21 @@ extern "C" int LLVMFuzzerTestOneInput(std::uint8_t const* data, std::size_t size
     std::string error;
     if (!kvc::read_npy(inputs[0].string(), keys, error) || keys.shape.size() != 4)
       violated("exit 0 with keys that do not read as a rank-4 array");
-    check_outputs(compress, allocator, dir, keys);
+    if (attend) {
+      kvc::NpyArray q, v;
+      if (!kvc::read_npy((dir / "queries.npy").string(), q, error) || q.shape.size() != 4 ||
+          !kvc::read_npy((dir / "values.npy").string(), v, error) || v.shape.size() != 4)
+        violated("exit 0 with queries or values that do not read as rank-4 arrays");
+      check_attend(dir, q, v, moments);
+    } else {
+      check_outputs(compress, allocator, dir, keys);
+    }
+    if (compress && moment_kv)
+      check_moments(dir, keys, read_output(dir / "out" / "counts.npy"));
   }
   if (has_temporary(dir) || (fs::exists(dir / "out") && has_temporary(dir / "out")))
     violated("a temporary file was left behind");
-  if (code == 3 && compress && fs::exists(dir / "out"))
+  if (code == 3 && (compress || attend) && fs::exists(dir / "out"))
     violated("compress left its output folder behind after a failure");
   for (std::size_t i = 0; i < inputs.size(); ++i)
     if (read_file(inputs[i]) != before[i])

@@ -7,9 +7,12 @@
 // allocation; outputs are staged beside their destination and renamed into place only when all of them are whole.
 #include "cli.hpp"
 
+#include <kvc/backend/cpu/attention/attend.hpp>
+#include <kvc/backend/cpu/attention/corrected.hpp>
 #include <kvc/backend/cpu/pipeline/compact.hpp>
 #include <kvc/backend/cpu/scorers/key_diff.hpp>
 #include <kvc/backend/cpu/scorers/knorm.hpp>
+#include <kvc/backend/cpu/scorers/moment_kv.hpp>
 #include <kvc/backend/cpu/scorers/random.hpp>
 #include <kvc/backend/cpu/scorers/snap_kv.hpp>
 #include <kvc/backend/cpu/scorers/streaming_llm.hpp>
@@ -22,9 +25,11 @@
 #include <kvc/io/json.hpp>
 #include <kvc/io/npy.hpp>
 #include <kvc/io/safetensors.hpp>
+#include <kvc/pipeline/moment_kv.hpp>
 #include <kvc/pipeline/press.hpp>
 #include <kvc/store/ragged.hpp>
 
+#include "common/moment_kv.hpp"
 #include "common/observations.hpp"
 #include "common/policies.hpp"
 
@@ -81,6 +86,9 @@ char const* const overview_text =
     "  kvc score    --policy NAME [--param NAME=VALUE]... --keys K.npy [--queries Q.npy] --out scores.npy\n"
     "  kvc compress --policy NAME (--ratio R | --budget N) [--allocator A] [--param NAME=VALUE]...\n"
     "               (--keys K.npy --values V.npy [--queries Q.npy] | --dump DIR) --out-dir DIR\n"
+    "  kvc attend   --keys K.npy --values V.npy --queries Q.npy [--indices I.npy] [--moments DIR]\n"
+    "               [--param NAME=VALUE]... --out-dir DIR   attention over a (compressed) cache, plain and\n"
+    "               corrected by MomentKV's moments\n"
     "  kvc policies        every policy and allocator with its parameters and defaults\n"
     "  kvc COMMAND --help  the options of one command\n"
     "Keys and values are [B, Hkv, N, d] float32 or float16 .npy (C order), post-RoPE as an engine caches them, or\n"
@@ -135,7 +143,11 @@ std::vector<CommandInfo> const& commands() {
        "ascending, -1 padding where heads keep different counts) and counts.npy (int64 [B, Hkv]); with --allocator\n"
        "also the ragged store that holds exactly each head's kept tokens: ragged_keys.npy [rows, d],\n"
        "ragged_values.npy [rows, d_v] (rows = the sum of the counts) and offsets.npy (int64 [B * Hkv + 1]: head\n"
-       "b * Hkv + h holds rows offsets[i] .. offsets[i + 1] - 1). All files are written, or none.\n",
+       "b * Hkv + h holds rows offsets[i] .. offsets[i + 1] - 1). With --policy moment_kv also the moments of\n"
+       "each head's evicted set: moment_count.npy (int64 [B, Hkv]), moment_key_mean.npy [B, Hkv, d],\n"
+       "moment_value_mean.npy [B, Hkv, d_v] and moment_comoment.npy [B, Hkv, d_v, d] (float32, or float16 with\n"
+       "--param storage=fp16; bf16 storage is written as float32), which `kvc attend --moments` reads. All\n"
+       "files are written, or none.\n",
        "  --ratio R              the fraction of tokens removed, in [0, 1]: kept = floor(N * (1 - R))\n"
        "  --budget N             tokens kept per head\n"
        "  --allocator A          ada_kv (head-adaptive budgets inside a layer), pyramid_kv (per-layer budgets)\n"
@@ -149,9 +161,42 @@ std::vector<CommandInfo> const& commands() {
        "  memory (in --time)     \"input_bytes\" (K + V of the input), \"padded_bytes\" (a uniform cache padded to\n"
        "                         the longest head: what keys.npy and values.npy hold), \"ragged_bytes\" (the\n"
        "                         ragged store), \"row_bytes\" (one token's K + V row), \"input_tokens\",\n"
-       "                         \"kept_tokens\", in the input dtype; with --dump one line per layer and a total\n",
+       "                         \"kept_tokens\", in the input dtype; with --dump one line per layer and a total;\n"
+       "                         moment_kv adds \"moment_bytes\" (the moments, all heads, in the storage\n"
+       "                         dtype), \"moment_head_bytes\" and \"moment_ratio\" (moment_bytes / ragged_bytes)\n",
        {"--policy", "--param", "--keys", "--values", "--queries", "--positions", "--rope", "--ratio", "--budget",
         "--allocator", "--dump", "--out-dir", "--time", "--threads"}},
+      {"attend",
+       "usage: kvc attend --keys K.npy --values V.npy --queries Q.npy [--positions P.npy] [--rope theta=T,style=S]\n"
+       "                  [--indices I.npy] [--moments DIR] [--param NAME=VALUE]... --out-dir DIR [--time]\n"
+       "                  [--threads N]\n",
+       "Attention of the queries over a cache (kvc::attend), e.g. one `kvc compress` wrote, and with --moments\n"
+       "MomentKV's normalisation-corrected attention (kvc::attend_corrected): the evicted set of each KV head\n"
+       "enters as one virtual token of log-weight log n + c q.k_mean and value v_mean + (c / n) C q. Writes, in\n"
+       "DIR: out.npy (float32 [B, Hq, n, d_v]) and lse.npy (float32 [B, Hq, n], the softmax's log-sum-exp,\n"
+       "-inf for a query that sees nothing); with --moments out.npy and lse.npy are the corrected ones and\n"
+       "plain_out.npy and plain_lse.npy the uncorrected. All files are written, or none.\n",
+       "  --keys K.npy           [B, Hkv, N, d] float32 or float16 (or a .safetensors tensor, also BF16)\n"
+       "  --values V.npy         [B, Hkv, N, d_v], the keys' dtype\n"
+       "  --queries Q.npy        [B, Hq, n, d]: POST-RoPE by default (as the attention sees them); with --rope or\n"
+       "                         --param queries=pre_rope they are rotated to their positions first\n"
+       "  --positions P.npy      int64 [B, n]: each query's position, for the causal mask (and RoPE); default:\n"
+       "                         the cache's last n positions (context_end - n + i)\n"
+       "  --indices I.npy        int64 [B, Hkv, N]: each slot's original position, ascending, -1 padding after a\n"
+       "                         head's count (compress's indices.npy); default: slot t at position t, all full\n"
+       "  --moments DIR          the four moment_*.npy files `kvc compress --policy moment_kv` writes\n"
+       "  --param order=first    first (f_E = v_mean + (c / n) C q) or zeroth (f_E = v_mean); with --moments\n"
+       "  --param clamp_tau=1e-6 entries of C below tau in magnitude read as 0; with --moments\n"
+       "  --param scale=0        the logit scale c; 0: 1 / sqrt(d)\n"
+       "  --param queries=post_rope  post_rope or pre_rope (rotated with --rope, default theta=10000,style=neox)\n"
+       "  --rope theta=T,style=S the RoPE of pre-RoPE queries (neox or interleaved); implies queries=pre_rope\n"
+       "  --out-dir DIR          created if absent\n"
+       "  --threads N            worker threads over (sequence, KV head) items (default 1)\n"
+       "  --time                 one JSON line on stderr: \"seconds\" (kvc::attend, median of 7 calls),\n"
+       "                         \"corrected_seconds\" (kvc::attend_corrected), \"repeats\", \"bytes_read\",\n"
+       "                         \"workspace_bytes\", \"moment_bytes\", \"threads\"\n",
+       {"--keys", "--values", "--queries", "--positions", "--rope", "--indices", "--moments", "--param", "--out-dir",
+        "--time", "--threads"}},
       {"policies",
        "usage: kvc policies\n",
        "Lists every policy with every parameter (--param NAME=DEFAULT) and what it reads, then the allocators\n"
@@ -172,7 +217,10 @@ CommandInfo const* find_command(std::string_view name) {
 void print_help(CommandInfo const& c) {
   std::fputs(c.synopsis, io.out);
   std::fputs(c.intro, io.out);
-  if (std::string_view(c.name) != "policies") {
+  if (std::string_view(c.name) == "attend") {
+    std::fputs(c.own_options, io.out);
+    std::fputs("Exit codes: 0 success, 2 usage error, 3 invalid input.\n", io.out);
+  } else if (std::string_view(c.name) != "policies") {
     std::fputs(input_details, io.out);
     std::fputs(c.own_options, io.out);
     std::fprintf(io.out, "Policies: %s (parameters: `kvc policies`).\n", policy_names().c_str());
@@ -364,7 +412,7 @@ InputSpec input_spec(std::string const& arg) {
 }
 
 /// The options naming input files, in the order they are read.
-constexpr char const* input_options[] = {"--keys", "--values", "--queries", "--positions"};
+constexpr char const* input_options[] = {"--keys", "--values", "--queries", "--positions", "--indices"};
 
 /// An input file for check_outputs: how messages name it ("--keys", "--dump input") and the argument.
 using NamedInput = std::pair<std::string, std::string>;
@@ -714,6 +762,8 @@ struct Queries {
 /// The largest RoPE table --positions may ask for (positions x head_dim fp32 cos/sin).
 constexpr std::size_t max_rope_table_bytes = std::size_t{1} << 30;
 
+void fill_query_rope(kvc::RopeSpec const& spec, kvc::Index max_position, Queries& q);
+
 /// Loads the queries file `path` (and the positions file `positions_path`, when not empty) for keys of extents `k`,
 /// and fills the RoPE table when they are pre-RoPE.
 void load_queries(std::string const& path, std::string const& positions_path, kvc::KVExtents const& k,
@@ -773,8 +823,13 @@ void load_queries(std::string const& path, std::string const& positions_path, kv
       max_position = std::max(max_position, pos);
     }
   }
-  if (!rotate)
-    return;
+  if (rotate)
+    fill_query_rope(spec, max_position, q);
+}
+
+/// Fills the RoPE table of `q` (pre-RoPE queries) over positions [0, max_position].
+void fill_query_rope(kvc::RopeSpec const& spec, kvc::Index max_position, Queries& q) {
+  std::string const where = "queries file " + q.path + ": field 'shape': ";
   if (auto const st = spec.check(q.ext.dim); !st.ok())
     fail(exit_invalid, where + "head_dim (shape[3]) is " + std::to_string(q.ext.dim) +
                            ": RoPE rotates pairs of channels, expected an even head_dim (or pass "
@@ -849,8 +904,14 @@ struct Memory {
   kvc::Index row_bytes = 0;  ///< one token of one head: its K row + V row
   kvc::Index input_tokens = 0;
   kvc::Index kept_tokens = 0;
+  bool moments = false;              ///< moment_kv: the moments of the evicted sets are reported too
+  kvc::Index moment_bytes = 0;       ///< all heads' moments (moment_state_bytes), in the storage dtype
+  kvc::Index moment_head_bytes = 0;  ///< one head's (moment_head_bytes)
 
   Memory& operator+=(Memory const& m) {
+    moments = m.moments;
+    moment_bytes += m.moment_bytes;
+    moment_head_bytes = m.moment_head_bytes;
     input_bytes += m.input_bytes;
     padded_bytes += m.padded_bytes;
     ragged_bytes += m.ragged_bytes;
@@ -890,6 +951,14 @@ void print_time(char const* command, PolicyInfo const& policy, std::string const
         ", \"padded_bytes\": " + std::to_string(m.padded_bytes) +
         ", \"ragged_bytes\": " + std::to_string(m.ragged_bytes) + ", \"row_bytes\": " + std::to_string(m.row_bytes) +
         ", \"input_tokens\": " + std::to_string(m.input_tokens) + ", \"kept_tokens\": " + std::to_string(m.kept_tokens);
+    if (m.moments) {
+      char ratio[64];
+      std::snprintf(
+          ratio, sizeof ratio, "%.9g",
+          m.ragged_bytes > 0 ? static_cast<double>(m.moment_bytes) / static_cast<double>(m.ragged_bytes) : 0.0);
+      memory += ", \"moment_bytes\": " + std::to_string(m.moment_bytes) +
+                ", \"moment_head_bytes\": " + std::to_string(m.moment_head_bytes) + ", \"moment_ratio\": " + ratio;
+    }
   }
   std::fprintf(io.err,
                "{\"command\": \"%s\", \"policy\": \"%s\"%s, \"seconds\": %.9g%s, \"repeats\": %d, \"bytes_read\": %zu, "
@@ -984,8 +1053,7 @@ struct Scratch {
   kvc::Workspace span() const { return {data.get(), size}; }
 };
 
-Scratch workspace(std::size_t bytes, Job const& job) {
-  std::string const what = "the workspace of policy " + std::string(job.policy.name) + " over " + job.context();
+Scratch workspace(std::size_t bytes, std::string const& what) {
   std::size_t const available = memory_bytes();
   if (bytes > available)
     fail(exit_invalid,
@@ -998,14 +1066,223 @@ Scratch workspace(std::size_t bytes, Job const& job) {
   return s;
 }
 
+Scratch workspace(std::size_t bytes, Job const& job) {
+  return workspace(bytes, "the workspace of policy " + std::string(job.policy.name) + " over " + job.context());
+}
+
+/// What every job of one compress call shares.
+struct CompressSettings {
+  AllocatorChoice alloc;
+  std::optional<double> ratio;
+  kvc::Index budget = 0;
+  kvc::Index threads = 1;
+  bool time = false;
+};
+
+// ---------------------------------------------------------------------------------------------------------------
+// MomentKV (tools/common/moment_kv.hpp): its score before any eviction, its prefill compression with the moments of
+// the evicted sets, and the moments' files (written by compress, read by attend).
+
+bool is_moment_kv(PolicyInfo const& policy) {
+  return std::string_view(policy.name) == "moment_kv";
+}
+
+/// The files of the moments, in --out-dir (compress) or --moments (attend).
+constexpr char const* moment_outputs[] = {"moment_count.npy", "moment_key_mean.npy", "moment_value_mean.npy",
+                                          "moment_comoment.npy"};
+
+/// Refuses moments of [batch, heads] heads of (d_v d_k + d_k + d_v) elements of MT when larger than the memory
+/// available: their size is the product of the keys' and the values' head dims, bounded by neither file.
+template <class MT>
+void check_moment_memory(kvc::KVExtents const& e, kvc::Index dim_v, std::string const& context) {
+  std::size_t const bytes = kvc::moment_state_bytes<MT>(e.batch, e.heads, e.dim, dim_v);
+  std::size_t const available = memory_bytes();
+  if (bytes > available)
+    fail(exit_invalid,
+         "the moments of " + context + " ([B, Hkv, d_v, d_k] = [" + std::to_string(e.batch) + ", " +
+             std::to_string(e.heads) + ", " + std::to_string(dim_v) + ", " + std::to_string(e.dim) + "]) need " +
+             (bytes == SIZE_MAX ? std::string("more than 2^64 bytes") : bytes_text(static_cast<double>(bytes))) +
+             ", more than the memory available (" + bytes_text(static_cast<double>(available)) + ")");
+}
+
+/// Calls fn(obs) with MomentKV's window queries (its base score reads the last window_size rows), after the checks
+/// kvc's other window policies get (with_observations).
+template <class C, class Fn>
+void with_moment_observations(kvc::SnapKVScorer const& base, C const& cache, Queries const& q,
+                              std::string const& keys_path, Fn&& fn) {
+  kvc::KVExtents const k = cache.keys.extents();
+  kvc::Index const used = base.window_size;
+  if (used > q.ext.tokens)
+    fail(exit_invalid, "queries file " + q.path + ": field 'shape': window (shape[2]) is " +
+                           std::to_string(q.ext.tokens) + ", but policy moment_kv reads the last " +
+                           std::to_string(used) +
+                           " query rows (--param window_size); pass more queries or a smaller window_size");
+  if (q.positions.empty() && used > k.tokens)
+    fail(exit_invalid, "keys file " + keys_path + ": field 'shape': tokens (shape[2]) is " + std::to_string(k.tokens) +
+                           ", but the last " + std::to_string(used) + " query rows sit at positions N - " +
+                           std::to_string(used) + " .. N - 1 (pass --positions P.npy)");
+  kvc::WindowQueries<float> const wq{
+      kvc::TokenRows<float const, kvc::StridedLayout>(q.rows.data(), kvc::bhtd_layout(q.ext)), q.rope,
+      q.positions.empty() ? nullptr : q.positions.data()};
+  fn(kvc::observe(wq));
+}
+
+/// The .npy dtype and bytes of moments stored as MT: float32 and float16 as they are, bfloat16 widened to float32
+/// (exactly: .npy has no bfloat16).
+template <class MT>
+constexpr kvc::NpyDtype moment_npy_dtype() {
+  return std::is_same_v<MT, kvc::half> ? kvc::NpyDtype::f16 : kvc::NpyDtype::f32;
+}
+template <class MT>
+std::vector<std::byte> moment_npy_bytes(std::vector<MT> const& v, std::string const& what) {
+  if constexpr (std::is_same_v<MT, kvc::bfloat16>) {
+    std::vector<std::byte> out = buffer<std::byte>(v.size() * sizeof(float), what);
+    for (std::size_t i = 0; i < v.size(); ++i) {
+      float const f = kvc::to_float(v[i]);
+      std::memcpy(out.data() + i * sizeof(float), &f, sizeof(float));
+    }
+    return out;
+  } else {
+    std::vector<std::byte> out = buffer<std::byte>(v.size() * sizeof(MT), what);
+    if (!v.empty())
+      std::memcpy(out.data(), v.data(), out.size());
+    return out;
+  }
+}
+
+/// The moments a compress job writes, and their memory.
+struct MomentFiles {
+  kvc::NpyDtype dtype = kvc::NpyDtype::f32;
+  std::vector<kvc::Index> count;
+  std::vector<std::byte> key_mean, value_mean, comoment;
+  kvc::Index bytes = 0, head_bytes = 0;  ///< in the storage dtype (moment_state_bytes, moment_head_bytes)
+};
+
+/// MomentKV's compression of one loaded job: kvc::moment_kv_prefill (mi=true), or with mi=false the base score's
+/// selection (kvc::compress over Press{scorer.base, selector}) then kvc::on_evict and kvc::compact, over a cache with
+/// a per-head length table and a positions table equal to the slot numbers. Leaves the input arrays compacted in
+/// place (each head's kept rows first), `counts` each head's kept count, `slots` [B, Hkv, N] the original slot of
+/// each kept row, and the moments of the evicted sets in `files`. With --time, each of the timed repeats compresses
+/// the original input again (restored untimed), and `timing` gets the whole compression's median.
+void compress_moment_kv(Job& job, CompressSettings const& s, kvc::Cpu const& cpu, std::vector<kvc::Index>& counts,
+                        std::vector<kvc::Index>& slots, MomentFiles& files, Timing& timing) {
+  MomentKVConfig const cfg = moment_kv_config(job.params);
+  kvc::KVExtents const e = extents_of(job.keys);
+  kvc::Index const dv = job.values->array.shape[3];
+  auto const rows = static_cast<std::size_t>(e.rows()), heads = static_cast<std::size_t>(e.batch * e.heads);
+  std::vector<kvc::Index>& lengths = counts;  // [B, Hkv], the plan's counts (sized by the caller)
+  lengths.resize(heads);
+  slots = buffer<kvc::Index>(rows, "the positions of " + job.context());
+  std::vector<std::byte> keys0, values0;  // the input, restored before each timed repeat
+  if (s.time) {
+    keys0 = buffer<std::byte>(job.keys.array.data.size(), "a copy of " + job.keys.path);
+    values0 = buffer<std::byte>(job.values->array.data.size(), "a copy of " + job.values->path);
+    std::copy(job.keys.array.data.begin(), job.keys.array.data.end(), keys0.begin());
+    std::copy(job.values->array.data.begin(), job.values->array.data.end(), values0.begin());
+  }
+  Selection const sel{cfg.n_sink, cfg.n_recent};
+  with_cache(job.keys, &*job.values, KeyRange::logits, [&](auto const& plain) {
+    auto const cache =
+        kvc::make_cache(plain.keys, plain.values, kvc::head_lengths(lengths.data(), e.heads), slots.data());
+    with_moment_observations(cfg.scorer.base, cache, job.queries, job.keys.path, [&](auto const& obs) {
+      with_selection(s.alloc, job.params, sel, s.ratio, s.budget, e.tokens, [&](auto const& selector) {
+        with_moment_storage(cfg.storage, [&](auto tag) {
+          using MT = decltype(tag);
+          check_moment_memory<MT>(e, dv, job.context());
+          HostMoments<MT> m(e.batch, e.heads, e.dim, dv);
+          kvc::MomentKVScorer<kvc::HostSpace, MT> scorer;
+          scorer.state = m.view;
+          scorer.base = cfg.scorer.base;
+          scorer.scale = cfg.scorer.scale;
+          scorer.clamp_tau = cfg.scorer.clamp_tau;
+          scorer.prefill_rounds = cfg.scorer.prefill_rounds;
+          kvc::Press const press{scorer.base, selector};  // mi=false: the base score's selection
+          std::size_t const bytes = cfg.mi ? kvc::moment_kv_prefill_workspace_bytes(cpu, scorer, selector, e, obs)
+                                           : std::max(kvc::compress_workspace_bytes(cpu, press, e, obs),
+                                                      kvc::on_evict_workspace_bytes(cpu, scorer, e));
+          Scratch const ws = workspace(bytes, job);
+          std::vector<kvc::Index> plan_index, plan_counts;
+          if (!cfg.mi) {
+            plan_index = buffer<kvc::Index>(rows, "the keep plan of " + job.context());
+            plan_counts = buffer<kvc::Index>(heads, "the keep plan of " + job.context());
+          }
+          auto once = [&] {
+            std::fill(lengths.begin(), lengths.end(), e.tokens);
+            for (std::size_t i = 0; i < rows; ++i)
+              slots[i] = static_cast<kvc::Index>(i) % e.tokens;
+            std::fill(m.count.begin(), m.count.end(), 0);
+            std::fill(m.key_mean.begin(), m.key_mean.end(), kvc::from_float<MT>(0.0f));
+            std::fill(m.value_mean.begin(), m.value_mean.end(), kvc::from_float<MT>(0.0f));
+            std::fill(m.comoment.begin(), m.comoment.end(), kvc::from_float<MT>(0.0f));
+            if (cfg.mi) {
+              check_status(kvc::moment_kv_prefill(cpu, scorer, selector, cache, obs, ws.span()), job.context());
+            } else {
+              kvc::KeepPlan<> const plan{plan_index.data(), plan_counts.data(), e.batch, e.heads, e.tokens};
+              check_status(kvc::compress(cpu, press, cache, obs, plan, ws.span()), job.context());
+              check_status(kvc::on_evict(cpu, scorer, cache, plan, ws.span()), job.context());
+              check_status(kvc::compact(cpu, plan, cache), job.context());
+            }
+          };
+          if (s.time) {
+            std::vector<double> seconds;
+            for (int r = 0; r < timing_repeats; ++r) {
+              if (r > 0) {
+                std::copy(keys0.begin(), keys0.end(), job.keys.array.data.begin());
+                std::copy(values0.begin(), values0.end(), job.values->array.data.begin());
+              }
+              seconds.push_back(median_seconds(1, once));
+            }
+            std::sort(seconds.begin(), seconds.end());
+            timing = {seconds[seconds.size() / 2], -1, ws.size, s.threads, job.bytes_read(), std::nullopt};
+          } else {
+            once();
+          }
+          // Moments that overflowed their storage (values or keys too large for the co-moment) are refused, so
+          // that every file written reads back in `kvc attend`.
+          for (kvc::Index bh = 0; bh < e.batch * e.heads; ++bh) {
+            kvc::Index const b = bh / e.heads, h = bh % e.heads;
+            auto finite = [](MT const* x, kvc::Index n) {
+              return std::all_of(x, x + n, [](MT v) { return std::isfinite(kvc::to_float(v)); });
+            };
+            if (!finite(m.view.key_mean_of(b, h), e.dim) || !finite(m.view.value_mean_of(b, h), dv) ||
+                !finite(m.view.comoment_of(b, h), e.dim * dv))
+              fail(exit_invalid,
+                   "values file " + job.values->path + " / keys file " + job.keys.path +
+                       ": the moments of the evicted set of head (" + std::to_string(b) + ", " + std::to_string(h) +
+                       ") are not finite in " + job.params.at("storage") +
+                       " (values or keys too large for the co-moment sum (v - v_mean)(k - k_mean)^T" +
+                       (std::is_same_v<MT, float> ? std::string(")") : std::string("); try --param storage=fp32")));
+          }
+          std::string const what = "the moments of " + job.context();
+          files.dtype = moment_npy_dtype<MT>();
+          files.count = buffer<kvc::Index>(heads, what);
+          std::copy(m.count.begin(), m.count.end(), files.count.begin());
+          files.key_mean = moment_npy_bytes(m.key_mean, what);
+          files.value_mean = moment_npy_bytes(m.value_mean, what);
+          files.comoment = moment_npy_bytes(m.comoment, what);
+          files.bytes = static_cast<kvc::Index>(m.bytes());
+          files.head_bytes = static_cast<kvc::Index>(kvc::moment_head_bytes(e.dim, dv, sizeof(MT)));
+        });
+      });
+    });
+  });
+}
+
 int cmd_score(Options const& o) {
   if (!o.has("--policy") || !o.has("--keys") || !o.has("--out"))
     fail(exit_usage, "score needs --policy, --keys and --out");
   Job job(find_policy(o.get("--policy")));
   check_job(o, false, job);
-  if (job.policy.reads_values && !o.has("--values") && job.params.at("use_vnorm") != "false")
+  bool const moment_kv = is_moment_kv(job.policy);
+  if (moment_kv && job.params.at("mi") != "false" && !o.has("--values"))
+    fail(exit_usage,
+         "policy moment_kv weights scores by the norms of the values' residuals: pass --values V.npy "
+         "(or --param mi=false for the base score alone)");
+  if (!moment_kv && job.policy.reads_values && !o.has("--values") && job.params.at("use_vnorm") != "false")
     fail(exit_usage, std::string("policy ") + job.policy.name +
                          " weights scores by the value norms: pass --values V.npy (or --param use_vnorm=false)");
+  std::optional<MomentKVConfig> const moment_config =
+      moment_kv ? std::optional(moment_kv_config(job.params)) : std::nullopt;  // bad values exit 3 before reading
   check_outputs(option_inputs(o), {o.get("--out")}, "--out");
   load_job(option_files(o), job);
   kvc::KVExtents const e = extents_of(job.keys);
@@ -1013,7 +1290,7 @@ int cmd_score(Options const& o) {
   kvc::ThreadPool pool(threads);
   kvc::Cpu const cpu = threads > 1 ? pool.cpu() : kvc::Cpu{};
   std::vector<float> scores = buffer<float>(static_cast<std::size_t>(e.rows()), "the scores of " + job.context());
-  job.run([&](auto const& scorer, Selection, auto const& cache, auto const& obs) {
+  auto score_with = [&](auto const& scorer, auto const& cache, auto const& obs) {
     Scratch const ws = workspace(kvc::score_workspace_bytes(cpu, scorer, e, obs), job);
     kvc::ScoreSpan<> out{scores.data(), e.batch, e.heads, e.tokens};
     auto once = [&] { check_status(kvc::score(cpu, scorer, cache, obs, out, ws.span()), job.context()); };
@@ -1021,7 +1298,29 @@ int cmd_score(Options const& o) {
     if (o.time)
       print_time("score", job.policy, "", "",
                  {median_seconds(timing_repeats, once), -1, ws.size, threads, job.bytes_read(), std::nullopt});
-  });
+  };
+  if (moment_kv) {
+    // MomentKV's score before any eviction (spec §4): empty moments, so r_j = v_j and the score is the base
+    // score times ||v_j|| (mi=false: the base score alone). The moments' storage does not change it.
+    MomentKVConfig const& cfg = *moment_config;
+    with_cache(job.keys, job.values ? &*job.values : nullptr, KeyRange::logits, [&](auto const& cache) {
+      with_moment_observations(cfg.scorer.base, cache, job.queries, job.keys.path, [&](auto const& obs) {
+        if (!cfg.mi) {
+          score_with(cfg.scorer.base, cache, obs);
+          return;
+        }
+        kvc::Index const dv = job.values->array.shape[3];
+        check_moment_memory<float>(e, dv, job.context());
+        HostMoments<float> const m(e.batch, e.heads, e.dim, dv);
+        kvc::MomentKVScorer<> scorer = cfg.scorer;
+        scorer.state = m.view;
+        score_with(scorer, cache, obs);
+      });
+    });
+    write_outputs({{o.get("--out"), kvc::NpyDtype::f32, {e.batch, e.heads, e.tokens}, scores.data()}});
+    return 0;
+  }
+  job.run([&](auto const& scorer, Selection, auto const& cache, auto const& obs) { score_with(scorer, cache, obs); });
   write_outputs({{o.get("--out"), kvc::NpyDtype::f32, {e.batch, e.heads, e.tokens}, scores.data()}});
   return 0;
 }
@@ -1034,15 +1333,6 @@ int cmd_score(Options const& o) {
 constexpr char const* compress_outputs[] = {"keys.npy", "values.npy", "indices.npy", "counts.npy"};
 constexpr char const* ragged_outputs[] = {"ragged_keys.npy", "ragged_values.npy", "offsets.npy"};
 
-/// What every job of one compress call shares.
-struct CompressSettings {
-  AllocatorChoice alloc;
-  std::optional<double> ratio;
-  kvc::Index budget = 0;
-  kvc::Index threads = 1;
-  bool time = false;
-};
-
 /// One job's results: the arrays to write (kept until staged) and what --time prints.
 struct Compressed {
   kvc::KVExtents ext{};
@@ -1052,6 +1342,7 @@ struct Compressed {
   std::vector<kvc::Index> indices, counts, offsets;
   kvc::RaggedShape ragged{};
   Timing timing;
+  std::optional<MomentFiles> moments;  ///< moment_kv
 
   std::vector<Output> outputs(std::string const& dir, bool ragged_store) const {
     kvc::KVExtents const e = ext;
@@ -1065,6 +1356,13 @@ struct Compressed {
       out.push_back({d + ragged_outputs[0], k_dtype, {ragged.rows, e.dim}, ragged_keys.data()});
       out.push_back({d + ragged_outputs[1], v_dtype, {ragged.rows, dim_v}, ragged_values.data()});
       out.push_back({d + ragged_outputs[2], kvc::NpyDtype::i64, {e.batch * e.heads + 1}, offsets.data()});
+    }
+    if (moments) {
+      MomentFiles const& m = *moments;
+      out.push_back({d + moment_outputs[0], kvc::NpyDtype::i64, {e.batch, e.heads}, m.count.data()});
+      out.push_back({d + moment_outputs[1], m.dtype, {e.batch, e.heads, e.dim}, m.key_mean.data()});
+      out.push_back({d + moment_outputs[2], m.dtype, {e.batch, e.heads, dim_v}, m.value_mean.data()});
+      out.push_back({d + moment_outputs[3], m.dtype, {e.batch, e.heads, dim_v, e.dim}, m.comoment.data()});
     }
     return out;
   }
@@ -1102,7 +1400,16 @@ Compressed compress_job(Job& job, CompressSettings const& s) {
   kvc::KeepPlan<> plan{index.data(), c.counts.data(), e.batch, e.heads, e.tokens};
   kvc::ThreadPool pool(s.threads);
   kvc::Cpu const cpu = s.threads > 1 ? pool.cpu() : kvc::Cpu{};
-  {
+  std::vector<kvc::Index> slots;  // moment_kv: the original slot of each kept row
+  if (is_moment_kv(job.policy)) {
+    // MomentKV compacts the input in place over its rounds: the plan below keeps each head's first `count` rows
+    // (compaction and gather are then copies of what is there), and `slots` gives indices.npy.
+    c.moments.emplace();
+    compress_moment_kv(job, s, cpu, c.counts, slots, *c.moments, c.timing);
+    for (kvc::Index bh = 0; bh < e.batch * e.heads; ++bh)
+      for (kvc::Index j = 0; j < c.counts[static_cast<std::size_t>(bh)]; ++j)
+        index[static_cast<std::size_t>(bh * e.tokens + j)] = j;
+  } else {
     std::vector<float> scores = buffer<float>(rows, "the scores of " + job.context());
     // kvc::compress is kvc::score then kvc::select; they are called one by one so that --time reports each. Each
     // scorer compiles the two selections with_selection yields (TopKSelector, AdaKVSelector over ToolBudget).
@@ -1172,6 +1479,11 @@ Compressed compress_job(Job& job, CompressSettings const& s) {
   });
   m.input_tokens = e.rows();
   m.kept_tokens = c.ragged.rows;
+  if (c.moments) {
+    m.moments = true;
+    m.moment_bytes = c.moments->bytes;
+    m.moment_head_bytes = c.moments->head_bytes;
+  }
   c.timing.memory = m;
 
   // Repack [B, H, kept_max, d]: compaction left each head's kept rows in its first slots. Every size is at most the
@@ -1190,8 +1502,9 @@ Compressed compress_job(Job& job, CompressSettings const& s) {
   c.v_dtype = npy_dtype(values);
   c.indices =
       buffer<kvc::Index>(heads * static_cast<std::size_t>(c.kept_max), "the kept indices of " + job.context(), -1);
+  std::vector<kvc::Index> const& kept = slots.empty() ? index : slots;
   for (kvc::Index bh = 0; bh < e.batch * e.heads; ++bh)
-    std::copy_n(index.data() + bh * e.tokens, c.counts[static_cast<std::size_t>(bh)],
+    std::copy_n(kept.data() + bh * e.tokens, c.counts[static_cast<std::size_t>(bh)],
                 c.indices.data() + bh * c.kept_max);
   c.keys = repack(keys);
   c.values = repack(values);
@@ -1341,6 +1654,8 @@ int cmd_compress(Options const& o) {
   if (setup.params.count("reference"))
     reference_of(setup.params);
   with_selection(s.alloc, setup.params, Selection{}, s.ratio, s.budget, 0, [](auto const&) {});
+  if (is_moment_kv(setup.policy))
+    moment_kv_config(setup.params);
   std::string const out_dir = o.get("--out-dir");
   struct stat st {};
   if (::stat(out_dir.c_str(), &st) == 0 && !S_ISDIR(st.st_mode))
@@ -1384,6 +1699,9 @@ int cmd_compress(Options const& o) {
       outputs.push_back(dir + "/" + name);
     if (s.alloc.any())
       for (char const* name : ragged_outputs)
+        outputs.push_back(dir + "/" + name);
+    if (is_moment_kv(setup.policy))
+      for (char const* name : moment_outputs)
         outputs.push_back(dir + "/" + name);
   }
   check_outputs(inputs, outputs, "output file");
@@ -1436,6 +1754,348 @@ int cmd_compress(Options const& o) {
     }
     if (d)
       print_time("compress", setup.policy, alloc, ", \"layers\": " + std::to_string(d->layers), total);
+  }
+  return 0;
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// attend: attention of queries over a (compressed) cache, plain (kvc::attend) and corrected by MomentKV's moments
+// (kvc::attend_corrected).
+
+constexpr char const* attend_outputs[] = {"out.npy", "lse.npy", "plain_out.npy", "plain_lse.npy"};
+
+/// "(1, 2, 3)".
+std::string shape_text(std::vector<kvc::Index> const& shape) {
+  std::string t = "(";
+  for (std::size_t i = 0; i < shape.size(); ++i)
+    t += (i ? ", " : "") + std::to_string(shape[i]);
+  return t + ")";
+}
+
+/// attend's parameters: the correction's order and clamp (moment_kv's, with its defaults), the logit scale and how
+/// the queries are read.
+struct AttendSettings {
+  kvc::CorrectedAttention op{};
+  bool pre_rope = false;
+  kvc::RopeSpec rope{};
+};
+
+AttendSettings attend_settings(Options const& o) {
+  PolicyInfo const& mk = find_policy("moment_kv");
+  std::vector<ParamInfo> const infos = {
+      *find_param(mk, "order"),
+      *find_param(mk, "clamp_tau"),
+      {"scale", "0", "the logit scale c in [0, 1]; 0: 1 / sqrt(d)"},
+      {"queries", "post_rope", "post_rope (as given) or pre_rope (rotated with --rope)", Stage::queries}};
+  bool const moments = o.has("--moments");
+  Params p;
+  for (std::string const& kv : o.params) {
+    std::size_t const eq = kv.find('=');
+    if (eq == std::string::npos || eq == 0)
+      fail(exit_usage, "--param '" + kv + "': expected NAME=VALUE");
+    std::string const key = kv.substr(0, eq);
+    if (std::none_of(infos.begin(), infos.end(), [&](ParamInfo const& i) { return key == i.name; }))
+      fail(exit_usage, "--param '" + key + "' is not a parameter of `kvc attend` (its parameters: order, clamp_tau, " +
+                           "scale, queries)");
+    if ((key == "order" || key == "clamp_tau") && !moments)
+      fail(exit_usage, "--param " + key + " sets the correction by the moments: pass --moments DIR");
+    if (!p.emplace(key, kv.substr(eq + 1)).second)
+      fail(exit_usage, "--param '" + key + "' given twice");
+  }
+  bool const post_rope_given = p.count("queries") && p.at("queries") == "post_rope";
+  if (o.has("--rope") && post_rope_given)
+    fail(exit_usage, "--rope given, but --param queries=post_rope: post-RoPE queries are used as given");
+  for (ParamInfo const& i : infos)
+    p.emplace(i.name, i.default_value);
+  AttendSettings s;
+  s.op.order =
+      choice<kvc::MomentOrder>(p, "order", {{"first", kvc::MomentOrder::first}, {"zeroth", kvc::MomentOrder::zeroth}});
+  s.op.clamp_tau = static_cast<float>(parse_real(p, "clamp_tau", 0.0, 1e30));
+  s.op.attention.scale = static_cast<float>(parse_real(p, "scale", 0.0, 1.0));
+  s.pre_rope = pre_rope(p) || o.has("--rope");
+  if (o.has("--rope"))
+    s.rope = parse_rope(o.get("--rope"));
+  return s;
+}
+
+/// The largest position --indices may hold (so that one past it, the context's end, cannot overflow).
+constexpr kvc::Index max_indexed_position = kvc::Index{1} << 62;
+
+/// --indices I.npy: int64 [B, Hkv, N], each head's original positions ascending, then -1 padding (compress's
+/// indices.npy). Fills each head's length and the positions table.
+void load_indices(std::string const& path, kvc::KVExtents const& k, std::vector<kvc::Index>& lengths,
+                  std::vector<kvc::Index>& positions) {
+  std::string const where = "indices file " + path + ": ";
+  Array a;
+  read_array(path, where, a);
+  if (a.elem != Elem::i64)
+    fail(exit_invalid, where + a.dtype_error("'<i8' (int64)", "I64"));
+  if (a.shape != std::vector<kvc::Index>{k.batch, k.heads, k.tokens})
+    fail(exit_invalid, where + "field 'shape' is " + shape_text(a.shape) + ", expected [B, Hkv, N] = [" +
+                           std::to_string(k.batch) + ", " + std::to_string(k.heads) + ", " + std::to_string(k.tokens) +
+                           "] (the keys' shape[0], shape[1] and shape[2])");
+  auto const heads = static_cast<std::size_t>(k.batch * k.heads);
+  lengths = buffer<kvc::Index>(heads, "the lengths of " + path);
+  positions = buffer<kvc::Index>(static_cast<std::size_t>(a.size()), "the positions of " + path);
+  std::copy_n(a.as<std::int64_t>(), a.size(), positions.data());
+  for (std::size_t bh = 0; bh < heads; ++bh) {
+    kvc::Index const* row = positions.data() + bh * static_cast<std::size_t>(k.tokens);
+    kvc::Index n = 0;
+    while (n < k.tokens && row[n] >= 0)
+      ++n;
+    lengths[bh] = n;
+    for (kvc::Index t = 0; t < k.tokens; ++t) {
+      std::string const at = "field 'data': head (" + std::to_string(bh / static_cast<std::size_t>(k.heads)) + ", " +
+                             std::to_string(bh % static_cast<std::size_t>(k.heads)) + ") slot " + std::to_string(t) +
+                             " holds " + std::to_string(row[t]);
+      if (t < n && (row[t] >= max_indexed_position || (t > 0 && row[t] <= row[t - 1])))
+        fail(exit_invalid, where + at + ", expected positions ascending strictly, in [0, 2^62), then -1 padding");
+      if (t >= n && row[t] != -1)
+        fail(exit_invalid, where + at + ", expected -1 (padding: the head's count is " + std::to_string(n) + ")");
+    }
+  }
+}
+
+/// The moments --moments DIR holds (moment_count.npy, moment_key_mean.npy, moment_value_mean.npy,
+/// moment_comoment.npy, as compress writes them), checked against the cache: keys [B, Hkv, N, d_k], values' d_v.
+struct MomentInputs {
+  std::string dir;
+  Array key_mean, value_mean, comoment;
+  std::vector<kvc::Index> count;
+  std::size_t file_bytes = 0;
+
+  std::string path(std::size_t i) const { return dir + "/" + moment_outputs[i]; }
+  /// Calls fn(MomentState<HostSpace, MT>) over the arrays (MT float or kvc::half: their dtype).
+  template <class Fn>
+  void with_state(kvc::KVExtents const& k, kvc::Index dv, Fn&& fn) {
+    auto run = [&](auto tag) {
+      using MT = decltype(tag);
+      fn(kvc::MomentState<kvc::HostSpace, MT>{
+          count.data(), reinterpret_cast<MT*>(key_mean.data.data()), reinterpret_cast<MT*>(value_mean.data.data()),
+          reinterpret_cast<MT*>(comoment.data.data()), k.batch, k.heads, k.dim, dv});
+    };
+    if (key_mean.elem == Elem::f16)
+      run(kvc::half{});
+    else
+      run(float{});
+  }
+};
+
+void load_moment_inputs(std::string const& dir, kvc::KVExtents const& k, kvc::Index dv, MomentInputs& m) {
+  m.dir = dir;
+  std::string const dims = "(the keys' batch and KV heads";
+  auto expect_shape = [&](Array const& a, std::size_t i, std::vector<kvc::Index> const& want, std::string const& what) {
+    if (a.shape != want)
+      fail(exit_invalid,
+           "moments file " + m.path(i) + ": field 'shape' is " + shape_text(a.shape) + ", expected " + what + " = " +
+               shape_text(want) + " " + dims +
+               (want.size() > 2 ? std::string(", the keys' head_dim d_k and the values' d_v)") : std::string(")")));
+  };
+  Array count;
+  read_array(m.path(0), "moments file " + m.path(0) + ": ", count);
+  if (count.elem != Elem::i64)
+    fail(exit_invalid, "moments file " + m.path(0) + ": " + count.dtype_error("'<i8' (int64)", "I64"));
+  expect_shape(count, 0, {k.batch, k.heads}, "[B, Hkv]");
+  m.count = buffer<kvc::Index>(static_cast<std::size_t>(count.size()), "the moments of " + dir);
+  std::copy_n(count.as<std::int64_t>(), count.size(), m.count.data());
+  for (std::size_t i = 0; i < m.count.size(); ++i)
+    if (m.count[i] < 0)
+      fail(exit_invalid, "moments file " + m.path(0) + ": field 'data': the count of head (" +
+                             std::to_string(i / static_cast<std::size_t>(k.heads)) + ", " +
+                             std::to_string(i % static_cast<std::size_t>(k.heads)) + ") is " +
+                             std::to_string(m.count[i]) + ", expected >= 0 (evicted tokens)");
+  m.file_bytes = count.data.size();
+  Array* arrays[] = {&m.key_mean, &m.value_mean, &m.comoment};
+  std::vector<kvc::Index> const shapes[] = {
+      {k.batch, k.heads, k.dim}, {k.batch, k.heads, dv}, {k.batch, k.heads, dv, k.dim}};
+  char const* const names[] = {"[B, Hkv, d_k]", "[B, Hkv, d_v]", "[B, Hkv, d_v, d_k]"};
+  for (std::size_t i = 0; i < 3; ++i) {
+    Array& a = *arrays[i];
+    std::string const where = "moments file " + m.path(i + 1) + ": ";
+    read_array(m.path(i + 1), where, a);
+    if (a.elem != Elem::f32 && a.elem != Elem::f16)
+      fail(exit_invalid, where + a.dtype_error("'<f4' (float32) or '<f2' (float16)", "F32 or F16"));
+    if (i > 0 && a.elem != m.key_mean.elem)
+      fail(exit_invalid, where + "field 'descr' is " + a.dtype_text + ", expected " + m.key_mean.dtype_text + " (" +
+                             moment_outputs[1] + "'s: the moments share one dtype)");
+    expect_shape(a, i + 1, shapes[i], names[i]);
+    for (kvc::Index j = 0; j < a.size(); ++j) {
+      float const x = a.elem == Elem::f16 ? kvc::to_float(a.as<kvc::half>()[j]) : a.as<float>()[j];
+      if (!std::isfinite(x))
+        fail(exit_invalid,
+             where + "field 'data' holds NaN or Inf (element " + std::to_string(j) + "), expected finite values");
+      if (i == 0 && !kvc::in_exact_range(x, k.dim))
+        fail(exit_invalid, where + "field 'data': element " + std::to_string(j) + " is " + short_number(x) + ", " +
+                               range_text(k.dim));
+    }
+    m.file_bytes += a.data.size();
+  }
+}
+
+int cmd_attend(Options const& o) {
+  if (!o.has("--keys") || !o.has("--values") || !o.has("--queries") || !o.has("--out-dir"))
+    fail(exit_usage, "attend needs --keys, --values, --queries and --out-dir");
+  AttendSettings const a = attend_settings(o);
+  bool const moments = o.has("--moments");
+  std::string const out_dir = o.get("--out-dir");
+  struct stat st {};
+  if (::stat(out_dir.c_str(), &st) == 0 && !S_ISDIR(st.st_mode))
+    fail(exit_invalid, "--out-dir " + out_dir + " exists and is not a directory");
+  std::vector<NamedInput> inputs = option_inputs(o);
+  if (moments)
+    for (char const* name : moment_outputs)
+      inputs.emplace_back("--moments file", o.get("--moments") + "/" + name);
+  std::vector<std::string> outputs;
+  for (std::size_t i = 0; i < (moments ? 4u : 2u); ++i)
+    outputs.push_back(out_dir + "/" + attend_outputs[i]);
+  check_outputs(inputs, outputs, "output file");
+  kvc::Index const threads = thread_count(o);
+
+  Input const keys = load_tensor(o.get("--keys"), "keys", kv_dims);
+  Input const values = load_tensor(o.get("--values"), "values", kv_dims);
+  kvc::KVExtents const k = extents_of(keys);
+  kvc::Index const dv = values.array.shape[3];
+  std::vector<kvc::Index> lengths, key_positions;  // --indices
+  if (o.has("--indices"))
+    load_indices(o.get("--indices"), k, lengths, key_positions);
+  Queries q;
+  load_queries(o.get("--queries"), o.get("--positions"), k, keys.path, false, a.rope, q);
+  kvc::Index const n = q.ext.tokens;
+  if (q.positions.empty()) {  // the cache's last n positions, as kvc::attend takes them (kvc::context_end)
+    q.positions = buffer<kvc::Index>(static_cast<std::size_t>(q.ext.batch * n), "the positions of " + q.path);
+    for (kvc::Index b = 0; b < k.batch; ++b) {
+      kvc::Index end = 0;
+      for (kvc::Index h = 0; h < k.heads; ++h) {
+        auto const bh = static_cast<std::size_t>(b * k.heads + h);
+        kvc::Index const len = lengths.empty() ? k.tokens : lengths[bh];
+        kvc::Index const last =
+            len == 0
+                ? 0
+                : (key_positions.empty()
+                       ? len
+                       : key_positions[bh * static_cast<std::size_t>(k.tokens) + static_cast<std::size_t>(len - 1)] +
+                             1);
+        end = std::max(end, last);
+      }
+      if (end < n)
+        fail(exit_invalid, "queries file " + q.path + ": field 'shape': " + std::to_string(n) +
+                               " query rows (shape[2]) would sit at the cache's last positions, but sequence " +
+                               std::to_string(b) + "'s cache ends at position " + std::to_string(end) +
+                               " (pass --positions P.npy)");
+      for (kvc::Index i = 0; i < n; ++i)
+        q.positions[static_cast<std::size_t>(b * n + i)] = end - n + i;
+    }
+  }
+  if (a.pre_rope) {
+    kvc::Index const max_position = *std::max_element(q.positions.begin(), q.positions.end());
+    std::size_t const per_position = static_cast<std::size_t>(q.ext.dim) * sizeof(float);
+    if (static_cast<std::size_t>(max_position) >= max_rope_table_bytes / per_position)
+      fail(exit_invalid, "queries file " + q.path + ": position " + std::to_string(max_position) +
+                             " needs a RoPE table over 1 GiB; expected positions < " +
+                             std::to_string(max_rope_table_bytes / per_position));
+    fill_query_rope(a.rope, max_position, q);
+    for (kvc::Index r = 0; r < q.ext.rows(); ++r) {  // row (b, head, i) rotated to position positions[b, i]
+      kvc::Index const b = r / (q.ext.heads * n), i = r % n;
+      q.rope.rotate(q.rows.data() + r * q.ext.dim, q.positions[static_cast<std::size_t>(b * n + i)]);
+    }
+  }
+  MomentInputs mi;
+  if (moments)
+    load_moment_inputs(o.get("--moments"), k, dv, mi);
+
+  std::size_t const out_size = kvc::bytes_product(q.ext.rows(), dv);
+  std::string const what = "the attention output of " + q.path;
+  std::vector<float> out = buffer<float>(out_size, what),
+                     lse = buffer<float>(static_cast<std::size_t>(q.ext.rows()), what);
+  std::vector<float> plain_out, plain_lse;
+  if (moments) {
+    plain_out = buffer<float>(out_size, what);
+    plain_lse = buffer<float>(static_cast<std::size_t>(q.ext.rows()), what);
+  }
+  kvc::ThreadPool pool(threads);
+  kvc::Cpu const cpu = threads > 1 ? pool.cpu() : kvc::Cpu{};
+  std::string const context = "keys file " + keys.path + " / queries file " + q.path;
+  double seconds = 0, corrected_seconds = -1;
+  std::size_t workspace_bytes = 0, moment_bytes = 0;
+  with_cache(keys, &values, KeyRange::logits, [&](auto const& plain) {
+    auto const cache = kvc::make_cache(plain.keys, plain.values,
+                                       lengths.empty() ? kvc::Lengths{} : kvc::head_lengths(lengths.data(), k.heads),
+                                       key_positions.empty() ? nullptr : key_positions.data());
+    kvc::AttendQueries<float> const aq{
+        kvc::TokenRows<float const, kvc::StridedLayout>(q.rows.data(), kvc::bhtd_layout(q.ext)), q.positions.data()};
+    float* const plain_o = moments ? plain_out.data() : out.data();
+    float* const plain_l = moments ? plain_lse.data() : lse.data();
+    Scratch const ws = workspace(kvc::attend_workspace_bytes(cpu, a.op.attention, aq, cache),
+                                 "the attention's workspace over " + context);
+    auto plain_once = [&] {
+      check_status(kvc::attend(cpu, a.op.attention, aq, cache, kvc::AttendOutput<>{plain_o, plain_l}, ws.span()),
+                   context);
+    };
+    plain_once();
+    workspace_bytes = ws.size;
+    if (o.time)
+      seconds = median_seconds(timing_repeats, plain_once);
+    if (!moments)
+      return;
+    mi.with_state(k, dv, [&](auto const& state) {
+      using MT = typename std::remove_cvref_t<decltype(state)>::value_type;
+      Scratch const cws = workspace(kvc::attend_corrected_workspace_bytes(cpu, a.op, aq, cache, state),
+                                    "the corrected attention's workspace over " + context);
+      auto corrected_once = [&] {
+        check_status(
+            kvc::attend_corrected(cpu, a.op, aq, cache, state, kvc::AttendOutput<>{out.data(), lse.data()}, cws.span()),
+            context + " / moments " + mi.dir);
+      };
+      corrected_once();
+      workspace_bytes = std::max(workspace_bytes, cws.size);
+      moment_bytes = kvc::moment_state_bytes<MT>(k.batch, k.heads, k.dim, dv);
+      if (o.time)
+        corrected_seconds = median_seconds(timing_repeats, corrected_once);
+    });
+  });
+  // The outputs are finite (lse may be -inf where a query sees nothing): moments too large for fp32 are refused.
+  for (std::size_t i = 0; i < out.size(); ++i)
+    if (!std::isfinite(out[i])) {
+      std::size_t const row = i / static_cast<std::size_t>(dv);
+      std::string const at = "[" + std::to_string(row / static_cast<std::size_t>(q.ext.heads * n)) + ", " +
+                             std::to_string(row / static_cast<std::size_t>(n) % static_cast<std::size_t>(q.ext.heads)) +
+                             ", " + std::to_string(row % static_cast<std::size_t>(n)) + "]";
+      fail(exit_invalid, moments ? "moments " + mi.dir + ": the corrected attention output of query " + at +
+                                       " is not finite in float32 (moment_comoment.npy or moment_value_mean.npy holds "
+                                       "values too large for the correction)"
+                                 : "the attention output of query " + at + " over " + context + " is not finite");
+    }
+  if (o.time) {
+    char corrected[64] = "";
+    if (corrected_seconds >= 0)
+      std::snprintf(corrected, sizeof corrected, ", \"corrected_seconds\": %.9g", corrected_seconds);
+    std::size_t const bytes_read = keys.array.data.size() + values.array.data.size() + q.file_bytes + mi.file_bytes;
+    std::fprintf(io.err,
+                 "{\"command\": \"attend\", \"seconds\": %.9g%s, \"repeats\": %d, \"bytes_read\": %zu, "
+                 "\"workspace_bytes\": %zu, \"moment_bytes\": %zu, \"threads\": %lld}\n",
+                 seconds, corrected, timing_repeats, bytes_read, workspace_bytes, moment_bytes,
+                 static_cast<long long>(threads));
+  }
+  std::vector<Output> files = {
+      {out_dir + "/" + attend_outputs[0], kvc::NpyDtype::f32, {q.ext.batch, q.ext.heads, n, dv}, out.data()},
+      {out_dir + "/" + attend_outputs[1], kvc::NpyDtype::f32, {q.ext.batch, q.ext.heads, n}, lse.data()}};
+  if (moments) {
+    files.push_back(
+        {out_dir + "/" + attend_outputs[2], kvc::NpyDtype::f32, {q.ext.batch, q.ext.heads, n, dv}, plain_out.data()});
+    files.push_back(
+        {out_dir + "/" + attend_outputs[3], kvc::NpyDtype::f32, {q.ext.batch, q.ext.heads, n}, plain_lse.data()});
+  }
+  std::vector<std::string> made;
+  Staged staged;
+  try {
+    make_folders(out_dir, made);
+    stage_outputs(files, staged);
+    commit_outputs(staged);
+  } catch (Failure const&) {
+    staged.files.clear();
+    for (auto folder = made.rbegin(); folder != made.rend(); ++folder)
+      ::rmdir(folder->c_str());
+    throw;
   }
   return 0;
 }
@@ -1498,6 +2158,8 @@ int run(int argc, char const* const* argv, std::FILE* out, std::FILE* err) {
       return cmd_score(o);
     if (name == "compress")
       return cmd_compress(o);
+    if (name == "attend")
+      return cmd_attend(o);
     return cmd_policies();
   } catch (Failure const& f) {
     std::fprintf(io.err, "kvc: error: %s\n", f.message.c_str());

@@ -36,6 +36,13 @@ B*H*max(count) padded rows and sum(count) ragged rows. With tinystories-656k's d
 meta.json written beside the oracle's layers, RoPE from the window case's meta.txt) must give every layer the
 PyramidKV schedule of that layer (pyramid_kv+ada_kv over SnapKV, authors; pyramid_kv over SnapKV, kvpress) on kvc's
 own SnapKV scores of the layer, and a total --time line that sums the layers'.
+MomentKV (always, on synthetic cases; and on every case of window_manifest.txt): `kvc score --policy moment_kv` must
+be alpha_j ||v_j|| (alpha: SnapKV's authors' window vote pooled in aligned chunks, moment_base) and alpha with
+mi=false; `kvc compress --policy moment_kv --budget L` must keep per head what a float64 replay of the prefill rounds
+keeps (mi_prefill), write the kept input rows and moments equal to those of the evicted rows (evicted_moments; 1e-4,
+2e-3 with fp16 storage); `kvc attend` over that cache with --indices and --moments (pre-RoPE decode queries past the
+prompt, --rope) must write plain_out/plain_lse/out/lse equal to the spec's formula evaluated in float64 from the
+files (corrected_attention; 1e-4 relative), for order=first and order=zeroth.
 Usage: check_cli.py KVC_BINARY VECTORS_DIR WORK_DIR
 """
 import json
@@ -485,13 +492,228 @@ def check_dump(kvc, vectors, work):
     return checked
 
 
+# --- MomentKV: compress --policy moment_kv (its moments), score with empty moments, and kvc attend -------------------
+
+def chunk_mean(x, k):
+    """MomentKV's pooling: each slot gets the mean of its aligned chunk [c k, (c + 1) k) (a last partial chunk
+    averages its own slots)."""
+    out = np.empty_like(x)
+    n = x.shape[-1]
+    for c0 in range(0, n, k):
+        out[..., c0:c0 + k] = x[..., c0:c0 + k].mean(axis=-1, keepdims=True)
+    return out
+
+
+def moment_base(keys, queries, w, kernel, theta, style):
+    """The base score alpha [B, Hkv, N]: SnapKV's authors' vote (window sum, group mean) pooled in aligned chunks;
+    the window's own tokens score max(prefix) + 1."""
+    logits = baselines.window_logits(queries[:, :, queries.shape[2] - w:], keys, None, theta, style)
+    p = baselines.causal_softmax(logits)
+    n = keys.shape[2]
+    prefix = baselines.reduce_group(p[..., : n - w].sum(axis=2), keys.shape[1], "mean")
+    return baselines.protect_tail(chunk_mean(prefix, kernel), w)
+
+
+def evicted_moments(keys, values, evicted):
+    """(n, k_mean, v_mean, C = sum (v - v_mean)(k - k_mean)^T) of the rows `evicted`, in float64 (spec §2.2)."""
+    k = keys[evicted].astype(np.float64)
+    v = values[evicted].astype(np.float64)
+    n = len(evicted)
+    if n == 0:
+        return 0, np.zeros(keys.shape[-1]), np.zeros(values.shape[-1]), np.zeros((values.shape[-1], keys.shape[-1]))
+    km, vm = k.mean(axis=0), v.mean(axis=0)
+    return n, km, vm, (v - vm).T @ (k - km)
+
+
+def mi_prefill(keys, values, alpha, budget, n_sink, n_recent, rounds, tau=1e-6):
+    """The prefill rounds of spec §9.1 for one head, in float64: each round scores alpha_j ||r_j|| under the moments
+    of the tokens evicted so far, keeps n - ceil((n - L) / rounds_left) with the first n_sink and last n_recent slots
+    protected, and folds the rest in. Returns the kept original slots."""
+    d = keys.shape[-1]
+    c = 1.0 / np.sqrt(d)
+    slots = np.arange(keys.shape[0])
+    evicted = []
+    for left in range(rounds, 0, -1):
+        n = len(slots)
+        if n <= budget:
+            continue
+        keep = n - (n - budget + left - 1) // left
+        ne, km, vm, cm = evicted_moments(keys, values, evicted)
+        v = values[slots].astype(np.float64)
+        if ne:
+            ct = np.where(np.abs(cm) < tau, 0.0, cm)
+            r = v - vm - (c / ne) * keys[slots].astype(np.float64) @ ct.T
+        else:
+            r = v
+        score = alpha[slots] * np.linalg.norm(r, axis=1)
+        protected = np.zeros(n, dtype=bool)
+        protected[:min(n_sink, n)] = True
+        protected[max(0, n - n_recent):] = True
+        order = sorted(range(n), key=lambda j: (not protected[j], -score[j], j))
+        kept = np.sort(np.array(order[:keep], dtype=np.int64))
+        evicted += [int(s) for s in np.setdiff1d(slots, slots[kept])]
+        slots = slots[kept]
+    return slots
+
+
+def corrected_attention(q, keys, values, kept_pos, q_pos, moments, order="first", tau=1e-6):
+    """The spec's §2.6 formula for one query row q over one KV head's kept rows (causal by position) and the
+    moments (n, k_mean, v_mean, C) of its evicted set: returns (plain out, plain lse, corrected out, corrected lse)."""
+    c = 1.0 / np.sqrt(q.shape[-1])
+    q = q.astype(np.float64)
+    visible = kept_pos <= q_pos
+    s = c * keys[visible].astype(np.float64) @ q
+    if s.size:
+        lse_r = np.log(np.exp(s - s.max()).sum()) + s.max()
+        o_r = np.exp(s - lse_r) @ values[visible].astype(np.float64)
+    else:
+        lse_r, o_r = -np.inf, np.zeros(values.shape[-1])
+    n, km, vm, cm = moments
+    if n == 0:
+        return o_r, lse_r, o_r, lse_r
+    f_e = vm + ((c / n) * np.where(np.abs(cm) < tau, 0.0, cm) @ q if order == "first" else 0.0)
+    lse_e = np.log(n) + c * q @ km
+    lse = np.logaddexp(lse_r, lse_e)
+    w_r = 0.0 if lse_r == -np.inf else np.exp(lse_r - lse)
+    return o_r, lse_r, w_r * o_r + np.exp(lse_e - lse) * f_e, lse
+
+
+def check_moment_case(kvc, work, label, keys, values, queries, w, theta, style, budget, extra):
+    """One case: score (empty moments), compress (kept set against mi_prefill, moments against the evicted rows),
+    attend (plain and corrected against corrected_attention), with pre-RoPE decode queries. Returns checks run."""
+    checked = 0
+    d = os.path.join(work, f"moment_{label}")
+    os.makedirs(d, exist_ok=True)
+    files = {"keys": keys, "values": values, "queries": queries}
+    for name, x in files.items():
+        np.save(os.path.join(d, f"{name}.npy"), x)
+    b_, h_, n, dk = keys.shape
+    params = {"window_size": w, **extra}
+    rope = ["--rope", f"theta={theta:g},style={style}"]
+    args = [a for k, v in params.items() for a in ("--param", f"{k}={v}")]
+    io = ["--keys", os.path.join(d, "keys.npy"), "--values", os.path.join(d, "values.npy"),
+          "--queries", os.path.join(d, "queries.npy")] + rope
+    kernel = int(params.get("kernel_size", 4))
+    alpha = moment_base(keys, queries, w, kernel, theta, style)
+
+    # kvc score: alpha_j ||v_j|| (empty moments); mi=false: alpha alone.
+    score_args = [a for k, v in params.items() if k not in ("n_sink", "n_recent") for a in ("--param", f"{k}={v}")]
+    for mi in ("true", "false"):
+        out = os.path.join(d, f"score_{mi}.npy")
+        run([kvc, "score", "--policy", "moment_kv", "--param", f"mi={mi}"] + score_args + io + ["--out", out])
+        ref = alpha * (np.linalg.norm(values.astype(np.float64), axis=-1) if mi == "true" else 1.0)
+        err = np.abs(np.load(out) - ref).max() / max(1.0, np.abs(ref).max())
+        if not err <= 1e-5:
+            sys.exit(f"FAILED: moment_kv {label}: kvc score mi={mi} differs from the oracle by {err} (relative)")
+        checked += 1
+
+    n_sink, n_recent = int(params.get("n_sink", 1)), int(params.get("n_recent", 32))
+    rounds = int(params.get("prefill_rounds", 8))
+    od = os.path.join(d, "compressed")
+    run([kvc, "compress", "--policy", "moment_kv", "--budget", str(budget)] + args + io + ["--out-dir", od])
+    idx, counts = np.load(os.path.join(od, "indices.npy")), np.load(os.path.join(od, "counts.npy"))
+    kk, vv = np.load(os.path.join(od, "keys.npy")), np.load(os.path.join(od, "values.npy"))
+    mfiles = [np.load(os.path.join(od, f"moment_{m}.npy")) for m in ("count", "key_mean", "value_mean", "comoment")]
+    if mfiles[3].shape != (b_, h_, values.shape[-1], dk) or mfiles[0].dtype != np.int64:
+        sys.exit(f"FAILED: moment_kv {label}: moment files of shapes {[m.shape for m in mfiles]}")
+    storage_tol = 2e-3 if params.get("storage") == "fp16" else 1e-4
+    for b in range(b_):
+        for h in range(h_):
+            c = counts[b, h]
+            kept = idx[b, h, :c]
+            want = mi_prefill(keys[b, h], values[b, h], alpha[b, h], budget, n_sink, n_recent, rounds)
+            if not np.array_equal(kept, want):
+                sys.exit(f"FAILED: moment_kv {label} head ({b},{h}) keeps {kept.tolist()}, the oracle {want.tolist()}")
+            if not (np.array_equal(kk[b, h, :c], keys[b, h, kept]) and
+                    np.array_equal(vv[b, h, :c], values[b, h, kept])):
+                sys.exit(f"FAILED: moment_kv {label} head ({b},{h}): keys.npy/values.npy are not the kept input rows")
+            ne, km, vm, cm = evicted_moments(keys[b, h], values[b, h], np.setdiff1d(np.arange(n), kept))
+            if mfiles[0][b, h] != ne:
+                sys.exit(f"FAILED: moment_kv {label} head ({b},{h}): moment_count {mfiles[0][b, h]}, evicted {ne}")
+            for got, ref, name in ((mfiles[1][b, h], km, "key_mean"), (mfiles[2][b, h], vm, "value_mean"),
+                                   (mfiles[3][b, h], cm, "comoment")):
+                err = np.abs(got.astype(np.float64) - ref).max() / max(1.0, np.abs(ref).max())
+                if not err <= storage_tol:
+                    sys.exit(f"FAILED: moment_kv {label} head ({b},{h}): moment_{name} differs from the evicted rows' "
+                             f"by {err} (relative)")
+            checked += 2
+
+    # kvc attend: decode queries (pre-RoPE, rotated with --rope) at positions n .. n + 2 over the compressed cache.
+    rng = np.random.default_rng(7)
+    hq = queries.shape[1]
+    dq = rng.standard_normal((b_, hq, 3, dk)).astype(np.float32)
+    pos = np.broadcast_to(np.arange(n, n + 3), (b_, 3)).astype(np.int64).copy()
+    np.save(os.path.join(d, "decode.npy"), dq)
+    np.save(os.path.join(d, "decode_pos.npy"), pos)
+    post = baselines.rope(dq, np.arange(n, n + 3), theta, style)
+    g = hq // h_
+    for order in ("first", "zeroth"):
+        ad = os.path.join(d, f"attend_{order}")
+        run([kvc, "attend", "--keys", os.path.join(od, "keys.npy"), "--values", os.path.join(od, "values.npy"),
+             "--indices", os.path.join(od, "indices.npy"), "--moments", od, "--queries",
+             os.path.join(d, "decode.npy"), "--positions", os.path.join(d, "decode_pos.npy"), "--param",
+             f"order={order}", "--out-dir", ad] + rope)
+        got = [np.load(os.path.join(ad, f)) for f in ("plain_out.npy", "plain_lse.npy", "out.npy", "lse.npy")]
+        for b in range(b_):
+            for qh in range(hq):
+                kh = qh // g
+                c = counts[b, kh]
+                mom = (int(mfiles[0][b, kh]),) + tuple(m[b, kh].astype(np.float64) for m in mfiles[1:])
+                for i in range(3):
+                    ref = corrected_attention(post[b, qh, i], kk[b, kh, :c], vv[b, kh, :c], idx[b, kh, :c],
+                                              pos[b, i], mom, order)
+                    for j, (x, r) in enumerate(zip((got[0][b, qh, i], got[1][b, qh, i], got[2][b, qh, i],
+                                                    got[3][b, qh, i]), ref)):
+                        err = np.abs(x - r).max() / max(1.0, np.abs(r).max())
+                        if not err <= 1e-4:
+                            sys.exit(f"FAILED: moment_kv {label} attend order={order} query ({b},{qh},{i}): output "
+                                     f"{j} differs from the spec's formula by {err} (relative)")
+        # The correction actually moved the output (something was evicted).
+        if order == "first" and np.any(mfiles[0] > 0) and np.allclose(got[0], got[2]):
+            sys.exit(f"FAILED: moment_kv {label}: the corrected output equals the plain one")
+        checked += 1
+    return checked
+
+
+def check_moment_kv(kvc, vectors, work):
+    """MomentKV's CLI: synthetic GQA cases (float32, and 16-bit storage) and, with the vectors, every window case."""
+    rng = np.random.default_rng(2606)
+    checked = 0
+    cases = [
+        ("gqa_f32", (1, 2, 4, 48, 8, 8), 12, "neox", 20, {"n_recent": 6}),
+        ("mha_dv_rounds1", (2, 2, 2, 40, 8, 6), 8, "interleaved", 14,
+         {"n_recent": 4, "prefill_rounds": 1, "n_sink": 2}),
+        ("greedy_fp16", (1, 1, 2, 30, 4, 4), 6, "neox", 10,
+         {"n_recent": 3, "prefill_rounds": 20, "storage": "fp16", "kernel_size": 1}),
+    ]
+    for label, (b, h, hq, n, dk, dv), w, style, budget, extra in cases:
+        keys = rng.standard_normal((b, h, n, dk)).astype(np.float32)
+        values = rng.standard_normal((b, h, n, dv)).astype(np.float32)
+        queries = rng.standard_normal((b, hq, w, dk)).astype(np.float32)
+        checked += check_moment_case(kvc, work, label, keys, values, queries, w, 10000.0, style, budget, extra)
+    manifest = os.path.join(vectors, "window_manifest.txt")
+    if os.path.exists(manifest):
+        for case in open(manifest).read().split():
+            d = os.path.join(vectors, case)
+            w, theta, style = read_meta(d)
+            keys = np.load(os.path.join(d, "keys.npy")).astype(np.float32)
+            values = np.load(os.path.join(d, "values.npy")).astype(np.float32)
+            queries = np.load(os.path.join(d, "queries.npy")).astype(np.float32)
+            n = keys.shape[2]
+            budget = max(2 + min(w, 8), n // 3)
+            checked += check_moment_case(kvc, work, case, keys, values, queries, w, theta, style, budget,
+                                         {"n_recent": min(w, 8), "prefill_rounds": 4})
+    return checked
+
+
 def main():
     kvc, vectors, work = sys.argv[1:4]
     os.makedirs(work, exist_ok=True)
+    moment_checked = check_moment_kv(kvc, vectors, work)  # its synthetic cases need no vectors
     if not os.path.exists(os.path.join(vectors, "manifest.txt")):
-        print("SKIPPED: no reference vectors")
+        print(f"{moment_checked} MomentKV CLI checks passed; SKIPPED: no reference vectors")
         sys.exit(77)
-    checked = check_key_policies(kvc, vectors, work)
+    checked = moment_checked + check_key_policies(kvc, vectors, work)
     if os.path.exists(os.path.join(vectors, "window_manifest.txt")):
         checked += check_window_policies(kvc, vectors, work)
     else:
