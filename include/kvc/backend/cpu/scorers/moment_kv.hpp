@@ -340,11 +340,15 @@ struct Kernel<MomentKVScorer<HostSpace, T>, Cpu> {
     if (m == 0)
       return;
     // Block means in fp64 (a long prefill sums tens of thousands of rows), then the centred co-moment in fp32.
-    std::fill(mean64, mean64 + dk + dv, 0.0);
-    for (Index t0 = 0; t0 < m; t0 += detail::moment_tile) {
+    auto const load_tile = [&](Index t0) {  // the evicted rows [t0, t0 + rows) into kt and vt, fp32
       Index const rows = std::min(detail::moment_tile, m - t0);
       detail::load_rows(cache.keys, b, h, slots + t0, 0, rows, dk, kt);
       detail::load_rows(cache.values, b, h, slots + t0, 0, rows, dv, vt);
+      return rows;
+    };
+    std::fill(mean64, mean64 + dk + dv, 0.0);
+    for (Index t0 = 0; t0 < m; t0 += detail::moment_tile) {
+      Index const rows = load_tile(t0);
       for (Index i = 0; i < rows; ++i) {
         for (Index c = 0; c < dk; ++c)
           mean64[c] += kt[i * dk + c];
@@ -359,9 +363,7 @@ struct Kernel<MomentKVScorer<HostSpace, T>, Cpu> {
     Eigen::Map<RowMatrix> cbm(cb, dv, dk);
     cbm.setZero();
     for (Index t0 = 0; t0 < m; t0 += detail::moment_tile) {
-      Index const rows = std::min(detail::moment_tile, m - t0);
-      detail::load_rows(cache.keys, b, h, slots + t0, 0, rows, dk, kt);
-      detail::load_rows(cache.values, b, h, slots + t0, 0, rows, dv, vt);
+      Index const rows = load_tile(t0);
       for (Index i = 0; i < rows; ++i) {
         for (Index c = 0; c < dk; ++c)
           kt[i * dk + c] -= kmean[c];
