@@ -4,7 +4,8 @@
 // §2.4–2.6, §10 properties 6–20, 27, 28, 30).
 // References are double brute force in the test: full attention over R ∪ E from the raw tokens, f_E and Z_E by direct
 // summation, and the corrected output by the spec's direct Eq. 12 from moments computed by a two-pass brute force
-// (so the kernel under test never produces its own expected values). fp32 kernel vs double: ~1e-5 relative.
+// in tests/support/moments.hpp (so the kernel under test never produces its own expected values). fp32 kernel vs
+// double: ~1e-5 relative.
 #include <kvc/backend/cpu/attention/corrected.hpp>
 #include <kvc/backend/cpu/pipeline/compact.hpp>
 #include <kvc/backend/cpu/thread_pool.hpp>
@@ -12,6 +13,7 @@
 #include "common/synthetic.hpp"
 #include "support/catch.hpp"
 #include "support/helpers.hpp"
+#include "support/moments.hpp"
 
 #include <algorithm>
 #include <cmath>
@@ -24,6 +26,8 @@ namespace {
 
 using kvc::Index;
 using Vec = std::vector<double>;
+
+using namespace kvc::test;  // support/moments.hpp: Moments, brute_moments, close, ...
 
 /// A problem: the full token set of every (b, KV head), the evicted subset of each head, and the queries.
 struct Case {
@@ -66,8 +70,7 @@ Case random_case(Index B, Index H, Index Hq, Index nq, Index N, Index dk, Index 
     std::vector<Index> perm(static_cast<std::size_t>(N));
     for (Index t = 0; t < N; ++t)
       perm[static_cast<std::size_t>(t)] = t;
-    for (Index i = N - 1; i > 0; --i)
-      std::swap(perm[static_cast<std::size_t>(i)], perm[static_cast<std::size_t>(rng.next() % (i + 1))]);
+    kvc::test::shuffle(perm, rng);
     Index const ne = counts[static_cast<std::size_t>(bh) % counts.size()];
     std::vector<Index> e(perm.begin(), perm.begin() + ne);
     std::sort(e.begin(), e.end());
@@ -76,53 +79,24 @@ Case random_case(Index B, Index H, Index Hq, Index nq, Index N, Index dk, Index 
   return cs;
 }
 
-/// Two-pass brute-force moments of the evicted set of head bh, in double.
-struct Moments {
-  Index n = 0;
-  Vec km, vm, C;
-};
-
+/// Two-pass brute-force moments of the evicted set of head bh, in double (from the fp32 tokens, widened exactly).
 Moments brute_moments(Case const& cs, Index bh) {
   Index const b = bh / cs.H, h = bh % cs.H;
-  Moments m{0, Vec(static_cast<std::size_t>(cs.dk)), Vec(static_cast<std::size_t>(cs.dv)),
-            Vec(static_cast<std::size_t>(cs.dk * cs.dv))};
-  auto const& E = cs.E[static_cast<std::size_t>(bh)];
-  m.n = static_cast<Index>(E.size());
-  if (m.n == 0)
-    return m;
-  for (Index i : E) {
-    for (Index x = 0; x < cs.dk; ++x)
-      m.km[static_cast<std::size_t>(x)] += cs.k(b, h, i)[x];
-    for (Index a = 0; a < cs.dv; ++a)
-      m.vm[static_cast<std::size_t>(a)] += cs.v(b, h, i)[a];
+  kvc::test::HeadTokens t{cs.dk, cs.dv, {}, {}};
+  for (Index i = 0; i < cs.N; ++i) {
+    t.k.emplace_back(cs.k(b, h, i), cs.k(b, h, i) + cs.dk);
+    t.v.emplace_back(cs.v(b, h, i), cs.v(b, h, i) + cs.dv);
   }
-  for (auto& x : m.km)
-    x /= static_cast<double>(m.n);
-  for (auto& x : m.vm)
-    x /= static_cast<double>(m.n);
-  for (Index i : E)
-    for (Index a = 0; a < cs.dv; ++a)
-      for (Index x = 0; x < cs.dk; ++x)
-        m.C[static_cast<std::size_t>(a * cs.dk + x)] += (cs.v(b, h, i)[a] - m.vm[static_cast<std::size_t>(a)]) *
-                                                        (cs.k(b, h, i)[x] - m.km[static_cast<std::size_t>(x)]);
-  return m;
+  return kvc::test::brute_moments(t, cs.E[static_cast<std::size_t>(bh)]);
 }
 
 /// The retained cache (slots 0..|R|-1 of each head, capacity N, per-head lengths) and a moment state of type T.
 template <class T, class CT = float>
-struct Built {
+struct Built : kvc::test::OwnedMoments<T> {
   kvc::tools::HostCache<CT> cache;
-  std::vector<Index> count;
-  std::vector<T> km, vm, cm;
-  kvc::MomentState<kvc::HostSpace, T> state;
 
   explicit Built(Case const& cs)
-      : cache(kvc::KVExtents{cs.B, cs.H, cs.N, cs.dk}, cs.dv),
-        count(static_cast<std::size_t>(cs.B * cs.H)),
-        km(static_cast<std::size_t>(cs.B * cs.H * cs.dk)),
-        vm(static_cast<std::size_t>(cs.B * cs.H * cs.dv)),
-        cm(static_cast<std::size_t>(cs.B * cs.H * cs.dk * cs.dv)),
-        state{count.data(), km.data(), vm.data(), cm.data(), cs.B, cs.H, cs.dk, cs.dv} {
+      : kvc::test::OwnedMoments<T>(cs.B, cs.H, cs.dk, cs.dv), cache(kvc::KVExtents{cs.B, cs.H, cs.N, cs.dk}, cs.dv) {
     cache.track(cs.N);
     for (Index bh = 0; bh < cs.B * cs.H; ++bh) {
       Index const b = bh / cs.H, h = bh % cs.H;
@@ -136,17 +110,7 @@ struct Built {
           cache.v[static_cast<std::size_t>(((bh * cs.N) + static_cast<Index>(j)) * cs.dv + a)] =
               kvc::from_float<CT>(cs.v(b, h, R[j])[a]);
       }
-      Moments const m = brute_moments(cs, bh);
-      count[static_cast<std::size_t>(bh)] = m.n;
-      for (Index x = 0; x < cs.dk; ++x)
-        km[static_cast<std::size_t>(bh * cs.dk + x)] =
-            kvc::from_float<T>(static_cast<float>(m.km[static_cast<std::size_t>(x)]));
-      for (Index a = 0; a < cs.dv; ++a)
-        vm[static_cast<std::size_t>(bh * cs.dv + a)] =
-            kvc::from_float<T>(static_cast<float>(m.vm[static_cast<std::size_t>(a)]));
-      for (Index i = 0; i < cs.dk * cs.dv; ++i)
-        cm[static_cast<std::size_t>(bh * cs.dk * cs.dv + i)] =
-            kvc::from_float<T>(static_cast<float>(m.C[static_cast<std::size_t>(i)]));
+      this->set(bh, brute_moments(cs, bh));
     }
   }
   Built(Built const&) = delete;
@@ -250,21 +214,6 @@ void corrected_reference(Case const& cs, Index b, Index hq, Index i, Moments con
     out[static_cast<std::size_t>(a)] =
         wr * out[static_cast<std::size_t>(a)] + (1 - wr) * est[static_cast<std::size_t>(a)];
   lse = top + std::log(zr + ze);
-}
-
-/// Moments as the state stores them (rounded to T), in double.
-template <class T>
-Moments stored_moments(kvc::MomentState<kvc::HostSpace, T> const& st, Index bh) {
-  Index const b = bh / st.heads, h = bh % st.heads;
-  Moments m{st.count[bh], Vec(static_cast<std::size_t>(st.key_dim)), Vec(static_cast<std::size_t>(st.value_dim)),
-            Vec(static_cast<std::size_t>(st.key_dim * st.value_dim))};
-  for (Index x = 0; x < st.key_dim; ++x)
-    m.km[static_cast<std::size_t>(x)] = kvc::to_float(st.key_mean_of(b, h)[x]);
-  for (Index a = 0; a < st.value_dim; ++a)
-    m.vm[static_cast<std::size_t>(a)] = kvc::to_float(st.value_mean_of(b, h)[a]);
-  for (Index x = 0; x < st.key_dim * st.value_dim; ++x)
-    m.C[static_cast<std::size_t>(x)] = kvc::to_float(st.comoment_of(b, h)[x]);
-  return m;
 }
 
 /// Kernel output vs the direct-Eq.-12 reference on the stored moments: relative to max(1, |ref|).

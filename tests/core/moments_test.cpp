@@ -3,8 +3,11 @@
 // and the scalar algebra every backend shares (shared/specs/moment_kv.md §2.2–2.6, §8, §10).
 // The library's templated algebra (merge_moments, merge_evicted, log_add_exp, clamp_small) runs in double here and
 // is compared with brute-force double formulas written from the spec's definitions (sums over the raw tokens,
-// two-pass centred co-moments, Z_E, f_E, ρ̄ by direct summation) at ~1e-12. The fp32 kernels are tested against the
-// same kind of references in tests/scorers/moment_kv_test.cpp and tests/attention/corrected_test.cpp.
+// two-pass centred co-moments from tests/support/moments.hpp, Z_E, f_E, ρ̄ by direct summation) at ~1e-12. The fp32
+// kernels are tested against the same kind of references in tests/scorers/moment_kv_test.cpp and
+// tests/attention/corrected_test.cpp.
+#include "support/moments.hpp"
+
 #include <kvc/core/element.hpp>
 #include <kvc/core/moments.hpp>
 
@@ -26,16 +29,12 @@ namespace {
 using kvc::Index;
 using Vec = std::vector<double>;
 
-/// Tokens of one head: keys [n][dk], values [n][dv], in double.
-struct Tokens {
-  Index dk = 0, dv = 0;
-  std::vector<Vec> k, v;
-};
+using namespace kvc::test;  // support/moments.hpp: Moments, brute_moments, close, ...
 
-Tokens random_tokens(Index n, Index dk, Index dv, std::uint64_t seed, double key_scale = 1.0, double value_scale = 1.0,
-                     double key_offset = 0.0) {
+HeadTokens random_tokens(Index n, Index dk, Index dv, std::uint64_t seed, double key_scale = 1.0,
+                         double value_scale = 1.0, double key_offset = 0.0) {
   kvc::tools::Rng rng(seed);
-  Tokens t{dk, dv, {}, {}};
+  HeadTokens t{dk, dv, {}, {}};
   for (Index i = 0; i < n; ++i) {
     Vec k(static_cast<std::size_t>(dk)), v(static_cast<std::size_t>(dv));
     for (auto& x : k)
@@ -56,16 +55,6 @@ std::vector<double> random_vec(Index n, std::uint64_t seed, double scale = 1.0) 
   return out;
 }
 
-/// Moments in the library's Welford form, double.
-struct Moments {
-  Index n = 0;
-  Vec km, vm, C;  // C [dv][dk] row-major
-  Moments(Index dk, Index dv)
-      : km(static_cast<std::size_t>(dk)), vm(static_cast<std::size_t>(dv)), C(static_cast<std::size_t>(dk * dv)) {}
-  Index dk() const { return static_cast<Index>(km.size()); }
-  Index dv() const { return static_cast<Index>(vm.size()); }
-};
-
 /// Library: Welford's single add (merge_moments<double> with n_b = 1, C_b null).
 void add(Moments& m, Vec const& k, Vec const& v) {
   Vec scratch(k.size());
@@ -82,33 +71,10 @@ void merge(Moments& a, Moments const& b) {
   a.n += b.n;
 }
 
-Moments welford(Tokens const& t, std::vector<Index> const& idx) {
-  Moments m(t.dk, t.dv);
+Moments welford(HeadTokens const& t, std::vector<Index> const& idx) {
+  Moments m = Moments::zeros(t.dk, t.dv);
   for (Index i : idx)
     add(m, t.k[static_cast<std::size_t>(i)], t.v[static_cast<std::size_t>(i)]);
-  return m;
-}
-
-/// Brute force: two-pass means and centred co-moment Σ (v − v̄)(k − k̄)ᵀ.
-Moments brute(Tokens const& t, std::vector<Index> const& idx) {
-  Moments m(t.dk, t.dv);
-  m.n = static_cast<Index>(idx.size());
-  for (Index i : idx) {
-    for (Index c = 0; c < t.dk; ++c)
-      m.km[static_cast<std::size_t>(c)] += t.k[static_cast<std::size_t>(i)][static_cast<std::size_t>(c)];
-    for (Index a = 0; a < t.dv; ++a)
-      m.vm[static_cast<std::size_t>(a)] += t.v[static_cast<std::size_t>(i)][static_cast<std::size_t>(a)];
-  }
-  for (auto& x : m.km)
-    x /= static_cast<double>(m.n);
-  for (auto& x : m.vm)
-    x /= static_cast<double>(m.n);
-  for (Index i : idx)
-    for (Index a = 0; a < t.dv; ++a)
-      for (Index c = 0; c < t.dk; ++c)
-        m.C[static_cast<std::size_t>(a * t.dk + c)] +=
-            (t.v[static_cast<std::size_t>(i)][static_cast<std::size_t>(a)] - m.vm[static_cast<std::size_t>(a)]) *
-            (t.k[static_cast<std::size_t>(i)][static_cast<std::size_t>(c)] - m.km[static_cast<std::size_t>(c)]);
   return m;
 }
 
@@ -123,21 +89,6 @@ double max_abs(Vec const& x) {
   for (double v : x)
     m = std::max(m, std::abs(v));
   return m;
-}
-
-/// |a − b| <= tol · max(1, max|b|) element-wise.
-bool same(Vec const& a, Vec const& b, double tol) {
-  if (a.size() != b.size())
-    return false;
-  double const s = std::max(1.0, max_abs(b));
-  for (std::size_t i = 0; i < a.size(); ++i)
-    if (!(std::abs(a[i] - b[i]) <= tol * s))
-      return false;
-  return true;
-}
-
-bool same(Moments const& a, Moments const& b, double tol) {
-  return a.n == b.n && same(a.km, b.km, tol) && same(a.vm, b.vm, tol) && same(a.C, b.C, tol);
 }
 
 double dot(Vec const& a, Vec const& b) {
@@ -167,7 +118,8 @@ struct Split {
   double dev_max = 0;                  // max ‖v_i − v̄‖ over E
 };
 
-Split brute_split(Tokens const& t, std::vector<Index> const& R, std::vector<Index> const& E, Vec const& q, double c) {
+Split brute_split(HeadTokens const& t, std::vector<Index> const& R, std::vector<Index> const& E, Vec const& q,
+                  double c) {
   Split s;
   double shift = -std::numeric_limits<double>::infinity();
   for (std::size_t i = 0; i < t.k.size(); ++i)
@@ -192,7 +144,7 @@ Split brute_split(Tokens const& t, std::vector<Index> const& R, std::vector<Inde
   s.f.resize(static_cast<std::size_t>(t.dv));
   for (std::size_t a = 0; a < s.f.size(); ++a)
     s.f[a] = s.wr * s.fr[a] + s.we * s.fe[a];
-  Moments const m = brute(t, E);
+  Moments const m = brute_moments(t, E);
   double const ne = static_cast<double>(E.size());
   for (Index i : E) {
     double const d = c * dot(q, sub(t.k[static_cast<std::size_t>(i)], m.km));
@@ -234,7 +186,7 @@ Corrected corrected(Moments const& m, Vec const& fr, double log_zr, Vec const& q
 
 /// A random problem: N tokens, evicted = the first ne of a seeded permutation, retained = the rest.
 struct Problem {
-  Tokens t;
+  HeadTokens t;
   std::vector<Index> R, E;
   Vec q;
   double c;
@@ -248,8 +200,7 @@ Problem make_problem(Index N, Index ne, Index dk, Index dv, std::uint64_t seed, 
             1.0 / std::sqrt(static_cast<double>(dk))};
   std::vector<Index> perm = iota(N);
   kvc::tools::Rng rng(seed + 7);
-  for (Index i = N - 1; i > 0; --i)
-    std::swap(perm[static_cast<std::size_t>(i)], perm[static_cast<std::size_t>(rng.next() % (i + 1))]);
+  kvc::test::shuffle(perm, rng);
   p.E.assign(perm.begin(), perm.begin() + ne);
   p.R.assign(perm.begin() + ne, perm.end());
   std::sort(p.E.begin(), p.E.end());
@@ -263,9 +214,9 @@ Problem make_problem(Index N, Index ne, Index dk, Index dv, std::uint64_t seed, 
 // Statistics (properties 1–5)
 
 TEST_CASE("moment_kv P1: after k evictions the count is k and the evicted sums plus the retained sums are the totals") {
-  Tokens const t = random_tokens(23, 5, 3, 11);
+  HeadTokens const t = random_tokens(23, 5, 3, 11);
   std::vector<Index> const E{0, 3, 4, 9, 10, 17, 22};
-  Moments m(5, 3);
+  Moments m = Moments::zeros(5, 3);
   Index k = 0;
   for (Index i : E) {
     add(m, t.k[static_cast<std::size_t>(i)], t.v[static_cast<std::size_t>(i)]);
@@ -291,16 +242,16 @@ TEST_CASE("moment_kv P1: after k evictions the count is k and the evicted sums p
     sk[c] += static_cast<double>(m.n) * m.km[c];
   for (std::size_t a = 0; a < 3; ++a)
     sv[a] += static_cast<double>(m.n) * m.vm[a];
-  CHECK(same(sk, sk_all, 1e-12));
-  CHECK(same(sv, sv_all, 1e-12));
+  CHECK(close(sk, sk_all, 1e-12));
+  CHECK(close(sv, sv_all, 1e-12));
 }
 
 TEST_CASE("moment_kv P2: raw-sum co-moment S - s_v s_k^T / n equals Welford's C equals the centred brute force") {
   for (std::uint64_t seed : {1u, 2u, 3u}) {
     // Offsets make the raw form cancel (as real keys with outlier channels do); it still agrees in double.
-    Tokens const t = random_tokens(40, 6, 4, seed, 1.5, 1.0, 3.0);
+    HeadTokens const t = random_tokens(40, 6, 4, seed, 1.5, 1.0, 3.0);
     std::vector<Index> const E = iota(40);
-    Moments const w = welford(t, E), b = brute(t, E);
+    Moments const w = welford(t, E), b = brute_moments(t, E);
     Vec sk(6, 0.0), sv(4, 0.0), S(24, 0.0);
     for (Index i : E)
       for (std::size_t a = 0; a < 4; ++a) {
@@ -316,38 +267,37 @@ TEST_CASE("moment_kv P2: raw-sum co-moment S - s_v s_k^T / n equals Welford's C 
       for (std::size_t c = 0; c < 6; ++c)
         raw[a * 6 + c] = S[a * 6 + c] - sv[a] * sk[c] / 40.0;
     CHECK(w.n == 40);
-    CHECK(same(w.C, b.C, 1e-12));
-    CHECK(same(raw, w.C, 1e-11));
+    CHECK(close(w.C, b.C, 1e-12));
+    CHECK(close(raw, w.C, 1e-11));
     // Conversion (spec §2.3): s_k = n k̄, s_v = n v̄, S = C + n v̄ k̄ᵀ.
     Vec S_back(24);
     for (std::size_t a = 0; a < 4; ++a)
       for (std::size_t c = 0; c < 6; ++c)
         S_back[a * 6 + c] = w.C[a * 6 + c] + 40.0 * w.vm[a] * w.km[c];
-    CHECK(same(S_back, S, 1e-12));
+    CHECK(close(S_back, S, 1e-12));
     for (std::size_t c = 0; c < 6; ++c)
       CHECK(std::abs(40.0 * w.km[c] - sk[c]) <= 1e-12 * std::max(1.0, std::abs(sk[c])));
   }
 }
 
 TEST_CASE("moment_kv P3: any permutation of the eviction order gives the same moments") {
-  Tokens const t = random_tokens(30, 4, 5, 21);
+  HeadTokens const t = random_tokens(30, 4, 5, 21);
   std::vector<Index> order = iota(30);
   Moments const ref = welford(t, order);
-  CHECK(same(ref, brute(t, order), 1e-12));
+  CHECK(close(ref, brute_moments(t, order), 1e-12));
   kvc::tools::Rng rng(5);
   for (int trial = 0; trial < 8; ++trial) {
-    for (Index i = 29; i > 0; --i)
-      std::swap(order[static_cast<std::size_t>(i)], order[static_cast<std::size_t>(rng.next() % (i + 1))]);
-    CHECK(same(welford(t, order), ref, 1e-12));
+    kvc::test::shuffle(order, rng);
+    CHECK(close(welford(t, order), ref, 1e-12));
   }
   std::reverse(order.begin(), order.end());
-  CHECK(same(welford(t, order), ref, 1e-12));
+  CHECK(close(welford(t, order), ref, 1e-12));
 }
 
 TEST_CASE(
     "moment_kv P4: Chan's merge equals sequential adds, is associative and commutative, and a block add "
     "equals m single adds") {
-  Tokens const t = random_tokens(36, 5, 3, 31, 2.0);
+  HeadTokens const t = random_tokens(36, 5, 3, 31, 2.0);
   std::vector<Index> const A = iota(10), B = iota(15, 10), Cs = iota(11, 25);
   Moments const a = welford(t, A), b = welford(t, B), c = welford(t, Cs);
   std::vector<Index> ab(A);
@@ -356,26 +306,26 @@ TEST_CASE(
 
   Moments m_ab = a;
   merge(m_ab, b);
-  CHECK(same(m_ab, seq_ab, 1e-12));
+  CHECK(close(m_ab, seq_ab, 1e-12));
   Moments m_ba = b;  // commutative
   merge(m_ba, a);
-  CHECK(same(m_ba, seq_ab, 1e-12));
+  CHECK(close(m_ba, seq_ab, 1e-12));
   Moments left = m_ab;  // (A ⊕ B) ⊕ C
   merge(left, c);
   Moments bc = b;  // A ⊕ (B ⊕ C)
   merge(bc, c);
   Moments right = a;
   merge(right, bc);
-  CHECK(same(left, right, 1e-12));
-  CHECK(same(left, brute(t, iota(36)), 1e-12));
+  CHECK(close(left, right, 1e-12));
+  CHECK(close(left, brute_moments(t, iota(36)), 1e-12));
 
   // A block of m tokens as one merge of its (brute-force) block moments: the GEMM form.
   Moments block_into_a = a;
-  merge(block_into_a, brute(t, B));
-  CHECK(same(block_into_a, seq_ab, 1e-12));
+  merge(block_into_a, brute_moments(t, B));
+  CHECK(close(block_into_a, seq_ab, 1e-12));
   // Into an empty state the merge is exact: the block's own moments.
-  Moments empty(5, 3);
-  Moments const bb = brute(t, B);
+  Moments empty = Moments::zeros(5, 3);
+  Moments const bb = brute_moments(t, B);
   merge(empty, bb);
   CHECK(empty.n == bb.n);
   CHECK(empty.km == bb.km);
@@ -383,16 +333,16 @@ TEST_CASE(
   CHECK(empty.C == bb.C);
   // n_b = 0 changes nothing.
   Moments unchanged = a;
-  merge(unchanged, Moments(5, 3));
+  merge(unchanged, Moments::zeros(5, 3));
   CHECK(unchanged.km == a.km);
   CHECK(unchanged.C == a.C);
 }
 
 TEST_CASE("moment_kv P5: the co-moment is invariant to translating all evicted keys or all evicted values") {
-  Tokens t = random_tokens(25, 4, 4, 41);
+  HeadTokens t = random_tokens(25, 4, 4, 41);
   Moments const ref = welford(t, iota(25));
   Vec const dk_shift = {3.0, -7.5, 0.25, 11.0}, dv_shift = {-2.0, 5.0, 0.5, -9.0};
-  Tokens shifted_k = t, shifted_v = t;
+  HeadTokens shifted_k = t, shifted_v = t;
   for (auto& k : shifted_k.k)
     for (std::size_t c = 0; c < 4; ++c)
       k[c] += dk_shift[c];
@@ -400,8 +350,8 @@ TEST_CASE("moment_kv P5: the co-moment is invariant to translating all evicted k
     for (std::size_t a = 0; a < 4; ++a)
       v[a] += dv_shift[a];
   Moments const mk = welford(shifted_k, iota(25)), mv = welford(shifted_v, iota(25));
-  CHECK(same(mk.C, ref.C, 1e-12));
-  CHECK(same(mv.C, ref.C, 1e-12));
+  CHECK(close(mk.C, ref.C, 1e-12));
+  CHECK(close(mv.C, ref.C, 1e-12));
   for (std::size_t c = 0; c < 4; ++c)
     CHECK(std::abs(mk.km[c] - (ref.km[c] + dk_shift[c])) <= 1e-12 * 20);
   for (std::size_t a = 0; a < 4; ++a)
@@ -424,7 +374,7 @@ TEST_CASE("moment_kv P7 (algebra): one evicted token makes the corrected output 
     Problem const p = make_problem(12, 1, 6, 5, seed, 1.5, 2.0);
     Split const s = brute_split(p.t, p.R, p.E, p.q, p.c);
     Corrected const r = corrected(welford(p.t, p.E), s.fr, s.log_zr, p.q, p.c);
-    CHECK(same(r.out, s.f, 1e-12));
+    CHECK(close(r.out, s.f, 1e-12));
     CHECK(std::abs(r.lse - std::log(std::exp(s.log_zr) + std::exp(s.log_ze))) <= 1e-12 * (1 + std::abs(r.lse)));
   }
 }
@@ -435,12 +385,12 @@ TEST_CASE("moment_kv P8 (algebra): identical evicted keys, q = 0 and q orthogona
     for (Index i : p.E)  // identical evicted keys, any values
       p.t.k[static_cast<std::size_t>(i)] = p.t.k[static_cast<std::size_t>(p.E[0])];
     Split s = brute_split(p.t, p.R, p.E, p.q, p.c);
-    CHECK(same(corrected(welford(p.t, p.E), s.fr, s.log_zr, p.q, p.c).out, s.f, 1e-12));
+    CHECK(close(corrected(welford(p.t, p.E), s.fr, s.log_zr, p.q, p.c).out, s.f, 1e-12));
 
     Problem z = make_problem(14, 6, 4, 3, seed, 1.0, 2.0);  // q = 0
     z.q.assign(4, 0.0);
     s = brute_split(z.t, z.R, z.E, z.q, z.c);
-    CHECK(same(corrected(welford(z.t, z.E), s.fr, s.log_zr, z.q, z.c).out, s.f, 1e-12));
+    CHECK(close(corrected(welford(z.t, z.E), s.fr, s.log_zr, z.q, z.c).out, s.f, 1e-12));
 
     Problem o = make_problem(14, 6, 4, 3, seed, 1.0, 2.0);  // key deviations in span{e0, e1}, q in span{e2, e3}
     for (Index i : o.E) {
@@ -451,7 +401,7 @@ TEST_CASE("moment_kv P8 (algebra): identical evicted keys, q = 0 and q orthogona
     o.q[0] = o.q[1] = 0.0;
     s = brute_split(o.t, o.R, o.E, o.q, o.c);
     CHECK(s.sigma <= 1e-14);
-    CHECK(same(corrected(welford(o.t, o.E), s.fr, s.log_zr, o.q, o.c).out, s.f, 1e-12));
+    CHECK(close(corrected(welford(o.t, o.E), s.fr, s.log_zr, o.q, o.c).out, s.f, 1e-12));
   }
 }
 
@@ -467,8 +417,8 @@ TEST_CASE(
     CHECK(max_abs(m.C) <= 1e-14);
     Split const s = brute_split(p.t, p.R, p.E, p.q, p.c);
     Corrected const r = corrected(m, s.fr, s.log_zr, p.q, p.c);
-    CHECK(same(r.est, v, 1e-14));
-    CHECK(same(s.fe, v, 1e-14));  // f_E = v exactly, so only the weight is off
+    CHECK(close(r.est, v, 1e-14));
+    CHECK(close(s.fe, v, 1e-14));  // f_E = v exactly, so only the weight is off
     REQUIRE(s.sigma > 0.1);
     CHECK(r.wr_hat > s.wr + 1e-6);  // strictly, since σ > 0
     // σ = 0 (identical evicted keys too): equality.
@@ -497,7 +447,7 @@ TEST_CASE(
     CHECK(0.5 * s.var * std::exp(-s.sigma) <= s.rho * (1 + 1e-12) + 1e-300);
     CHECK(s.rho <= 0.5 * s.var * std::exp(s.sigma) * (1 + 1e-12) + 1e-300);
     // Σ_k from the library: the co-moment of the keys with themselves (values := keys) over n.
-    Tokens kk = p.t;
+    HeadTokens kk = p.t;
     kk.dv = kk.dk;
     kk.v = kk.k;
     Moments const mk = welford(kk, p.E);
@@ -540,7 +490,7 @@ TEST_CASE("moment_kv P12 (algebra): f - f-hat = w_E (f_E - f_R) - w_E-hat (f_E-h
       lhs[a] = s.f[a] - r.out[a];
       rhs[a] = s.we * (s.fe[a] - s.fr[a]) - we_hat * (r.est[a] - s.fr[a]);
     }
-    CHECK(same(lhs, rhs, 1e-12));
+    CHECK(close(lhs, rhs, 1e-12));
   }
 }
 
@@ -575,19 +525,19 @@ TEST_CASE("moment_kv P13 (algebra): the exact error identity and the centred bou
     Vec ident(4);
     for (std::size_t a = 0; a < 4; ++a)
       ident[a] = (rnum[a] / static_cast<double>(m.n) - s.rho * r.est[a]) / (1.0 + s.rho);
-    CHECK(same(err, ident, 1e-12));
+    CHECK(close(err, ident, 1e-12));
   }
 }
 
 TEST_CASE("moment_kv P14 (algebra): halving the evicted key spread cuts the f_E error about 4x (O(sigma^2))") {
   for (std::uint64_t seed = 1; seed <= 12; ++seed) {
-    Tokens base = random_tokens(16, 8, 4, seed);
+    HeadTokens base = random_tokens(16, 8, 4, seed);
     Vec const q = random_vec(8, seed + 50, 1.0);
     Vec const center = random_vec(8, seed + 60, 1.0);
     double const c = 1.0 / std::sqrt(8.0);
     std::vector<Index> const E = iota(16);
     auto error_at = [&](double spread, double* sigma) {
-      Tokens t = base;
+      HeadTokens t = base;
       for (auto& k : t.k)
         for (std::size_t x = 0; x < 8; ++x)
           k[x] = center[x] + spread * k[x];
@@ -629,8 +579,8 @@ TEST_CASE("moment_kv P16 (algebra): adding b to all values adds b to f-hat, addi
     Vec shifted(r.out);
     for (std::size_t i = 0; i < 3; ++i)
       shifted[i] += b[i];
-    CHECK(same(rv.out, shifted, 1e-12));
-    CHECK(same(rk.out, r.out, 1e-12));
+    CHECK(close(rv.out, shifted, 1e-12));
+    CHECK(close(rk.out, r.out, 1e-12));
   }
 }
 
@@ -676,8 +626,8 @@ TEST_CASE("moment_kv P17 (algebra): virtual token, log-domain merge and direct E
     Vec direct(4);
     for (std::size_t a = 0; a < 4; ++a)
       direct[a] = wr * s.fr[a] + (1 - wr) * r.est[a];
-    CHECK(same(r.out, virt, 1e-12));
-    CHECK(same(r.out, direct, 1e-12));
+    CHECK(close(r.out, virt, 1e-12));
+    CHECK(close(r.out, direct, 1e-12));
     CHECK(std::abs(r.wr_hat - wr) <= 1e-12);
     CHECK(std::abs(r.lse - std::log(zr + zhat)) <= 1e-12 * std::max(1.0, std::abs(r.lse)));
   }

@@ -2,8 +2,8 @@
 // tests/pipeline/moment_kv_test.cpp mirrors include/kvc/pipeline/moment_kv.hpp (the prefill rounds) and MomentKV's
 // decode path through include/kvc/pipeline/decode.hpp (shared/specs/moment_kv.md §2.7, §4, §9.1, §10 properties
 // 23–26, 28). The references are greedy loops written here in double: α from its definition (softmax of the window
-// queries), r_j from two-pass moments of the evicted tokens, argmin (or bottom-k per round) with protected sink and
-// window, the moments updated by recomputing them from the evicted tokens.
+// queries), r_j from two-pass moments of the evicted tokens (tests/support/moments.hpp), argmin (or bottom-k per round)
+// with protected sink and window, the moments updated by recomputing them from the evicted tokens.
 #include <kvc/backend/cpu/attention/corrected.hpp>
 #include <kvc/backend/cpu/pipeline/compact.hpp>
 #include <kvc/backend/cpu/scorers/moment_kv.hpp>
@@ -17,6 +17,7 @@
 #include "common/synthetic.hpp"
 #include "support/catch.hpp"
 #include "support/helpers.hpp"
+#include "support/moments.hpp"
 
 #include <algorithm>
 #include <cmath>
@@ -31,66 +32,7 @@ namespace {
 using kvc::Index;
 using Vec = std::vector<double>;
 
-/// The tokens of one (b, KV head) in double: keys [n][dk], values [n][dv] (n = all tokens ever seen).
-struct HeadTokens {
-  std::vector<Vec> k, v;
-};
-
-HeadTokens head_of(kvc::tools::HostCache<float> const& c, Index b, Index h, Index n) {
-  HeadTokens t;
-  for (Index j = 0; j < n; ++j) {
-    auto const row = (b * c.ext.heads + h) * c.ext.tokens + j;
-    t.k.emplace_back(c.k.begin() + row * c.ext.dim, c.k.begin() + (row + 1) * c.ext.dim);
-    t.v.emplace_back(c.v.begin() + row * c.dim_v, c.v.begin() + (row + 1) * c.dim_v);
-  }
-  return t;
-}
-
-struct Moments {
-  Index n = 0;
-  Vec km, vm, C;
-};
-
-Moments brute(HeadTokens const& t, std::vector<Index> const& E) {
-  Index const dk = static_cast<Index>(t.k[0].size()), dv = static_cast<Index>(t.v[0].size());
-  Moments m{static_cast<Index>(E.size()), Vec(static_cast<std::size_t>(dk)), Vec(static_cast<std::size_t>(dv)),
-            Vec(static_cast<std::size_t>(dk * dv))};
-  if (E.empty())
-    return m;
-  for (Index i : E) {
-    for (Index x = 0; x < dk; ++x)
-      m.km[static_cast<std::size_t>(x)] += t.k[static_cast<std::size_t>(i)][static_cast<std::size_t>(x)];
-    for (Index a = 0; a < dv; ++a)
-      m.vm[static_cast<std::size_t>(a)] += t.v[static_cast<std::size_t>(i)][static_cast<std::size_t>(a)];
-  }
-  for (auto& x : m.km)
-    x /= static_cast<double>(m.n);
-  for (auto& x : m.vm)
-    x /= static_cast<double>(m.n);
-  for (Index i : E)
-    for (Index a = 0; a < dv; ++a)
-      for (Index x = 0; x < dk; ++x)
-        m.C[static_cast<std::size_t>(a * dk + x)] +=
-            (t.v[static_cast<std::size_t>(i)][static_cast<std::size_t>(a)] - m.vm[static_cast<std::size_t>(a)]) *
-            (t.k[static_cast<std::size_t>(i)][static_cast<std::size_t>(x)] - m.km[static_cast<std::size_t>(x)]);
-  return m;
-}
-
-double residual_norm(HeadTokens const& t, Index j, Moments const& m, double c) {
-  Index const dk = static_cast<Index>(t.k[0].size()), dv = static_cast<Index>(t.v[0].size());
-  double ss = 0.0;
-  for (Index a = 0; a < dv; ++a) {
-    double r = t.v[static_cast<std::size_t>(j)][static_cast<std::size_t>(a)];
-    if (m.n > 0) {
-      r -= m.vm[static_cast<std::size_t>(a)];
-      for (Index x = 0; x < dk; ++x)
-        r -= c / static_cast<double>(m.n) * m.C[static_cast<std::size_t>(a * dk + x)] *
-             t.k[static_cast<std::size_t>(j)][static_cast<std::size_t>(x)];
-    }
-    ss += r * r;
-  }
-  return std::sqrt(ss);
-}
+using namespace kvc::test;  // support/moments.hpp: Moments, brute_moments, close, ...
 
 /// Softmax weights over `R` (indices into t) of query q, in double.
 Vec softmax_over(HeadTokens const& t, std::vector<Index> const& R, float const* q, double c) {
@@ -125,7 +67,7 @@ std::vector<Index> reference_rounds(HeadTokens const& t, Index L, Index rounds, 
   for (Index left = rounds; left >= 1 && static_cast<Index>(R.size()) > L; --left) {
     Index const n = static_cast<Index>(R.size());
     Index const evict = (n - L + left - 1) / left;
-    Moments const m = brute(t, E);
+    Moments const m = brute_moments(t, E);
     Vec const a = alpha(R);
     struct Cand {
       double score;
@@ -157,57 +99,6 @@ std::vector<Index> reference_rounds(HeadTokens const& t, Index L, Index rounds, 
     }
   }
   return R;
-}
-
-/// Moments of a MomentState head, in double.
-template <class T>
-Moments stored(kvc::MomentState<kvc::HostSpace, T> const& st, Index bh) {
-  Index const dk = st.key_dim, dv = st.value_dim;
-  Moments m{st.count[bh], Vec(static_cast<std::size_t>(dk)), Vec(static_cast<std::size_t>(dv)),
-            Vec(static_cast<std::size_t>(dk * dv))};
-  for (Index x = 0; x < dk; ++x)
-    m.km[static_cast<std::size_t>(x)] = kvc::to_float(st.key_mean[bh * dk + x]);
-  for (Index a = 0; a < dv; ++a)
-    m.vm[static_cast<std::size_t>(a)] = kvc::to_float(st.value_mean[bh * dv + a]);
-  for (Index i = 0; i < dk * dv; ++i)
-    m.C[static_cast<std::size_t>(i)] = kvc::to_float(st.comoment[bh * dk * dv + i]);
-  return m;
-}
-
-bool close(Moments const& a, Moments const& b, double tol) {
-  if (a.n != b.n)
-    return false;
-  auto near = [tol](Vec const& x, Vec const& y) {
-    double s = 1.0;
-    for (double v : y)
-      s = std::max(s, std::abs(v));
-    for (std::size_t i = 0; i < x.size(); ++i)
-      if (!(std::abs(x[i] - y[i]) <= tol * s))
-        return false;
-    return true;
-  };
-  return near(a.km, b.km) && near(a.vm, b.vm) && near(a.C, b.C);
-}
-
-template <class T = float>
-struct OwnedMoments {
-  std::vector<Index> count;
-  std::vector<T> km, vm, cm;
-  kvc::MomentState<kvc::HostSpace, T> state;
-  OwnedMoments(Index b, Index h, Index dk, Index dv)
-      : count(static_cast<std::size_t>(b * h), 0),
-        km(static_cast<std::size_t>(b * h * dk), kvc::from_float<T>(0.0f)),
-        vm(static_cast<std::size_t>(b * h * dv), kvc::from_float<T>(0.0f)),
-        cm(static_cast<std::size_t>(b * h * dk * dv), kvc::from_float<T>(0.0f)),
-        state{count.data(), km.data(), vm.data(), cm.data(), b, h, dk, dv} {}
-  OwnedMoments(OwnedMoments const&) = delete;
-};
-
-kvc::test::OwnedQueries<float> random_queries(kvc::KVExtents e, std::uint64_t seed, float scale = 1.5f) {
-  kvc::test::OwnedQueries<float> q(e);
-  auto const v = kvc::tools::random_values<float>(static_cast<Index>(q.data.size()), seed, scale);
-  std::copy(v.begin(), v.end(), q.data.begin());
-  return q;
 }
 
 template <class T, class Sel, class Cache>
@@ -249,7 +140,7 @@ TEST_CASE(
     auto cache = kvc::tools::HostCache<float>::random({1, 1, N, d}, seed * 11);
     cache.track(N);
     auto const full = cache;
-    auto const q = random_queries({1, 1, 1, d}, seed * 11 + 1);
+    auto const q = random_queries({1, 1, 1, d}, seed * 11 + 1, 1.5f);
     OwnedMoments<> mom(1, 1, d, d);
     kvc::MomentKVScorer<> s{mom.state};
     s.base.window_size = 1;
@@ -274,7 +165,7 @@ TEST_CASE(
     ++robust;
     CHECK(cache.head_positions(0, 0) == R);
     CHECK(cache.lengths[0] == L);
-    CHECK(close(stored(mom.state, 0), brute(t, E), 1e-5));
+    CHECK(close(stored_moments(mom.state, 0), brute_moments(t, E), 1e-5));
   }
   CHECK(robust >= 4);
 }
@@ -315,7 +206,7 @@ TEST_CASE(
       auto cache = kvc::tools::HostCache<float>::random({1, 2, N, d}, seed * 7, dv);
       cache.track(N);
       auto const full = cache;
-      auto const q = random_queries({1, 4, w, d}, seed * 7 + 3);
+      auto const q = random_queries({1, 4, w, d}, seed * 7 + 3, 1.5f);
       OwnedMoments<> mom(1, 2, d, dv);
       kvc::MomentKVScorer<> s{mom.state};
       s.base.window_size = w;
@@ -344,7 +235,7 @@ TEST_CASE(
         double gap = 0.0;
         want[static_cast<std::size_t>(h)] =
             reference_rounds(t, budget[static_cast<std::size_t>(h)], s.prefill_rounds, 1, w, c, frozen, E, &gap);
-        want_m.push_back(brute(t, E));
+        want_m.push_back(brute_moments(t, E));
         all_robust = all_robust && gap >= 1e-4;
       }
       INFO("seed " << seed << " rounds " << s.prefill_rounds);
@@ -355,7 +246,7 @@ TEST_CASE(
       ++robust;
       for (Index h = 0; h < 2; ++h) {
         CHECK(cache.head_positions(0, h) == want[static_cast<std::size_t>(h)]);
-        CHECK(close(stored(mom.state, h), want_m[static_cast<std::size_t>(h)], 1e-5));
+        CHECK(close(stored_moments(mom.state, h), want_m[static_cast<std::size_t>(h)], 1e-5));
       }
     }
   CHECK(robust >= 8);
@@ -504,7 +395,7 @@ TEST_CASE(
       CHECK(std::is_sorted(got.begin(), got.end()));
       // Reference: α = the group mean of the current query's softmax over R (the new token included), one-shot keep.
       r.push_back(pos);
-      Moments const m = brute(t[static_cast<std::size_t>(h)], e);
+      Moments const m = brute_moments(t[static_cast<std::size_t>(h)], e);
       Vec alpha(r.size(), 0.0);
       for (Index gq = 0; gq < g.G; ++gq) {
         Vec const p =
@@ -551,7 +442,7 @@ TEST_CASE(
     Moments got{tr.count[static_cast<std::size_t>(h)], Vec(tr.km.begin() + h * g.d, tr.km.begin() + (h + 1) * g.d),
                 Vec(tr.vm.begin() + h * g.dv, tr.vm.begin() + (h + 1) * g.dv),
                 Vec(tr.cm.begin() + h * g.d * g.dv, tr.cm.begin() + (h + 1) * g.d * g.dv)};
-    CHECK(close(got, brute(t[static_cast<std::size_t>(h)], E[static_cast<std::size_t>(h)]), 1e-4));
+    CHECK(close(got, brute_moments(t[static_cast<std::size_t>(h)], E[static_cast<std::size_t>(h)]), 1e-4));
   }
 }
 
@@ -603,9 +494,9 @@ TEST_CASE("moment_kv P28: prefill of one sequence is independent of the others, 
           c->k[static_cast<std::size_t>((bh * N + t) * d + x)] = std::nanf("");
           c->v[static_cast<std::size_t>((bh * N + t) * d + x)] = std::nanf("");
         }
-  auto const q = random_queries({2, 4, 4, d}, 113);
+  auto const q = random_queries({2, 4, 4, d}, 113, 1.5f);
   auto qb = q;
-  auto const qo = random_queries({2, 4, 4, d}, 114);
+  auto const qo = random_queries({2, 4, 4, d}, 114, 1.5f);
   std::copy(qo.data.begin() + 4 * 4 * d, qo.data.end(), qb.data.begin() + 4 * 4 * d);
   OwnedMoments<> ma(2, 2, d, d), mb(2, 2, d, d);
   kvc::MomentKVScorer<> sa{ma.state}, sb{mb.state};
@@ -631,7 +522,7 @@ TEST_CASE("moment_kv P28: prefill of one sequence is independent of the others, 
       if (std::find(kept.begin(), kept.end(), t) == kept.end())
         gone.push_back(t);
     auto const clean = kvc::tools::HostCache<float>::random({2, 2, N, d}, 111);
-    CHECK(close(stored(ma.state, bh), brute(head_of(clean, 1, bh - 2, N), gone), 1e-5));
+    CHECK(close(stored_moments(ma.state, bh), brute_moments(head_of(clean, 1, bh - 2, N), gone), 1e-5));
   }
 }
 
@@ -643,7 +534,7 @@ TEST_CASE("moment_kv prefill: a ragged per-head store gives the dense cache's ke
   kvc::tools::HostRaggedStore<float> store(1, 2, d, d, counts.data(), 0);
   REQUIRE(kvc::append(kvc::Cpu{}, store.view(), dense.view()).ok());
   REQUIRE(store.lengths == std::vector<Index>{N, N});
-  auto const q = random_queries({1, 2, 4, d}, 122);
+  auto const q = random_queries({1, 2, 4, d}, 122, 1.5f);
   OwnedMoments<> md(1, 2, d, d), mr(1, 2, d, d);
   kvc::MomentKVScorer<> sd{md.state}, sr{mr.state};
   sd.base.window_size = sr.base.window_size = 4;
@@ -687,7 +578,7 @@ TEST_CASE("moment_kv prefill and corrected attention: a paged cache gives the de
                                      kvc::TokenRows<float, kvc::PagedLayout>(vpool.data(), layout),
                                      kvc::head_lengths(lengths.data(), 2), positions.data());
   REQUIRE(kvc::validate(paged).ok());
-  auto const q = random_queries({1, 4, 4, d}, 132);
+  auto const q = random_queries({1, 4, 4, d}, 132, 1.5f);
   OwnedMoments<> md(1, 2, d, d), mp(1, 2, d, d);
   kvc::MomentKVScorer<> sd{md.state}, sp{mp.state};
   sd.base.window_size = sp.base.window_size = 4;
@@ -702,7 +593,7 @@ TEST_CASE("moment_kv prefill and corrected attention: a paged cache gives the de
   CHECK(md.km == mp.km);
   CHECK(md.cm == mp.cm);
   // The corrected attention over both, for queries after the prompt.
-  auto const aq = random_queries({1, 4, 2, d}, 133);
+  auto const aq = random_queries({1, 4, 2, d}, 133, 1.5f);
   std::vector<Index> const qpos{N, N + 1};
   kvc::AttendQueries<float> const queries{aq.rows(), qpos.data()};
   kvc::CorrectedAttention const op{};
@@ -721,7 +612,7 @@ TEST_CASE("moment_kv prefill: a 16-bit state folds the same evicted tokens") {
   auto cache = kvc::tools::HostCache<float>::random({1, 2, N, d}, 131);
   cache.track(N);
   auto const full = cache;
-  auto const q = random_queries({1, 2, 8, d}, 132);
+  auto const q = random_queries({1, 2, 8, d}, 132, 1.5f);
   OwnedMoments<kvc::bfloat16> m(1, 2, d, d);
   kvc::MomentKVScorer<kvc::HostSpace, kvc::bfloat16> s{m.state};
   s.base.window_size = 8;
@@ -733,7 +624,7 @@ TEST_CASE("moment_kv prefill: a 16-bit state folds the same evicted tokens") {
     for (Index t = 0; t < N; ++t)
       if (std::find(kept.begin(), kept.end(), t) == kept.end())
         gone.push_back(t);
-    CHECK(close(stored(m.state, h), brute(head_of(full, 0, h, N), gone), 2e-2));
+    CHECK(close(stored_moments(m.state, h), brute_moments(head_of(full, 0, h, N), gone), 2e-2));
   }
 }
 
@@ -743,7 +634,7 @@ TEST_CASE(
   Index const N = 10, d = 4;
   auto cache = kvc::tools::HostCache<float>::random({1, 2, N, d}, 141);
   cache.track(N);
-  auto const q = random_queries({1, 2, 4, d}, 142);
+  auto const q = random_queries({1, 2, 4, d}, 142, 1.5f);
   OwnedMoments<> m(1, 2, d, d);
   kvc::MomentKVScorer<> s{m.state};
   s.base.window_size = 4;

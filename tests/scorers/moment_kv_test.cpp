@@ -3,8 +3,9 @@
 // backend/cpu/scorers/moment_kv.hpp): MomentKV's moment-informed eviction score and the moment fold on eviction
 // (shared/specs/moment_kv.md §2.3, §2.7, §9, §10 properties 1–5, 20–22, 28–30).
 // References are double brute force in the test: r_j = v_j − v̄ − (c/n) C̃ k_j from two-pass moments of the raw
-// evicted tokens, the base α from its definition (softmax of the window queries, group mean, chunk mean), and the
-// folded moments from the raw evicted rows. The fp32 kernels are compared at ~1e-5 relative.
+// evicted tokens (both from tests/support/moments.hpp), the base α from its definition (softmax of the window queries,
+// group mean, chunk mean), and the folded moments from the raw evicted rows. The fp32 kernels are compared at ~1e-5
+// relative.
 #include <kvc/backend/cpu/pipeline/compact.hpp>
 #include <kvc/backend/cpu/scorers/moment_kv.hpp>
 #include <kvc/backend/cpu/selectors/top_k.hpp>
@@ -14,6 +15,7 @@
 #include "common/synthetic.hpp"
 #include "support/catch.hpp"
 #include "support/helpers.hpp"
+#include "support/moments.hpp"
 
 #include <algorithm>
 #include <cmath>
@@ -26,130 +28,8 @@
 namespace {
 
 using kvc::Index;
-using Vec = std::vector<double>;
 
-/// Double moments of a set of rows.
-struct Moments {
-  Index n = 0;
-  Vec km, vm, C;  // C [dv][dk]
-};
-
-/// Two-pass moments of rows `idx` of head (b, h) of a cache with K [.., dk] and V [.., dv].
-template <class T>
-Moments brute(kvc::tools::HostCache<T> const& c, Index b, Index h, std::vector<Index> const& idx) {
-  Index const dk = c.ext.dim, dv = c.dim_v;
-  Moments m{static_cast<Index>(idx.size()), Vec(static_cast<std::size_t>(dk)), Vec(static_cast<std::size_t>(dv)),
-            Vec(static_cast<std::size_t>(dk * dv))};
-  auto k = [&](Index t, Index x) {
-    return static_cast<double>(
-        kvc::to_float(c.k[static_cast<std::size_t>(((b * c.ext.heads + h) * c.ext.tokens + t) * dk + x)]));
-  };
-  auto v = [&](Index t, Index a) {
-    return static_cast<double>(
-        kvc::to_float(c.v[static_cast<std::size_t>(((b * c.ext.heads + h) * c.ext.tokens + t) * dv + a)]));
-  };
-  if (m.n == 0)
-    return m;
-  for (Index t : idx) {
-    for (Index x = 0; x < dk; ++x)
-      m.km[static_cast<std::size_t>(x)] += k(t, x);
-    for (Index a = 0; a < dv; ++a)
-      m.vm[static_cast<std::size_t>(a)] += v(t, a);
-  }
-  for (auto& x : m.km)
-    x /= static_cast<double>(m.n);
-  for (auto& x : m.vm)
-    x /= static_cast<double>(m.n);
-  for (Index t : idx)
-    for (Index a = 0; a < dv; ++a)
-      for (Index x = 0; x < dk; ++x)
-        m.C[static_cast<std::size_t>(a * dk + x)] +=
-            (v(t, a) - m.vm[static_cast<std::size_t>(a)]) * (k(t, x) - m.km[static_cast<std::size_t>(x)]);
-  return m;
-}
-
-/// An owned moment state of element type T.
-template <class T = float>
-struct OwnedMoments {
-  using value_type = T;
-  std::vector<Index> count;
-  std::vector<T> km, vm, cm;
-  kvc::MomentState<kvc::HostSpace, T> state;
-  OwnedMoments(Index b, Index h, Index dk, Index dv)
-      : count(static_cast<std::size_t>(b * h), 0),
-        km(static_cast<std::size_t>(b * h * dk), kvc::from_float<T>(0.0f)),
-        vm(static_cast<std::size_t>(b * h * dv), kvc::from_float<T>(0.0f)),
-        cm(static_cast<std::size_t>(b * h * dk * dv), kvc::from_float<T>(0.0f)),
-        state{count.data(), km.data(), vm.data(), cm.data(), b, h, dk, dv} {}
-  OwnedMoments(OwnedMoments const&) = delete;
-  void set(Index bh, Moments const& m) {
-    count[static_cast<std::size_t>(bh)] = m.n;
-    for (std::size_t x = 0; x < m.km.size(); ++x)
-      km[static_cast<std::size_t>(bh) * m.km.size() + x] = kvc::from_float<T>(static_cast<float>(m.km[x]));
-    for (std::size_t a = 0; a < m.vm.size(); ++a)
-      vm[static_cast<std::size_t>(bh) * m.vm.size() + a] = kvc::from_float<T>(static_cast<float>(m.vm[a]));
-    for (std::size_t i = 0; i < m.C.size(); ++i)
-      cm[static_cast<std::size_t>(bh) * m.C.size() + i] = kvc::from_float<T>(static_cast<float>(m.C[i]));
-  }
-  /// Head bh's moments as stored, in double.
-  Moments get(Index bh) const {
-    Index const dk = state.key_dim, dv = state.value_dim;
-    Moments m{count[static_cast<std::size_t>(bh)], Vec(static_cast<std::size_t>(dk)), Vec(static_cast<std::size_t>(dv)),
-              Vec(static_cast<std::size_t>(dk * dv))};
-    for (Index x = 0; x < dk; ++x)
-      m.km[static_cast<std::size_t>(x)] = kvc::to_float(km[static_cast<std::size_t>(bh * dk + x)]);
-    for (Index a = 0; a < dv; ++a)
-      m.vm[static_cast<std::size_t>(a)] = kvc::to_float(vm[static_cast<std::size_t>(bh * dv + a)]);
-    for (Index i = 0; i < dk * dv; ++i)
-      m.C[static_cast<std::size_t>(i)] = kvc::to_float(cm[static_cast<std::size_t>(bh * dk * dv + i)]);
-    return m;
-  }
-};
-
-bool close(Moments const& a, Moments const& b, double tol) {
-  if (a.n != b.n)
-    return false;
-  auto near = [tol](Vec const& x, Vec const& y) {
-    double s = 1.0;
-    for (double v : y)
-      s = std::max(s, std::abs(v));
-    for (std::size_t i = 0; i < x.size(); ++i)
-      if (!(std::abs(x[i] - y[i]) <= tol * s))
-        return false;
-    return true;
-  };
-  return near(a.km, b.km) && near(a.vm, b.vm) && near(a.C, b.C);
-}
-
-/// ‖r_j‖ in double for slot j of head (b, h): r_j = v_j − v̄ − (c/n) C̃ k_j (n = 0: v_j).
-template <class T>
-double residual_norm(kvc::tools::HostCache<T> const& c, Index b, Index h, Index j, Moments const& m, double scale,
-                     double tau) {
-  Index const dk = c.ext.dim, dv = c.dim_v;
-  auto const base = (b * c.ext.heads + h) * c.ext.tokens + j;
-  double ss = 0.0;
-  for (Index a = 0; a < dv; ++a) {
-    double r = kvc::to_float(c.v[static_cast<std::size_t>(base * dv + a)]);
-    if (m.n > 0) {
-      r -= m.vm[static_cast<std::size_t>(a)];
-      for (Index x = 0; x < dk; ++x) {
-        double const cx = m.C[static_cast<std::size_t>(a * dk + x)];
-        if (!(std::abs(cx) < tau))
-          r -= scale / static_cast<double>(m.n) * cx * kvc::to_float(c.k[static_cast<std::size_t>(base * dk + x)]);
-      }
-    }
-    ss += r * r;
-  }
-  return std::sqrt(ss);
-}
-
-/// Random window queries [B, Hq, w, dk].
-kvc::test::OwnedQueries<float> random_queries(kvc::KVExtents e, std::uint64_t seed, float scale = 1.0f) {
-  kvc::test::OwnedQueries<float> q(e);
-  auto const v = kvc::tools::random_values<float>(static_cast<Index>(q.data.size()), seed, scale);
-  std::copy(v.begin(), v.end(), q.data.begin());
-  return q;
-}
+using namespace kvc::test;  // support/moments.hpp: Moments, brute_moments, close, ...
 
 /// Runs kvc::score with `s` on `cache`, returning the [B, H, N] scores.
 template <class S, class Cache>
@@ -211,7 +91,7 @@ TEST_CASE("moment_kv P21: with nothing evicted the score is alpha_j ||v_j|| (fix
   auto base = random_base(e.rows(), 4);
   kvc::MomentKVScorer<> s{mom.state};
   s.fixed_base = {base.data(), 2, 2, 11};
-  auto const q = random_queries({2, 4, 2, 6}, 5);
+  auto const q = random_queries({2, 4, 2, 6}, 5, 1.0f);
   auto const out = score_of(s, cache.view(), q);
   for (Index bh = 0; bh < 4; ++bh)
     for (Index j = 0; j < 11; ++j) {
@@ -231,7 +111,7 @@ TEST_CASE(
   kvc::MomentKVScorer<> const prefill{mom.state};
   double const c = 1.0 / std::sqrt(8.0);
   // Causal softmax of query row (b, hq, i) at position p over slots 0..p of KV head hq / 2, in double.
-  auto const q = random_queries({1, 4, 4, 8}, 9);
+  auto const q = random_queries({1, 4, 4, 8}, 9, 1.0f);
   auto prob = [&](Index hq, Index i, Index p, Index j) {
     double mx = -1e300, z = 0.0;
     std::vector<double> s(static_cast<std::size_t>(p + 1));
@@ -289,14 +169,14 @@ TEST_CASE(
   kvc::KVExtents const e{2, 2, 14, 6};
   auto const cache = kvc::tools::HostCache<float>::random(e, 11, 5);
   auto const evicted = kvc::tools::HostCache<float>::random({2, 2, 9, 6}, 12, 5);  // the tokens already gone
-  auto const q = random_queries({2, 4, 1, 6}, 13);
+  auto const q = random_queries({2, 4, 1, 6}, 13, 1.0f);
   auto base = random_base(e.rows(), 14);
   for (float scale : {0.0f, 0.7f}) {
     double const c = scale > 0 ? scale : 1.0 / std::sqrt(6.0);
     std::vector<Moments> truth;
     for (Index bh = 0; bh < 4; ++bh)
-      truth.push_back(
-          brute(evicted, bh / 2, bh % 2, bh == 1 ? std::vector<Index>{} : std::vector<Index>{0, 2, 3, 5, 6, 8}));
+      truth.push_back(brute_moments(evicted, bh / 2, bh % 2,
+                                    bh == 1 ? std::vector<Index>{} : std::vector<Index>{0, 2, 3, 5, 6, 8}));
     auto check_with = [&](auto& mom, double tol) {
       for (Index bh = 0; bh < 4; ++bh)
         mom.set(bh, truth[static_cast<std::size_t>(bh)]);
@@ -348,7 +228,7 @@ TEST_CASE(
   kvc::KVExtents const e{1, 1, 10, 4};
   auto cache = kvc::tools::HostCache<float>::random(e, 21);
   auto const gone = kvc::tools::HostCache<float>::random(e, 22);
-  Moments const m = brute(gone, 0, 0, {0, 1, 2, 3, 4, 5, 6});
+  Moments const m = brute_moments(gone, 0, 0, {0, 1, 2, 3, 4, 5, 6});
   double const c = 0.5;  // 1 / sqrt(4)
   Index const j = 6;
   for (Index a = 0; a < 4; ++a) {  // v_j := v̄ + (c/n) C k_j
@@ -364,7 +244,7 @@ TEST_CASE(
   kvc::MomentKVScorer<> s{mom.state};
   s.clamp_tau = 0.0f;
   s.fixed_base = {base.data(), 1, 1, 10};
-  auto const q = random_queries({1, 1, 1, 4}, 23);
+  auto const q = random_queries({1, 1, 1, 4}, 23, 1.0f);
   kvc::test::OwnedScores out(1, 1, 10);
   out.data = score_of(s, cache.view(), q);
   out.span.data = out.data.data();
@@ -414,7 +294,7 @@ TEST_CASE(
   }
   evict(s, cache.view(), keep, true);
   for (Index bh = 0; bh < 4; ++bh) {
-    Moments const want = brute(original, bh / 2, bh % 2, positions_gone[static_cast<std::size_t>(bh)]);
+    Moments const want = brute_moments(original, bh / 2, bh % 2, positions_gone[static_cast<std::size_t>(bh)]);
     CHECK(close(mom.get(bh), want, 1e-5));
     CHECK(mom.count[static_cast<std::size_t>(bh)] + cache.lengths[static_cast<std::size_t>(bh)] == 150);
   }
@@ -431,7 +311,7 @@ TEST_CASE(
     }
     evict(s, cache.view(), keep2, true);
     for (Index bh = 0; bh < 4; ++bh) {
-      Moments const want = brute(original, bh / 2, bh % 2, positions_gone[static_cast<std::size_t>(bh)]);
+      Moments const want = brute_moments(original, bh / 2, bh % 2, positions_gone[static_cast<std::size_t>(bh)]);
       CHECK(close(mom.get(bh), want, 1e-5));
       CHECK(mom.count[static_cast<std::size_t>(bh)] + cache.lengths[static_cast<std::size_t>(bh)] == 150);
     }
@@ -439,8 +319,8 @@ TEST_CASE(
   // The sums: n k̄ + Σ_R k = Σ_all k (and for v), in fp32 tolerance.
   for (Index bh = 0; bh < 4; ++bh) {
     auto const pos = cache.head_positions(bh / 2, bh % 2);
-    Moments const all = brute(original, bh / 2, bh % 2, complement(150, {}));
-    Moments const kept = brute(original, bh / 2, bh % 2, pos);
+    Moments const all = brute_moments(original, bh / 2, bh % 2, complement(150, {}));
+    Moments const kept = brute_moments(original, bh / 2, bh % 2, pos);
     Moments const got = mom.get(bh);
     for (Index x = 0; x < 6; ++x) {
       double const total = 150.0 * all.km[static_cast<std::size_t>(x)];
@@ -455,7 +335,7 @@ TEST_CASE("moment_kv P3: the order and grouping of evictions do not change the f
   kvc::KVExtents const e{1, 1, 40, 4};
   auto const src = kvc::tools::HostCache<float>::random(e, 41, 3);
   std::vector<Index> const gone{1, 4, 5, 9, 13, 14, 20, 22, 23, 30, 31, 35, 39};
-  Moments const want = brute(src, 0, 0, gone);
+  Moments const want = brute_moments(src, 0, 0, gone);
   // (a) one block; (b) one token at a time, highest slot first; (c) blocks of 3 from the lowest.
   for (int how = 0; how < 3; ++how) {
     auto cache = src;
@@ -494,7 +374,7 @@ TEST_CASE("moment_kv on_evict: 16-bit states round the fp32 fold once per update
   evict(kvc::MomentKVScorer<kvc::HostSpace, kvc::half>{mh.state}, c1.view(), keep, false);
   evict(kvc::MomentKVScorer<kvc::HostSpace, kvc::bfloat16>{mb.state}, c2.view(), keep, false);
   for (Index h = 0; h < 2; ++h) {
-    Moments const want = brute(cache, 0, h, complement(30, keep[static_cast<std::size_t>(h)]));
+    Moments const want = brute_moments(cache, 0, h, complement(30, keep[static_cast<std::size_t>(h)]));
     CHECK(close(mh.get(h), want, 2e-3));    // half: 11-bit mantissa
     CHECK(close(mb.get(h), want, 1.6e-2));  // bfloat16: 8-bit mantissa
     CHECK(mh.count[static_cast<std::size_t>(h)] == want.n);
@@ -520,11 +400,11 @@ TEST_CASE("moment_kv P28: padding never enters the moments or the scores, and se
   evict(s, cache.view(), keep, false);
   for (Index bh = 0; bh < 4; ++bh) {
     auto gone = complement(cache.lengths[static_cast<std::size_t>(bh)], keep[static_cast<std::size_t>(bh)]);
-    CHECK(close(mom.get(bh), brute(original, bh / 2, bh % 2, gone), 1e-5));
+    CHECK(close(mom.get(bh), brute_moments(original, bh / 2, bh % 2, gone), 1e-5));
   }
   auto base = random_base(e.rows(), 62);
   s.fixed_base = {base.data(), 2, 2, 12};
-  auto const q = random_queries({2, 2, 1, 4}, 63);
+  auto const q = random_queries({2, 2, 1, 4}, 63, 1.0f);
   auto const scores = score_of(s, cache.view(), q);
   for (Index bh = 0; bh < 4; ++bh)
     for (Index t = 0; t < 12; ++t) {
@@ -570,7 +450,7 @@ TEST_CASE("moment_kv P30 (CPU stand-in): scores and the fold are the same on a t
   CHECK(serial.vm == parallel.vm);
   CHECK(serial.cm == parallel.cm);
   CHECK(serial.count == parallel.count);
-  auto const q = random_queries({2, 6, 32, 8}, 72);
+  auto const q = random_queries({2, 6, 32, 8}, 72, 1.0f);
   kvc::MomentKVScorer<> const s{serial.state};  // the default SnapKV base, w = 32
   CHECK(score_of(s, cache.view(), q) == score_of(s, cache.view(), q, pool.cpu()));
 }
@@ -621,7 +501,7 @@ TEST_CASE("moment_kv: bad parameters, states of another shape and short workspac
   bad.residuals.rows = {rows.data(), kvc::bhtd_layout({1, 2, 8, 4})};
   CHECK(bad.check().code() == kvc::Errc::invalid_argument);  // rows without `tracked` and `age`
 
-  auto const q = random_queries({1, 2, 4, 4}, 82);
+  auto const q = random_queries({1, 2, 4, 4}, 82, 1.0f);
   auto const obs = kvc::observe(kvc::WindowQueries<float>{q.rows()});
   kvc::test::OwnedScores out(1, 2, 8);
   std::vector<float> base(16, 1.0f);
