@@ -3,6 +3,7 @@
 #pragma once
 
 #include <kvc/backend/cuda/attention/attend.cuh>
+#include <kvc/backend/cuda/attention/corrected.cuh>
 #include <kvc/backend/cuda/config.cuh>
 #include <kvc/backend/cuda/pipeline/compact.cuh>
 #include <kvc/backend/cuda/pipeline/query_statistics.cuh>
@@ -10,6 +11,7 @@
 #include <kvc/backend/cuda/scorers/h2o.cuh>
 #include <kvc/backend/cuda/scorers/key_diff.cuh>
 #include <kvc/backend/cuda/scorers/knorm.cuh>
+#include <kvc/backend/cuda/scorers/moment_kv.cuh>
 #include <kvc/backend/cuda/scorers/random.cuh>
 #include <kvc/backend/cuda/scorers/snap_kv.cuh>
 #include <kvc/backend/cuda/scorers/streaming_llm.cuh>

@@ -1,8 +1,8 @@
 // SPDX-License-Identifier: Apache-2.0
 // benchmarks/backend/cuda/cuda_bench.cpp: CUDA kernel throughput (manual time from cudaEvent pairs), with the two
 // bounds in the same binary: a device-memory read case (compare each op's bytes/s with BM_Cuda_MemoryRead's) and an
-// fp32 FMA case (compare the FLOP/s counter of ExpectedAttention's d^2 work, the window attention's logits and the
-// statistics' Gram with BM_Cuda_FmaPeak's).
+// fp32 FMA case (compare the FLOP/s counter of ExpectedAttention's d^2 work, the window attention's logits, the
+// statistics' Gram and MomentKV's residual and co-moment with BM_Cuda_FmaPeak's).
 #include "backend/cuda/cuda_bench.hpp"
 
 #include <benchmark/benchmark.h>
@@ -87,6 +87,13 @@ BENCHMARK_CAPTURE(run, RaggedAttend_fp16, kb::Op::ragged_attend, true)
 BENCHMARK_CAPTURE(run, RaggedAttend_fp32, kb::Op::ragged_attend, false)
     ->Apply(grid128)
     ->Name("BM_RaggedAttend_Cuda/fp32");
+BENCHMARK_CAPTURE(run, MomentScore_fp16, kb::Op::moment_score, true)
+    ->Apply(grid128)
+    ->Name("BM_MomentKVScore_Cuda/fp16");
+BENCHMARK_CAPTURE(run, MomentFold_fp16, kb::Op::moment_fold, true)->Apply(grid128)->Name("BM_MomentKVFold_Cuda/fp16");
+BENCHMARK_CAPTURE(run, MomentAttend_fp16, kb::Op::moment_attend, true)
+    ->Apply(grid128)
+    ->Name("BM_MomentKVAttend_Cuda/fp16");
 BENCHMARK_CAPTURE(run, Read_fp32, kb::Op::read, false)->Apply(grid)->Name("BM_Cuda_MemoryRead");
 BENCHMARK_CAPTURE(run, Fma, kb::Op::fma_peak, false)
     ->ArgNames({"tokens", "dim"})

@@ -35,6 +35,9 @@ enum class Op {
   ada_kv_select,       ///< kvc::select with AdaKVSelector (allocate + per-head top-k), half kept on average
   ragged_attend,       ///< decode attention (32 query heads x 1 row) over a ragged store of uneven heads averaging
                        ///< tokens / 2 (head h holds tokens (h + 1) / 9): bytes = the kept K + V
+  moment_score,        ///< MomentKV's MI score over a fixed base (the residual pass: C̃ k_j per slot), fp32 moments
+  moment_fold,         ///< MomentKV's on_evict of half the slots (block moments + Chan's merge), fp32 moments
+  moment_attend,       ///< kvc::attend_corrected for 32 query heads x 1 row (attention + the moment epilogue)
 };
 
 ContextPtr make_context(Index tokens, Index dim, bool fp16, Op op);

@@ -1,12 +1,14 @@
 // SPDX-License-Identifier: Apache-2.0
 // benchmarks/backend/cuda/cuda_bench_kernels.cu: device side of the CUDA benchmarks (see cuda_bench.hpp).
 #include <kvc/backend/cuda/attention/attend.cuh>
+#include <kvc/backend/cuda/attention/corrected.cuh>
 #include <kvc/backend/cuda/pipeline/compact.cuh>
 #include <kvc/backend/cuda/pipeline/query_statistics.cuh>
 #include <kvc/backend/cuda/scorers/expected_attention.cuh>
 #include <kvc/backend/cuda/scorers/h2o.cuh>
 #include <kvc/backend/cuda/scorers/key_diff.cuh>
 #include <kvc/backend/cuda/scorers/knorm.cuh>
+#include <kvc/backend/cuda/scorers/moment_kv.cuh>
 #include <kvc/backend/cuda/scorers/snap_kv.cuh>
 #include <kvc/backend/cuda/selectors/ada_kv.cuh>
 #include <kvc/backend/cuda/selectors/top_k.cuh>
@@ -57,6 +59,11 @@ struct Context {
   void* decode_queries = nullptr;
   float* attn_out = nullptr;
   float* attn_lse = nullptr;
+  // MomentKV: fp32 moments of the 8 KV heads (count 1000, filled means and co-moments) and a fixed base [1, 8, N].
+  Index* moment_count = nullptr;
+  float* moment_means = nullptr;  // k̄ [8, d] then v̄ [8, d]
+  float* comoment = nullptr;      // [8, d, d]
+  float* fixed_base = nullptr;
 };
 
 namespace {
@@ -135,6 +142,15 @@ __global__ void read_kernel(float4 const* x, Index n4, float* sink) {
     *sink = acc;
 }
 
+/// MomentKV's scorer over the context's moments and fixed base.
+MomentKVScorer<DeviceSpace, float> moment_scorer(Context const& c) {
+  MomentKVScorer<DeviceSpace, float> s;
+  s.state = {c.moment_count, c.moment_means, c.moment_means + c.e.heads * c.e.dim, c.comoment, 1, c.e.heads,
+             c.e.dim,        c.e.dim};
+  s.fixed_base = {c.fixed_base, 1, c.e.heads, c.e.tokens};
+  return s;
+}
+
 template <class T>
 Status run(Context& c, Op op) {
   auto const rows = bhtd_device_rows(static_cast<T*>(c.k), c.e);
@@ -179,6 +195,14 @@ Status run(Context& c, Op op) {
       AttendQueries<T, DeviceSpace> const q{TokenRows<T const, StridedLayout, DeviceSpace>(
           static_cast<T const*>(c.decode_queries), bhtd_layout({1, hq, 1, c.e.dim}))};
       return attend(Cuda{}, Attention{}, q, store, AttendOutput<DeviceSpace>{c.attn_out, c.attn_lse}, ws);
+    }
+    case Op::moment_score: return score(Cuda{}, moment_scorer(c), cache, obs, span, ws);
+    case Op::moment_fold: return on_evict(Cuda{}, moment_scorer(c), cache, plan, ws);
+    case Op::moment_attend: {
+      AttendQueries<T, DeviceSpace> const q{TokenRows<T const, StridedLayout, DeviceSpace>(
+          static_cast<T const*>(c.decode_queries), bhtd_layout({1, hq, 1, c.e.dim}))};
+      return attend_corrected(Cuda{}, CorrectedAttention{}, q, cache, moment_scorer(c).state,
+                              AttendOutput<DeviceSpace>{c.attn_out, c.attn_lse}, ws);
     }
     case Op::fma_peak:
       fma_kernel<<<fma_blocks, fma_threads>>>(0.999f, 1e-3f, fma_iterations, c.sink);
@@ -236,6 +260,20 @@ bool prepare(Context& c, Op op) {
       return false;
     fill_kernel<<<1024, 256>>>(static_cast<T*>(c.decode_queries), hq * d, 8u);
   }
+  if (op == Op::moment_score || op == Op::moment_fold || op == Op::moment_attend) {
+    Index const heads = c.e.heads;
+    std::vector<Index> const count(static_cast<std::size_t>(heads), 1000);
+    if (!alloc(&c.moment_count, heads, sizeof(Index)) || !alloc(&c.moment_means, 2 * heads * d, sizeof(float)) ||
+        !alloc(&c.comoment, heads * d * d, sizeof(float)) || !alloc(&c.fixed_base, c.e.rows(), sizeof(float)) ||
+        !alloc(&c.decode_queries, hq * d, sizeof(T)) || !alloc(&c.attn_out, hq * d, sizeof(float)) ||
+        !alloc(&c.attn_lse, hq, sizeof(float)) ||
+        cudaMemcpy(c.moment_count, count.data(), count.size() * sizeof(Index), cudaMemcpyHostToDevice) != cudaSuccess)
+      return false;
+    fill_kernel<<<1024, 256>>>(c.moment_means, 2 * heads * d, 9u);
+    fill_kernel<<<1024, 256>>>(c.comoment, heads * d * d, 10u);
+    fill_kernel<<<1024, 256>>>(c.fixed_base, c.e.rows(), 11u);
+    fill_kernel<<<1024, 256>>>(static_cast<T*>(c.decode_queries), hq * d, 12u);
+  }
   return cudaDeviceSynchronize() == cudaSuccess;
 }
 
@@ -270,6 +308,10 @@ void ContextDeleter::operator()(Context* c) const {
   cudaFree(c->decode_queries);
   cudaFree(c->attn_out);
   cudaFree(c->attn_lse);
+  cudaFree(c->moment_count);
+  cudaFree(c->moment_means);
+  cudaFree(c->comoment);
+  cudaFree(c->fixed_base);
   cudaEventDestroy(c->start);
   cudaEventDestroy(c->stop);
   delete c;
@@ -294,7 +336,16 @@ ContextPtr make_context(Index tokens, Index dim, bool fp16, Op op) {
        update_workspace_bytes(Cuda{}, h2o, c->e, obs),
        score_workspace_bytes(Cuda{}, ObservedAttentionScorer{256}, c->e, tile),
        op == Op::query_statistics ? query_statistics_workspace_bytes(Cuda{}, rows_extents(c->e)) : std::size_t{0},
-       select_workspace_bytes(Cuda{}, AdaKVSelector{FixedBudget{tokens / 2}}, 1, c->e.heads, tokens)});
+       select_workspace_bytes(Cuda{}, AdaKVSelector{FixedBudget{tokens / 2}}, 1, c->e.heads, tokens),
+       score_workspace_bytes(Cuda{}, moment_scorer(*c), c->e, obs),
+       on_evict_workspace_bytes(Cuda{}, moment_scorer(*c), c->e),
+       attend_corrected_workspace_bytes(
+           Cuda{}, CorrectedAttention{},
+           AttendQueries<float, DeviceSpace>{
+               TokenRows<float const, StridedLayout, DeviceSpace>(nullptr, bhtd_layout({1, 4 * c->e.heads, 1, dim}))},
+           make_cache(bhtd_device_rows(static_cast<float*>(nullptr), c->e),
+                      bhtd_device_rows(static_cast<float*>(nullptr), c->e)),
+           moment_scorer(*c).state)});
   bool ok = cudaMalloc(&c->k, static_cast<std::size_t>(elems) * item) == cudaSuccess &&
             cudaMalloc(&c->v, static_cast<std::size_t>(elems) * item) == cudaSuccess &&
             cudaMalloc(&c->scores, static_cast<std::size_t>(c->e.rows()) * sizeof(float)) == cudaSuccess &&
@@ -351,7 +402,10 @@ double bytes_of(Context const& c, Op op) {
     case Op::fma_peak: return 0.0;
     case Op::ada_kv_allocate:
     case Op::ada_kv_select: return static_cast<double>(c.e.rows()) * sizeof(float);  // the scores, once at least
-    case Op::ragged_attend: return kbytes;  // half of K and half of V: the kept rows, once
+    case Op::ragged_attend: return kbytes;        // half of K and half of V: the kept rows, once
+    case Op::moment_score: return 2.0 * kbytes;   // K and V of every slot
+    case Op::moment_fold: return kbytes;          // K and V of the evicted half (read twice in practice)
+    case Op::moment_attend: return 2.0 * kbytes;  // K and V of every slot (the moments are 0.5 MiB)
   }
   return 0.0;
 }
@@ -363,6 +417,8 @@ double flops_of(Context const& c, Op op) {
     case Op::query_statistics: return 2.0 * n * g * d * d;  // the full Gram (the kernel computes its upper tiles)
     case Op::h2o_update: return 4.0 * n * g * static_cast<double>(window_extents(c.e).tokens) * d;  // 2 logit passes
     case Op::observed_attention: return 4.0 * n * g * static_cast<double>(tile_extents(c.e).tokens) * d;
+    case Op::moment_score: return 2.0 * n * d * d;         // C̃ k_j per slot
+    case Op::moment_fold: return 2.0 * (n / 2.0) * d * d;  // the centred co-moment of the evicted half
     case Op::fma_peak: return 2.0 * 8.0 * fma_iterations * static_cast<double>(fma_blocks) * fma_threads;
     default: return 0.0;
   }

@@ -1,12 +1,14 @@
 // SPDX-License-Identifier: Apache-2.0
 // tests/backend/cuda/cuda_kernels.cu: device-side halves of the parity tests (see cuda_kernels.hpp).
 #include <kvc/backend/cuda/attention/attend.cuh>
+#include <kvc/backend/cuda/attention/corrected.cuh>
 #include <kvc/backend/cuda/pipeline/compact.cuh>
 #include <kvc/backend/cuda/pipeline/query_statistics.cuh>
 #include <kvc/backend/cuda/scorers/expected_attention.cuh>
 #include <kvc/backend/cuda/scorers/h2o.cuh>
 #include <kvc/backend/cuda/scorers/key_diff.cuh>
 #include <kvc/backend/cuda/scorers/knorm.cuh>
+#include <kvc/backend/cuda/scorers/moment_kv.cuh>
 #include <kvc/backend/cuda/scorers/random.cuh>
 #include <kvc/backend/cuda/scorers/snap_kv.cuh>
 #include <kvc/backend/cuda/scorers/streaming_llm.cuh>
@@ -14,6 +16,7 @@
 #include <kvc/backend/cuda/selectors/top_k.cuh>
 #include <kvc/pipeline/blockwise.hpp>
 #include <kvc/pipeline/decode.hpp>
+#include <kvc/pipeline/moment_kv.hpp>
 
 #include "cuda_kernels.hpp"
 
@@ -232,6 +235,84 @@ std::string score_with(S scorer, Mirror<T>& m, std::vector<float>& out) {
   return err;
 }
 
+/// Device copies of host moments stored as MT.
+template <class MT>
+struct DeviceMoments {
+  KVExtents e;
+  Index dv;
+  DeviceBuffer<Index> count;
+  DeviceBuffer<MT> key_mean, value_mean, comoment;
+  DeviceMoments(Case const& c, Moments const& m)
+      : e(c.e),
+        dv(c.dim_v > 0 ? c.dim_v : c.e.dim),
+        count(m.count),
+        key_mean(narrow<MT>(m.key_mean)),
+        value_mean(narrow<MT>(m.value_mean)),
+        comoment(narrow<MT>(m.comoment)) {}
+  MomentState<DeviceSpace, MT> view() const {
+    return {count.ptr, key_mean.ptr, value_mean.ptr, comoment.ptr, e.batch, e.heads, e.dim, dv};
+  }
+  void read_back(Moments& m) const {
+    count.to_host(m.count);
+    std::vector<MT> x;
+    key_mean.to_host(x);
+    m.key_mean = widen(x);
+    value_mean.to_host(x);
+    m.value_mean = widen(x);
+    comoment.to_host(x);
+    m.comoment = widen(x);
+  }
+};
+
+/// Device copies of a host u_j cache (disabled when its rows are empty).
+struct DeviceResiduals {
+  KVExtents rows_ext;
+  Index refresh;
+  bool enabled;
+  DeviceBuffer<float> rows;
+  DeviceBuffer<Index> tracked, age;
+  DeviceResiduals(Case const& c, Residuals const& r)
+      : rows_ext{c.e.batch, c.e.heads, c.e.tokens, c.dim_v > 0 ? c.dim_v : c.e.dim},
+        refresh(r.refresh),
+        enabled(!r.rows.empty()),
+        rows(r.rows),
+        tracked(r.tracked),
+        age(r.age) {}
+  MomentResiduals<DeviceSpace> view() const {
+    if (!enabled)
+      return {};
+    return {TokenRows<float, StridedLayout, DeviceSpace>(rows.ptr, bhtd_layout(rows_ext)), tracked.ptr, age.ptr,
+            refresh};
+  }
+  void read_back(Residuals& r) const {
+    if (!enabled)
+      return;
+    rows.to_host(r.rows);
+    tracked.to_host(r.tracked);
+    age.to_host(r.age);
+  }
+};
+
+/// The device scorer with the host scorer's parameters.
+template <class MT>
+MomentKVScorer<DeviceSpace, MT> device_moment_scorer(MomentKVScorer<> const& p, DeviceMoments<MT> const& m,
+                                                     DeviceResiduals const& r) {
+  MomentKVScorer<DeviceSpace, MT> s;
+  s.state = m.view();
+  s.residuals = r.view();
+  s.base = p.base;
+  s.scale = p.scale;
+  s.clamp_tau = p.clamp_tau;
+  s.prefill_rounds = p.prefill_rounds;
+  return s;
+}
+
+/// Calls fn(cache_tag, moment_tag) for the case's cache dtype and the moments' storage dtype.
+template <class Fn>
+std::string by_dtypes(Dtype cache, Dtype moments, Fn&& fn) {
+  return by_dtype(cache, [&](auto t) { return by_dtype(moments, [&](auto mt) { return fn(t, mt); }); });
+}
+
 }  // namespace
 
 bool device_available() {
@@ -258,6 +339,15 @@ std::string scores(std::string const& policy, Case const& c, std::vector<float>&
     if (policy == "snap_kv_kvpress") {
       SnapKVScorer s = SnapKVScorer::kvpress();
       s.window_size = w;
+      return score_with(s, m, out);
+    }
+    if (policy == "snap_kv_chunk")  // MomentKV's base: aligned chunks of 4 (the last one partial), group mean
+      return score_with(SnapKVScorer{Reference::authors, w, 4, Pooling::chunk_mean, GqaReduce::mean}, m, out);
+    if (policy == "snap_kv_chunk_kvpress") {
+      SnapKVScorer s = SnapKVScorer::kvpress();
+      s.window_size = w;
+      s.kernel_size = 6;
+      s.pooling = Pooling::chunk_mean;
       return score_with(s, m, out);
     }
     if (policy == "tova")
@@ -588,6 +678,117 @@ std::string h2o(Case const& c, Index tile, std::vector<H2OStep> const& steps, st
   });
 }
 
+std::string compact_rows(Case& c, std::vector<Index> const& index, std::vector<Index> const& count, Index capacity,
+                         std::vector<float>& rows) {
+  return by_dtype(c.dtype, [&](auto tag) {
+    Mirror<decltype(tag)> m(c);
+    DeviceBuffer<Index> idx(index), cnt(count);
+    DeviceBuffer<float> r(rows);
+    KVExtents const re{c.e.batch, c.e.heads, c.e.tokens, c.dim_v > 0 ? c.dim_v : c.e.dim};
+    TokenRows<float, StridedLayout, DeviceSpace> const extra(r.get_or_null(!rows.empty()), bhtd_layout(re));
+    KeepPlan<DeviceSpace> const plan{idx.ptr, cnt.ptr, c.e.batch, c.e.heads, capacity};
+    std::string const err =
+        m.with_cache([&](auto const& cache) { return finish(kvc::compact(Cuda{}, plan, cache, extra)); });
+    m.read_back(c);
+    if (!rows.empty())
+      r.to_host(rows);
+    return err;
+  });
+}
+
+std::string moment_scores(Case const& c, MomentKVScorer<> const& params, Moments const& mo, Residuals const& r,
+                          std::vector<float> const& fixed_base, std::vector<float>& out) {
+  return by_dtypes(c.dtype, mo.dtype, [&](auto tag, auto mtag) {
+    using T = decltype(tag);
+    Mirror<T> m(c);
+    DeviceMoments<decltype(mtag)> const dm(c, mo);
+    DeviceResiduals const dr(c, r);
+    DeviceBuffer<float> base(fixed_base);
+    auto scorer = device_moment_scorer(params, dm, dr);
+    if (!fixed_base.empty())
+      scorer.fixed_base = {base.ptr, c.e.batch, c.e.heads, c.e.tokens};
+    return score_with(scorer, m, out);
+  });
+}
+
+std::string moment_update(Case const& c, MomentKVScorer<> const& params, Moments const& mo, Residuals& r) {
+  return by_dtypes(c.dtype, mo.dtype, [&](auto tag, auto mtag) {
+    Mirror<decltype(tag)> m(c);
+    DeviceMoments<decltype(mtag)> const dm(c, mo);
+    DeviceResiduals const dr(c, r);
+    auto const scorer = device_moment_scorer(params, dm, dr);
+    std::string const err = m.with_cache([&](auto const& cache) {
+      std::size_t const bytes = update_workspace_bytes(Cuda{}, scorer, c.e, NoObservations{});
+      DeviceBuffer<unsigned char> ws(bytes);
+      return finish(update(Cuda{}, scorer, cache, NoObservations{}, Workspace{ws.ptr, bytes}));
+    });
+    dr.read_back(r);
+    return err;
+  });
+}
+
+std::string moment_evict(Case const& c, MomentKVScorer<> const& params, Moments& mo, Residuals& r,
+                         std::vector<Index> const& index, std::vector<Index> const& count, Index capacity) {
+  return by_dtypes(c.dtype, mo.dtype, [&](auto tag, auto mtag) {
+    Mirror<decltype(tag)> m(c);
+    DeviceMoments<decltype(mtag)> const dm(c, mo);
+    DeviceResiduals const dr(c, r);
+    auto const scorer = device_moment_scorer(params, dm, dr);
+    DeviceBuffer<Index> idx(index), cnt(count);
+    KeepPlan<DeviceSpace> const plan{idx.ptr, cnt.ptr, c.e.batch, c.e.heads, capacity};
+    std::string const err = m.with_cache([&](auto const& cache) {
+      std::size_t const bytes = on_evict_workspace_bytes(Cuda{}, scorer, c.e);
+      DeviceBuffer<unsigned char> ws(bytes);
+      return finish(on_evict(Cuda{}, scorer, cache, plan, Workspace{ws.ptr, bytes}));
+    });
+    dm.read_back(mo);
+    dr.read_back(r);
+    return err;
+  });
+}
+
+std::string attend_corrected(Case const& c, CorrectedAttention const& op, Moments const& mo, std::vector<float>& out,
+                             std::vector<float>& lse) {
+  return by_dtypes(c.dtype, mo.dtype, [&](auto tag, auto mtag) {
+    using T = decltype(tag);
+    Mirror<T> m(c);
+    DeviceMoments<decltype(mtag)> const dm(c, mo);
+    Index const dv = c.dim_v > 0 ? c.dim_v : c.e.dim;
+    DeviceBuffer<float> o(static_cast<std::size_t>(c.q_ext.rows() * dv)), l(static_cast<std::size_t>(c.q_ext.rows()));
+    std::string const err = m.with_cache([&](auto const& cache) {
+      AttendQueries<T, DeviceSpace> const q{
+          TokenRows<T const, StridedLayout, DeviceSpace>(m.q.ptr, bhtd_layout(c.q_ext))};
+      std::size_t const bytes = attend_corrected_workspace_bytes(Cuda{}, op, q, cache, dm.view());
+      DeviceBuffer<unsigned char> ws(bytes);
+      return finish(kvc::attend_corrected(Cuda{}, op, q, cache, dm.view(), AttendOutput<DeviceSpace>{o.ptr, l.ptr},
+                                          Workspace{ws.ptr, bytes}));
+    });
+    o.to_host(out);
+    l.to_host(lse);
+    return err;
+  });
+}
+
+std::string moment_kv_prefill(Case& c, MomentKVScorer<> const& params, Moments& mo, Index budget, Index n_sink,
+                              Index n_recent) {
+  return by_dtypes(c.dtype, mo.dtype, [&](auto tag, auto mtag) {
+    Mirror<decltype(tag)> m(c);
+    DeviceMoments<decltype(mtag)> const dm(c, mo);
+    DeviceResiduals const dr(c, Residuals{});
+    auto const scorer = device_moment_scorer(params, dm, dr);
+    TopKSelector const sel{FixedBudget{budget}, n_sink, n_recent};
+    std::string const err = m.with_cache([&](auto const& cache) {
+      auto const obs = observe(m.window());
+      std::size_t const bytes = moment_kv_prefill_workspace_bytes(Cuda{}, scorer, sel, c.e, obs);
+      DeviceBuffer<unsigned char> ws(bytes);
+      return finish(kvc::moment_kv_prefill(Cuda{}, scorer, sel, cache, obs, Workspace{ws.ptr, bytes}));
+    });
+    m.read_back(c);
+    dm.read_back(mo);
+    return err;
+  });
+}
+
 /// The decode driver is written against entry points only: it must build for the CUDA backend with every scorer
 /// that has CUDA kernels (compile-time check; parity of the steps it calls is tested above).
 void decode_driver_builds_for_cuda(Cuda const& cuda, Workspace ws) {
@@ -603,6 +804,8 @@ void decode_driver_builds_for_cuda(Cuda const& cuda, Workspace ws) {
   (void)decode_step(cuda, ExpectedAttentionScorer{}, schedule, cache, buf, counter, rope, ws);
   (void)decode_step(cuda, H2OScorer<DeviceSpace>{}, schedule, cache, buf, counter, rope, ws);
   (void)decode_step(cuda, ObservedAttentionScorer{}, schedule, cache, buf, counter, rope, ws);
+  (void)decode_step(cuda, MomentKVScorer<DeviceSpace>{}.decode(), schedule, cache, buf, counter, rope, ws);
+  (void)decode_step(cuda, MomentKVScorer<DeviceSpace, half>{}.decode(), schedule, cache, buf, counter, rope, ws);
 }
 
 }  // namespace kvc::test::cuda

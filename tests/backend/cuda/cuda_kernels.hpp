@@ -5,12 +5,14 @@
 // back and returns "" or an error message.
 #pragma once
 
+#include <kvc/attention/corrected.hpp>
 #include <kvc/core/backend.hpp>
 #include <kvc/core/extents.hpp>
 #include <kvc/core/rope.hpp>
 #include <kvc/core/workspace.hpp>
 #include <kvc/pipeline/query_statistics.hpp>
 #include <kvc/scorers/expected_attention.hpp>
+#include <kvc/scorers/moment_kv.hpp>
 #include <kvc/selectors/top_k.hpp>
 #include <kvc/store/ragged.hpp>
 
@@ -53,7 +55,8 @@ inline constexpr Index test_rope_positions = 4096;
 bool device_available();
 
 /// Scores with the named policy: key_diff, key_diff_raw (the raw-mean anchor), knorm, streaming_llm, random,
-/// snap_kv, snap_kv_kvpress, tova, tova_kvpress (window policies read Case::queries with window_size = q_ext.tokens),
+/// snap_kv, snap_kv_kvpress, snap_kv_chunk (chunk_mean pooling, kernel 4), snap_kv_chunk_kvpress (kernel 6), tova,
+/// tova_kvpress (window policies read Case::queries with window_size = q_ext.tokens),
 /// observed_attention (ObservedAttentionScorer over every row of Case::queries, query_tile 7: several tiles, the
 /// last one short) and observed_attention_one_tile (query_tile 256).
 std::string scores(std::string const& policy, Case const& c, std::vector<float>& out);
@@ -156,6 +159,48 @@ std::string append(Case& dst, Case const& src, Index begin, Index count);
 /// working cache's per-head lengths and positions [B, H, capacity].
 std::string blockwise_key_diff(Case const& src, Index budget, Index block, std::vector<Index>& lengths,
                                std::vector<Index>& positions);
+
+/// Compacts the cache in place with a host plan and one TokenRows extra: `rows` [B, H, N, d_v] fp32 moves with the
+/// slots (empty: a TokenRows with null data, which compaction skips). K, V, positions, lengths and rows come back.
+std::string compact_rows(Case& c, std::vector<Index> const& index, std::vector<Index> const& count, Index capacity,
+                         std::vector<float>& rows);
+
+/// MomentKV's moments [B, H] on the host in fp32, with values representable in `dtype` (the device's storage type,
+/// so narrowing them is exact). `comoment` is [B, H, d_v, d_k].
+struct Moments {
+  Dtype dtype = Dtype::f32;
+  std::vector<Index> count;
+  std::vector<float> key_mean, value_mean, comoment;
+};
+
+/// MomentKV's u_j cache on the host: rows [B, H, N, d_v] (empty: disabled), tracked and age [B, H].
+struct Residuals {
+  std::vector<float> rows;
+  std::vector<Index> tracked, age;
+  Index refresh = 64;
+};
+
+/// MomentKVScorer on the device with the parameters of `params` (base, scale, clamp, rounds; its state and
+/// residuals are ignored), the moments `m` and the u_j cache `r`: scores of the case's cache, with Case::queries as
+/// the window queries (post-RoPE). `fixed_base` [B, H, N] (empty: none) replaces the window attention.
+std::string moment_scores(Case const& c, MomentKVScorer<> const& params, Moments const& m, Residuals const& r,
+                          std::vector<float> const& fixed_base, std::vector<float>& out);
+
+/// kvc::update of MomentKVScorer on the device (fills the u_j rows); `r` comes back updated.
+std::string moment_update(Case const& c, MomentKVScorer<> const& params, Moments const& m, Residuals& r);
+
+/// kvc::on_evict of MomentKVScorer on the device with a host plan (capacity `capacity`); `m` and `r` come back.
+std::string moment_evict(Case const& c, MomentKVScorer<> const& params, Moments& m, Residuals& r,
+                         std::vector<Index> const& index, std::vector<Index> const& count, Index capacity);
+
+/// kvc::attend_corrected of Case::queries over the cache (causal, queries at the context's last) with moments `m`.
+std::string attend_corrected(Case const& c, CorrectedAttention const& op, Moments const& m, std::vector<float>& out,
+                             std::vector<float>& lse);
+
+/// kvc::moment_kv_prefill on the device with TopKSelector{FixedBudget{budget}, n_sink, n_recent} and Case::queries as
+/// the window queries; the case (K, V, positions, per-head lengths) and the moments come back.
+std::string moment_kv_prefill(Case& c, MomentKVScorer<> const& params, Moments& m, Index budget, Index n_sink,
+                              Index n_recent);
 
 /// Instantiates kvc::decode_step on the CUDA backend for every scorer with CUDA kernels (a compile-time check; not
 /// meant to be called with real data).

@@ -3,21 +3,25 @@
 // the scorers (fp32/fp16/bf16; BHTD, BTHD and paged layouts; per-sequence and per-head lengths), top-k (ratio,
 // fixed and device per-head budgets), compaction, gather, append, attention, query statistics, ExpectedAttention,
 // H2O (update / evict / compact over several steps), ObservedAttention, AdaKV (allocation and selection, both
-// behaviours) and the ragged store (gather, append, attention). Tolerances are in docs/numerics.md and
+// behaviours), the ragged store (gather, append, attention) and MomentKV (fold, MI scores, u_j cache, corrected
+// attention, prefill driver). Tolerances are in docs/numerics.md and
 // beside each case. Without a CUDA device every case prints "SKIPPED: no CUDA device" and ctest reports it skipped.
 #include <kvc/backend/cpu/attention/attend.hpp>
+#include <kvc/backend/cpu/attention/corrected.hpp>
 #include <kvc/backend/cpu/pipeline/compact.hpp>
 #include <kvc/backend/cpu/pipeline/query_statistics.hpp>
 #include <kvc/backend/cpu/scorers/expected_attention.hpp>
 #include <kvc/backend/cpu/scorers/h2o.hpp>
 #include <kvc/backend/cpu/scorers/key_diff.hpp>
 #include <kvc/backend/cpu/scorers/knorm.hpp>
+#include <kvc/backend/cpu/scorers/moment_kv.hpp>
 #include <kvc/backend/cpu/scorers/random.hpp>
 #include <kvc/backend/cpu/scorers/snap_kv.hpp>
 #include <kvc/backend/cpu/scorers/streaming_llm.hpp>
 #include <kvc/backend/cpu/selectors/ada_kv.hpp>
 #include <kvc/backend/cpu/selectors/top_k.hpp>
 #include <kvc/pipeline/blockwise.hpp>
+#include <kvc/pipeline/moment_kv.hpp>
 
 #include "backend/cuda/cuda_kernels.hpp"
 #include "common/ragged_store.hpp"
@@ -121,6 +125,14 @@ std::vector<float> cpu_scores(std::string const& policy, kc::Case const& c) {
     auto s = kvc::SnapKVScorer::kvpress();
     s.window_size = w;
     run(s);
+  } else if (policy == "snap_kv_chunk")
+    run(kvc::SnapKVScorer{kvc::Reference::authors, w, 4, kvc::Pooling::chunk_mean, kvc::GqaReduce::mean});
+  else if (policy == "snap_kv_chunk_kvpress") {
+    auto s = kvc::SnapKVScorer::kvpress();
+    s.window_size = w;
+    s.kernel_size = 6;
+    s.pooling = kvc::Pooling::chunk_mean;
+    run(s);
   } else if (policy == "tova")
     run(kvc::TOVAScorer{});
   else if (policy == "tova_kvpress")
@@ -211,8 +223,8 @@ TEST_CASE(
     "lengths (fp32 1e-5, 16-bit 1e-4 relative)",
     "[cuda][scorers]") {
   KVC_REQUIRE_DEVICE();
-  for (char const* policy :
-       {"key_diff", "knorm", "streaming_llm", "random", "snap_kv", "snap_kv_kvpress", "tova", "tova_kvpress"})
+  for (char const* policy : {"key_diff", "knorm", "streaming_llm", "random", "snap_kv", "snap_kv_kvpress",
+                             "snap_kv_chunk", "snap_kv_chunk_kvpress", "tova", "tova_kvpress"})
     for (auto dtype : {kc::Dtype::f32, kc::Dtype::f16, kc::Dtype::bf16})
       for (auto layout : {kc::Layout::bhtd, kc::Layout::bthd, kc::Layout::paged})
         for (bool per_head : {false, true}) {
@@ -956,4 +968,476 @@ TEST_CASE("cuda: a ragged store gathers, appends and attends as the CPU's", "[cu
     else
       run_cpu(kvc::bfloat16{});
   }
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// MomentKV (spec shared/specs/moment_kv.md §10.30: fp32 CUDA within ~1e-5 relative of the CPU): the fold
+// (on_evict), the MI scores, the u_j cache (update, incremental and full row updates), compaction with a TokenRows
+// extra, the corrected attention and the prefill driver.
+
+namespace {
+
+/// A random case with d_v = `dv` (values regenerated at that width).
+kc::Case moment_case(kvc::KVExtents e, Index dv, Index query_heads, Index window, std::uint64_t seed) {
+  kc::Case c = random_case(e, query_heads, window, true, seed);
+  c.dim_v = dv;
+  c.v = kvc::tools::HostCache<float>::random({e.batch, e.heads, e.tokens, dv}, seed + 7).k;
+  return c;
+}
+
+/// Zero moments of the case's shape (nothing evicted), stored as `dtype`.
+kc::Moments zero_moments(kc::Case const& c, kc::Dtype dtype) {
+  Index const heads = c.e.batch * c.e.heads, dk = c.e.dim, dv = c.dim_v > 0 ? c.dim_v : dk;
+  kc::Moments m;
+  m.dtype = dtype;
+  m.count.assign(static_cast<std::size_t>(heads), 0);
+  m.key_mean.assign(static_cast<std::size_t>(heads * dk), 0.0f);
+  m.value_mean.assign(static_cast<std::size_t>(heads * dv), 0.0f);
+  m.comoment.assign(static_cast<std::size_t>(heads * dk * dv), 0.0f);
+  return m;
+}
+
+/// Host moments stored as MT, converted from and to the wrappers' fp32 description.
+template <class MT>
+struct HostMoments {
+  kvc::KVExtents e;
+  Index dv;
+  std::vector<Index> count;
+  std::vector<MT> key_mean, value_mean, comoment;
+  HostMoments(kc::Case const& c, kc::Moments const& m) : e(c.e), dv(c.dim_v > 0 ? c.dim_v : c.e.dim), count(m.count) {
+    auto narrow = [](std::vector<float> const& x) {
+      std::vector<MT> out(x.size());
+      for (std::size_t i = 0; i < x.size(); ++i)
+        out[i] = kvc::from_float<MT>(x[i]);
+      return out;
+    };
+    key_mean = narrow(m.key_mean);
+    value_mean = narrow(m.value_mean);
+    comoment = narrow(m.comoment);
+  }
+  kvc::MomentState<kvc::HostSpace, MT> view() {
+    return {count.data(), key_mean.data(), value_mean.data(), comoment.data(), e.batch, e.heads, e.dim, dv};
+  }
+  kc::Moments get(kc::Dtype dtype) const {
+    auto widen = [](std::vector<MT> const& x) {
+      std::vector<float> out(x.size());
+      for (std::size_t i = 0; i < x.size(); ++i)
+        out[i] = kvc::to_float(x[i]);
+      return out;
+    };
+    return {dtype, count, widen(key_mean), widen(value_mean), widen(comoment)};
+  }
+};
+
+/// The host u_j cache view of `r` (disabled when its rows are empty).
+kvc::MomentResiduals<> host_residuals(kc::Case const& c, kc::Residuals& r) {
+  if (r.rows.empty())
+    return {};
+  kvc::KVExtents const re{c.e.batch, c.e.heads, c.e.tokens, c.dim_v > 0 ? c.dim_v : c.e.dim};
+  return {kvc::TokenRows<float, kvc::StridedLayout>(r.rows.data(), kvc::bhtd_layout(re)), r.tracked.data(),
+          r.age.data(), r.refresh};
+}
+
+template <class MT>
+kvc::MomentKVScorer<kvc::HostSpace, MT> host_moment_scorer(kvc::MomentKVScorer<> const& p, HostMoments<MT>& m,
+                                                           kvc::MomentResiduals<> r) {
+  kvc::MomentKVScorer<kvc::HostSpace, MT> s;
+  s.state = m.view();
+  s.residuals = r;
+  s.base = p.base;
+  s.scale = p.scale;
+  s.clamp_tau = p.clamp_tau;
+  s.prefill_rounds = p.prefill_rounds;
+  return s;
+}
+
+/// Calls fn(cache tag, moment tag) for two dtypes.
+template <class Fn>
+void with_dtypes(kc::Dtype cache, kc::Dtype moments, Fn&& fn) {
+  auto inner = [&](auto t) {
+    if (moments == kc::Dtype::f32)
+      fn(t, float{});
+    else if (moments == kc::Dtype::f16)
+      fn(t, kvc::half{});
+    else
+      fn(t, kvc::bfloat16{});
+  };
+  if (cache == kc::Dtype::f32)
+    inner(float{});
+  else if (cache == kc::Dtype::f16)
+    inner(kvc::half{});
+  else
+    inner(kvc::bfloat16{});
+}
+
+/// The CPU's on_evict of `plan` on the case's cache, from moments `m` (and u_j cache `r`), returned.
+kc::Moments cpu_evict(kc::Case const& c, kvc::MomentKVScorer<> const& p, kc::Moments const& m, kc::Residuals& r,
+                      kvc::test::OwnedPlan const& plan) {
+  kc::Moments out;
+  with_dtypes(c.dtype, m.dtype, [&](auto tag, auto mtag) {
+    using T = decltype(tag);
+    using MT = decltype(mtag);
+    auto h = host_cache<T>(c);
+    HostMoments<MT> hm(c, m);
+    auto const s = host_moment_scorer(p, hm, host_residuals(c, r));
+    kvc::test::OwnedWorkspace ws(kvc::on_evict_workspace_bytes(kvc::Cpu{}, s, c.e));
+    REQUIRE(kvc::on_evict(kvc::Cpu{}, s, h.view(), plan.plan, ws.get()).ok());
+    out = hm.get(m.dtype);
+  });
+  return out;
+}
+
+/// The CPU's MI scores.
+std::vector<float> cpu_moment_scores(kc::Case const& c, kvc::MomentKVScorer<> const& p, kc::Moments const& m,
+                                     kc::Residuals r, std::vector<float> const& fixed_base) {
+  kvc::test::OwnedScores out(c.e.batch, c.e.heads, c.e.tokens);
+  with_dtypes(c.dtype, m.dtype, [&](auto tag, auto mtag) {
+    using T = decltype(tag);
+    using MT = decltype(mtag);
+    auto const h = host_cache<T>(c);
+    HostMoments<MT> hm(c, m);
+    auto s = host_moment_scorer(p, hm, host_residuals(c, r));
+    if (!fixed_base.empty())
+      s.fixed_base = {fixed_base.data(), c.e.batch, c.e.heads, c.e.tokens};
+    std::vector<T> q(c.queries.size());
+    for (std::size_t i = 0; i < q.size(); ++i)
+      q[i] = kvc::from_float<T>(c.queries[i]);
+    auto const obs = kvc::observe(
+        kvc::WindowQueries<T>{kvc::TokenRows<T const, kvc::StridedLayout>(q.data(), kvc::bhtd_layout(c.q_ext))});
+    kvc::test::OwnedWorkspace ws(kvc::score_workspace_bytes(kvc::Cpu{}, s, c.e, obs));
+    REQUIRE(kvc::score(kvc::Cpu{}, s, h.view(), obs, out.span, ws.get()).ok());
+  });
+  return out.data;
+}
+
+/// A plan keeping about one slot in `one_in` of each head (slot 0 always); head `all` (if >= 0) keeps every slot.
+kvc::test::OwnedPlan moment_plan(kc::Case const& c, std::uint64_t seed, int one_in, Index all = -1) {
+  kvc::tools::Rng rng(seed);
+  kvc::test::OwnedPlan plan(c.e.batch, c.e.heads, c.e.tokens);
+  for (Index bh = 0; bh < c.e.batch * c.e.heads; ++bh) {
+    Index j = 0;
+    for (Index t = 0; t < c.lengths[static_cast<std::size_t>(bh)]; ++t)
+      if (bh == all || t == 0 || rng.next() % static_cast<std::uint64_t>(one_in) == 0)
+        plan.index[static_cast<std::size_t>(bh * c.e.tokens + j++)] = t;
+    plan.count[static_cast<std::size_t>(bh)] = j;
+  }
+  return plan;
+}
+
+/// A plan that evicts the `m` slots of each head starting at `first` + (b * heads + h) (clamped to the length).
+kvc::test::OwnedPlan evict_run(kc::Case const& c, Index first, Index m) {
+  kvc::test::OwnedPlan plan(c.e.batch, c.e.heads, c.e.tokens);
+  for (Index bh = 0; bh < c.e.batch * c.e.heads; ++bh) {
+    Index const n = c.lengths[static_cast<std::size_t>(bh)], lo = std::min(first + bh, n - m);
+    Index j = 0;
+    for (Index t = 0; t < n; ++t)
+      if (t < lo || t >= lo + m)
+        plan.index[static_cast<std::size_t>(bh * c.e.tokens + j++)] = t;
+    plan.count[static_cast<std::size_t>(bh)] = j;
+  }
+  return plan;
+}
+
+/// Moments agree: counts exactly, means and co-moments within rel * max(|x|, 0.1 * the head's largest |x|): an entry
+/// of C sums products of centred rows in another order than the CPU's GEMM, so its error scales with the head's
+/// magnitude, not its own (cancellation).
+void require_moments_close(kc::Moments const& gpu, kc::Moments const& cpu, kc::Case const& c, float rel) {
+  Index const dk = c.e.dim, dv = c.dim_v > 0 ? c.dim_v : dk;
+  CHECK(gpu.count == cpu.count);
+  INFO("key means");
+  require_close_in_head(gpu.key_mean, cpu.key_mean, dk, rel, 1e-1f);
+  INFO("value means");
+  require_close_in_head(gpu.value_mean, cpu.value_mean, dv, rel, 1e-1f);
+  INFO("co-moments");
+  require_close_in_head(gpu.comoment, cpu.comoment, dk * dv, rel, 1e-1f);
+}
+
+/// Relative tolerance of a stored moment: fp32 1e-5; a 16-bit store may round the other way (one ulp).
+float moment_rel(kc::Dtype d) {
+  return d == kc::Dtype::f32 ? 1e-5f : (d == kc::Dtype::f16 ? 2e-3f : 1.6e-2f);
+}
+
+}  // namespace
+
+TEST_CASE(
+    "cuda: MomentKV's fold (on_evict) matches the CPU: fp32/fp16 caches, fp32/fp16/bf16 moments, d_k != d_v, "
+    "several row ranges, an empty eviction",
+    "[cuda][moment_kv]") {
+  KVC_REQUIRE_DEVICE();
+  kvc::MomentKVScorer<> const params{};
+  for (auto dtype : {kc::Dtype::f32, kc::Dtype::f16})
+    for (auto mdtype : {kc::Dtype::f32, kc::Dtype::f16, kc::Dtype::bf16})
+      for (auto layout : {kc::Layout::bhtd, kc::Layout::paged}) {
+        // 600 slots over 4 heads: three row ranges per head; 64 x 80 = 5120 entries: two passes per range.
+        auto c = moment_case({2, 2, 600, 64}, 80, 4, 4, 31);
+        c.dtype = dtype;
+        c.layout = layout;
+        INFO("dtype " << static_cast<int>(dtype) << " moments " << static_cast<int>(mdtype) << " layout "
+                      << static_cast<int>(layout));
+        kc::Moments m = zero_moments(c, mdtype);
+        kc::Residuals none;
+        // Fold 1 into empty moments (head 3 evicts nothing); fold 2 merges a second block into the CPU's result.
+        for (int round = 0; round < 2; ++round) {
+          auto const plan = round == 0 ? moment_plan(c, 5, 3, 3) : moment_plan(c, 6, 2);
+          kc::Moments gpu = m;
+          kc::Residuals r;
+          REQUIRE(kc::moment_evict(c, params, gpu, r, plan.index, plan.count, c.e.tokens) == "");
+          kc::Moments const cpu = cpu_evict(c, params, m, none, plan);
+          INFO("round " << round);
+          require_moments_close(gpu, cpu, c, moment_rel(mdtype));
+          if (round == 0)
+            CHECK(cpu.count[3] == 0);
+          m = cpu;
+        }
+      }
+}
+
+TEST_CASE(
+    "cuda: MomentKV's MI scores match the CPU (SnapKV chunk-mean base or a fixed base, n = 0 head, clamp, "
+    "fp32/fp16/bf16 caches, 16-bit moments, layouts)",
+    "[cuda][moment_kv]") {
+  KVC_REQUIRE_DEVICE();
+  for (auto dtype : {kc::Dtype::f32, kc::Dtype::f16, kc::Dtype::bf16})
+    for (auto mdtype : {kc::Dtype::f32, kc::Dtype::f16})
+      for (auto layout : {kc::Layout::bhtd, kc::Layout::bthd, kc::Layout::paged})
+        for (int variant = 0; variant < 3; ++variant) {  // 0: SnapKV base; 1: clamp; 2: fixed base with 0 and +inf
+          auto c = moment_case({2, 2, 160, 32}, 24, 4, 8, 41);
+          c.dtype = dtype;
+          c.layout = layout;
+          INFO("dtype " << static_cast<int>(dtype) << " moments " << static_cast<int>(mdtype) << " layout "
+                        << static_cast<int>(layout) << " variant " << variant);
+          kvc::MomentKVScorer<> params{};
+          params.base.window_size = 8;
+          kc::Residuals none;
+          kc::Moments m = cpu_evict(c, params, zero_moments(c, mdtype), none, moment_plan(c, 9, 2, 2));
+          REQUIRE(m.count[2] == 0);  // head (1, 0) scores ‖v_j‖
+          if (variant == 1) {        // a clamp that zeroes about half of C's entries
+            std::vector<float> mag;
+            for (float x : m.comoment)
+              mag.push_back(std::abs(x));
+            std::nth_element(mag.begin(), mag.begin() + static_cast<std::ptrdiff_t>(mag.size() / 2), mag.end());
+            params.clamp_tau = mag[mag.size() / 2];
+          }
+          std::vector<float> fixed;
+          if (variant == 2) {
+            kvc::tools::Rng rng(3);
+            fixed.resize(static_cast<std::size_t>(c.e.rows()));
+            for (float& x : fixed) {
+              auto const r = rng.next() % 10;
+              x = r == 0 ? 0.0f : (r == 1 ? std::numeric_limits<float>::infinity() : static_cast<float>(rng.uniform()));
+            }
+            params.scale = 0.3f;
+          }
+          std::vector<float> gpu;
+          REQUIRE(kc::moment_scores(c, params, m, none, fixed, gpu) == "");
+          auto const cpu = cpu_moment_scores(c, params, m, none, fixed);
+          for (std::size_t i = 0; i < cpu.size(); ++i)
+            if (cpu[i] == std::numeric_limits<float>::infinity() || cpu[i] == 0.0f)
+              REQUIRE(gpu[i] == cpu[i]);  // protected and zero bases stay exactly
+          require_close_in_head(gpu, cpu, c.e.tokens, dtype == kc::Dtype::f32 ? 1e-5f : 1e-4f, 1e-3f);
+        }
+}
+
+TEST_CASE(
+    "cuda: MomentKV's u_j cache (update, cached scores, rank-1 and full row updates, refresh) and compaction with "
+    "a TokenRows extra match the CPU",
+    "[cuda][moment_kv][pipeline]") {
+  KVC_REQUIRE_DEVICE();
+  for (auto mdtype : {kc::Dtype::f32, kc::Dtype::f16}) {
+    INFO("moments " << static_cast<int>(mdtype));
+    auto c = moment_case({2, 2, 120, 32}, 40, 4, 8, 51);
+    c.positions.resize(static_cast<std::size_t>(c.e.rows()));
+    for (std::size_t i = 0; i < c.positions.size(); ++i)
+      c.positions[i] = static_cast<Index>(i) % c.e.tokens;
+    Index const dv = 40, heads = 4;
+    kvc::MomentKVScorer<> params{};
+    params.base.window_size = 8;
+    params.clamp_tau = 0.0f;  // cached rows are not clamped: compare like with like
+    kc::Residuals none;
+    kc::Moments m = cpu_evict(c, params, zero_moments(c, mdtype), none, moment_plan(c, 13, 2));
+    kc::Residuals r;
+    r.rows.assign(static_cast<std::size_t>(c.e.rows() * dv), 0.0f);
+    r.tracked = {0, 5, 0, -3};  // 5: only the new slots are filled; -3: outside [0, n), all are
+    r.age.assign(static_cast<std::size_t>(heads), 0);
+    r.refresh = 3;
+    auto compare_rows = [&](kc::Residuals const& gpu, kc::Residuals const& cpu) {
+      CHECK(gpu.tracked == cpu.tracked);
+      CHECK(gpu.age == cpu.age);
+      require_close_in_head(gpu.rows, cpu.rows, c.e.tokens * dv, 1e-5f, 1e-1f);  // u = C k: as C (cancellation)
+    };
+    auto cpu_update = [&](kc::Residuals& cr) {
+      with_dtypes(c.dtype, m.dtype, [&](auto tag, auto mtag) {
+        using MT = decltype(mtag);
+        auto const h = host_cache<decltype(tag)>(c);
+        HostMoments<MT> hm(c, m);
+        auto const s = host_moment_scorer(params, hm, host_residuals(c, cr));
+        kvc::test::OwnedWorkspace ws(kvc::update_workspace_bytes(kvc::Cpu{}, s, c.e, kvc::NoObservations{}));
+        REQUIRE(kvc::update(kvc::Cpu{}, s, h.view(), kvc::NoObservations{}, ws.get()).ok());
+      });
+    };
+    // update: rows of the new slots, then tracked = n.
+    kc::Residuals gpu_r = r, cpu_r = r;
+    REQUIRE(kc::moment_update(c, params, m, gpu_r) == "");
+    cpu_update(cpu_r);
+    compare_rows(gpu_r, cpu_r);
+    r = cpu_r;
+    // Scores from the cached rows (every head tracked), and from C k_j when a head's rows are not all valid.
+    for (Index untracked : {Index{-1}, Index{1}}) {
+      kc::Residuals rr = r;
+      if (untracked >= 0)
+        rr.tracked[static_cast<std::size_t>(untracked)] = 7;
+      std::vector<float> gpu;
+      REQUIRE(kc::moment_scores(c, params, m, rr, {}, gpu) == "");
+      require_close_in_head(gpu, cpu_moment_scores(c, params, m, rr, {}), c.e.tokens, 1e-5f, 1e-3f);
+    }
+    // Evictions, each followed by the CPU's compaction (cache, positions and rows) checked against the GPU's:
+    //   one slot per head (rank-1 updates; head 1 untracked: full), three slots (full), then one slot three times
+    //   (rank-1, then the refresh at age 2 recomputes).
+    std::vector<Index> const runs = {1, 3, 1, 1, 1};
+    for (std::size_t step = 0; step < runs.size(); ++step) {
+      INFO("step " << step);
+      if (step == 0)
+        r.tracked[1] = 9;
+      auto const plan = evict_run(c, 2 + static_cast<Index>(step) * 5, runs[step]);
+      kc::Moments gm = m, cm = m;
+      kc::Residuals gr = r, cr = r;
+      REQUIRE(kc::moment_evict(c, params, gm, gr, plan.index, plan.count, c.e.tokens) == "");
+      cm = cpu_evict(c, params, m, cr, plan);
+      require_moments_close(gm, cm, c, moment_rel(mdtype));
+      compare_rows(gr, cr);
+      if (step == 0)
+        CHECK(cr.age == std::vector<Index>{1, 0, 1, 1});
+      if (step == 4)
+        CHECK(cr.age == std::vector<Index>{0, 0, 0, 0});
+      // Compact: the CPU's cache and rows, against the GPU's with the rows as a TokenRows extra.
+      auto host = host_cache<float>(c);
+      kvc::KVExtents const re{c.e.batch, c.e.heads, c.e.tokens, dv};
+      kvc::TokenRows<float, kvc::StridedLayout> const rows(cr.rows.data(), kvc::bhtd_layout(re));
+      kc::Case gpu_case = c;
+      std::vector<float> gpu_rows = cr.rows;
+      REQUIRE(kc::compact_rows(gpu_case, plan.index, plan.count, c.e.tokens, gpu_rows) == "");
+      REQUIRE(kvc::compact(kvc::Cpu{}, plan.plan, host.view(), rows).ok());
+      CHECK(gpu_case.lengths == host.lengths);
+      CHECK(gpu_case.positions == host.positions);
+      for (Index bh = 0; bh < heads; ++bh)
+        for (Index j = 0; j < host.lengths[static_cast<std::size_t>(bh)]; ++j)
+          for (Index a = 0; a < dv; ++a) {
+            auto const at = static_cast<std::size_t>((bh * c.e.tokens + j) * dv + a);
+            REQUIRE(gpu_rows[at] == cr.rows[at]);
+            REQUIRE(gpu_case.v[at] == host.v[at]);
+          }
+      c.k = host.k;
+      c.v = host.v;
+      c.lengths = host.lengths;
+      c.positions = host.positions;
+      m = cm;
+      r = cr;
+      // The scores after the step read the kept rows (tracked == n for every head).
+      std::vector<float> gpu;
+      REQUIRE(kc::moment_scores(c, params, m, r, {}, gpu) == "");
+      require_close_in_head(gpu, cpu_moment_scores(c, params, m, r, {}), c.e.tokens, 1e-5f, 1e-3f);
+    }
+    // A TokenRows extra with null data is skipped.
+    std::vector<float> absent;
+    auto const plan = moment_plan(c, 77, 2);
+    kc::Case gpu_case = c;
+    REQUIRE(kc::compact_rows(gpu_case, plan.index, plan.count, c.e.tokens, absent) == "");
+    auto host = host_cache<float>(c);
+    REQUIRE(kvc::compact(kvc::Cpu{}, plan.plan, host.view(),
+                         kvc::TokenRows<float, kvc::StridedLayout>(nullptr, kvc::bhtd_layout({2, 2, 120, dv})))
+                .ok());
+    CHECK(gpu_case.lengths == host.lengths);
+    CHECK(gpu_case.k == host.k);
+  }
+}
+
+TEST_CASE(
+    "cuda: MomentKV's corrected attention matches the CPU (GQA, d_k != d_v, an n = 0 head, first and zeroth "
+    "order, clamp, 16-bit caches and moments)",
+    "[cuda][moment_kv][attention]") {
+  KVC_REQUIRE_DEVICE();
+  for (auto dtype : {kc::Dtype::f32, kc::Dtype::f16})
+    for (auto mdtype : {kc::Dtype::f32, kc::Dtype::f16})
+      for (int variant = 0; variant < 3; ++variant) {  // 0: first order; 1: zeroth; 2: first, clamp, scale 0.2
+        auto c = moment_case({2, 2, 150, 32}, 24, 4, 5, 61);
+        c.dtype = dtype;
+        c.layout = variant == 1 ? kc::Layout::paged : kc::Layout::bhtd;
+        INFO("dtype " << static_cast<int>(dtype) << " moments " << static_cast<int>(mdtype) << " variant " << variant);
+        kc::Residuals none;
+        kc::Moments const m =
+            cpu_evict(c, kvc::MomentKVScorer<>{}, zero_moments(c, mdtype), none, moment_plan(c, 19, 2, 1));
+        REQUIRE(m.count[1] == 0);  // head (0, 1): its query heads 2 and 3 get the plain attention
+        kvc::CorrectedAttention op{};
+        if (variant == 1)
+          op.order = kvc::MomentOrder::zeroth;
+        if (variant == 2) {
+          op.clamp_tau = 0.5f;
+          op.attention.scale = 0.2f;
+        }
+        std::vector<float> out, lse;
+        REQUIRE(kc::attend_corrected(c, op, m, out, lse) == "");
+        with_dtypes(dtype, mdtype, [&](auto tag, auto mtag) {
+          using T = decltype(tag);
+          using MT = decltype(mtag);
+          auto const h = host_cache<T>(c);
+          HostMoments<MT> hm(c, m);
+          std::vector<T> q(c.queries.size());
+          for (std::size_t i = 0; i < q.size(); ++i)
+            q[i] = kvc::from_float<T>(c.queries[i]);
+          kvc::AttendQueries<T> const aq{
+              kvc::TokenRows<T const, kvc::StridedLayout>(q.data(), kvc::bhtd_layout(c.q_ext))};
+          std::vector<float> o(out.size()), l(lse.size());
+          kvc::test::OwnedWorkspace ws(kvc::attend_corrected_workspace_bytes(kvc::Cpu{}, op, aq, h.view(), hm.view()));
+          REQUIRE(kvc::attend_corrected(kvc::Cpu{}, op, aq, h.view(), hm.view(), {o.data(), l.data()}, ws.get()).ok());
+          require_close(out, o, 1e-5f, 1e-5f);
+          require_close(lse, l, 1e-5f, 1e-5f);
+        });
+      }
+}
+
+TEST_CASE("cuda: the MomentKV prefill driver runs on the device and keeps the CPU's slots, with moments within 1e-5",
+          "[cuda][moment_kv][pipeline]") {
+  KVC_REQUIRE_DEVICE();
+  for (auto dtype : {kc::Dtype::f32, kc::Dtype::f16})
+    for (Index rounds : {Index{1}, Index{3}}) {
+      auto c = moment_case({2, 2, 160, 32}, 24, 4, 8, 71);
+      c.dtype = dtype;
+      c.positions.resize(static_cast<std::size_t>(c.e.rows()));
+      for (std::size_t i = 0; i < c.positions.size(); ++i)
+        c.positions[i] = static_cast<Index>(i) % c.e.tokens;
+      INFO("dtype " << static_cast<int>(dtype) << " rounds " << rounds);
+      kvc::MomentKVScorer<> params{};
+      params.base.window_size = 8;
+      params.prefill_rounds = rounds;
+      kc::Moments gpu_m = zero_moments(c, kc::Dtype::f32);
+      kc::Case gpu = c;
+      REQUIRE(kc::moment_kv_prefill(gpu, params, gpu_m, 48, 1, 8) == "");
+      kc::Moments cpu_m;
+      with_dtypes(dtype, kc::Dtype::f32, [&](auto tag, auto) {
+        using T = decltype(tag);
+        auto h = host_cache<T>(c);
+        HostMoments<float> hm(c, zero_moments(c, kc::Dtype::f32));
+        auto const s = host_moment_scorer(params, hm, {});
+        std::vector<T> q(c.queries.size());
+        for (std::size_t i = 0; i < q.size(); ++i)
+          q[i] = kvc::from_float<T>(c.queries[i]);
+        auto const obs = kvc::observe(
+            kvc::WindowQueries<T>{kvc::TokenRows<T const, kvc::StridedLayout>(q.data(), kvc::bhtd_layout(c.q_ext))});
+        kvc::TopKSelector const sel{kvc::FixedBudget{48}, 1, 8};
+        kvc::test::OwnedWorkspace ws(kvc::moment_kv_prefill_workspace_bytes(kvc::Cpu{}, s, sel, c.e, obs));
+        REQUIRE(kvc::moment_kv_prefill(kvc::Cpu{}, s, sel, h.view(), obs, ws.get()).ok());
+        CHECK(gpu.lengths == h.lengths);
+        for (Index bh = 0; bh < c.e.batch * c.e.heads; ++bh) {
+          INFO("head " << bh);
+          auto const first = static_cast<std::ptrdiff_t>(bh * c.e.tokens);
+          auto const n = static_cast<std::ptrdiff_t>(h.lengths[static_cast<std::size_t>(bh)]);
+          CHECK(std::vector<Index>(gpu.positions.begin() + first, gpu.positions.begin() + first + n) ==
+                std::vector<Index>(h.positions.begin() + first, h.positions.begin() + first + n));
+        }
+        cpu_m = hm.get(kc::Dtype::f32);
+      });
+      require_moments_close(gpu_m, cpu_m, c, 1e-5f);
+      for (Index n : cpu_m.count)
+        CHECK(n > 0);
+    }
 }

@@ -175,13 +175,38 @@ __global__ void append_lengths_kernel(Dst dst, Src src, Index begin, Index count
   dst.lengths.data[dst.lengths.per_head() ? i : b] = at + left > cap ? cap : at + left;
 }
 
+/// Staged bytes compact_rows_kernel needs for an extra: none for a per-token scalar array or an absent row array.
+template <class T>
+std::size_t extra_staged_bytes(TokenArray<T, DeviceSpace> const&) noexcept {
+  return 0;
+}
+template <class T, class L>
+std::size_t extra_staged_bytes(TokenRows<T, L, DeviceSpace> const& a) noexcept {
+  return a.data() ? static_cast<std::size_t>(compact_tile * a.extents().dim) * sizeof(T) : 0;
+}
+
+/// Enqueues the in-place compaction of one extra array: per-token scalars (TokenArray) one per thread, per-token
+/// rows (TokenRows, e.g. MomentKV's u_j) like K and V; a TokenRows with null data is an absent array and skipped.
+template <class T>
+void compact_extra(cudaStream_t stream, dim3 grid, KeepPlan<DeviceSpace> const& plan,
+                   TokenArray<T, DeviceSpace> const& a) {
+  compact_tokens_kernel<<<grid, token_tile, 0, stream>>>(plan, a);
+}
+template <class T, class L>
+void compact_extra(cudaStream_t stream, dim3 grid, KeepPlan<DeviceSpace> const& plan,
+                   TokenRows<T, L, DeviceSpace> const& a) {
+  if (a.data() != nullptr)
+    compact_rows_kernel<<<grid, 256, extra_staged_bytes(a), stream>>>(plan, a);
+}
+
 }  // namespace kvc::backend::cuda
 
 namespace kvc {
 
 /// Compaction on CUDA: one block per head for the rows (in place needs the tile order), then positions, extra
-/// arrays and lengths. The plan must come from kvc::select (it is not validated on the device; counts are clamped
-/// to the plan's capacity). A per-sequence length table receives head 0's count.
+/// arrays (per-token scalars, or per-token rows staged like K and V) and lengths. The plan must come from kvc::select
+/// (it is not validated on the device; counts are clamped to the plan's capacity). A per-sequence length table receives
+/// head 0's count.
 template <>
 struct Kernel<CompactStep, Cuda> {
   template <KVCacheView C, class... Extra>
@@ -195,15 +220,16 @@ struct Kernel<CompactStep, Cuda> {
                                sizeof(typename C::keys_type::value_type);
     std::size_t const smem_v = static_cast<std::size_t>(bc::compact_tile * cache.values.extents().dim) *
                                sizeof(typename C::values_type::value_type);
-    KVC_RETURN_IF_ERROR(bc::shared_memory_status(smem_k > smem_v ? smem_k : smem_v,
-                                                 "kvc::compact(Cuda): head dim too large for 32 staged rows"));
+    std::size_t smem = smem_k > smem_v ? smem_k : smem_v;
+    ((smem = bc::extra_staged_bytes(extra) > smem ? bc::extra_staged_bytes(extra) : smem), ...);
+    KVC_RETURN_IF_ERROR(bc::shared_memory_status(smem, "kvc::compact(Cuda): head dim too large for 32 staged rows"));
     KVC_RETURN_IF_ERROR(bc::pending_status());
     dim3 const grid(static_cast<unsigned>(plan.heads), static_cast<unsigned>(plan.batch));
     bc::compact_rows_kernel<<<grid, 256, smem_k, cuda.stream>>>(plan, cache.keys);
     bc::compact_rows_kernel<<<grid, 256, smem_v, cuda.stream>>>(plan, cache.values);
     if (cache.positions)
       bc::compact_positions_kernel<<<grid, bc::token_tile, 0, cuda.stream>>>(plan, cache);
-    (bc::compact_tokens_kernel<<<grid, bc::token_tile, 0, cuda.stream>>>(plan, extra), ...);
+    (bc::compact_extra(cuda.stream, grid, plan, extra), ...);
     if (cache.lengths.data)
       bc::plan_lengths_kernel<<<bc::grid_dim((plan.batch * plan.heads + 255) / 256), 256, 0, cuda.stream>>>(
           plan, cache.lengths);

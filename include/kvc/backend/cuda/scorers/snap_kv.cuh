@@ -38,19 +38,24 @@ __global__ void __launch_bounds__(finish_threads)
   float* score = out.row(b, h);
   float local_max = -CUDART_INF_F;
   for (Index j = threadIdx.x; j < m; j += blockDim.x) {
-    Index const lo = j - r < 0 ? 0 : j - r, hi = j + r + 1 < m ? j + r + 1 : m;
+    // Sliding windows are centred on j (avg divides by the kernel, padding counted); chunk_mean averages the
+    // aligned chunk holding j over its own slots (the last chunk may be short).
+    bool const chunk = s.pooling == Pooling::chunk_mean;
+    Index const c0 = j / s.kernel_size * s.kernel_size, c1 = c0 + s.kernel_size < m ? c0 + s.kernel_size : m;
+    Index const lo = chunk ? c0 : (j - r < 0 ? 0 : j - r), hi = chunk ? c1 : (j + r + 1 < m ? j + r + 1 : m);
+    float const divisor = static_cast<float>(chunk ? c1 - c0 : s.kernel_size);
     float v = 0.0f;
     if (s.reference == Reference::authors) {
       float pooled = s.pooling == Pooling::max ? -CUDART_INF_F : 0.0f;
       for (Index t = lo; t < hi; ++t)
         pooled = s.pooling == Pooling::max ? fmaxf(pooled, reduced(t)) : pooled + reduced(t);
-      v = s.pooling == Pooling::max ? pooled : pooled / static_cast<float>(s.kernel_size);
+      v = s.pooling == Pooling::max ? pooled : pooled / divisor;
     } else {  // kvpress: pool each query head's mean vote, then the mean over the group
       for (Index q = 0; q < g; ++q) {
         float pooled = s.pooling == Pooling::max ? -CUDART_INF_F : 0.0f;
         for (Index t = lo; t < hi; ++t)
           pooled = s.pooling == Pooling::max ? fmaxf(pooled, col[q * e.tokens + t]) : pooled + col[q * e.tokens + t];
-        v += (s.pooling == Pooling::max ? pooled : pooled / static_cast<float>(s.kernel_size));
+        v += (s.pooling == Pooling::max ? pooled : pooled / divisor);
       }
       v /= static_cast<float>(s.window_size * g);
     }
