@@ -40,8 +40,9 @@ namespace kvc {
 ///  - `rows` [batch, heads, tokens, d_v] fp32 (compaction moves them: the decode driver passes them as the scorer's
 ///    carried state);
 ///  - `tracked` [batch, heads]: slots [0, tracked) hold valid rows. kvc::update fills [tracked, length) (O(d²) per
-///    new slot) and sets tracked = length; kvc::on_evict keeps them valid (tracked = kept) when tracked == length,
-///    else resets tracked to 0; a head whose rows are not all valid is scored without them (same result);
+///    new slot) and sets tracked = length; kvc::on_evict leaves the kept rows valid (tracked = kept): the O(d)
+///    update below for one eviction onto valid rows, else a recompute of the kept rows; a head whose rows are not
+///    all valid is scored without them (same result);
 ///  - `age` [batch, heads]: incremental updates since the last full recompute; after `refresh` of them (or at a
 ///    block eviction of more than one token) on_evict recomputes every row from the moments, bounding the drift.
 /// The clamp τ does not apply to cached rows (C is not re-formed per step): keep clamp_tau = 0 to compare.
