@@ -13,6 +13,12 @@
 // plan) into segments of count + reserve rows per head, and from then on that layer's appends, attention and
 // decode-time compressions (in place) run on the store. A head whose segment would overflow re-lays the whole store
 // out with a fresh reserve (kvc::append into a new store), as the AdaKV authors do, once per reserve tokens.
+//
+// MomentKV (`moment_kv` rows, eval/moment_kv.hpp) compresses each layer in place with kvc::moment_kv_prefill (or the
+// base score alone, mi=false), keeps the layer's moments (tools::HostMoments), and from then on every attention call
+// over that layer runs kvc::attend_corrected (correction=true) instead of kvc::attend. With ada_kv the layer then
+// moves into a ragged store as above. Decoding (begin_decode) runs the paper's Algorithm 1 with kvc::decode_step:
+// scorer.decode(), one step per token, each head back to its prefill budget L_h (TopKSelector<PerHeadBudget<>>).
 #pragma once
 
 #include <kvc/backend/cpu/attention/attend.hpp>
@@ -31,6 +37,7 @@
 #include "common/policies.hpp"
 #include "common/ragged_store.hpp"
 #include "eval/model.hpp"
+#include "eval/moment_kv.hpp"
 
 #include <Eigen/Core>
 
@@ -43,6 +50,7 @@
 #include <span>
 #include <stdexcept>
 #include <string>
+#include <string_view>
 #include <type_traits>
 #include <variant>
 #include <vector>
@@ -130,6 +138,8 @@ class Session {
   /// uniform cache, a uniform store sized by the same rule (every head: the longest head + the reserve), since
   /// kvc-eval's own dense or paged buffer is sized for the whole sample and never shrinks.
   virtual StoreBytes store_bytes() const = 0;
+  /// Bytes of MomentKV's moments held (every compressed layer's tools::HostMoments; 0 for other policies).
+  virtual std::size_t moment_bytes() const = 0;
   /// Bytes of K and V held (valid tokens of every layer and KV head, in the cache's storage type).
   std::size_t kv_bytes() const { return store_bytes().kv; }
   /// From now on a store that fills up is re-sized to its longest head + `reserve` (ragged: re-laid out), and every
@@ -270,6 +280,15 @@ class Engine final : public Session {
       out_.resize(hq * n, d);  // [Hq, n, d]
       Status const attended = with_view(layer, [&](auto const& cache) -> Status {
         KVC_RETURN_IF_ERROR(append(Cpu{}, cache, src));
+        if (layer.moments && layer.moments->correction)  // MomentKV: the evicted set joins as one virtual token
+          return std::visit(
+              [&](auto const& m) -> Status {
+                CorrectedAttention const& op = layer.moments->op;
+                grow(workspace_, attend_corrected_workspace_bytes(Cpu{}, op, queries, cache, m.view));
+                return attend_corrected(Cpu{}, op, queries, cache, m.view, {out_.data()},
+                                        {workspace_.data(), workspace_.size()});
+              },
+              layer.moments->moments);
         grow(workspace_, attend_workspace_bytes(Cpu{}, Attention{}, queries, cache));
         return attend(Cpu{}, Attention{}, queries, cache, {out_.data()}, {workspace_.data(), workspace_.size()});
       });
@@ -306,6 +325,8 @@ class Engine final : public Session {
     Status status = schedule.check();
     if (!status.ok())
       return status;
+    if (std::string_view(policy.name) == "moment_kv")
+      return begin_moment_decode(params, schedule, alloc);
     tools::with_policy(policy, params, [&](auto const& scorer, tools::Selection sel) {
       using S = std::remove_cvref_t<decltype(scorer)>;
       if constexpr (StatefulScorer<S>) {
@@ -372,6 +393,11 @@ class Engine final : public Session {
     Status status;
     reserve_ = capacity_ - next_position_;  // the tokens still to come: the continuation
     auto const start = std::chrono::steady_clock::now();
+    if (std::string_view(policy.name) == "moment_kv") {
+      status = compress_moment_kv(params, ratio, 0, alloc);
+      seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+      return status;
+    }
     tools::with_policy(policy, params, [&](auto const& scorer, tools::Selection sel) {
       using S = std::remove_cvref_t<decltype(scorer)>;
       index_.resize(static_cast<std::size_t>(ext_.rows()));
@@ -445,6 +471,13 @@ class Engine final : public Session {
     return s;
   }
 
+  std::size_t moment_bytes() const override {
+    std::size_t bytes = 0;
+    for (Layer const& l : layers_)
+      bytes += l.moments ? l.moments->bytes() : 0;
+    return bytes;
+  }
+
   void set_reserve(Index reserve) override {
     reserve_ = reserve;
     for (Layer& l : layers_) {
@@ -477,6 +510,7 @@ class Engine final : public Session {
     std::vector<Index> query_positions;              // [n]
     Index held = 0;                                  // uniform: slots per head a store sized by the reserve rule holds
     std::optional<tools::HostRaggedStore<T>> store;  // after compression with an allocator: the ragged store
+    std::optional<LayerMoments> moments;             // after MomentKV's compression: its moments
   };
 
   auto view(Layer& l) {
@@ -645,6 +679,148 @@ class Engine final : public Session {
     }
   };
 
+  /// MomentKV's prefill compression of every layer (eval/moment_kv.hpp) at `ratio` (or `budget` tokens per head):
+  /// in place on the engine's cache, then (with ada_kv) into a ragged store with reserve_; each layer keeps its
+  /// moments and attends corrected from then on (correction=true).
+  Status compress_moment_kv(tools::Params const& params, std::optional<double> ratio, Index budget,
+                            tools::AllocatorChoice const& alloc) {
+    tools::MomentKVConfig const cfg = eval_moment_config(params, alloc, "moment_kv");
+    ModelConfig const& c = model_->config;
+    Status status;
+    tools::with_moment_storage(cfg.storage, [&](auto tag) {
+      using MT = decltype(tag);
+      for (std::size_t li = 0; li < layers_.size() && status.ok(); ++li) {
+        Layer& layer = layers_[li];
+        tools::HostMoments<MT> moments(1, ext_.heads, ext_.dim, ext_.dim);
+        Index const w = static_cast<Index>(layer.query_positions.size());
+        auto const obs = observe(WindowQueries<float>{
+            TokenRows<float const, StridedLayout>(layer.queries.data(), bthd_layout({1, c.heads, w, c.head_dim})),
+            rope_, layer.query_positions.data()});
+        status = moment_kv_compress(cfg, alloc, layer_params(params, alloc, li), ratio, budget, longest(layer),
+                                    view(layer), obs, moments.view, moment_scratch_);
+        if (!status.ok())
+          return;
+        if (alloc.any())
+          status = to_ragged(layer);
+        else
+          layer.held = longest(layer) + reserve_;
+        layer.moments.emplace(AnyMoments(std::move(moments)), cfg.attention, cfg.correction);
+      }
+    });
+    return status;
+  }
+
+  /// MomentKV while decoding: the prompt compressed to the target (kvc::moment_kv_prefill), then Algorithm 1 after
+  /// every token (decode_evict=true): kvc::decode_step with scorer.decode(), interval 1, one buffered query, each
+  /// head back to its budget L_h (uniform: the target; ada_kv: what the head kept at prefill, or the target when
+  /// the layer kept everything). The moments keep growing with every eviction. mi=false runs the same step with the
+  /// base score alone (kvc::compress with scorer.decode().base, then kvc::on_evict and kvc::compact).
+  Status begin_moment_decode(tools::Params const& params, DecodeSchedule const& schedule,
+                             tools::AllocatorChoice const& alloc) {
+    for (Layer const& layer : layers_)
+      if (layer.store || layer.moments)
+        return {Errc::invalid_argument, "kvc-eval: this session's cache is already compressed"};
+    tools::MomentKVConfig const cfg = eval_moment_config(params, alloc, "moment_kv");
+    // Algorithm 1 evicts back every step: a ragged segment needs one free slot; without it the cache grows.
+    reserve_ = cfg.decode_evict ? 1 : capacity_ - next_position_;
+    auto const start = std::chrono::steady_clock::now();
+    Status status = compress_moment_kv(params, std::nullopt, schedule.target_size, alloc);
+    decode_seconds_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    if (!status.ok() || !cfg.decode_evict)
+      return status;
+    ModelConfig const& c = model_->config;
+    tools::with_moment_storage(cfg.storage, [&](auto tag) {
+      using MT = decltype(tag);
+      auto run = std::make_shared<MomentDecodeRun<MT>>();
+      run->schedule.compression_interval = 1;
+      run->schedule.hidden_states_buffer_size = 1;
+      run->schedule.target_size = schedule.target_size;
+      run->n_sink = cfg.n_sink;
+      run->n_recent = cfg.n_recent;
+      run->mi = cfg.mi;
+      run->layers.resize(layers_.size());
+      for (std::size_t li = 0; li < layers_.size(); ++li) {
+        auto& l = run->layers[li];
+        Layer& layer = layers_[li];
+        l.scorer = moment_scorer(cfg, std::get<tools::HostMoments<MT>>(layer.moments->moments).view).decode();
+        bool evicted = false;
+        for (Index h = 0; h < ext_.heads; ++h)
+          evicted = evicted || length(layer, h) < next_position_;
+        l.budgets.resize(static_cast<std::size_t>(ext_.heads));
+        for (Index h = 0; h < ext_.heads; ++h)
+          l.budgets[static_cast<std::size_t>(h)] =
+              alloc.any() && evicted ? length(layer, h) : std::max(length(layer, h), schedule.target_size);
+        if (!alloc.any())
+          std::fill(l.budgets.begin(), l.budgets.end(), schedule.target_size);
+        l.queries.assign(static_cast<std::size_t>(c.heads * c.head_dim), 0.0f);
+        l.positions.assign(1, 0);
+        l.buffer = {l.queries.data(), l.positions.data(), 1, c.heads, 1, c.head_dim};
+      }
+      decode_hook_ = [this, run]() { return run->step(*this); };
+    });
+    return status;
+  }
+
+  /// The decode driver's state for MomentKV (Algorithm 1): per layer the decode scorer over the layer's moments,
+  /// each head's budget L_h and a one-row query buffer.
+  template <class MT>
+  struct MomentDecodeRun {
+    struct PerLayer {
+      MomentKVScorer<HostSpace, MT> scorer{};
+      std::vector<Index> budgets;  // [Hkv] L_h
+      std::vector<float> queries;
+      std::vector<Index> positions;
+      QueryBuffer<float> buffer{};
+      DecodeCounter counter{};
+      std::vector<Index> index, count;  // mi=false: the plan
+    };
+    DecodeSchedule schedule{};
+    Index n_sink = 1, n_recent = 32;
+    bool mi = true;  // false: the base score alone (the current query's attention) picks, the moments still fold
+    std::vector<PerLayer> layers;
+    std::vector<std::byte> workspace;
+
+    Status step(Engine& e) {
+      ModelConfig const& c = e.model_->config;
+      for (std::size_t li = 0; li < layers.size(); ++li) {
+        PerLayer& l = layers[li];
+        Layer& layer = e.layers_[li];
+        Index const n = layer.queries.rows();
+        if (n > l.buffer.capacity - l.buffer.count)
+          return {Errc::out_of_capacity, "kvc-eval: decode-time compression takes one token per forward call"};
+        for (Index q = 0; q < c.heads; ++q)
+          std::copy_n(layer.queries.data() + q * c.head_dim, c.head_dim, l.buffer.row(0, q, l.buffer.count));
+        l.positions[static_cast<std::size_t>(l.buffer.count)] = layer.query_positions[0];
+        KVC_RETURN_IF_ERROR(l.buffer.push(n));
+        KVC_RETURN_IF_ERROR(e.with_view(layer, [&](auto const& cache) -> Status {
+          TopKSelector<PerHeadBudget<>> const selector{{l.budgets.data(), e.ext_.heads}, n_sink, n_recent};
+          if (!mi) {  // the same step with the base score: compress, fold the evicted tokens, compact
+            KVExtents const ext = cache.keys.extents();
+            l.index.resize(static_cast<std::size_t>(ext.rows()));
+            l.count.resize(static_cast<std::size_t>(ext.heads));
+            KeepPlan<> const plan{l.index.data(), l.count.data(), 1, ext.heads, ext.tokens};
+            auto const obs = observe(WindowQueries<float>{l.buffer.rows(0, 1), e.rope_, l.buffer.positions});
+            Press const press{l.scorer.base, selector};
+            std::size_t const a = compress_workspace_bytes(Cpu{}, press, ext, obs);
+            std::size_t const b = on_evict_workspace_bytes(Cpu{}, l.scorer, ext);
+            grow(workspace, a > b ? a : b);
+            Workspace const ws{workspace.data(), workspace.size()};
+            l.buffer.count = 0;
+            l.buffer.fresh = 0;
+            Status st = kvc::compress(Cpu{}, press, cache, obs, plan, ws);
+            if (st.ok())
+              st = on_evict(Cpu{}, l.scorer, cache, plan, ws);
+            return st.ok() ? compact(Cpu{}, plan, cache) : st;
+          }
+          grow(workspace, decode_workspace_bytes(Cpu{}, l.scorer, selector, schedule, cache.keys.extents(), l.buffer));
+          return decode_step(Cpu{}, l.scorer, selector, schedule, cache, l.buffer, l.counter, e.rope_,
+                             {workspace.data(), workspace.size()});
+        }));
+      }
+      return {};
+    }
+  };
+
   std::function<Status()> decode_hook_;  // set by begin_decode; never copied (it points to this engine)
   Model const* model_;
   CacheOptions options_;
@@ -659,6 +835,7 @@ class Engine final : public Session {
   RowMatrix x_, h_, q_, k_, v_, out_, o_, gate_, up_;
   std::vector<Index> positions_, src_positions_, index_, count_;
   std::vector<std::byte> workspace_;
+  MomentScratch moment_scratch_;
 };
 
 template <class T>

@@ -6,14 +6,18 @@
 //                   [--layout dense|paged] [--param POLICY.NAME=VALUE]... [--show POLICY@RATIO] [--generate G]
 //   kvc-eval logits --model DIR --tokens T.npy --out L.npy [--cache ...] [--layout ...]
 //   kvc-eval dump   --model DIR --tokens T.npy --out-dir D
+//   kvc-eval correction --model DIR [--policies ROW,...] [--ratios R,...] [--prompt-tokens N] [--continuation M]
+//                   [--samples S] [--seed X] [--param ROW.NAME=VALUE]... [--out F.json]
 // Exit codes as kvc's: 0 success, 2 usage error, 3 invalid input (the message names the file); outputs appear whole
 // or not at all (staged, then committed together).
 #include <kvc/io/file.hpp>
 #include <kvc/io/npy.hpp>
 
 #include "common/policies.hpp"
+#include "eval/correction.hpp"
 #include "eval/engine.hpp"
 #include "eval/model.hpp"
+#include "eval/moment_kv.hpp"
 #include "eval/report.hpp"
 #include "eval/run.hpp"
 #include "eval/svg_plot.hpp"
@@ -29,7 +33,9 @@
 #include <new>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <unistd.h>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -50,9 +56,14 @@ constexpr char usage_text[] =
     "                  (no --ratios: compression while decoding the continuation, every I tokens back to T per head)\n"
     "  kvc-eval logits --model DIR --tokens T.npy --out L.npy [--cache fp32|fp16|bf16] [--layout dense|paged]\n"
     "  kvc-eval dump   --model DIR --tokens T.npy --out-dir D\n"
+    "  kvc-eval correction --model DIR [--policies ROW,...] [--ratios R,...] [--prompt-tokens N] [--continuation M]\n"
+    "                  [--samples S] [--seed X] [--param ROW.NAME=VALUE]... [--out F.json]\n"
+    "                  (MomentKV's corrected vs plain attention error per layer, same kept set; rows: moment_kv)\n"
     "P: a policy of `kvc policies`, or `all` (the default: every one); +ALLOC adds budgets across heads (ada_kv) or\n"
     "layers (pyramid_kv), or both, e.g. snap_kv+ada_kv, snap_kv+pyramid_kv+ada_kv: the compressed cache is then a\n"
-    "ragged per-head store.\n"
+    "ragged per-head store. POLICY(NAME=VALUE,...) gives a row its own parameters, so one policy can have several\n"
+    "rows, e.g. moment_kv(mi=false,correction=true)+ada_kv; --param takes the row's whole name:\n"
+    "--param 'moment_kv(mi=false)+ada_kv.n_sink=1'.\n"
     "DIR: a Hugging Face Llama directory (config.json, model.safetensors, tokenizer.json) or a llama2.c checkpoint\n"
     "(a .bin file, or a directory with one checkpoint .bin and its tok*.bin tokenizer). See docs/eval.md.\n";
 
@@ -115,6 +126,68 @@ std::vector<std::string> split(std::string const& s, char sep) {
       return out;
     start = end + 1;
   }
+}
+
+/// Splits a --policies list at the commas outside parentheses (a row's own parameters hold commas).
+std::vector<std::string> split_rows(std::string const& s) {
+  std::vector<std::string> out;
+  std::string item;
+  int depth = 0;
+  for (char ch : s) {
+    if (ch == ',' && depth == 0) {
+      out.push_back(std::exchange(item, {}));
+      continue;
+    }
+    depth += ch == '(' ? 1 : (ch == ')' ? -1 : 0);
+    if (depth < 0 || depth > 1)
+      fail(exit_usage, "--policies '" + s + "': unbalanced or nested parentheses");
+    item += ch;
+  }
+  if (depth != 0)
+    fail(exit_usage, "--policies '" + s + "': unbalanced parentheses");
+  out.push_back(item);
+  return out;
+}
+
+/// A row of --policies: SCORER[(NAME=VALUE,...)][+ALLOCATOR[+ALLOCATOR]].
+struct RowName {
+  std::string scorer, inline_params, allocators;
+  bool has_allocators = false;  ///< a `+` after the scorer (and its parentheses)
+};
+
+RowName parse_row(std::string const& name) {
+  RowName r;
+  std::size_t const open = name.find('('), plus = name.find('+');
+  if (open == std::string::npos || (plus != std::string::npos && plus < open)) {
+    r.scorer = name.substr(0, plus);
+    r.has_allocators = plus != std::string::npos;
+    if (r.has_allocators)
+      r.allocators = name.substr(plus + 1);
+    return r;
+  }
+  std::size_t const close = name.find(')', open);
+  std::string const rest = name.substr(close + 1);
+  if (close == open + 1 || (!rest.empty() && rest[0] != '+'))
+    fail(exit_usage, "--policies '" + name +
+                         "': expected POLICY(NAME=VALUE,...)[+ALLOCATOR], e.g. "
+                         "moment_kv(mi=false,correction=true)+ada_kv");
+  r.scorer = name.substr(0, open);
+  r.inline_params = name.substr(open + 1, close - open - 1);
+  r.has_allocators = !rest.empty();
+  if (r.has_allocators)
+    r.allocators = rest.substr(1);
+  return r;
+}
+
+/// The row name and the parameter of `--param ROW.NAME=VALUE` (the row may hold dots inside its parentheses).
+std::pair<std::string, std::string> param_target(std::string const& text) {
+  std::size_t from = 0;
+  if (std::size_t const open = text.find('('); open != std::string::npos && open < text.find('.'))
+    from = text.find(')', open);
+  std::size_t const dot = from == std::string::npos ? std::string::npos : text.find('.', from);
+  if (dot == std::string::npos || dot == 0)
+    fail(exit_usage, "--param '" + text + "': expected POLICY.NAME=VALUE, e.g. snap_kv.window_size=16");
+  return {text.substr(0, dot), text.substr(dot + 1)};
 }
 
 kvc::eval::CacheOptions cache_options(Options const& o, std::string const& default_type) {
@@ -238,6 +311,18 @@ void check_policy(kvc::eval::PolicyRun const& p, kvc::eval::RunOptions const& ru
     fail(exit_usage, "--param " + label + ".queries=" + q->second +
                          ": kvc-eval passes the model's pre-RoPE queries with its RoPE table (queries=pre_rope)");
   bool const decode = run.schedule == kvc::eval::Schedule::decode;
+  if (std::string_view(p.policy->name) == "moment_kv") {  // its parameters, the allocator's, and the window
+    kvc::tools::MomentKVConfig const cfg = kvc::eval::eval_moment_config(p.params, p.alloc, label);
+    if (p.alloc.any())
+      kvc::tools::with_selection(p.alloc, p.params, {cfg.n_sink, cfg.n_recent},
+                                 decode ? std::nullopt : std::optional<double>(0.5), run.decode.target_size,
+                                 run.prompt_tokens, [](auto const&) {});
+    if (cfg.scorer.base.window_size > run.prompt_tokens)
+      fail(exit_usage, "--param " + label + ".window_size=" + std::to_string(cfg.scorer.base.window_size) +
+                           " is longer than --prompt-tokens " + std::to_string(run.prompt_tokens) +
+                           " (MomentKV's base score observes the prompt's last queries)");
+    return;
+  }
   if (p.alloc.pyramid_kv && decode && p.params.at("reference") == "kvpress")
     fail(exit_usage, "--policies " + label +
                          ": pyramid_kv with reference=kvpress schedules from a ratio; --decode compresses to a target "
@@ -369,6 +454,81 @@ int command_dump(int argc, char** argv) {
   return 0;
 }
 
+std::vector<kvc::eval::PolicyRun> policy_rows(Options const& o, std::string const& list, bool add_random);
+
+/// `kvc-eval correction`: MomentKV's corrected and plain attention errors per layer on the same kept set
+/// (eval/correction.hpp), for moment_kv rows, on prompts sampled from the model as `kvc-eval run` samples them.
+int command_correction(int argc, char** argv) {
+  Options const o = parse_options(argc, argv,
+                                  {"--model", "--policies", "--ratios", "--prompt-tokens", "--continuation",
+                                   "--samples", "--seed", "--param", "--out"},
+                                  {});
+  std::string const model_path = o.need("--model");
+  Index const prompt = count_option(o, "--prompt-tokens", 256, 1, 1 << 20);
+  Index const continuation = count_option(o, "--continuation", 64, 1, 1 << 20);
+  Index const samples = count_option(o, "--samples", 4, 1, 1 << 16);
+  std::uint64_t const seed =
+      o.has("--seed") ? static_cast<std::uint64_t>(kvc::tools::parse_count(o.get("--seed"), "--seed", 0)) : 0;
+  std::vector<double> ratios;
+  for (std::string const& r : split(o.get("--ratios", "0.5,0.75"), ','))
+    ratios.push_back(kvc::tools::parse_ratio(r));
+  std::vector<kvc::eval::PolicyRun> const rows = policy_rows(o, o.get("--policies", "moment_kv"), false);
+  for (auto const& row : rows) {
+    if (std::string_view(row.policy->name) != "moment_kv")
+      fail(exit_usage, "--policies " + row.label() + ": kvc-eval correction measures moment_kv rows only");
+    auto const cfg = kvc::eval::eval_moment_config(row.params, row.alloc, row.label());
+    if (cfg.scorer.base.window_size > prompt)
+      fail(exit_usage, "--param " + row.label() + ".window_size is longer than --prompt-tokens");
+  }
+  auto const model = load_model(model_path);
+  kvc::eval::ModelConfig const& c = model.config;
+  auto const tokenizer = load_tokenizer(model);
+  std::int32_t const bos = c.bos >= 0 ? c.bos : (tokenizer ? tokenizer->bos_id() : -1);
+  if (bos < 0)
+    fail(exit_invalid, model_path + ": no BOS token id to sample prompts from");
+  std::vector<std::vector<std::int32_t>> data;
+  for (Index s = 0; s < samples; ++s)  // as `kvc-eval run` samples them (fp16 cache, the same seeds)
+    data.push_back(kvc::eval::sample_tokens(model, {}, prompt + continuation + 1, bos,
+                                            seed * 0x9E3779B97F4A7C15ull + static_cast<std::uint64_t>(s),
+                                            {bos, c.eos}));
+  for (auto& d : data)
+    d.pop_back();  // the run's last token is a target only
+  std::printf("kvc-eval correction: %s, %lld samples x (%lld prompt + %lld query tokens), fp32 K/V/Q\n",
+              model_path.c_str(), static_cast<long long>(samples), static_cast<long long>(prompt),
+              static_cast<long long>(continuation));
+  std::string json = "[\n";
+  bool first = true;
+  for (auto const& row : rows) {
+    auto const records = kvc::eval::correction_errors(model, row.params, row.alloc, ratios, data, prompt);
+    std::printf("\n%s\n%5s %5s %10s %12s %10s %14s %18s\n", row.label().c_str(), "ratio", "layer", "kept/head",
+                "evicted mass", "plain err", "corrected err", "corrected < plain");
+    for (auto const& r : records)
+      for (std::size_t l = 0; l < r.layers.size(); ++l) {
+        auto const& x = r.layers[l];
+        std::printf("%5.2f %5zu %10.1f %12.4f %10.4f %14.4f %17.1f%%\n", r.ratio, l, x.kept, x.evicted_mass, x.plain,
+                    x.corrected, 100.0 * x.wins);
+        json += std::string(first ? "" : ",\n") + "  {\"policy\": " + kvc::eval::json_string(row.label()) +
+                ", \"ratio\": " + kvc::eval::json_number(r.ratio) + ", \"layer\": " + std::to_string(l) +
+                ", \"kept\": " + kvc::eval::json_number(x.kept) +
+                ", \"evicted_mass\": " + kvc::eval::json_number(x.evicted_mass) +
+                ", \"plain_error\": " + kvc::eval::json_number(x.plain) +
+                ", \"corrected_error\": " + kvc::eval::json_number(x.corrected) +
+                ", \"corrected_wins\": " + kvc::eval::json_number(x.wins) + ", \"rows\": " + std::to_string(r.rows) +
+                ", \"samples\": " + std::to_string(r.samples) +
+                ", \"params\": " + kvc::eval::json_string(kvc::eval::params_text(row.params)) + "}";
+        first = false;
+      }
+  }
+  json += "\n]\n";
+  if (o.has("--out")) {
+    Outputs files;
+    files.add(o.get("--out"), json);
+    files.commit();
+    std::printf("\nwrote %s\n", o.get("--out").c_str());
+  }
+  return 0;
+}
+
 /// --decode interval=I,target=T[,buffer=B][,relayout=fill|compress]: the decode driver's schedule (kvpress's
 /// DecodingPress fields), and when a ragged store (rows with an allocator) is re-laid out.
 kvc::DecodeSchedule parse_decode(std::string const& text, bool& relayout_on_compress) {
@@ -398,6 +558,56 @@ kvc::DecodeSchedule parse_decode(std::string const& text, bool& relayout_on_comp
   if (s.compression_interval > (1 << 20) || s.target_size > (1 << 24))
     fail(exit_invalid, "--decode '" + text + "': interval at most 2^20 and target at most 2^24");
   return s;
+}
+
+/// The rows of a --policies list with their parameters: `all` stands for every policy of the table; `random` is
+/// added when `add_random`. SCORER[(NAME=VALUE,...)][+ALLOCATOR[+ALLOCATOR]]: the row's own parameters, then
+/// --param ROW.NAME=VALUE (the same name twice is a usage error), over the scorer's and the allocators' defaults
+/// (pyramid_kv's layer and num_layers come from the model).
+std::vector<kvc::eval::PolicyRun> policy_rows(Options const& o, std::string const& list, bool add_random) {
+  std::vector<std::string> names;
+  for (std::string const& name : split_rows(list)) {
+    if (name != "all") {
+      names.push_back(name);
+      continue;
+    }
+    for (auto const& p : kvc::tools::policies())
+      names.push_back(p.name);
+  }
+  if (add_random && std::find(names.begin(), names.end(), "random") == names.end())
+    names.push_back("random");
+  std::map<std::string, std::vector<std::string>> given;  // --param ROW.NAME=VALUE
+  for (auto [it, end] = o.values.equal_range("--param"); it != end; ++it) {
+    auto const [policy, kv] = param_target(it->second);
+    if (std::find(names.begin(), names.end(), policy) == names.end())
+      fail(exit_usage, "--param '" + it->second + "': policy " + policy + " is not in --policies");
+    given[policy].push_back(kv);
+  }
+  std::vector<kvc::eval::PolicyRun> rows;
+  for (std::string const& name : names) {
+    RowName const row = parse_row(name);
+    auto const& info = kvc::tools::find_policy(row.scorer);
+    kvc::tools::AllocatorChoice alloc;
+    if (row.has_allocators)
+      alloc = kvc::tools::parse_allocators(row.allocators, "--policies");
+    std::vector<std::string> params;
+    if (!row.inline_params.empty())
+      params = split(row.inline_params, ',');
+    params.insert(params.end(), given[name].begin(), given[name].end());
+    for (std::string const& kv : params)
+      if (kv.rfind("layer=", 0) == 0 || kv.rfind("num_layers=", 0) == 0)
+        fail(exit_usage, "--param " + name + "." + kv +
+                             ": kvc-eval sets pyramid_kv's layer and num_layers per layer "
+                             "from the model");
+    kvc::eval::PolicyRun policy_run{&info,
+                                    kvc::tools::resolve_params(kvc::tools::with_allocators(info, alloc), params, true),
+                                    alloc, row.inline_params};
+    for (auto const& r : rows)
+      if (r.label() == policy_run.label())
+        fail(exit_usage, "--policies: " + policy_run.label() + " listed twice");
+    rows.push_back(std::move(policy_run));
+  }
+  return rows;
 }
 
 std::string schedule_text(kvc::eval::RunOptions const& run) {
@@ -445,47 +655,8 @@ int command_run(int argc, char** argv) {
     run.ratios.push_back(kvc::tools::parse_ratio(r));
 
   // Policies: the listed ones (default: every policy of the table), random always included as the baseline.
-  // `all` (the default) stands for every policy of the table.
-  std::vector<std::string> names;
-  for (std::string const& name : split(o.get("--policies", "all"), ',')) {
-    if (name != "all") {
-      names.push_back(name);
-      continue;
-    }
-    for (auto const& p : kvc::tools::policies())
-      names.push_back(p.name);
-  }
-  if (std::find(names.begin(), names.end(), "random") == names.end())
-    names.push_back("random");
-  std::map<std::string, std::vector<std::string>> given;  // --param POLICY.NAME=VALUE
-  for (auto [it, end] = o.values.equal_range("--param"); it != end; ++it) {
-    auto const dot = it->second.find('.');
-    if (dot == std::string::npos || dot == 0)
-      fail(exit_usage, "--param '" + it->second + "': expected POLICY.NAME=VALUE, e.g. snap_kv.window_size=16");
-    std::string const policy = it->second.substr(0, dot);
-    if (std::find(names.begin(), names.end(), policy) == names.end())
-      fail(exit_usage, "--param '" + it->second + "': policy " + policy + " is not in --policies");
-    given[policy].push_back(it->second.substr(dot + 1));
-  }
-  for (std::string const& name : names) {
-    // SCORER[+ALLOCATOR[+ALLOCATOR]]: the scorer's parameters and the allocators' (pyramid_kv's layer and
-    // num_layers come from the model).
-    auto const plus = name.find('+');
-    auto const& info = kvc::tools::find_policy(name.substr(0, plus));
-    kvc::tools::AllocatorChoice alloc;
-    if (plus != std::string::npos)
-      alloc = kvc::tools::parse_allocators(name.substr(plus + 1), "--policies");
-    for (std::string const& kv : given[name])
-      if (kv.rfind("layer=", 0) == 0 || kv.rfind("num_layers=", 0) == 0)
-        fail(exit_usage, "--param " + name + "." + kv +
-                             ": kvc-eval sets pyramid_kv's layer and num_layers per layer "
-                             "from the model");
-    kvc::eval::PolicyRun policy_run{
-        &info, kvc::tools::resolve_params(kvc::tools::with_allocators(info, alloc), given[name], true), alloc};
-    for (auto const& r : run.policies)
-      if (r.label() == policy_run.label())
-        fail(exit_usage, "--policies: " + policy_run.label() + " listed twice");
-    run.policies.push_back(std::move(policy_run));
+  for (kvc::eval::PolicyRun& r : policy_rows(o, o.get("--policies", "all"), true)) {
+    run.policies.push_back(std::move(r));
     check_policy(run.policies.back(), run);
   }
   Shown const shown = shown_cache(o.get("--show"), run);
@@ -596,7 +767,10 @@ int command_run(int argc, char** argv) {
     auto const a = kvc::eval::greedy(*full, last, generate);
     auto const b = kvc::eval::greedy(*compressed, last, generate);
     char title[160];
-    if (decode)
+    if (decode && std::string_view(chosen->policy->name) == "moment_kv")  // Algorithm 1: every token
+      std::snprintf(title, sizeof title, "%s, target %lld", show_policy.c_str(),
+                    static_cast<long long>(run.decode.target_size));
+    else if (decode)
       std::snprintf(title, sizeof title, "%s, target %lld every %lld", show_policy.c_str(),
                     static_cast<long long>(run.decode.target_size),
                     static_cast<long long>(run.decode.compression_interval));
@@ -652,6 +826,8 @@ int main(int argc, char** argv) {
       return command_logits(argc, argv);
     if (command == "dump")
       return command_dump(argc, argv);
+    if (command == "correction")
+      return command_correction(argc, argv);
     if (command == "--help" || command == "-h" || command == "help") {
       std::fputs(usage_text, stdout);
       return 0;

@@ -83,10 +83,11 @@ inline std::string results_json(std::vector<Record> const& records, std::vector<
            ", \"kv_held_bytes\": " + json_number(r.kv_held_bytes) +
            ", \"kv_held_bytes_full\": " + json_number(r.kv_held_bytes_full) +
            ", \"kept_min\": " + json_number(r.kept_min) + ", \"kept_max\": " + json_number(r.kept_max) +
-           ", \"seconds\": " + json_number(r.seconds) + ", \"layer_error\": [" + errors +
-           "], \"samples\": " + std::to_string(r.samples) + ", \"params\": " + json_string(params[r.policy]) +
-           ", \"model\": " + json_string(info.model) + ", \"cache\": " + json_string(info.cache) +
-           ", \"layout\": " + json_string(info.layout) + ", \"prompt_tokens\": " + std::to_string(info.prompt_tokens) +
+           ", \"seconds\": " + json_number(r.seconds) + ", \"moment_bytes\": " + json_number(r.moment_bytes) +
+           ", \"layer_error\": [" + errors + "], \"samples\": " + std::to_string(r.samples) +
+           ", \"params\": " + json_string(params[r.policy]) + ", \"model\": " + json_string(info.model) +
+           ", \"cache\": " + json_string(info.cache) + ", \"layout\": " + json_string(info.layout) +
+           ", \"prompt_tokens\": " + std::to_string(info.prompt_tokens) +
            ", \"continuation\": " + std::to_string(info.continuation) + ", \"seed\": " + std::to_string(info.seed) +
            ", \"prompt_source\": " + json_string(info.prompt_source) + ", \"schedule\": " + json_string(info.schedule) +
            (steps.empty() ? std::string() : ", \"kv_bytes_steps\": [" + steps + "]") + "}" +
@@ -95,17 +96,31 @@ inline std::string results_json(std::vector<Record> const& records, std::vector<
   return out + "]\n";
 }
 
+/// A CSV field: quoted (quotes doubled) when it holds a comma, a quote or a line break (RFC 4180).
+inline std::string csv_field(std::string const& s) {
+  if (s.find_first_of(",\"\r\n") == std::string::npos)
+    return s;
+  std::string out = "\"";
+  for (char c : s) {
+    if (c == '"')
+      out += '"';
+    out += c;
+  }
+  out += '"';
+  return out;
+}
+
 /// results.csv: one header line, one line per record; layer errors as layer_error_0, layer_error_1, ... (last).
 inline std::string results_csv(std::vector<Record> const& records) {
   std::size_t const layers = records.empty() ? 0 : records.front().layer_error.size();
   std::string out =
       "policy,ratio,kl,top1,perplexity,perplexity_full,kv_bytes,kv_bytes_full,seconds,samples,kv_held_bytes,"
-      "kv_held_bytes_full,kept_min,kept_max";
+      "kv_held_bytes_full,kept_min,kept_max,moment_bytes";
   for (std::size_t l = 0; l < layers; ++l)
     out += ",layer_error_" + std::to_string(l);
   out += "\n";
   for (Record const& r : records) {
-    out += r.policy;  // policy names are [a-z_+]: no quoting needed
+    out += csv_field(r.policy);  // quoted when inline parameters hold commas: moment_kv(mi=false,correction=true)
     // (out += ','; out += ... rather than "," + ...: GCC 12 reports a false -Wrestrict on the temporary.)
     for (double x : {r.ratio, r.kl, r.top1, r.perplexity, r.perplexity_full, r.kv_bytes, r.kv_bytes_full, r.seconds}) {
       out += ',';
@@ -113,7 +128,7 @@ inline std::string results_csv(std::vector<Record> const& records) {
     }
     out += ',';
     out += std::to_string(r.samples);
-    for (double x : {r.kv_held_bytes, r.kv_held_bytes_full, r.kept_min, r.kept_max}) {
+    for (double x : {r.kv_held_bytes, r.kv_held_bytes_full, r.kept_min, r.kept_max, r.moment_bytes}) {
       out += ',';
       out += json_number(x);
     }
@@ -130,12 +145,15 @@ inline std::string results_csv(std::vector<Record> const& records) {
 inline std::string results_table(std::vector<Record> const& records) {
   std::string out;
   char line[512];
-  int width = 14;  // the policy column fits the longest name
-  for (Record const& r : records)
+  int width = 14;        // the policy column fits the longest name
+  bool moments = false;  // the moments' column only when a row holds moments (MomentKV)
+  for (Record const& r : records) {
     width = std::max(width, static_cast<int>(std::min<std::size_t>(r.policy.size(), 64)));
-  std::snprintf(line, sizeof line, "%-*s %5s %8s %8s %9s %10s %7s %10s %9s %10s %11s\n", width, "policy", "ratio",
+    moments = moments || r.moment_bytes > 0;
+  }
+  std::snprintf(line, sizeof line, "%-*s %5s %8s %8s %9s %10s %7s %10s %9s %10s %11s%s\n", width, "policy", "ratio",
                 "KV kept", "held", "held KiB", "KL (nats)", "top-1", "perplexity", "max err", "ms/sample",
-                "tokens/head");
+                "tokens/head", moments ? "  moments KiB" : "");
   out += line;
   for (Record const& r : records) {
     double max_error = 0;
@@ -147,6 +165,11 @@ inline std::string results_table(std::vector<Record> const& records) {
                   r.kv_held_bytes / 1024.0, r.kl, r.top1, r.perplexity, max_error, 1e3 * r.seconds, r.kept_min,
                   r.kept_max);
     out += line;
+    if (moments) {
+      out.pop_back();  // the newline
+      std::snprintf(line, sizeof line, " %12.1f\n", r.moment_bytes / 1024.0);
+      out += line;
+    }
   }
   return out;
 }

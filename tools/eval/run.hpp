@@ -12,7 +12,8 @@
 //
 // A policy with an allocator (`snap_kv+ada_kv`, `key_diff+pyramid_kv`, ...) compresses with the allocator's selection
 // and continues on a ragged per-head store (eval/engine.hpp). Memory is measured from the stores after compression
-// (kvc::store_report): the K + V of the valid tokens, and what the stores hold (StoreBytes).
+// (kvc::store_report): the K + V of the valid tokens, and what the stores hold (StoreBytes). A `moment_kv` row
+// (eval/moment_kv.hpp) also holds its moments: Record::moment_bytes, from Session::moment_bytes.
 #pragma once
 
 #include "common/policies.hpp"
@@ -37,9 +38,18 @@ struct PolicyRun {
   tools::PolicyInfo const* policy = nullptr;  ///< the scorer's entry of the policy table
   tools::Params params;                       ///< the scorer's and the allocators' parameters
   tools::AllocatorChoice alloc{};             ///< ada_kv, pyramid_kv, both or none
-  /// The row's name: the scorer's, then `+allocator` (e.g. snap_kv+pyramid_kv+ada_kv).
+  /// The row's own parameters as written in --policies, `NAME=VALUE,...` inside parentheses (empty: none), e.g.
+  /// `mi=false,correction=true` for the row moment_kv(mi=false,correction=true)+ada_kv.
+  std::string inline_params{};
+  /// The row's name: the scorer's, its inline parameters in parentheses, then `+allocator` (e.g.
+  /// snap_kv+pyramid_kv+ada_kv, moment_kv(mi=false)+ada_kv).
   std::string label() const {
     std::string s = policy->name;
+    if (!inline_params.empty()) {
+      s += '(';
+      s += inline_params;
+      s += ')';
+    }
     if (alloc.any()) {
       s += '+';
       s += alloc.name();
@@ -75,6 +85,7 @@ struct Record {
   double kept_min = 0;                 ///< fewest tokens of one (layer, KV head) after compression, mean over samples
   double kept_max = 0;                 ///< most tokens of one (layer, KV head) after compression, mean over samples
   double seconds = 0;                  ///< compression wall time per sample (score + select + compact, all layers)
+  double moment_bytes = 0;             ///< MomentKV: bytes of the moments held (all layers), mean over samples
   std::vector<double> layer_error;     ///< [layers] ||O_c - O_full|| / ||O_full|| of attention outputs (continuation)
   std::vector<double> kv_bytes_steps;  ///< Schedule::decode: K + V bytes after each decode step, mean over samples
   Index samples = 0;
@@ -83,7 +94,7 @@ struct Record {
 /// The per-sample sums a Record is averaged from.
 struct Accumulator {
   double kl = 0, top1 = 0, nll = 0, nll_full = 0, kv_bytes = 0, kv_bytes_full = 0, seconds = 0;
-  double held = 0, held_full = 0, kept_min = 0, kept_max = 0;
+  double held = 0, held_full = 0, kept_min = 0, kept_max = 0, moment_bytes = 0;
   Index tokens = 0, samples = 0;
   std::vector<double> layer_error, kv_bytes_steps;
 };
@@ -101,6 +112,7 @@ struct Reference {
 /// and the fewest and most tokens of one (layer, KV head).
 struct Held {
   double kv = 0, held = 0;
+  double moments = 0;  ///< MomentKV's moments (Session::moment_bytes)
   Index min_count = 0, max_count = 0;
 };
 
@@ -131,6 +143,7 @@ inline void accumulate(Accumulator& acc, Reference const& ref, RowMatrix const& 
   acc.kept_min += static_cast<double>(bytes.min_count);
   acc.kept_max += static_cast<double>(bytes.max_count);
   acc.seconds += seconds;
+  acc.moment_bytes += bytes.moments;
   acc.layer_error.resize(trace.attention.size(), 0.0);
   for (std::size_t l = 0; l < trace.attention.size(); ++l)
     acc.layer_error[l] += relative_error(trace.attention[l], ref.trace.attention[l]);
@@ -153,6 +166,7 @@ inline Record finish(Accumulator const& acc, std::string policy, double ratio) {
   r.kept_min = acc.kept_min / s;
   r.kept_max = acc.kept_max / s;
   r.seconds = acc.seconds / s;
+  r.moment_bytes = acc.moment_bytes / s;
   for (double e : acc.layer_error)
     r.layer_error.push_back(e / s);
   for (double b : acc.kv_bytes_steps)
@@ -258,6 +272,7 @@ inline std::vector<Record> evaluate(Model const& model, RunOptions const& option
                              a.kv_bytes_steps[static_cast<std::size_t>(t)] += static_cast<double>(b.kv);
                              bytes.kv += static_cast<double>(b.kv) / static_cast<double>(m);
                              bytes.held += static_cast<double>(b.held) / static_cast<double>(m);
+                             bytes.moments = static_cast<double>(session->moment_bytes());  // fixed size
                              bytes.min_count = b.min_count;
                              bytes.max_count = b.max_count;
                            }),
@@ -277,7 +292,8 @@ inline std::vector<Record> evaluate(Model const& model, RunOptions const& option
                                 options.seed * 0x9E3779B97F4A7C15ull + static_cast<std::uint64_t>(sample), run.alloc),
               std::string("compress with ") + run.label());
         StoreBytes const b = session->store_bytes();
-        Held const bytes{static_cast<double>(b.kv), static_cast<double>(b.held), b.min_count, b.max_count};
+        Held const bytes{static_cast<double>(b.kv), static_cast<double>(b.held),
+                         static_cast<double>(session->moment_bytes()), b.min_count, b.max_count};
         ForwardTrace trace;
         check(session->forward(fed, logits, &trace), "continuation");
         accumulate(acc[slot++], ref, logits, trace, targets, bytes, seconds);
