@@ -26,7 +26,7 @@ namespace detail {
 /// NQ rows and the clamp is a select on the loaded lanes, so a decode step streams C once (no clamped copy, no
 /// packing). Fixed-size Eigen arrays keep the NQ accumulators in vector registers; the lane order is fixed, so
 /// results are deterministic.
-template <int NQ, class T>
+template <std::size_t NQ, class T>
 inline void comoment_times_queries(T const* c, Index dv, Index dk, float tau, float const* q, float* t, Index t_stride,
                                    float* row_buf) noexcept {
   using Vec16 = Eigen::Array<float, 16, 1>;
@@ -40,19 +40,20 @@ inline void comoment_times_queries(T const* c, Index dv, Index dk, float tau, fl
       row = row_buf;
     }
     Vec16 acc[NQ];
-    for (int i = 0; i < NQ; ++i)
-      acc[i].setZero();
+    for (Vec16& lanes : acc)
+      lanes.setZero();
     for (Index x = 0; x < whole; x += 16) {
       Vec16 cr = Eigen::Map<Vec16 const>(row + x);
       cr = (cr.abs() < tau).select(Vec16::Zero(), cr);
-      for (int i = 0; i < NQ; ++i)
-        acc[i] += cr * Eigen::Map<Vec16 const>(q + i * dk + x);
+      for (std::size_t i = 0; i < NQ; ++i)
+        acc[i] += cr * Eigen::Map<Vec16 const>(q + static_cast<Index>(i) * dk + x);
     }
-    for (int i = 0; i < NQ; ++i) {
+    for (std::size_t i = 0; i < NQ; ++i) {
+      Index const qi = static_cast<Index>(i);
       float sum = acc[i].sum();
       for (Index x = whole; x < dk; ++x)
-        sum += clamp_small(row[x], tau) * q[i * dk + x];
-      t[i * t_stride + a] = sum;
+        sum += clamp_small(row[x], tau) * q[qi * dk + x];
+      t[qi * t_stride + a] = sum;
     }
   }
 }
