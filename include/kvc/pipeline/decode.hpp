@@ -93,6 +93,8 @@ constexpr auto carried_state(S const& s) noexcept {
     return s.state.accumulated;  // H2O's accumulator
   else if constexpr (requires { s.residuals.rows; })
     return s.residuals.rows;  // MomentKV's u_j rows (compaction skips them when disabled)
+  else if constexpr (requires { s.state.window_rows; })
+    return s.state.window_rows;  // UNComp's last w attention rows per slot
   else
     return nullptr;
 }

@@ -21,6 +21,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstddef>
+#include <cstdint>
 #include <limits>
 
 namespace kvc::detail {
@@ -74,15 +75,22 @@ Status check_window_queries(WindowQueries<T, HostSpace> const& wq, C const& cach
   return {};
 }
 
+/// How window_attention_columns sums the attention rows of a KV head's group.
+enum class ColumnSums : std::uint8_t {
+  per_query_head,  ///< colsum row q (local query head): summed over the window rows (SnapKV, TOVA, H2O)
+  per_window_row,  ///< colsum row i - first (window row): summed over the g query heads (UNComp's stored rows)
+};
+
 /// Column sums for KV head (b, h): for each of its g query heads q (local index 0..g-1) and each valid slot j,
 ///   colsum[q * stride + j] (+)= sum over window rows i in [first, last) of softmax_j(scale * <rope(query_i), key_j>)
-/// where query i sees slot j iff position(j) <= its own position. Rows with no visible slot contribute nothing.
+/// where query i sees slot j iff position(j) <= its own position; with ColumnSums::per_window_row, row i - first of
+/// colsum sums the same probabilities over q instead. Rows with no visible slot contribute nothing.
 /// With `accumulate` the sums are added to colsum's slots [0, n) (callers tile long query ranges: ObservedAttention,
 /// H2O's prefill), otherwise they overwrite them. `scratch` has window_attention_bytes(g * (last - first), dim) bytes.
 template <Element T, KVCacheView C>
 void window_attention_columns(WindowQueries<T, HostSpace> const& wq, C const& cache, Index b, Index h, Index first,
-                              Index last, float scale, float* colsum, Index stride, std::byte* scratch,
-                              bool accumulate) {
+                              Index last, float scale, float* colsum, Index stride, std::byte* scratch, bool accumulate,
+                              ColumnSums by = ColumnSums::per_query_head) {
   using RowMatrix = Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
   KVExtents const k = cache.keys.extents();
   Index const g = wq.rows.extents().heads / k.heads, per_head = last - first, rows = g * per_head;
@@ -114,8 +122,9 @@ void window_attention_columns(WindowQueries<T, HostSpace> const& wq, C const& ca
   Index const earliest = rows > 0 ? *std::min_element(q_pos, q_pos + rows) : 0;
   std::fill(peak, peak + rows, neg_inf);
   std::fill(total, total + rows, 0.0f);
-  for (Index lq = 0; lq < g && !accumulate; ++lq)
-    std::fill(colsum + lq * stride, colsum + lq * stride + n, 0.0f);
+  bool const by_row = by == ColumnSums::per_window_row;
+  for (Index o = 0; o < (by_row ? per_head : g) && !accumulate; ++o)
+    std::fill(colsum + o * stride, colsum + o * stride + n, 0.0f);
 
   using Row = Eigen::Map<Eigen::ArrayXf>;
   Index const tile_cols = window_tile_for(d);
@@ -167,7 +176,7 @@ void window_attention_columns(WindowQueries<T, HostSpace> const& wq, C const& ca
       if (peak[r] == std::numeric_limits<float>::infinity())
         continue;  // the row sees nothing
       Row const l(logits + r * window_tile, cols);
-      Row out(colsum + (r / per_head) * stride + t0, cols);
+      Row out(colsum + (by_row ? r % per_head : r / per_head) * stride + t0, cols);
       if (masked)
         out += (l == neg_inf).select(0.0f, (l - peak[r]).exp());
       else
