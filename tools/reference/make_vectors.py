@@ -62,6 +62,9 @@ Oracle outputs (float64 unless stated):
   <case>/out_corrected.npy lse_corrected.npy   [B, Hq, nq, dv], [B, Hq, nq]: corrected attention (order first)
   <case>/out_zeroth.npy lse_zeroth.npy         the same with order zeroth (f̂_E = v̄)
   <case>/out_plain.npy lse_plain.npy           plain attention over the kept slots
+UNComp cases (uncomp.py) are listed in uncomp_manifest.txt; their folders are named uncomp_<...>: post-RoPE keys and
+queries of a prompt plus decode steps, the oracle's entropies, groups, budgets, prefill and decode kept sets; plus
+the grids uncomp_budgets/ and uncomp_vote/. The exact format is in the docstring of uncomp.py.
 PyramidKV schedules (allocators.py) in pyramid_kv/:
   params.npy                   float64 [M, 7]: reference (0 authors, 1 kvpress), n, max_capacity_prompt (authors;
                                0: int(n (1 - ratio))), compression_ratio, window, beta, layers
@@ -86,6 +89,7 @@ import expected_attention  # noqa: E402
 import h2o  # noqa: E402
 import moment_kv  # noqa: E402
 import oracle  # noqa: E402
+import uncomp  # noqa: E402
 
 RATIOS = (0.25, 0.5, 0.75)
 # variant -> baselines parameters; every SnapKV variant uses the case's window_size
@@ -201,6 +205,11 @@ def main():
     with open(os.path.join(a.out, "moment_manifest.txt"), "w") as f:
         f.write("\n".join(moment_cases) + "\n")
     print(f"wrote {len(moment_cases)} MomentKV cases to {a.out}")
+    uncomp_cases = write_uncomp_cases(a.out, a.model)
+    with open(os.path.join(a.out, "uncomp_manifest.txt"), "w") as f:
+        f.write("\n".join(uncomp_cases) + "\n")
+    print(f"wrote {len(uncomp_cases)} UNComp cases, {write_uncomp_budget_grid(a.out)} budget rows and "
+          f"{write_uncomp_vote_grid(a.out)} vote rows to {a.out}")
 
 
 def write_window_cases(out, model_dir):
@@ -527,6 +536,187 @@ def write_moment_cases(out, model_dir):
                 cases.append(write_moment_case(out, f"moment_tinystories_{layer}_{tag}", kk, vv, qq[:, :, n - w:],
                                                qq[:, :, pos], positions, 64, 1, w, rounds))
     return cases
+
+
+def uncomp_rank_gap(x):
+    """Smallest relative gap between two entries of x (0: an exact tie; the grouping then follows the index)."""
+    v = np.sort(np.asarray(x, dtype=np.float64).ravel())
+    if v.size < 2:
+        return np.inf
+    return float(np.min(np.diff(v) / np.maximum(np.abs(v[1:]), 1e-300)))
+
+
+def uncomp_entropy_variants(n, d):
+    """(name, rows, top_k, normalize_rows, renormalize_topk, ridge); "authors" is the calibration entropy."""
+    k = max(1, d // 4)
+    return [("authors", n, k, 1, 0, 0.0), ("covariance", n, k, 0, 0, 0.0), ("authors_ridge", n, k, 1, 0, 1e-10),
+            ("authors_renormalized", n, k, 1, 1, 0.0), ("authors_k_all", n, 2 * d, 1, 0, 0.0),
+            ("gram_rows", d // 2, k, 1, 0, 0.0), ("gram_covariance_renormalized", d // 2, k, 0, 1, 0.0)]
+
+
+def write_uncomp_case(out, name, keys, queries, N, T, w, groups_q, groups_kv, average, step, require_gap=0.0):
+    """One UNComp case (format: uncomp.py's docstring). keys [B, Hkv, N + T, d], queries [B, Hq, N + T, d], both
+    post-RoPE. Returns None, writing nothing, when a ranking or selection boundary is closer than require_gap."""
+    keys = np.ascontiguousarray(keys, dtype=np.float32)
+    queries = np.ascontiguousarray(queries, dtype=np.float32)
+    k64, q64 = keys.astype(np.float64), queries.astype(np.float64)
+    B, Hkv, total, d = keys.shape
+    Hq = queries.shape[1]
+    assert total == N + T and queries.shape[2] == total
+    variants = uncomp_entropy_variants(N, d)
+    tables = {v[0]: uncomp.entropy_table(q64, *v[1:]) for v in variants}
+    erank_b = tables["authors"][:, :, 2]  # [B, Hq]
+    erank_q = erank_b.mean(axis=0)
+    normalized_q = tables["authors"][:, :, 3].mean(axis=0)
+    groups_q_ = uncomp.group_heads(erank_q, groups_q)
+    labels = [uncomp.group_heads(erank_b[b], groups_q) for b in range(B)]
+    vote = uncomp.majority_vote_groups(labels, groups_q)
+    budgets_q = uncomp.head_budgets(average, groups_q, step, groups_q_, w)
+    erank_kv = uncomp.reduce_to_kv_heads(erank_q, Hkv)
+    groups_kv_ = uncomp.group_heads(erank_kv, groups_kv)
+    budgets_kv = uncomp.head_budgets(average, groups_kv, step, groups_kv_, w)
+    A, pooled, kept, pgap = uncomp.prefill(k64[:, :, :N], q64[:, :, N - w:N], budgets_kv, w)
+    g = Hq // Hkv
+    evicted = np.full((B, Hkv, T), -1, dtype=np.int64)
+    final = np.full((B, Hkv, N + T), -1, dtype=np.int64)
+    dgap = np.full((B, Hkv, T), np.inf)
+    for b in range(B):
+        for h in range(Hkv):
+            ev, fin, gp = uncomp.decode_head(k64[b, h], q64[b, h * g:(h + 1) * g], g, kept[b][h], A[b, h],
+                                             budgets_kv[h], w, T)
+            evicted[b, h], dgap[b, h] = ev, gp
+            final[b, h, :len(fin)] = fin
+    rank_gap = min([uncomp_rank_gap(erank_q), uncomp_rank_gap(erank_kv)] + [uncomp_rank_gap(e) for e in erank_b])
+    sel_gap = min(pgap.min(), dgap.min())
+    if min(rank_gap, sel_gap) < require_gap:
+        return None
+    d_ = os.path.join(out, name)
+    os.makedirs(d_, exist_ok=True)
+    np.save(os.path.join(d_, "keys.npy"), keys)
+    np.save(os.path.join(d_, "queries.npy"), queries)
+    with open(os.path.join(d_, "meta.txt"), "w") as f:
+        f.write(f"window_size {w}\nkernel_size 7\nprefill_length {N}\ndecode_steps {T}\ngroups_q {groups_q}\n"
+                f"groups_kv {groups_kv}\naverage {float(average)!r}\nstep {float(step)!r}\ntheta 10000\n"
+                f"rank_gap {rank_gap:.3e}\nselection_gap {sel_gap:.3e}\n")
+    with open(os.path.join(d_, "entropy.txt"), "w") as f:
+        for v in variants:
+            f.write(f"{v[0]} {v[1]} {v[2]} {v[3]} {v[4]} {v[5]!r}\n")
+    for v in variants:
+        np.save(os.path.join(d_, f"entropy_{v[0]}.npy"), tables[v[0]])
+    padded = np.full((B, Hkv, N), -1, dtype=np.int64)
+    for b in range(B):
+        for h in range(Hkv):
+            padded[b, h, :len(kept[b][h])] = kept[b][h]
+    i64 = lambda x: np.asarray(x, dtype=np.int64)  # noqa: E731
+    for f, x in (("erank_q", erank_q), ("normalized_q", normalized_q),
+                 ("group_sizes_q", i64(uncomp.balanced_group_sizes(Hq, groups_q))), ("groups_q", i64(groups_q_)),
+                 ("labels_q", i64(labels)), ("groups_q_vote", i64(vote)), ("budgets_q", i64(budgets_q)),
+                 ("erank_kv", erank_kv), ("group_sizes_kv", i64(uncomp.balanced_group_sizes(Hkv, groups_kv))),
+                 ("groups_kv", i64(groups_kv_)), ("budgets_kv", i64(budgets_kv)), ("prefill_window", A),
+                 ("prefill_scores", pooled), ("prefill_kept", padded), ("prefill_gap", pgap),
+                 ("decode_evicted", evicted), ("decode_kept", final), ("decode_gap", dgap)):
+        np.save(os.path.join(d_, f"{f}.npy"), x)
+    print(f"{name}: N {N}, T {T}, w {w}, groups_q {groups_q_}, budgets_q {budgets_q}, budgets_kv {budgets_kv}, "
+          f"{int(np.sum(evicted >= 0))} decode evictions; smallest ranking gap {rank_gap:.1e}, selection gap "
+          f"{sel_gap:.1e}")
+    return name
+
+
+def write_uncomp_cases(out, model_dir):
+    """Random GQA cases (float32, post-RoPE; per-head anisotropic queries so the entropies differ; redrawn until no
+    ranking or selection boundary is a near-tie, 1e-4 relative), plus tinystories-656k's layers when dumped (prompt
+    130 tokens, 10 decode steps with the story's own next keys and queries)."""
+    rng = np.random.default_rng(20261203)  # separate stream: every case above stays byte-identical
+    cases = []
+    for name, (B, Hkv, Hq, N, T, d, w), (Mq, Mkv, avg, step) in (
+            ("uncomp_gqa_d32", (2, 2, 8, 48, 6, 32, 8), (4, 2, 24, 10)),
+            ("uncomp_gqa_d16_m3", (2, 2, 8, 100, 8, 16, 8), (3, 2, 40, 24)),
+            ("uncomp_gqa_short", (2, 2, 8, 40, 6, 16, 8), (8, 2, 40, 16)),  # head 0 keeps all and grows
+            ("uncomp_kv4_w4", (1, 4, 8, 90, 8, 16, 4), (2, 4, 30, 7))):  # remainders 0.5: ties to the lower head
+        written = None
+        while written is None:
+            alpha = rng.uniform(0.0, 5.0, (1, Hq, 1, 1))
+            decay = np.exp(-alpha * np.arange(d) / d)
+            q = (rng.standard_normal((B, Hq, N + T, d)) * decay + 0.3 * rng.standard_normal((1, Hq, 1, d))) * 2.5
+            k = rng.standard_normal((B, Hkv, N + T, d)) + 0.3 * rng.standard_normal((1, Hkv, 1, d))
+            written = write_uncomp_case(out, name, k, q, N, T, w, Mq, Mkv, avg, step, require_gap=1e-4)
+        cases.append(written)
+    dump = os.path.join(out, "tinystories_dump")
+    if model_dir and os.path.exists(os.path.join(model_dir, "model.safetensors")):  # main() has just dumped it
+        for layer in sorted(x for x in os.listdir(dump) if x.startswith("layer")):
+            ld = os.path.join(dump, layer)
+            kk, qq = np.load(os.path.join(ld, "keys.npy")), np.load(os.path.join(ld, "queries.npy"))
+            cases.append(write_uncomp_case(out, f"uncomp_tinystories_{layer}", kk[:, :, :140], qq[:, :, :140], 130,
+                                           10, 8, 4, 4, 48, 16))
+    return cases
+
+
+def write_uncomp_budget_grid(out):
+    """uncomp_budgets/: group sizes, groups and preserving budgets over a grid of (H, M, B̄, Δ, w); entropies on a
+    coarse grid so that exact ties occur. Returns the row count."""
+    rng = np.random.default_rng(20261204)
+    rows, ents, sizes, groups, budgets = [], [], [], [], []
+    for H in (1, 4, 7, 8, 28, 32):
+        for M in (1, 2, 3, 5, 8):
+            if M > H:
+                continue
+            for avg, step, w in ((384, 73, 8), (100.5, 10.25, 8), (40, 30, 8)):
+                e = np.round(rng.uniform(0, 1, H), 1)
+                g = uncomp.group_heads(e, M)
+                rows.append((H, M, avg, step, w))
+                ents.append(e)
+                sizes.append(uncomp.balanced_group_sizes(H, M))
+                groups.append(g)
+                budgets.append(uncomp.head_budgets(avg, M, step, g, w))
+    d = os.path.join(out, "uncomp_budgets")
+    os.makedirs(d, exist_ok=True)
+
+    def pad(xs, fill, dtype):
+        a = np.full((len(xs), 32), fill, dtype=dtype)
+        for i, x in enumerate(xs):
+            a[i, :len(x)] = x
+        return a
+
+    np.save(os.path.join(d, "params.npy"), np.array(rows, dtype=np.float64))
+    np.save(os.path.join(d, "entropy.npy"), pad(ents, np.nan, np.float64))
+    np.save(os.path.join(d, "sizes.npy"), pad(sizes, -1, np.int64))
+    np.save(os.path.join(d, "groups.npy"), pad(groups, -1, np.int64))
+    np.save(os.path.join(d, "budgets.npy"), pad(budgets, -1, np.int64))
+    return len(rows)
+
+
+def write_uncomp_vote_grid(out):
+    """uncomp_vote/: per-sample entropies (a per-head base plus noise, so the samples disagree; coarse, so ties
+    occur), their labels, the majority vote and the mean grouping. Returns the row count."""
+    rng = np.random.default_rng(20261205)
+    S = 5
+    params, ents, labels, votes, means = [], [], [], [], []
+    for H, M in ((8, 2), (8, 4), (8, 3), (32, 8), (32, 2), (32, 5), (28, 8), (4, 4)):
+        e = np.round(rng.uniform(0, 1, (1, H)) + 0.3 * rng.standard_normal((S, H)), 2)
+        lab = [uncomp.group_heads(e[s], M) for s in range(S)]
+        params.append((H, M, S))
+        ents.append(e)
+        labels.append(lab)
+        votes.append(uncomp.majority_vote_groups(lab, M))
+        means.append(uncomp.group_heads(e.mean(axis=0), M))
+    R = len(params)
+    d = os.path.join(out, "uncomp_vote")
+    os.makedirs(d, exist_ok=True)
+    E = np.full((R, S, 32), np.nan)
+    Lb = np.full((R, S, 32), -1, dtype=np.int64)
+    V = np.full((R, 32), -1, dtype=np.int64)
+    Mn = np.full((R, 32), -1, dtype=np.int64)
+    for i, (H, _, _) in enumerate(params):
+        E[i, :, :H] = ents[i]
+        Lb[i, :, :H] = labels[i]
+        V[i, :H] = votes[i]
+        Mn[i, :H] = means[i]
+    np.save(os.path.join(d, "params.npy"), np.array(params, dtype=np.int64))
+    np.save(os.path.join(d, "entropy.npy"), E)
+    np.save(os.path.join(d, "labels.npy"), Lb)
+    np.save(os.path.join(d, "vote.npy"), V)
+    np.save(os.path.join(d, "mean.npy"), Mn)
+    return R
 
 
 def write_pyramid_schedules(out):
