@@ -16,5 +16,7 @@
 #include <kvc/backend/cuda/scorers/snap_kv.cuh>
 #include <kvc/backend/cuda/scorers/streaming_llm.cuh>
 #include <kvc/backend/cuda/scorers/tova.cuh>
+#include <kvc/backend/cuda/scorers/uncomp.cuh>
 #include <kvc/backend/cuda/selectors/top_k.cuh>
+#include <kvc/backend/cuda/selectors/uncomp.cuh>
 #include <kvc/pipeline/press.hpp>

@@ -51,6 +51,11 @@ static void grid128(benchmark::internal::Benchmark* b) {
       ->Unit(benchmark::kMicrosecond);
 }
 
+/// UNComp's decode step at its specified shape (Hq = 32, Hkv = 8, d = 128, w = 8) and context lengths.
+static void grid_uncomp(benchmark::internal::Benchmark* b) {
+  b->ArgNames({"tokens", "dim"})->ArgsProduct({{4096, 32768}, {128}})->UseManualTime()->Unit(benchmark::kMicrosecond);
+}
+
 BENCHMARK_CAPTURE(run, KeyDiff_fp32, kb::Op::key_diff, false)->Apply(grid)->Name("BM_KeyDiff_Cuda/fp32");
 BENCHMARK_CAPTURE(run, KeyDiff_fp16, kb::Op::key_diff, true)->Apply(grid)->Name("BM_KeyDiff_Cuda/fp16");
 BENCHMARK_CAPTURE(run, Knorm_fp32, kb::Op::knorm, false)->Apply(grid)->Name("BM_Knorm_Cuda/fp32");
@@ -94,6 +99,13 @@ BENCHMARK_CAPTURE(run, MomentFold_fp16, kb::Op::moment_fold, true)->Apply(grid12
 BENCHMARK_CAPTURE(run, MomentAttend_fp16, kb::Op::moment_attend, true)
     ->Apply(grid128)
     ->Name("BM_MomentKVAttend_Cuda/fp16");
+BENCHMARK_CAPTURE(run, UNCompUpdate_fp16, kb::Op::uncomp_update, true)
+    ->Apply(grid_uncomp)
+    ->Name("BM_UNCompUpdate_Cuda/fp16");
+BENCHMARK_CAPTURE(run, UNCompUpdate_fp32, kb::Op::uncomp_update, false)
+    ->Apply(grid_uncomp)
+    ->Name("BM_UNCompUpdate_Cuda/fp32");
+BENCHMARK_CAPTURE(run, UNCompScore, kb::Op::uncomp_score, true)->Apply(grid_uncomp)->Name("BM_UNCompScore_Cuda");
 BENCHMARK_CAPTURE(run, Read_fp32, kb::Op::read, false)->Apply(grid)->Name("BM_Cuda_MemoryRead");
 BENCHMARK_CAPTURE(run, Fma, kb::Op::fma_peak, false)
     ->ArgNames({"tokens", "dim"})

@@ -38,6 +38,9 @@ enum class Op {
   moment_score,        ///< MomentKV's MI score over a fixed base (the residual pass: C̃ k_j per slot), fp32 moments
   moment_fold,         ///< MomentKV's on_evict of half the slots (block moments + Chan's merge), fp32 moments
   moment_attend,       ///< kvc::attend_corrected for 32 query heads x 1 row (attention + the moment epilogue)
+  uncomp_update,       ///< UNComp's kvc::update with one new query row per query head (a decode step; w = 8):
+                       ///< the window attention (per window row) + the shift of every slot's w rows
+  uncomp_score,        ///< UNComp's kvc::score (w = 8, max pooling, kernel 7) over tracked window rows [1, 8, N, 8]
 };
 
 ContextPtr make_context(Index tokens, Index dim, bool fp16, Op op);

@@ -10,6 +10,7 @@
 #include <kvc/backend/cuda/scorers/knorm.cuh>
 #include <kvc/backend/cuda/scorers/moment_kv.cuh>
 #include <kvc/backend/cuda/scorers/snap_kv.cuh>
+#include <kvc/backend/cuda/scorers/uncomp.cuh>
 #include <kvc/backend/cuda/selectors/ada_kv.cuh>
 #include <kvc/backend/cuda/selectors/top_k.cuh>
 #include <kvc/store/ragged.hpp>
@@ -64,6 +65,10 @@ struct Context {
   float* moment_means = nullptr;  // k̄ [8, d] then v̄ [8, d]
   float* comoment = nullptr;      // [8, d, d]
   float* fixed_base = nullptr;
+  // UNComp: window rows [1, 8, tokens, uncomp_window] (every slot tracked) and tracked [1, 8]; the update's queries
+  // are decode_queries (one row per query head).
+  float* uncomp_rows = nullptr;
+  Index* uncomp_tracked = nullptr;
 };
 
 namespace {
@@ -142,6 +147,17 @@ __global__ void read_kernel(float4 const* x, Index n4, float* sink) {
     *sink = acc;
 }
 
+constexpr Index uncomp_window = 8;  // UNComp's w (the paper's l)
+
+/// UNComp's scorer over the context's state (authors' defaults: w = 8, max pooling, kernel 7).
+UNCompScorer<DeviceSpace> uncomp_scorer(Context const& c) {
+  return {{TokenRows<float, StridedLayout, DeviceSpace>(c.uncomp_rows, uncomp_window_layout(c.e, uncomp_window)),
+           c.uncomp_tracked},
+          uncomp_window,
+          7,
+          Pooling::max};
+}
+
 /// MomentKV's scorer over the context's moments and fixed base.
 MomentKVScorer<DeviceSpace, float> moment_scorer(Context const& c) {
   MomentKVScorer<DeviceSpace, float> s;
@@ -204,6 +220,12 @@ Status run(Context& c, Op op) {
       return attend_corrected(Cuda{}, CorrectedAttention{}, q, cache, moment_scorer(c).state,
                               AttendOutput<DeviceSpace>{c.attn_out, c.attn_lse}, ws);
     }
+    case Op::uncomp_update: {
+      auto const decode = observe(WindowQueries<T, DeviceSpace>{TokenRows<T const, StridedLayout, DeviceSpace>(
+          static_cast<T const*>(c.decode_queries), bhtd_layout({1, hq, 1, c.e.dim}))});
+      return update(Cuda{}, uncomp_scorer(c), cache, decode, ws);
+    }
+    case Op::uncomp_score: return score(Cuda{}, uncomp_scorer(c), cache, span, ws);
     case Op::fma_peak:
       fma_kernel<<<fma_blocks, fma_threads>>>(0.999f, 1e-3f, fma_iterations, c.sink);
       return backend::cuda::launch_status("fma_kernel");
@@ -274,6 +296,16 @@ bool prepare(Context& c, Op op) {
     fill_kernel<<<1024, 256>>>(c.fixed_base, c.e.rows(), 11u);
     fill_kernel<<<1024, 256>>>(static_cast<T*>(c.decode_queries), hq * d, 12u);
   }
+  if (op == Op::uncomp_update || op == Op::uncomp_score) {
+    std::vector<Index> const tracked(static_cast<std::size_t>(c.e.heads), c.e.tokens);  // every slot holds rows
+    if (!alloc(&c.uncomp_rows, c.e.rows() * uncomp_window, sizeof(float)) ||
+        !alloc(&c.uncomp_tracked, c.e.heads, sizeof(Index)) || !alloc(&c.decode_queries, hq * d, sizeof(T)) ||
+        cudaMemcpy(c.uncomp_tracked, tracked.data(), tracked.size() * sizeof(Index), cudaMemcpyHostToDevice) !=
+            cudaSuccess)
+      return false;
+    fill_kernel<<<1024, 256>>>(c.uncomp_rows, c.e.rows() * uncomp_window, 13u);
+    fill_kernel<<<1024, 256>>>(static_cast<T*>(c.decode_queries), hq * d, 14u);
+  }
   return cudaDeviceSynchronize() == cudaSuccess;
 }
 
@@ -312,6 +344,8 @@ void ContextDeleter::operator()(Context* c) const {
   cudaFree(c->moment_means);
   cudaFree(c->comoment);
   cudaFree(c->fixed_base);
+  cudaFree(c->uncomp_rows);
+  cudaFree(c->uncomp_tracked);
   cudaEventDestroy(c->start);
   cudaEventDestroy(c->stop);
   delete c;
@@ -339,6 +373,11 @@ ContextPtr make_context(Index tokens, Index dim, bool fp16, Op op) {
        select_workspace_bytes(Cuda{}, AdaKVSelector{FixedBudget{tokens / 2}}, 1, c->e.heads, tokens),
        score_workspace_bytes(Cuda{}, moment_scorer(*c), c->e, obs),
        on_evict_workspace_bytes(Cuda{}, moment_scorer(*c), c->e),
+       score_workspace_bytes(Cuda{}, uncomp_scorer(*c), c->e),
+       update_workspace_bytes(
+           Cuda{}, uncomp_scorer(*c), c->e,
+           observe(WindowQueries<float, DeviceSpace>{
+               TokenRows<float const, StridedLayout, DeviceSpace>(nullptr, bhtd_layout({1, 4 * c->e.heads, 1, dim}))})),
        attend_corrected_workspace_bytes(
            Cuda{}, CorrectedAttention{},
            AttendQueries<float, DeviceSpace>{
@@ -406,6 +445,10 @@ double bytes_of(Context const& c, Op op) {
     case Op::moment_score: return 2.0 * kbytes;   // K and V of every slot
     case Op::moment_fold: return kbytes;          // K and V of the evicted half (read twice in practice)
     case Op::moment_attend: return 2.0 * kbytes;  // K and V of every slot (the moments are 0.5 MiB)
+    case Op::uncomp_update:  // K once (twice in practice: LSE and column passes), the w rows read and written
+      return kbytes + 2.0 * static_cast<double>(c.e.rows() * uncomp_window) * sizeof(float);
+    case Op::uncomp_score:  // the w rows read, the scores written (the sums' round trip is on top)
+      return static_cast<double>(c.e.rows() * (uncomp_window + 1)) * sizeof(float);
   }
   return 0.0;
 }
@@ -418,6 +461,7 @@ double flops_of(Context const& c, Op op) {
     case Op::h2o_update: return 4.0 * n * g * static_cast<double>(window_extents(c.e).tokens) * d;  // 2 logit passes
     case Op::observed_attention: return 4.0 * n * g * static_cast<double>(tile_extents(c.e).tokens) * d;
     case Op::moment_score: return 2.0 * n * d * d;         // C̃ k_j per slot
+    case Op::uncomp_update: return 4.0 * n * g * d;        // one row per query head, 2 logit passes
     case Op::moment_fold: return 2.0 * (n / 2.0) * d * d;  // the centred co-moment of the evicted half
     case Op::fma_peak: return 2.0 * 8.0 * fma_iterations * static_cast<double>(fma_blocks) * fma_threads;
     default: return 0.0;

@@ -12,8 +12,10 @@
 #include <kvc/backend/cuda/scorers/random.cuh>
 #include <kvc/backend/cuda/scorers/snap_kv.cuh>
 #include <kvc/backend/cuda/scorers/streaming_llm.cuh>
+#include <kvc/backend/cuda/scorers/uncomp.cuh>
 #include <kvc/backend/cuda/selectors/ada_kv.cuh>
 #include <kvc/backend/cuda/selectors/top_k.cuh>
+#include <kvc/backend/cuda/selectors/uncomp.cuh>
 #include <kvc/pipeline/blockwise.hpp>
 #include <kvc/pipeline/decode.hpp>
 #include <kvc/pipeline/moment_kv.hpp>
@@ -678,6 +680,121 @@ std::string h2o(Case const& c, Index tile, std::vector<H2OStep> const& steps, st
   });
 }
 
+std::string uncomp(Case const& c, UNCompParams const& p, std::vector<UNCompStep> const& steps,
+                   std::vector<UNCompResult>& results) {
+  return by_dtype(c.dtype, [&](auto tag) {
+    using T = decltype(tag);
+    Mirror<T> m(c);
+    KVExtents const e = c.e;
+    Index const w = p.window;
+    DeviceBuffer<float> rows(std::vector<float>(static_cast<std::size_t>(e.rows() * w), 9.0f));
+    DeviceBuffer<Index> tracked(std::vector<Index>(static_cast<std::size_t>(e.batch * e.heads), 0));
+    DeviceBuffer<Index> budgets(p.budgets);
+    UNCompScorer<DeviceSpace> const scorer{
+        {TokenRows<float, StridedLayout, DeviceSpace>(rows.ptr, uncomp_window_layout(e, w)), tracked.ptr},
+        w,
+        p.kernel,
+        p.pooling};
+    UNCompSelector<DeviceSpace> const sel{HeadBudgets<DeviceSpace>{budgets.ptr, e.heads}, 0, w};
+    results.clear();
+    return m.with_cache([&](auto const& cache) -> std::string {
+      for (UNCompStep const& step : steps) {
+        if (step.append.e.tokens > 0) {
+          Mirror<T> src(step.append);
+          std::string const err = src.with_cache(
+              [&](auto const& sc) { return finish(kvc::append(Cuda{}, cache, sc, 0, step.append.e.tokens)); });
+          if (!err.empty())
+            return "append: " + err;
+        }
+        if (!step.queries.empty()) {
+          DeviceBuffer<T> q(narrow<T>(step.queries));
+          WindowQueries<T, DeviceSpace> const wq{
+              TokenRows<T const, StridedLayout, DeviceSpace>(q.ptr, bhtd_layout(step.q_ext)), m.rope_table(), nullptr};
+          auto const obs = observe(wq);
+          std::size_t const bytes = update_workspace_bytes(Cuda{}, scorer, e, obs);
+          DeviceBuffer<unsigned char> ws(bytes);
+          std::string const err = finish(update(Cuda{}, scorer, cache, obs, Workspace{ws.ptr, bytes}));
+          if (!err.empty())
+            return "update: " + err;
+        }
+        UNCompResult r;
+        rows.to_host(r.rows);
+        tracked.to_host(r.tracked);
+        DeviceBuffer<float> o(static_cast<std::size_t>(e.rows()));
+        {
+          std::size_t const bytes = score_workspace_bytes(Cuda{}, scorer, e);
+          DeviceBuffer<unsigned char> ws(bytes);
+          std::string const err =
+              finish(score(Cuda{}, scorer, cache, ScoreSpan<DeviceSpace>{o.ptr, e.batch, e.heads, e.tokens},
+                           Workspace{ws.ptr, bytes}));
+          if (!err.empty())
+            return "score: " + err;
+        }
+        o.to_host(r.scores);
+        if (!step.count.empty()) {
+          std::size_t const bytes = select_workspace_bytes(Cuda{}, sel, e.batch, e.heads, e.tokens);
+          DeviceBuffer<unsigned char> ws(bytes);
+          DeviceBuffer<float> cpu_scores(step.cpu_scores);
+          DeviceBuffer<Index> table(static_cast<std::size_t>(e.batch * e.heads)),
+              idx(static_cast<std::size_t>(e.rows())), cnt(static_cast<std::size_t>(e.batch * e.heads)),
+              idx_cpu(static_cast<std::size_t>(e.rows())), cnt_cpu(static_cast<std::size_t>(e.batch * e.heads));
+          ScoreSpan<DeviceSpace> const mine{o.ptr, e.batch, e.heads, e.tokens, cache.lengths};
+          ScoreSpan<DeviceSpace> const theirs{cpu_scores.ptr, e.batch, e.heads, e.tokens, cache.lengths};
+          std::string err = finish(kvc::allocate(Cuda{}, sel, mine, table.ptr, Workspace{ws.ptr, bytes}));
+          if (err.empty())
+            err = finish(kvc::select(Cuda{}, sel, mine,
+                                     KeepPlan<DeviceSpace>{idx.ptr, cnt.ptr, e.batch, e.heads, e.tokens},
+                                     Workspace{ws.ptr, bytes}));
+          if (err.empty())
+            err = finish(kvc::select(Cuda{}, sel, theirs,
+                                     KeepPlan<DeviceSpace>{idx_cpu.ptr, cnt_cpu.ptr, e.batch, e.heads, e.tokens},
+                                     Workspace{ws.ptr, bytes}));
+          if (!err.empty())
+            return "select: " + err;
+          table.to_host(r.table);
+          idx.to_host(r.index);
+          cnt.to_host(r.count);
+          idx_cpu.to_host(r.index_cpu);
+          cnt_cpu.to_host(r.count_cpu);
+          DeviceBuffer<Index> plan_idx(step.index), plan_cnt(step.count);
+          KeepPlan<DeviceSpace> const plan{plan_idx.ptr, plan_cnt.ptr, e.batch, e.heads, e.tokens};
+          err = finish(on_evict(Cuda{}, scorer, cache, plan, Workspace{}));
+          if (err.empty())
+            tracked.to_host(r.evicted_tracked);
+          if (err.empty())
+            err = finish(kvc::compact(Cuda{}, plan, cache, scorer.state.window_rows));
+          if (!err.empty())
+            return "evict: " + err;
+        }
+        m.lengths.to_host(r.lengths);
+        results.push_back(std::move(r));
+      }
+      return std::string();
+    });
+  });
+}
+
+std::string uncomp_select(std::vector<Index> const& budgets, Index n_recent, Index batch, Index heads, Index tokens,
+                          std::vector<float> const& scores, std::vector<Index> const& lengths,
+                          std::vector<Index>& table, std::vector<Index>& index, std::vector<Index>& count) {
+  DeviceBuffer<float> s(scores);
+  DeviceBuffer<Index> bud(budgets), len(lengths), tab(static_cast<std::size_t>(batch * heads)),
+      idx(static_cast<std::size_t>(batch * heads * tokens)), cnt(static_cast<std::size_t>(batch * heads));
+  ScoreSpan<DeviceSpace> const span{s.ptr, batch, heads, tokens,
+                                    lengths.empty() ? Lengths{} : head_lengths(len.ptr, heads)};
+  UNCompSelector<DeviceSpace> const sel{HeadBudgets<DeviceSpace>{bud.ptr, heads}, 0, n_recent};
+  std::size_t const bytes = select_workspace_bytes(Cuda{}, sel, batch, heads, tokens);
+  DeviceBuffer<unsigned char> ws(bytes);
+  std::string err = finish(kvc::allocate(Cuda{}, sel, span, tab.ptr, Workspace{ws.ptr, bytes}));
+  if (err.empty())
+    err = finish(kvc::select(Cuda{}, sel, span, KeepPlan<DeviceSpace>{idx.ptr, cnt.ptr, batch, heads, tokens},
+                             Workspace{ws.ptr, bytes}));
+  tab.to_host(table);
+  idx.to_host(index);
+  cnt.to_host(count);
+  return err;
+}
+
 std::string compact_rows(Case& c, std::vector<Index> const& index, std::vector<Index> const& count, Index capacity,
                          std::vector<float>& rows) {
   return by_dtype(c.dtype, [&](auto tag) {
@@ -806,6 +923,11 @@ void decode_driver_builds_for_cuda(Cuda const& cuda, Workspace ws) {
   (void)decode_step(cuda, ObservedAttentionScorer{}, schedule, cache, buf, counter, rope, ws);
   (void)decode_step(cuda, MomentKVScorer<DeviceSpace>{}.decode(), schedule, cache, buf, counter, rope, ws);
   (void)decode_step(cuda, MomentKVScorer<DeviceSpace, half>{}.decode(), schedule, cache, buf, counter, rope, ws);
+  // UNComp's decode: one eviction per step over the per-head budgets (a device table), or the allocator itself.
+  (void)decode_step(cuda, UNCompScorer<DeviceSpace>{}, TopKSelector<PerHeadBudget<DeviceSpace>>{}, schedule, cache, buf,
+                    counter, rope, ws);
+  (void)decode_step(cuda, UNCompScorer<DeviceSpace>{}, UNCompSelector<DeviceSpace>{}, schedule, cache, buf, counter,
+                    rope, ws);
 }
 
 }  // namespace kvc::test::cuda

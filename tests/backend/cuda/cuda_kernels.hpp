@@ -13,6 +13,7 @@
 #include <kvc/pipeline/query_statistics.hpp>
 #include <kvc/scorers/expected_attention.hpp>
 #include <kvc/scorers/moment_kv.hpp>
+#include <kvc/scorers/uncomp.hpp>
 #include <kvc/selectors/top_k.hpp>
 #include <kvc/store/ragged.hpp>
 
@@ -133,6 +134,49 @@ struct AdaKVCase {
   std::vector<Index> lengths;
 };
 std::string ada_kv(AdaKVCase const& c, std::vector<Index>& table, std::vector<Index>& index, std::vector<Index>& count);
+
+/// UNComp's parameters for uncomp(): the scorer's window and pooling, the layer's per-head budgets [heads].
+struct UNCompParams {
+  Index window = 8;
+  Index kernel = 7;
+  Pooling pooling = Pooling::max;
+  std::vector<Index> budgets;
+};
+
+/// One step of an UNComp run (see uncomp()): append, update, score, select, evict.
+struct UNCompStep {
+  Case append;                 ///< tokens appended first (append.e.tokens == 0: none), with positions [B, H, m]
+  std::vector<float> queries;  ///< the update's window queries [B, Hq, R, d] (empty: no update this step)
+  KVExtents q_ext{};
+  std::vector<float> cpu_scores;    ///< the CPU's scores of this step [B, H, N], also selected on the device
+  std::vector<Index> index, count;  ///< the CPU's plan (capacity N; empty: no eviction), applied to the device state
+};
+
+/// What an UNComp step leaves on the device.
+struct UNCompResult {
+  std::vector<float> rows;                  ///< window_rows [B, H, N, w] after the update
+  std::vector<Index> tracked;               ///< tracked [B, H] after the update
+  std::vector<float> scores;                ///< kvc::score
+  std::vector<Index> table;                 ///< kvc::allocate (UNCompSelector) over the device's scores
+  std::vector<Index> index, count;          ///< kvc::select (UNCompSelector) over the device's scores
+  std::vector<Index> index_cpu, count_cpu;  ///< kvc::select (UNCompSelector) over the CPU's scores
+  std::vector<Index> evicted_tracked;       ///< tracked after kvc::on_evict with the CPU's plan
+  std::vector<Index> lengths;               ///< the cache's lengths after the step
+};
+
+/// Runs UNCompScorer<DeviceSpace> over `steps` on the device, window_rows (filled with 9 at the start, tracked 0)
+/// moving through kvc::compact with the cache: per step, kvc::append, kvc::update (when the step has queries; they
+/// are post-RoPE unless Case::pre_rope), kvc::score; then, when the step has a plan, kvc::allocate and kvc::select
+/// with UNCompSelector<DeviceSpace>{budgets on the device, 0, w} over the device's and over the CPU's scores, and
+/// kvc::on_evict and kvc::compact with the CPU's plan (so the device state follows the CPU's exactly).
+std::string uncomp(Case const& c, UNCompParams const& p, std::vector<UNCompStep> const& steps,
+                   std::vector<UNCompResult>& results);
+
+/// UNCompSelector<DeviceSpace>{budgets [heads], 0, n_recent} on host scores [batch, heads, tokens] with per-head
+/// lengths: kvc::allocate's table and kvc::select's plan (capacity `tokens`).
+std::string uncomp_select(std::vector<Index> const& budgets, Index n_recent, Index batch, Index heads, Index tokens,
+                          std::vector<float> const& scores, std::vector<Index> const& lengths,
+                          std::vector<Index>& table, std::vector<Index>& index, std::vector<Index>& count);
 
 /// A ragged store on the device: the case's rows kept by the plan (capacity `capacity`) gathered into a store with
 /// `reserve` free slots per head, then `extra`'s tokens appended (extra: same batch, heads and dims, with

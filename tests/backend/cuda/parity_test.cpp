@@ -3,9 +3,10 @@
 // the scorers (fp32/fp16/bf16; BHTD, BTHD and paged layouts; per-sequence and per-head lengths), top-k (ratio,
 // fixed and device per-head budgets), compaction, gather, append, attention, query statistics, ExpectedAttention,
 // H2O (update / evict / compact over several steps), ObservedAttention, AdaKV (allocation and selection, both
-// behaviours), the ragged store (gather, append, attention) and MomentKV (fold, MI scores, u_j cache, corrected
-// attention, prefill driver). Tolerances are in docs/numerics.md and
-// beside each case. Without a CUDA device every case prints "SKIPPED: no CUDA device" and ctest reports it skipped.
+// behaviours), UNComp (prefill and decode updates, scores, on_evict, allocation and selection), the ragged store
+// (gather, append, attention) and MomentKV (fold, MI scores, u_j cache, corrected attention, prefill driver).
+// Tolerances are in docs/numerics.md and beside each case. Without a CUDA device every case prints "SKIPPED: no CUDA
+// device" and ctest reports it skipped.
 #include <kvc/backend/cpu/attention/attend.hpp>
 #include <kvc/backend/cpu/attention/corrected.hpp>
 #include <kvc/backend/cpu/pipeline/compact.hpp>
@@ -18,8 +19,10 @@
 #include <kvc/backend/cpu/scorers/random.hpp>
 #include <kvc/backend/cpu/scorers/snap_kv.hpp>
 #include <kvc/backend/cpu/scorers/streaming_llm.hpp>
+#include <kvc/backend/cpu/scorers/uncomp.hpp>
 #include <kvc/backend/cpu/selectors/ada_kv.hpp>
 #include <kvc/backend/cpu/selectors/top_k.hpp>
+#include <kvc/backend/cpu/selectors/uncomp.hpp>
 #include <kvc/pipeline/blockwise.hpp>
 #include <kvc/pipeline/moment_kv.hpp>
 
@@ -908,6 +911,192 @@ TEST_CASE("cuda: AdaKV allocates and selects exactly as the CPU (both behaviours
             REQUIRE(index[static_cast<std::size_t>(i * tokens + j)] ==
                     plan.index[static_cast<std::size_t>(i * tokens + j)]);
       }
+}
+
+namespace {
+
+/// Plans of two selections agree: counts, then the kept indices of every head (entries past a count are not set).
+void require_same_plan(std::vector<Index> const& index, std::vector<Index> const& count,
+                       std::vector<Index> const& want_index, std::vector<Index> const& want_count, Index tokens) {
+  REQUIRE(count == want_count);
+  for (std::size_t bh = 0; bh < want_count.size(); ++bh)
+    for (Index j = 0; j < want_count[bh]; ++j) {
+      INFO("head " << bh << " entry " << j);
+      REQUIRE(index[bh * static_cast<std::size_t>(tokens) + static_cast<std::size_t>(j)] ==
+              want_index[bh * static_cast<std::size_t>(tokens) + static_cast<std::size_t>(j)]);
+    }
+}
+
+}  // namespace
+
+TEST_CASE(
+    "cuda: UNComp's window rows, scores and tracked counts follow the CPU through a prefill update (w or more rows), "
+    "1- and 2-row decode updates, appends, an eviction without update and compactions (fp32/fp16, GQA 1 and 4, "
+    "pre-/post-RoPE, max/avg pooling, 1e-5 relative); allocation and selection exactly as the CPU's",
+    "[cuda][uncomp]") {
+  KVC_REQUIRE_DEVICE();
+  // Tolerance: window rows (group sums of fp32 probabilities, as H2O's column sums: logits that differ only in
+  // summation order, ~1e-6 relative) and scores (in-order sums of the same rows, pooled: the same fp32 operations on
+  // both sides) within 1e-5 of max(|cpu|, |gpu|, 1e-2 * the head's largest); -inf padding, tracked and lengths
+  // exactly. Selections: the device's UNCompSelector on the CPU's scores keeps exactly the CPU's slots, and on its own
+  // scores exactly what the CPU's selector keeps from them (same input, same plan); the two score vectors' kept sets
+  // differ at most by near-ties (require_same_kept).
+  Index const batch = 2, hkv = 2, n_cap = 120, d = 64, w = 8;
+  // Step 0: prefill; steps 1-5: decode. appends[k] tokens first, then an update with rows[k] queries (0: none;
+  // step 2 evicts with tracked < length, so on_evict's lower_bound and the next update's zeroed slots are exercised).
+  Index const appends[] = {0, 1, 2, 1, 1, 1}, rows[] = {w, 1, 0, 2, 1, 1};
+  bool const evicts[] = {true, true, true, true, true, false};
+  std::vector<Index> const budgets = {98, 60};  // head 0 of sequence 1 (97 tokens) keeps everything at prefill
+  for (auto dtype : {kc::Dtype::f32, kc::Dtype::f16})
+    for (Index group : {1, 4})
+      for (bool pre_rope : {false, true})
+        for (auto pooling : {kvc::Pooling::max, kvc::Pooling::avg}) {
+          Index const hq = group * hkv, prefill_rows = pre_rope ? w : w + 3;  // w + 3: the oldest 3 are not used
+          auto c = random_case({batch, hkv, n_cap, d}, hq, 1, true, 61);
+          c.dtype = dtype;
+          c.pre_rope = pre_rope;
+          c.rope_style = group == 4 ? kvc::RopeStyle::interleaved : kvc::RopeStyle::neox;
+          c.lengths = {100, 93, 97, 88};
+          c.positions.resize(static_cast<std::size_t>(c.e.rows()));
+          for (std::size_t i = 0; i < c.positions.size(); ++i)
+            c.positions[i] = static_cast<Index>(i) % n_cap;
+          kc::UNCompParams const params{w, pooling == kvc::Pooling::max ? 7 : 5, pooling, budgets};
+          INFO("dtype " << static_cast<int>(dtype) << " group " << group << " pre_rope " << pre_rope << " pooling "
+                        << static_cast<int>(pooling));
+          std::vector<kc::UNCompStep> steps(std::size(appends));
+          std::vector<kc::UNCompResult> want;
+          std::vector<std::vector<Index>> scored_lengths;
+          by_host_dtype(dtype, [&](auto tag) {
+            using T = decltype(tag);
+            auto host = host_cache<T>(c);
+            std::vector<float> state_rows(static_cast<std::size_t>(c.e.rows() * w), 9.0f);
+            std::vector<Index> tracked(static_cast<std::size_t>(batch * hkv), 0);
+            kvc::UNCompScorer<> const s{
+                {{state_rows.data(), kvc::uncomp_window_layout(c.e, w)}, tracked.data()}, w, params.kernel, pooling};
+            kvc::UNCompSelector const sel{kvc::HeadBudgets{budgets.data(), hkv}, 0, w};
+            kvc::test::OwnedRope const rope(kc::test_rope_spec(c.rope_style), d, kc::test_rope_positions);
+            Index next_position = 100;  // one past the longest head's last position
+            for (std::size_t k = 0; k < steps.size(); ++k) {
+              kc::UNCompStep& step = steps[k];
+              if (appends[k] > 0) {
+                step.append = random_case({batch, hkv, appends[k], d}, hq, 1, false, 400 + k);
+                step.append.lengths.clear();
+                step.append.dtype = dtype;
+                for (Index i = 0; i < step.append.e.rows(); ++i)
+                  step.append.positions.push_back(next_position + i % appends[k]);
+                next_position += appends[k];
+                auto const src = host_cache<T>(step.append);
+                REQUIRE(kvc::append(kvc::Cpu{}, host.view(), src.view()).ok());
+              }
+              if (Index const r = k == 0 ? prefill_rows : rows[k]; r > 0) {
+                step.q_ext = {batch, hq, r, d};
+                step.queries = kvc::tools::random_values<float>(step.q_ext.rows() * d, 500 + k, 1.5f);
+                std::vector<T> q(step.queries.size());
+                for (std::size_t i = 0; i < q.size(); ++i)
+                  q[i] = kvc::from_float<T>(step.queries[i]);
+                kvc::WindowQueries<T> wq{
+                    kvc::TokenRows<T const, kvc::StridedLayout>(q.data(), kvc::bhtd_layout(step.q_ext))};
+                if (pre_rope)
+                  wq.rope = rope.table;
+                auto const obs = kvc::observe(wq);
+                kvc::test::OwnedWorkspace ws(kvc::update_workspace_bytes(kvc::Cpu{}, s, host.ext, obs));
+                REQUIRE(kvc::update(kvc::Cpu{}, s, host.view(), obs, ws.get()).ok());
+              }
+              kc::UNCompResult r;
+              r.rows = state_rows;
+              r.tracked = tracked;
+              kvc::test::OwnedScores out(batch, hkv, n_cap);
+              kvc::test::OwnedWorkspace sws(kvc::score_workspace_bytes(kvc::Cpu{}, s, c.e, kvc::NoObservations{}));
+              REQUIRE(kvc::score(kvc::Cpu{}, s, host.view(), out.span, sws.get()).ok());
+              r.scores = out.data;
+              step.cpu_scores = out.data;
+              scored_lengths.push_back(host.lengths);
+              if (evicts[k]) {
+                std::vector<Index> lengths = host.lengths;
+                kvc::ScoreSpan<> const span{out.data.data(), batch, hkv, n_cap, kvc::head_lengths(lengths.data(), hkv)};
+                r.table.resize(static_cast<std::size_t>(batch * hkv));
+                kvc::test::OwnedWorkspace ws(kvc::select_workspace_bytes(kvc::Cpu{}, sel, batch, hkv, n_cap));
+                REQUIRE(kvc::allocate(kvc::Cpu{}, sel, span, r.table.data(), ws.get()).ok());
+                kvc::test::OwnedPlan plan(batch, hkv, n_cap);
+                REQUIRE(kvc::select(kvc::Cpu{}, sel, span, plan.plan, ws.get()).ok());
+                step.index = plan.index;
+                step.count = plan.count;
+                r.index = plan.index;
+                r.count = plan.count;
+                REQUIRE(kvc::on_evict(kvc::Cpu{}, s, host.view(), plan.plan, {}).ok());
+                r.evicted_tracked = tracked;
+                REQUIRE(kvc::compact(kvc::Cpu{}, plan.plan, host.view(), s.state.window_rows).ok());
+              }
+              r.lengths = host.lengths;
+              want.push_back(r);
+            }
+          });
+          std::vector<kc::UNCompResult> got;
+          REQUIRE(kc::uncomp(c, params, steps, got) == "");
+          REQUIRE(got.size() == want.size());
+          for (std::size_t k = 0; k < want.size(); ++k) {
+            INFO("step " << k);
+            CHECK(got[k].tracked == want[k].tracked);
+            CHECK(got[k].lengths == want[k].lengths);
+            auto valid = [&](std::vector<float> a) {  // rows of untracked slots are stale (9 or older rows): masked
+              for (Index bh = 0; bh < batch * hkv; ++bh)
+                for (Index j = want[k].tracked[static_cast<std::size_t>(bh)] * w; j < n_cap * w; ++j)
+                  a[static_cast<std::size_t>(bh * n_cap * w + j)] = -std::numeric_limits<float>::infinity();
+              return a;
+            };
+            require_close_in_head(valid(got[k].rows), valid(want[k].rows), n_cap * w, 1e-5f, 1e-2f);
+            require_close_in_head(got[k].scores, want[k].scores, n_cap, 1e-5f, 1e-2f);
+            if (!evicts[k])
+              continue;
+            CHECK(got[k].table == want[k].table);
+            CHECK(got[k].evicted_tracked == want[k].evicted_tracked);
+            require_same_plan(got[k].index_cpu, got[k].count_cpu, want[k].index, want[k].count, n_cap);
+            kvc::UNCompSelector const sel{kvc::HeadBudgets{budgets.data(), hkv}, 0, w};
+            {  // the device's selection of its own scores = the CPU's selector over the same scores
+              std::vector<Index> lengths = scored_lengths[k];
+              kvc::ScoreSpan<> const span{got[k].scores.data(), batch, hkv, n_cap,
+                                          kvc::head_lengths(lengths.data(), hkv)};
+              kvc::test::OwnedWorkspace ws(kvc::select_workspace_bytes(kvc::Cpu{}, sel, batch, hkv, n_cap));
+              kvc::test::OwnedPlan plan(batch, hkv, n_cap);
+              REQUIRE(kvc::select(kvc::Cpu{}, sel, span, plan.plan, ws.get()).ok());
+              require_same_plan(got[k].index, got[k].count, plan.index, plan.count, n_cap);
+            }
+            require_same_kept(sel, got[k].scores, want[k].scores, c.e, scored_lengths[k], true, 1e-5f, 1e-2f);
+          }
+        }
+}
+
+TEST_CASE(
+    "cuda: UNComp's allocation table and selection equal the CPU's (ragged lengths, budgets below the window "
+    "and above the length, ties)",
+    "[cuda][uncomp][selectors]") {
+  KVC_REQUIRE_DEVICE();
+  for (Index tokens : {40, 3000, 20000})  // 20000: the top-k's multi-chunk path
+    for (Index n_recent : {0, 8}) {
+      Index const batch = 2, heads = 4;
+      // Head 0: below the window; head 1: a quarter; head 2: above every length (keeps all); head 3: zero.
+      std::vector<Index> const budgets = {3, tokens / 4, tokens + 5, 0};
+      std::vector<float> scores;
+      auto const r = kvc::tools::random_values<float>(batch * heads * tokens, 71, 1.0f);
+      for (float x : r)  // a coarse grid: ties are frequent
+        scores.push_back(std::round(std::abs(x) * 8.0f) / 8.0f);
+      std::vector<Index> lengths;
+      for (Index i = 0; i < batch * heads; ++i)
+        lengths.push_back(tokens - 3 * i - (i == 5 ? tokens / 2 : 0));
+      std::vector<Index> table, index, count;
+      REQUIRE(kc::uncomp_select(budgets, n_recent, batch, heads, tokens, scores, lengths, table, index, count) == "");
+      kvc::UNCompSelector const sel{kvc::HeadBudgets{budgets.data(), heads}, 0, n_recent};
+      std::vector<Index> host_lengths = lengths;
+      kvc::ScoreSpan<> const span{scores.data(), batch, heads, tokens, kvc::head_lengths(host_lengths.data(), heads)};
+      std::vector<Index> cpu_table(static_cast<std::size_t>(batch * heads));
+      kvc::test::OwnedWorkspace ws(kvc::select_workspace_bytes(kvc::Cpu{}, sel, batch, heads, tokens));
+      REQUIRE(kvc::allocate(kvc::Cpu{}, sel, span, cpu_table.data(), ws.get()).ok());
+      kvc::test::OwnedPlan plan(batch, heads, tokens);
+      REQUIRE(kvc::select(kvc::Cpu{}, sel, span, plan.plan, ws.get()).ok());
+      INFO("tokens " << tokens << " n_recent " << n_recent);
+      CHECK(table == cpu_table);
+      require_same_plan(index, count, plan.index, plan.count, tokens);
+    }
 }
 
 TEST_CASE("cuda: a ragged store gathers, appends and attends as the CPU's", "[cuda][store]") {

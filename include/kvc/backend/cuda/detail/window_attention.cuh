@@ -6,7 +6,9 @@
 //   1. prepare: each window query widened to fp32 and rotated to its position (RoPE table lookups), positions;
 //   2. lse: one warp per query row, lanes over slots: the row's log-sum-exp;
 //   3. columns: one thread per slot of a KV head, looping over the g * R rows of its group: sum of exp(l - lse),
-//      written or (`accumulate`) added to the column sums, so long query ranges run in tiles of rows.
+//      written or (`accumulate`) added to the column sums, so long query ranges run in tiles of rows. The sums are
+//      per query head (over the R rows: SnapKV, TOVA, H2O) or, with ColumnSums::per_window_row, per window row (over
+//      the g query heads of the group: UNComp's stored rows), as the CPU kernel's two modes.
 // Same definition as the CPU kernel (backend/cpu/detail/window_attention.hpp, window_attention_columns with its row
 // range and `accumulate` flag); parity is tested within fp32 rounding (different summation order). No atomics:
 // every column sum is written by one thread, in a fixed row order, so results are deterministic.
@@ -19,6 +21,7 @@
 #include <kvc/core/workspace.hpp>
 
 #include <cstddef>
+#include <cstdint>
 #include <math_constants.h>
 
 namespace kvc::backend::cuda {
@@ -26,26 +29,37 @@ namespace kvc::backend::cuda {
 inline constexpr int window_threads = 256;
 inline constexpr int window_lse_warps = 8;
 
+/// How window_columns_kernel sums the attention rows of a KV head's group (the CPU's detail::ColumnSums).
+enum class ColumnSums : std::uint8_t {
+  per_query_head,  ///< colsum [B, Hq, N]: row q summed over the window rows (SnapKV, TOVA, H2O)
+  per_window_row,  ///< colsum [B, Hkv, R, N]: row (h, i) summed over h's g query heads (UNComp's stored rows)
+};
+
 /// Device workspace of the window attention for R rows per query head (aligned pieces, see WindowScratch::carve). A
 /// pass over fewer rows (the last tile of a range) uses a prefix of `q`, `q_pos` and `lse`, indexed with its own count.
+/// `colsum_rows` is the column sums' rows per sequence: 0 (the default) for Hq (ColumnSums::per_query_head), Hkv * R
+/// for ColumnSums::per_window_row.
 struct WindowScratch {
   float* q = nullptr;       ///< [B, Hq, R, d] rotated fp32 queries
   Index* q_pos = nullptr;   ///< [B, R] query positions
   float* lse = nullptr;     ///< [B, Hq, R]
-  float* colsum = nullptr;  ///< [B, Hq, N]
+  float* colsum = nullptr;  ///< [B, Hq, N] (per query head) or [B, Hkv, R, N] (per window row)
 
-  static std::size_t bytes(Index batch, Index query_heads, Index rows, Index dim, Index tokens) noexcept {
-    return bytes_sum(workspace_round(bytes_product(batch, query_heads, rows, dim, sizeof(float))),
-                     workspace_round(bytes_product(batch, rows, sizeof(Index))),
-                     workspace_round(bytes_product(batch, query_heads, rows, sizeof(float))),
-                     workspace_round(bytes_product(batch, query_heads, tokens, sizeof(float))));
+  static std::size_t bytes(Index batch, Index query_heads, Index rows, Index dim, Index tokens,
+                           Index colsum_rows = 0) noexcept {
+    return bytes_sum(
+        workspace_round(bytes_product(batch, query_heads, rows, dim, sizeof(float))),
+        workspace_round(bytes_product(batch, rows, sizeof(Index))),
+        workspace_round(bytes_product(batch, query_heads, rows, sizeof(float))),
+        workspace_round(bytes_product(batch, colsum_rows > 0 ? colsum_rows : query_heads, tokens, sizeof(float))));
   }
-  static WindowScratch carve(WorkspaceCarver& c, Index batch, Index query_heads, Index rows, Index dim, Index tokens) {
+  static WindowScratch carve(WorkspaceCarver& c, Index batch, Index query_heads, Index rows, Index dim, Index tokens,
+                             Index colsum_rows = 0) {
     WindowScratch s;
     s.q = c.take<float>(batch * query_heads * rows * dim);
     s.q_pos = c.take<Index>(batch * rows);
     s.lse = c.take<float>(batch * query_heads * rows);
-    s.colsum = c.take<float>(batch * query_heads * tokens);
+    s.colsum = c.take<float>(batch * (colsum_rows > 0 ? colsum_rows : query_heads) * tokens);
     return s;
   }
   bool complete() const noexcept { return q && q_pos && lse && colsum; }
@@ -101,13 +115,38 @@ __global__ void window_lse_kernel(C cache, Index query_heads, Index rows, float 
 
 /// Grid (slot blocks, Hkv, B): one thread per slot j of KV head h; colsum[b, q, j] for each query head q of h's
 /// group, summed over the R rows, written (or added to what is there, with `accumulate`). Padding slots get 0.
+/// With ColumnSums::per_window_row: colsum[b, h, i, j] for each window row i, summed over the g query heads in order
+/// (the CPU's order: 0 + head 0 + head 1 + ...).
 template <class C>
 __global__ void window_columns_kernel(C cache, Index query_heads, Index rows, float scale, WindowScratch s,
-                                      bool accumulate) {
+                                      bool accumulate, ColumnSums by = ColumnSums::per_query_head) {
   KVExtents const e = cache.keys.extents();
   Index const b = blockIdx.z, h = blockIdx.y, g = query_heads / e.heads, d = e.dim;
   Index const n = cache.clamped_length(b, h);
   Index const stride = static_cast<Index>(gridDim.x) * blockDim.x;
+  if (by == ColumnSums::per_window_row) {
+    float* const head_sums = s.colsum + (b * e.heads + h) * rows * e.tokens;  // [R, N] of this KV head
+    for (Index j = static_cast<Index>(blockIdx.x) * blockDim.x + threadIdx.x; j < e.tokens; j += stride) {
+      if (j >= n) {
+        for (Index r = 0; r < rows; ++r)
+          head_sums[r * e.tokens + j] = 0.0f;
+        continue;
+      }
+      Index const pos = cache.position(b, h, j);
+      for (Index r = 0; r < rows; ++r) {
+        float sum = 0.0f;
+        if (pos <= s.q_pos[b * rows + r])
+          for (Index lq = 0; lq < g; ++lq) {
+            Index const hq = h * g + lq;
+            float const* q = s.q + ((b * query_heads + hq) * rows + r) * d;
+            sum += expf(slot_logit(cache, b, h, j, q, pos, scale, false) - s.lse[(b * query_heads + hq) * rows + r]);
+          }
+        float& out = head_sums[r * e.tokens + j];
+        out = accumulate ? out + sum : sum;
+      }
+    }
+    return;
+  }
   for (Index j = static_cast<Index>(blockIdx.x) * blockDim.x + threadIdx.x; j < e.tokens; j += stride) {
     if (j >= n) {  // padding: zeros, so readers that sum over a longer head (TOVA) stay deterministic
       for (Index lq = 0; lq < g; ++lq)
@@ -132,10 +171,10 @@ __global__ void window_columns_kernel(C cache, Index query_heads, Index rows, fl
 
 /// Enqueues the three kernels for window query rows [first, last) (the scratch holds at least last - first rows):
 /// the column sums overwrite `s.colsum`, or are added to it with `accumulate` (callers tile a long query range:
-/// H2O's update, ObservedAttention), as the CPU's window_attention_columns.
+/// H2O's update, ObservedAttention), as the CPU's window_attention_columns; `by` picks their layout (ColumnSums).
 template <class WQ, class C>
 Status window_attention(Cuda const& cuda, WQ const& wq, C const& cache, Index first, Index last, WindowScratch s,
-                        bool accumulate) {
+                        bool accumulate, ColumnSums by = ColumnSums::per_query_head) {
   KVExtents const q = wq.rows.extents(), e = cache.keys.extents();
   Index const rows = last - first;
   if (rows <= 0)
@@ -148,7 +187,7 @@ Status window_attention(Cuda const& cuda, WQ const& wq, C const& cache, Index fi
                       window_lse_warps * warp_size, 0, cuda.stream>>>(cache, q.heads, rows, scale, s);
   window_columns_kernel<<<dim3(grid_dim((e.tokens + window_threads - 1) / window_threads, 4096),
                                static_cast<unsigned>(e.heads), static_cast<unsigned>(e.batch)),
-                          window_threads, 0, cuda.stream>>>(cache, q.heads, rows, scale, s, accumulate);
+                          window_threads, 0, cuda.stream>>>(cache, q.heads, rows, scale, s, accumulate, by);
   return launch_status("kvc::score(window attention, Cuda): kernel launch failed");
 }
 
