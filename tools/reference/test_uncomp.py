@@ -115,9 +115,14 @@ def test_groups():
     for H in range(1, 40):
         for M in range(1, H + 1):
             s = uc.balanced_group_sizes(H, M)
-            check(f"sizes ({H}, {M})", sum(s) == H and max(s) - min(s) <= 1 and s == sorted(s, reverse=True), str(s))
-    check("sizes 32/3", uc.balanced_group_sizes(32, 3) == [11, 11, 10])
-    check("sizes 32/5", uc.balanced_group_sizes(32, 5) == [7, 7, 6, 6, 6])
+            check(f"sizes ({H}, {M})", sum(s) == H and max(s) - min(s) <= 1, str(s))
+            if (H % M) % 2 == 0:
+                check(f"sizes symmetric ({H}, {M})", s == s[::-1], str(s))
+    check("sizes 32/3 (the authors' 11/10/11)", uc.balanced_group_sizes(32, 3) == [11, 10, 11])
+    check("sizes 32/5 (the authors' 7/6/6/6/7)", uc.balanced_group_sizes(32, 5) == [7, 6, 6, 6, 7])
+    check("sizes 28/8", uc.balanced_group_sizes(28, 8) == [4, 4, 3, 3, 3, 3, 4, 4])
+    check("sizes 7/4: the odd one to group 1", uc.balanced_group_sizes(7, 4) == [2, 2, 1, 2])
+    check("sizes 32/3 first", uc.balanced_group_sizes(32, 3, "first") == [11, 11, 10])
     check("sizes 32/3 last", uc.balanced_group_sizes(32, 3, "last") == [10, 11, 11])
     # hand case: entropies with a tie; group 0 = highest; tie to the lower index
     e = [0.5, 0.9, 0.1, 0.9, 0.3, 0.7]
@@ -159,7 +164,9 @@ def test_budgets():
         check(f"Σ n_g N_g = H B̄ {sizes}", sum(n * x for n, x in zip(sizes, per)) == 384 * sum(sizes))
     # largest remainder hand case: H = 4, M = 4, B̄ 30, Δ 7: [40.5, 33.5, 26.5, 19.5] -> total 120, +1 to heads 0, 1
     check("largest remainder ties to the lower head", uc.head_budgets(30, 4, 7, [0, 1, 2, 3], 4) == [41, 34, 26, 19])
-    check("largest remainder ties by head, not group", uc.head_budgets(30, 4, 7, [3, 2, 1, 0], 4) == [20, 27, 33, 40])
+    check("largest remainder ties by group first", uc.head_budgets(30, 4, 7, [3, 2, 1, 0], 4) == [19, 26, 34, 41])
+    # groups [0, 0, 1, 1], B̄ 10.25, Δ 3: [11.75, 11.75, 8.75, 8.75], total 41: group 0 first, then the lower head
+    check("largest remainder within a group: lower head", uc.head_budgets(10.25, 2, 3, [0, 0, 1, 1], 0) == [12, 12, 9, 8])
     rng = np.random.default_rng(3)
     for trial in range(40):
         H = int(rng.integers(1, 41))
@@ -172,7 +179,7 @@ def test_budgets():
         target = math.floor(H * avg + 0.5)
         if min(bud) > 0 and min(uc.group_budgets(avg, step, uc.balanced_group_sizes(H, M))) >= 0:
             check(f"conservation Σ = round(H B̄) ({trial})", sum(bud) == target, f"{sum(bud)} vs {target}")
-        # ties in the remainder go to the lower head index, so heads of one group may differ by 1 (not by more);
+        # ties in the remainder go to the lower group, then the lower head, so heads of one group may differ by 1;
         # across groups the order holds whenever Δ >= 1
         check(f"one group: budgets within 1 ({trial})",
               all(abs(bud[a] - bud[b]) <= 1 for a in range(H) for b in range(H) if g[a] == g[b]))
@@ -329,7 +336,7 @@ def brute_decode(K, Q, kept, budget, w, T):
         m = len(slots) - w
         raw = [sum(hist[rho].get(slots[i], 0.0) for rho in range(pos - w + 1, pos + 1)) for i in range(m)]
         pooled = [max(raw[max(0, i - 3): i + 4]) for i in range(m)]
-        i = min(range(m), key=lambda x: (pooled[x], x))
+        i = min(range(m), key=lambda x: (pooled[x], -x))  # ties: the higher index goes (top-k keeps the lower)
         evicted.append(slots[i])
         del slots[i]
     return evicted, slots

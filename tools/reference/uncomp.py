@@ -14,8 +14,8 @@ Entropy (spec §2.2-2.3, §7.1-7.4, §7.19), one head's rows X [n, D] (post-RoPE
   first); H = the same over the whole spectrum; erank_k = exp(H_k); normalized = H_k / ln D.
   Every centred row zero (n = 1, constant rows): H_k = H = 0, erank_k = 1, normalized 0.
 
-Groups (spec §2.5, §7.5, §7.16): balanced_group_sizes(H, M): sizes ⌊H/M⌋, the FIRST H mod M groups one larger
-(numpy.array_split's convention; the spec only requires sizes differing by at most 1 — see `extra`).
+Groups (spec §2.5, §7.5, §7.16): balanced_group_sizes(H, M): sizes ⌊H/M⌋, the H mod M leftover heads to the
+outer pairs of groups (symmetric; the authors' 11/10/11 and 7/6/6/6/7; see the function for the odd one).
 group_heads: heads sorted by entropy descending (ties: lower head index first), cut into contiguous bins of those
 sizes; group 0 = highest entropy. majority_vote_groups: for label v = 0..M−1 in turn, the sizes[v] still-unassigned
 heads with the most votes for v (ties: lower head index). reduce_to_kv_heads: mean over each KV head's query heads
@@ -24,7 +24,8 @@ heads with the most votes for v (ties: lower head index). reduce_to_kv_heads: me
 Budgets (spec §2.6, §7.6): preserving: N_g = B̄ + (c − g)·Δ, g = 1..M, c = Σ_g n_g g / H; each head gets its
 group's N_g (a real number); largest-remainder rounding in exact rational arithmetic (fractions.Fraction of the
 given doubles) to the layer total round(H·B̄) (half away from zero): floors, then +1 to the heads with the largest
-fractional remainder (ties: lower head index); then clamped to >= min_tokens (w).
+fractional remainder (ties: the lower group, i.e. higher entropy, then the lower head index); then clamped to
+>= min_tokens (w) (negative real budgets too).
 
 Layers (spec §2.9, §7.9-7.14): partition_layers: a drop s_{l−1} − s_l > ε starts a new stage at l;
 partition_layers_count: the (stages − 1) largest drops (ties: lower layer) start stages; hidden_state_counts:
@@ -43,7 +44,7 @@ slots; p[j] = Σ over the group's query heads of softmax(q_new · K_cacheᵀ / s
 A' = the stored rows plus a row for the new slot (0 for every earlier query), then p appended as the newest query
 column, keeping the last w columns (spec's [[A, 0]; [p]] transposed: slot-major); if n + 1 > budget:
 s[j] = Σ_r A'[j, r] over the prefix j ∈ [0, n + 1 − w), max-pool 7 over the prefix, evict the single lowest slot
-(ties: lower index); rows of the survivors move with them. A head at or under its budget evicts nothing.
+(ties: the higher index, so that the kept set is the top-k with ties to the lower index); rows of the survivors move with them. A head at or under its budget evicts nothing.
 
 Vector format (written by make_vectors.py into the vectors folder, listed in uncomp_manifest.txt; folders uncomp_<...>):
   <case>/meta.txt      lines "key value": window_size W, kernel_size 7, prefill_length N, decode_steps T,
@@ -163,17 +164,23 @@ def entropy_table(queries, rows, top_k, normalize_rows=True, renormalize_topk=Fa
 
 
 # -------------------------------------------------------------------------------------------------- groups
-def balanced_group_sizes(heads, groups, extra="first"):
-    """Sizes of `groups` balanced groups over `heads` (differ by at most 1, sum = heads); `extra` = "first": the
-    first heads mod groups groups are one larger, "last": the last ones."""
+def balanced_group_sizes(heads, groups, extra="symmetric"):
+    """Sizes of `groups` balanced groups over `heads` (differ by at most 1, sum = heads). `extra` = "symmetric" (the
+    library's rule, which gives the authors' hard-coded 11/10/11 and 7/6/6/6/7 for 32 heads): the heads mod groups
+    leftover heads go to the outer pairs of groups (0, M−1), (1, M−2), ...; an odd one left goes to the middle group
+    (M odd) or to group ⌊r/2⌋ (M even). "first" (numpy.array_split) and "last" are kept for comparison."""
     if not 1 <= groups <= heads:
         raise ValueError(f"groups {groups} not in [1, heads {heads}]")
     base, rem = divmod(heads, groups)
+    if extra == "symmetric":
+        pairs = rem // 2
+        odd = (groups // 2 if groups % 2 == 1 else pairs) if rem % 2 == 1 else -1
+        return [base + (1 if min(g, groups - 1 - g) < pairs or g == odd else 0) for g in range(groups)]
     sizes = [base + (1 if g < rem else 0) for g in range(groups)]
     return sizes if extra == "first" else sizes[::-1]
 
 
-def group_heads(entropy, groups, extra="first"):
+def group_heads(entropy, groups, extra="symmetric"):
     """group_of_head [H]: heads by entropy descending (ties: lower index first) cut into balanced contiguous bins."""
     e = [float(x) for x in entropy]
     order = sorted(range(len(e)), key=lambda h: (-e[h], h))
@@ -187,7 +194,7 @@ def group_heads(entropy, groups, extra="first"):
     return out
 
 
-def majority_vote_groups(labels, groups, extra="first"):
+def majority_vote_groups(labels, groups, extra="symmetric"):
     """labels [S][H] (0 = highest); for v = 0..M−1 the sizes[v] unassigned heads with the most votes for v (ties:
     lower head index)."""
     labels = [list(map(int, row)) for row in labels]
@@ -222,15 +229,15 @@ def round_half_away(x):
     return math.floor(x + Fraction(1, 2)) if x >= 0 else -math.floor(-x + Fraction(1, 2))
 
 
-def head_budgets(average, groups, step, group_of_head, min_tokens, extra="first"):
-    """Integer per-head budgets: group budgets per head, largest remainder to round(H B̄) (ties: lower head), then
+def head_budgets(average, groups, step, group_of_head, min_tokens, extra="symmetric"):
+    """Integer per-head budgets: group budgets per head, largest remainder to round(H B̄) (ties: lower group, then lower head), then
     clamped to >= min_tokens."""
     H = len(group_of_head)
     per_group = group_budgets(average, step, balanced_group_sizes(H, groups, extra))
     real = [per_group[g] for g in group_of_head]
     floors = [math.floor(r) for r in real]
     left = round_half_away(Fraction(average) * H) - sum(floors)
-    order = sorted(range(H), key=lambda h: (-(real[h] - floors[h]), h))
+    order = sorted(range(H), key=lambda h: (-(real[h] - floors[h]), group_of_head[h], h))
     for h in order[:left]:
         floors[h] += 1
     return [max(min_tokens, b) for b in floors]
@@ -400,7 +407,9 @@ def decode_head(keys, queries, group, kept, window_rows, budget, window, steps, 
             continue
         m = n - window
         pooled = max_pool(A[:m].sum(axis=1), kernel)
-        j = int(np.lexsort((np.arange(m), pooled))[0])  # lowest, ties: lower index
+        # the complement of a top-(m − 1) whose ties keep the lower index: the lowest score, ties: the HIGHER index
+        # (max pooling spreads one maximum over up to 7 neighbours, so exact ties are common)
+        j = int(np.lexsort((-np.arange(m), pooled))[0])
         mask = np.ones(m, dtype=bool)
         mask[j] = False
         gaps.append(boundary_gap(pooled, mask))
