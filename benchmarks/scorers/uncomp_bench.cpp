@@ -92,6 +92,17 @@ int register_uncomp_benchmarks() {
           ->ArgNames({"rows", "tokens"})
           ->Args({rows, tokens});
     }
+    // The prefill update's product bound (the decode step's, window:1, is registered by snap_kv_bench.cpp).
+    benchmark::RegisterBenchmark("BM_WindowGemm_Eigen/tiled",
+                                 [](benchmark::State& st) {
+                                   Index const group = query_heads / kvc::bench::kv_heads, rows = group * st.range(0);
+                                   kvc::bench::window_gemm(
+                                       st, kvc::bench::window_queries(query_heads, st.range(0), head_dim), rows, rows,
+                                       kvc::bench::cache<float>(st.range(1), head_dim), true);
+                                 })
+        ->Unit(benchmark::kMillisecond)
+        ->ArgNames({"window", "tokens"})
+        ->Args({window, tokens});
     benchmark::RegisterBenchmark("BM_UNComp_Score_Cpu", BM_UNComp_Score_Cpu)
         ->Unit(benchmark::kMillisecond)
         ->ArgNames({"tokens"})
