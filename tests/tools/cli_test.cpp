@@ -8,6 +8,7 @@
 #include <kvc/io/safetensors.hpp>
 
 #include "common/synthetic.hpp"
+#include "common/uncomp.hpp"
 #include "support/catch.hpp"
 
 #include <algorithm>
@@ -362,7 +363,34 @@ TEST_CASE("cli: policies lists every policy with every parameter and its default
         {"n_sink", "1"},
         {"n_recent", "32"}}},
   };
-  CHECK(listed == expected);
+  // uncomp_entropy writes per-head values ([B, Hq]), not token scores: it is listed, and compress refuses it.
+  M const entropy = {{"top_k", "32"},        {"normalize_rows", "true"}, {"renormalize_topk", "false"}, {"ridge", "0"},
+                     {"unit", "normalized"}, {"dtype", "float64"},       {"queries", "pre_rope"}};
+  auto listed_cache_policies = listed;
+  CHECK(listed_cache_policies["uncomp_entropy"] == entropy);
+  listed_cache_policies.erase("uncomp_entropy");
+  // uncomp reads a calibration file (its own test below).
+  CHECK(listed_cache_policies["uncomp"] == M{{"window_size", "8"},
+                                             {"kernel_size", "7"},
+                                             {"pooling", "max"},
+                                             {"schedule", "preserving"},
+                                             {"step", "auto"},
+                                             {"largest", "640"},
+                                             {"list", ""},
+                                             {"preset", ""},
+                                             {"groups", "auto"},
+                                             {"rule", "auto"},
+                                             {"gqa", "kv_heads"},
+                                             {"stages", "false"},
+                                             {"stage_epsilon", "1"},
+                                             {"stage_count", "0"},
+                                             {"hs_min_tokens", "auto"},
+                                             {"hs_step", "0"},
+                                             {"queries", "pre_rope"}});
+  listed_cache_policies.erase("uncomp");
+  CHECK(listed_cache_policies == expected);
+  CHECK(contains(r.output, "uncomp_entropy  (reads keys and --queries)") == false);
+  CHECK(contains(r.output, "uncomp_entropy  (reads --queries)"));
   for (char const* s : {"window_size=32 (kvpress: 64)", "kernel_size=7 (kvpress: 5)", "pooling=max (kvpress: avg)",
                         "epsilon=0.01 (kvpress: 0)", "recent_share=0.5 (kvpress: 0)"})
     CHECK(contains(r.output, s));
@@ -1719,4 +1747,386 @@ TEST_CASE("cli: attend refuses hostile inputs with exit 2 or 3, naming the file,
   CHECK(same.code == 2);
   CHECK(run("attend --help", true).code == 0);
   CHECK(contains(run("attend --help", true).output, "plain_out.npy"));
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// uncomp_entropy: UNComp's truncated matrix entropy of each query head's rows, [B, Hq] (spec uncomp.md §2.3, §8).
+
+namespace {
+
+/// Queries [2, 3, 16, 8] whose entropies are known by hand (d = 8, 16 rows per head):
+///  head 0: [I; -I] (isotropic: every eigenvalue 1/d, so H_k = (k/d) ln d and Ĥ_k = k/d);
+///  head 1: rows +-e0, +-e1 repeated (two equal directions: H_k = ln 2 for k >= 2, Ĥ_k = ln 2 / ln 8 = 1/3);
+///  head 2: rows (t + 1) v (rank 1 once centred: H = 0, erank 1).
+/// Sequence 1 holds the same heads scaled by 5 and translated by 3 (the entropy does not change).
+std::vector<float> entropy_queries() {
+  constexpr Index d = 8, n = 16;
+  std::vector<float> q(2 * 3 * n * d, 0.0f);
+  auto at = [&](Index b, Index h, Index t, Index i) -> float& {
+    return q[static_cast<std::size_t>(((b * 3 + h) * n + t) * d + i)];
+  };
+  for (Index b = 0; b < 2; ++b) {
+    float const scale = b == 0 ? 1.0f : 5.0f, shift = b == 0 ? 0.0f : 3.0f;
+    for (Index t = 0; t < n; ++t)
+      for (Index i = 0; i < d; ++i) {
+        at(b, 0, t, i) = shift + scale * (i == t % d ? (t < d ? 1.0f : -1.0f) : 0.0f);
+        at(b, 1, t, i) = shift + scale * (i == (t / 2) % 2 ? (t % 2 == 0 ? 1.0f : -1.0f) : 0.0f);
+        at(b, 2, t, i) = shift + scale * static_cast<float>((t + 1) * (i + 1));
+      }
+  }
+  return q;
+}
+
+std::vector<double> doubles(kvc::NpyArray const& a) {
+  return {a.as<double>(), a.as<double>() + a.size()};
+}
+
+}  // namespace
+
+TEST_CASE("cli: score --policy uncomp_entropy writes each query head's entropy, known by hand",
+          "[tools][cli][uncomp]") {
+  auto const q = write_npy("ent_q.npy", kvc::NpyDtype::f32, {2, 3, 16, 8}, entropy_queries());
+  std::string const post = "score --policy uncomp_entropy --queries " + q + " --param queries=post_rope";
+  double const ln8 = std::log(8.0), third = std::log(2.0) / ln8;
+  auto entropies = [&](std::string const& params, std::string const& name) {
+    auto const r = run(post + params + " --out " + work(name));
+    INFO(params << "\n" << r.output);
+    REQUIRE(r.code == 0);
+    kvc::NpyArray const a = read(work(name));
+    CHECK(a.shape == std::vector<Index>{2, 3});
+    return a;
+  };
+  auto near = [](std::vector<double> const& got, std::vector<double> const& want) {
+    REQUIRE(got.size() == want.size());
+    for (std::size_t i = 0; i < got.size(); ++i) {
+      INFO("element " << i << ": " << got[i] << " vs " << want[i]);
+      CHECK(std::abs(got[i] - want[i]) <= 1e-12);
+    }
+  };
+  // Default: top_k 32 clamps to d = 8 (the full spectrum), Ĥ_k in float64.
+  kvc::NpyArray a = entropies("", "ent_default.npy");
+  CHECK(a.dtype == kvc::NpyDtype::f64);
+  near(doubles(a), {1.0, third, 0.0, 1.0, third, 0.0});
+  // k = 4: Ĥ_k = k / d for the isotropic head; the two-direction head keeps ln 2.
+  near(doubles(entropies(" --param top_k=4", "ent_k4.npy")), {0.5, third, 0.0, 0.5, third, 0.0});
+  near(doubles(entropies(" --param top_k=4 --param unit=truncated", "ent_h.npy")),
+       {0.5 * ln8, std::log(2.0), 0.0, 0.5 * ln8, std::log(2.0), 0.0});
+  near(doubles(entropies(" --param top_k=4 --param unit=erank", "ent_e.npy")),
+       {std::exp(0.5 * ln8), 2.0, 1.0, std::exp(0.5 * ln8), 2.0, 1.0});
+  // renormalize_topk: the isotropic head's top 4 renormalised give ln 4.
+  near(doubles(entropies(" --param top_k=4 --param renormalize_topk=true", "ent_r.npy")),
+       {std::log(4.0) / ln8, third, 0.0, std::log(4.0) / ln8, third, 0.0});
+  // k = 1: only the largest eigenvalue (1/8 for the isotropic head).
+  near(doubles(entropies(" --param top_k=1", "ent_k1.npy")),
+       {std::log(8.0) / 8.0 / ln8, 0.5 * std::log(2.0) / ln8, 0.0, std::log(8.0) / 8.0 / ln8, 0.5 * std::log(2.0) / ln8,
+        0.0});
+  // float32 output: the same values, rounded.
+  a = entropies(" --param top_k=4 --param dtype=float32", "ent_f32.npy");
+  CHECK(a.dtype == kvc::NpyDtype::f32);
+  std::vector<double> const k4 = doubles(read(work("ent_k4.npy")));
+  for (std::size_t i = 0; i < 6; ++i)  // the float64 values rounded to float32
+    CHECK(a.as<float>()[i] == static_cast<float>(k4[i]));
+  // normalize_rows=false (Eq. 1's covariance) agrees on these heads, whose centred rows have equal norms per head.
+  near(doubles(entropies(" --param top_k=4 --param normalize_rows=false", "ent_cov.npy")),
+       {0.5, third, 0.0, 0.5, third, 0.0});
+
+  // Pre-RoPE queries (the default) are rotated to their positions, 0 .. n - 1 unless --positions says otherwise; a
+  // shift of every position rotates all features alike and leaves the entropy unchanged.
+  auto const rq = write_npy("ent_rq.npy", kvc::NpyDtype::f32, {1, 4, 24, 8}, randoms(4 * 24 * 8, 9));
+  std::vector<std::int64_t> pos(24), shifted(24);
+  for (std::size_t i = 0; i < 24; ++i) {
+    pos[i] = static_cast<std::int64_t>(i);
+    shifted[i] = static_cast<std::int64_t>(i) + 1000;
+  }
+  std::string const pre = "score --policy uncomp_entropy --queries " + rq;
+  REQUIRE(run(pre + " --out " + work("ent_pre.npy")).code == 0);
+  REQUIRE(run(pre + " --positions " + write_npy("ent_p.npy", kvc::NpyDtype::i64, {1, 24}, pos) + " --out " +
+              work("ent_pre_p.npy"))
+              .code == 0);
+  REQUIRE(run(pre + " --positions " + write_npy("ent_ps.npy", kvc::NpyDtype::i64, {1, 24}, shifted) + " --out " +
+              work("ent_pre_s.npy"))
+              .code == 0);
+  REQUIRE(run(pre + " --param queries=post_rope --out " + work("ent_post.npy")).code == 0);
+  auto const base = doubles(read(work("ent_pre.npy")));
+  CHECK(doubles(read(work("ent_pre_p.npy"))) == base);
+  std::vector<double> const moved = doubles(read(work("ent_pre_s.npy")));
+  for (std::size_t i = 0; i < base.size(); ++i)  // up to the fp32 RoPE table's rounding at positions ~1000
+    CHECK(std::abs(moved[i] - base[i]) <= 1e-6);
+  CHECK(doubles(read(work("ent_post.npy"))) != base);  // the rotation does change the rows' spectrum
+  REQUIRE(run(pre + " --rope theta=500000,style=interleaved --out " + work("ent_il.npy")).code == 0);
+  CHECK(doubles(read(work("ent_il.npy"))) != base);
+}
+
+TEST_CASE("cli: uncomp_entropy refuses bad parameters and inputs with exit 2 or 3, naming them, writing nothing",
+          "[tools][cli][uncomp]") {
+  auto const q = write_npy("enth_q.npy", kvc::NpyDtype::f32, {1, 2, 6, 4}, randoms(48, 5));
+  std::string const out = work("enth_out.npy");
+  std::filesystem::remove(out);
+  auto expect = [&](int code, std::string const& args, std::vector<std::string> const& needles) {
+    auto const r = run("score --policy uncomp_entropy" + args + " --out " + out);
+    INFO(args << "\n" << r.output);
+    CHECK(r.code == code);
+    for (auto const& n : needles)
+      CHECK(contains(r.output, n));
+    CHECK_FALSE(std::filesystem::exists(out));
+  };
+  std::string const qs = " --queries " + q;
+  for (auto const& [param, needle] : std::vector<std::pair<std::string, std::string>>{
+           {"top_k=0", "--param top_k = 0: expected an integer >= 1"},
+           {"top_k=abc", "--param top_k = 'abc': expected an integer"},
+           {"top_k=2000000", "--param top_k = 2000000: expected an integer in [1, 2^20]"},
+           {"normalize_rows=yes", "--param normalize_rows = 'yes': expected true or false"},
+           {"renormalize_topk=1", "--param renormalize_topk = '1': expected true or false"},
+           {"ridge=-1", "--param ridge = '-1'"},
+           {"ridge=0.9", "--param ridge = '0.9'"},
+           {"ridge=nan", "--param ridge = 'nan'"},
+           {"unit=bits", "--param unit = 'bits': expected normalized, truncated or erank"},
+           {"dtype=int8", "--param dtype = 'int8': expected float64 or float32"},
+           {"queries=rotated", "--param queries = 'rotated': expected pre_rope or post_rope"}})
+    expect(3, qs + " --param " + param, {needle});
+  expect(2, qs + " --param n_sink=1", {"'n_sink' is not a parameter of policy uncomp_entropy"});
+  expect(2, qs + " --param window_size=8", {"'window_size' is not a parameter of policy uncomp_entropy"});
+  expect(2, qs + " --param top_k=4 --param top_k=8", {"'top_k' given twice"});
+  expect(2, qs + " --keys " + q, {"--keys given, but policy uncomp_entropy reads only --queries"});
+  expect(2, qs + " --values " + q, {"--values given, but policy uncomp_entropy reads only --queries"});
+  expect(2, "", {"score --policy uncomp_entropy needs --queries and --out"});
+  expect(2, qs + " --param queries=post_rope --rope theta=10000", {"--rope given, but --param queries=post_rope"});
+  // Wrong files: dims, dtype, values, positions, an oversized head dim.
+  expect(3, " --queries " + write_npy("enth_3d.npy", kvc::NpyDtype::f32, {2, 6, 4}, randoms(48)),
+         {"queries file", "enth_3d.npy", "expected 4 ([batch, query_heads, window, head_dim])"});
+  expect(3, " --queries " + write_npy("enth_i.npy", kvc::NpyDtype::i64, {1, 2, 6, 4}, std::vector<std::int64_t>(48)),
+         {"enth_i.npy", "field 'descr' is <i8, expected '<f4' (float32) or '<f2' (float16)"});
+  expect(3, " --queries " + write_npy("enth_0.npy", kvc::NpyDtype::f32, {1, 0, 6, 4}, std::vector<float>{}),
+         {"enth_0.npy", "every dimension must be >= 1"});
+  auto nan = randoms(48);
+  nan[7] = std::numeric_limits<float>::infinity();
+  expect(3, " --queries " + write_npy("enth_nan.npy", kvc::NpyDtype::f32, {1, 2, 6, 4}, nan),
+         {"enth_nan.npy", "NaN or Inf (element 7)"});
+  expect(3, " --queries " + write_npy("enth_odd.npy", kvc::NpyDtype::f32, {1, 2, 6, 3}, randoms(36)),
+         {"enth_odd.npy", "expected an even head_dim"});
+  expect(3, " --queries " + write_npy("enth_big.npy", kvc::NpyDtype::f32, {1, 1, 1, 1026}, randoms(1026)),
+         {"enth_big.npy", "head_dim (shape[3]) is 1026, expected at most 1024"});
+  expect(3,
+         qs + " --positions " +
+             write_npy("enth_p.npy", kvc::NpyDtype::i64, {1, 5}, std::vector<std::int64_t>{0, 1, 2, 3, 4}),
+         {"positions file", "expected [batch, window] = [1, 6]"});
+  expect(3,
+         qs + " --positions " +
+             write_npy("enth_pn.npy", kvc::NpyDtype::i64, {1, 6}, std::vector<std::int64_t>{0, 1, -2, 3, 4, 5}),
+         {"positions file", "position -2 (element 2) is negative"});
+  expect(3, " --queries " + work("enth_missing.npy"), {"enth_missing.npy", "cannot open"});
+  // compress has nothing to keep by a per-head value.
+  auto const r = run("compress --policy uncomp_entropy --budget 2 --keys " + q + " --values " + q + " --out-dir " +
+                     work("enth_d"));
+  CHECK(r.code == 2);
+  CHECK(contains(r.output, "policy uncomp_entropy writes per-head values (kvc score), not token scores"));
+  CHECK_FALSE(std::filesystem::exists(work("enth_d")));
+  // The output may not be the input.
+  auto const same = run("score --policy uncomp_entropy --queries " + q + " --out " + q);
+  CHECK(same.code == 3);
+  CHECK(contains(same.output, "is the same file as --queries"));
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// uncomp: per-head budgets from a calibration file's head groups, UNComp's window score (spec uncomp.md §2.6-2.7).
+
+namespace {
+
+/// A calibration of `layers` layers, 4 query heads, 2 KV heads, head dim `d`, M = 2: in every layer KV head 1 (query
+/// heads 2 and 3) has the higher entropy (group 0).
+std::string write_test_calibration(std::string const& name, Index layers, Index d,
+                                   kvc::tools::GroupRule rule = kvc::tools::GroupRule::mean) {
+  kvc::tools::Calibration c;
+  c.model = "synthetic";
+  c.layers = layers;
+  c.heads = 4;
+  c.kv_heads = 2;
+  c.head_dim = d;
+  c.samples = 1;
+  c.tokens = 64;
+  c.text = "built-in";
+  c.groups = 2;
+  c.rule = rule;
+  for (Index l = 0; l < layers; ++l) {
+    for (double e : {1.5, 2.0, 3.0, 3.5}) {
+      c.erank.push_back(e);
+      c.truncated.push_back(std::log(e));
+      c.normalized.push_back(std::log(e) / std::log(static_cast<double>(d)));
+    }
+    c.query_group.insert(c.query_group.end(), {1, 1, 0, 0});
+    c.kv_erank.insert(c.kv_erank.end(), {1.75, 3.25});
+    c.kv_group.insert(c.kv_group.end(), {1, 0});
+    c.layer_score.push_back(2.5);
+  }
+  std::string const path = work(name);
+  kvc::tools::write_calibration(c, path);
+  return path;
+}
+
+}  // namespace
+
+TEST_CASE("cli: compress --policy uncomp keeps each head's calibrated budget by UNComp's window score",
+          "[tools][cli][uncomp]") {
+  WindowFiles const f("uncomp");  // keys [1, 2, 40, 4], queries [1, 4, 32, 4]
+  std::string const cal = write_test_calibration("uncomp_cal.json", 1, 4);
+  std::string const base =
+      "compress --policy uncomp --calibration " + cal + " --layer 0" + f.kv() + " --queries " + f.queries;
+  auto compress = [&](std::string const& args, std::string const& out) {
+    auto const r = run(base + args + " --out-dir " + f.out(out));
+    INFO(args << "\n" << r.output);
+    REQUIRE(r.code == 0);
+    return r.output;
+  };
+  // Preserving, B = 12, M = 2, step auto = 12 * 74 / 384: N = 12 +- step / 2 = 13.16 and 10.84; the largest remainder
+  // rounds the layer's total to 24: KV head 1 (group 0) keeps 13, KV head 0 keeps 11.
+  std::string const text = compress(" --budget 12 --time", "b12");
+  CHECK(ints(read(f.out("b12/counts.npy"))) == std::vector<std::int64_t>{11, 13});
+  CHECK(ints(read(f.out("b12/offsets.npy"))) == std::vector<std::int64_t>{0, 11, 24});
+  CHECK(read(f.out("b12/ragged_keys.npy")).shape == std::vector<Index>{24, 4});
+  CHECK(read(f.out("b12/keys.npy")).shape == std::vector<Index>{1, 2, 13, 4});
+  CHECK(contains(text, "\"ragged_bytes\": 768"));         // 24 rows of K + V, 4 floats each
+  auto const idx = ints(read(f.out("b12/indices.npy")));  // [1, 2, 13], -1 padding
+  for (Index t = 0; t < 8; ++t) {                         // the window (the last 8 tokens) is always kept
+    CHECK(idx[static_cast<std::size_t>(3 + t)] == 32 + t);
+    CHECK(idx[static_cast<std::size_t>(13 + 5 + t)] == 32 + t);
+  }
+  CHECK(idx[11] == -1);
+  CHECK(idx[12] == -1);
+  // --ratio 0.7: B = floor(40 * 0.3) = 12, the same budgets.
+  compress(" --ratio 0.7", "r07");
+  CHECK(ints(read(f.out("r07/indices.npy"))) == idx);
+
+  // The kept prefix tokens are the top of `kvc score --policy uncomp` (ties to the lower index), and those scores
+  // are SnapKV's with the authors' reference, w = 8, max pooling 7 and the GQA group's sum on the prefix.
+  REQUIRE(run("score --policy uncomp" + f.kq() + " --out " + f.out("us.npy")).code == 0);
+  REQUIRE(
+      run("score --policy snap_kv --param window_size=8 --param gqa=sum" + f.kq() + " --out " + f.out("ss.npy")).code ==
+      0);
+  auto const us = floats(read(f.out("us.npy"))), ss = floats(read(f.out("ss.npy")));
+  REQUIRE(us.size() == 80);
+  for (Index h = 0; h < 2; ++h) {
+    std::vector<Index> order(32);
+    for (Index j = 0; j < 32; ++j) {
+      order[static_cast<std::size_t>(j)] = j;
+      CHECK_THAT(us[static_cast<std::size_t>(h * 40 + j)],
+                 Catch::Matchers::WithinRel(ss[static_cast<std::size_t>(h * 40 + j)], 1e-5f));
+    }
+    std::stable_sort(order.begin(), order.end(), [&](Index a, Index b) {
+      return us[static_cast<std::size_t>(h * 40 + a)] > us[static_cast<std::size_t>(h * 40 + b)];
+    });
+    Index const prefix = h == 0 ? 3 : 5;
+    order.resize(static_cast<std::size_t>(prefix));
+    std::sort(order.begin(), order.end());
+    for (Index i = 0; i < prefix; ++i)
+      CHECK(idx[static_cast<std::size_t>(h * 13 + i)] == order[static_cast<std::size_t>(i)]);
+  }
+
+  // gqa=expand: the authors' per-query-head caches, each query head with its group's budget (heads 2 and 3: 13).
+  std::string const ex = compress(" --budget 12 --param gqa=expand --time", "ex");
+  CHECK(ints(read(f.out("ex/counts.npy"))) == std::vector<std::int64_t>{11, 11, 13, 13});
+  CHECK(read(f.out("ex/keys.npy")).shape == std::vector<Index>{1, 4, 13, 4});
+  CHECK(contains(ex, "\"ragged_bytes\": 1536"));  // twice the KV-head store
+  auto const keys = floats_of(f.keys), kept = floats(read(f.out("ex/keys.npy")));
+  auto const xi = ints(read(f.out("ex/indices.npy")));
+  for (Index q = 0; q < 4; ++q)  // query head q holds rows of KV head q / 2
+    for (Index i = 0; i < (q < 2 ? 11 : 13); ++i)
+      for (Index c = 0; c < 4; ++c)
+        CHECK(kept[static_cast<std::size_t>((q * 13 + i) * 4 + c)] ==
+              keys[static_cast<std::size_t>(((q / 2) * 40 + xi[static_cast<std::size_t>(q * 13 + i)]) * 4 + c)]);
+
+  // Absolute schedules: an explicit list (the smaller budget raised to the window), the paper's, a preset.
+  compress(" --param schedule=list --param list=20/4", "list");
+  CHECK(ints(read(f.out("list/counts.npy"))) == std::vector<std::int64_t>{8, 20});
+  compress(" --param schedule=paper --param largest=30 --param step=12", "paper");
+  CHECK(ints(read(f.out("paper/counts.npy"))) == std::vector<std::int64_t>{18, 30});
+  compress(" --param preset=narrow_2", "preset");  // 512 and 256 tokens: everything
+  CHECK(ints(read(f.out("preset/counts.npy"))) == std::vector<std::int64_t>{40, 40});
+  // groups=1 regroups the (rule mean) calibration: every head B tokens, as uniform SnapKV.
+  compress(" --budget 12 --param groups=1", "g1");
+  CHECK(ints(read(f.out("g1/counts.npy"))) == std::vector<std::int64_t>{12, 12});
+  // A step too large for B: the smaller budget is clamped up to the window (the layer total is then above 2 B).
+  compress(" --budget 12 --param step=40", "s40");
+  CHECK(ints(read(f.out("s40/counts.npy"))) == std::vector<std::int64_t>{8, 32});
+  // step=0: uniform, as groups=1.
+  compress(" --budget 12 --param step=0", "s0");
+  CHECK(ints(read(f.out("s0/counts.npy"))) == std::vector<std::int64_t>{12, 12});
+}
+
+TEST_CASE("cli: compress --policy uncomp --dump takes each layer's groups from the calibration",
+          "[tools][cli][uncomp][dump]") {
+  std::string const dump = make_dump("uncomp_dump", 2, 30);  // [1, 2, 30, 8], queries [1, 4, 30, 8]
+  std::string const cal = write_test_calibration("uncomp_dump_cal.json", 2, 8);
+  auto const r = run("compress --policy uncomp --calibration " + cal + " --dump " + dump + " --budget 10 --out-dir " +
+                     work("uncomp_dump_out") + " --time");
+  INFO(r.output);
+  REQUIRE(r.code == 0);
+  for (int l = 0; l < 2; ++l)
+    CHECK(ints(read(work("uncomp_dump_out/layer" + std::to_string(l) + "/counts.npy"))) ==
+          std::vector<std::int64_t>{9, 11});
+  CHECK(contains(r.output, "\"layers\": 2"));
+  // A calibration of three layers does not fit a dump of two.
+  auto const bad = run("compress --policy uncomp --calibration " + write_test_calibration("uncomp_cal3.json", 3, 8) +
+                       " --dump " + dump + " --budget 10 --out-dir " + work("uncomp_dump_bad"));
+  CHECK(bad.code == 3);
+  CHECK(contains(bad.output, "field 'layers' is 3, but --dump " + dump + " has 2"));
+  CHECK_FALSE(std::filesystem::exists(work("uncomp_dump_bad")));
+}
+
+TEST_CASE("cli: compress --policy uncomp refuses what it cannot run with exit 2 or 3, writing nothing",
+          "[tools][cli][uncomp]") {
+  WindowFiles const f("uncomph");
+  std::string const cal = write_test_calibration("uncomph_cal.json", 1, 4);
+  std::string const out = f.out("d");
+  std::filesystem::remove_all(out);
+  auto expect = [&](int code, std::string const& args, std::vector<std::string> const& needles) {
+    auto const r = run("compress --policy uncomp" + args + f.kv() + " --queries " + f.queries + " --out-dir " + out);
+    INFO(args << "\n" << r.output);
+    CHECK(r.code == code);
+    for (auto const& n : needles)
+      CHECK(contains(r.output, n));
+    CHECK_FALSE(std::filesystem::exists(out));
+  };
+  std::string const c = " --calibration " + cal + " --layer 0";
+  expect(2, " --layer 0 --budget 12", {"--policy uncomp needs --calibration FILE"});
+  expect(2, " --calibration " + cal + " --budget 12", {"needs --layer L"});
+  expect(2, c, {"needs exactly one of --ratio and --budget"});
+  expect(2, c + " --budget 12 --ratio 0.5", {"needs exactly one of --ratio and --budget"});
+  expect(2, c + " --budget 12 --allocator ada_kv", {"UNComp allocates its own per-head budgets"});
+  expect(2, c + " --budget 12 --param stages=true", {"kvc-eval only"});
+  expect(2, c + " --budget 12 --param rule=majority_vote", {"the calibration file's rule holds"});
+  expect(2, c + " --budget 12 --param preset=wide_2", {"the budgets are absolute; drop --ratio and --budget"});
+  expect(2, c + " --budget 12 --param n_sink=2", {"'n_sink' is not a parameter of policy uncomp"});
+  expect(3, c + " --budget 12 --param gqa=per_head", {"--param gqa = 'per_head': expected kv_heads or expand"});
+  expect(3, c + " --budget 12 --param kernel_size=4", {"--param kernel_size = 4: expected an odd integer"});
+  expect(3, c + " --budget 12 --param window_size=0", {"--param window_size = 0: expected an integer >= 1"});
+  expect(3, c + " --budget 12 --param step=-1", {"--param step = '-1'"});
+  expect(3, c + " --budget 12 --param step=1e10", {"--param step = '1e10'"});
+  expect(3, c + " --param schedule=list", {"give the budgets with --param list=N1/N2/... or --param preset=NAME"});
+  expect(3, c + " --param schedule=list --param list=10/x", {"--param list (entry 1) = 'x': expected an integer"});
+  expect(3, c + " --param schedule=list --param list=10/9/8",
+         {"--param list: 3 budgets, but the calibration (" + cal + ") has 2 groups"});
+  expect(3, c + " --param preset=tiny", {"--param preset = 'tiny': expected authors_384"});
+  expect(3, c + " --budget 12 --param groups=0", {"--param groups = 0: expected an integer >= 1"});
+  expect(3, " --calibration " + cal + " --layer 1 --budget 12", {"--layer 1: calibration file", "has 1 layers"});
+  expect(3, " --calibration " + work("uncomph_missing.json") + " --layer 0 --budget 12",
+         {"calibration file " + work("uncomph_missing.json")});
+  std::string const vote = write_test_calibration("uncomph_vote.json", 1, 4, kvc::tools::GroupRule::majority_vote);
+  expect(3, " --calibration " + vote + " --layer 0 --budget 12 --param groups=1",
+         {"groups by majority vote, which cannot be regrouped"});
+  std::string const other = write_test_calibration("uncomph_d8.json", 1, 8);
+  expect(3, " --calibration " + other + " --layer 0 --budget 12", {"field 'head_dim' is 8, but keys file"});
+  std::ofstream(work("uncomph_bad.json")) << "{\"format\": \"kvc.uncomp.calibration\", \"version\": 1}";
+  expect(3, " --calibration " + work("uncomph_bad.json") + " --layer 0 --budget 12", {"field 'model' is missing"});
+  // Fewer query rows than the window.
+  auto const short_q = write_npy("uncomph_q4.npy", kvc::NpyDtype::f32, {1, 4, 4, 4}, randoms(64, 4));
+  auto const few =
+      run("compress --policy uncomp" + c + " --budget 12" + f.kv() + " --queries " + short_q + " --out-dir " + out);
+  CHECK(few.code == 3);
+  CHECK(contains(few.output, "window (shape[2]) is 4, but policy uncomp reads the last 8 query rows"));
+  CHECK_FALSE(std::filesystem::exists(out));
+  // The calibration belongs to uncomp alone; uncomp_entropy does not compress.
+  auto const r = run("compress --policy snap_kv --budget 12 --calibration " + cal + f.kv() + " --queries " + f.queries +
+                     " --out-dir " + out);
+  CHECK(r.code == 2);
+  CHECK(contains(r.output, "--calibration goes with --policy uncomp"));
 }

@@ -9,19 +9,24 @@
 #include <kvc/io/npy.hpp>
 #include <kvc/selectors/pyramid_kv.hpp>
 
+#include "common/uncomp.hpp"
+#include "eval/calibrate.hpp"
 #include "eval/correction.hpp"
 #include "eval/engine.hpp"
 #include "eval/metrics.hpp"
 #include "eval/model.hpp"
 #include "eval/report.hpp"
 #include "eval/run.hpp"
+#include "eval/tokenizer.hpp"
 #include "support/catch.hpp"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -230,7 +235,8 @@ TEST_CASE("decode-time runs: the cache follows the driver's sawtooth, a target a
     samples.push_back(sample_tokens(model, cache, prompt + continuation + 1, 1, 21 + s, {1, 2}));
   std::vector<std::string> names;
   for (auto const& p : kvc::tools::policies())
-    if (std::string(p.name) != "moment_kv")  // Algorithm 1 evicts every step: its own test below
+    // Algorithm 1 (moment_kv) and UNComp evict every step, UNComp reads a calibration: their own tests below.
+    if (std::string(p.name) != "moment_kv" && std::string(p.name) != "uncomp" && p.token_scores)
       names.push_back(p.name);
   RunOptions opts = options_for(names, {}, cache);
   for (auto& run : opts.policies)
@@ -1035,4 +1041,514 @@ TEST_CASE("kvc-eval: moment_kv rows and their errors") {
   CHECK(out.find("moments KiB") != std::string::npos);
   CHECK(read_text(dir + "/results.csv").find("\n\"moment_kv(mi=false,correction=true)+ada_kv\",0.5,") !=
         std::string::npos);
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// UNComp's calibration (eval/calibrate.hpp, tools/common/uncomp.hpp): `kvc-eval calibrate` and the calibration file.
+
+namespace {
+
+/// Reads a calibration file, returning the exit code and message of its refusal (0 and empty when it reads).
+std::pair<int, std::string> read_refusal(std::string const& path) {
+  try {
+    kvc::tools::read_calibration(path);
+  } catch (kvc::tools::Failure const& f) {
+    return {f.code, f.message};
+  }
+  return {0, {}};
+}
+
+/// Each group label g of one layer's heads ranks below every label g' < g: entropies (erank) non-increasing.
+void check_ranked(std::vector<double> const& erank, std::vector<Index> const& group, std::size_t first, Index heads) {
+  for (Index a = 0; a < heads; ++a)
+    for (Index b = 0; b < heads; ++b) {
+      std::size_t const i = first + static_cast<std::size_t>(a), j = first + static_cast<std::size_t>(b);
+      if (group[i] < group[j])
+        CHECK(erank[i] >= erank[j]);
+    }
+}
+
+}  // namespace
+
+TEST_CASE("kvc-eval calibrate: a deterministic calibration file that reads back equal, with valid groups") {
+  if (!have(tinystories))
+    return;
+  std::string const eval = KVC_EVAL, dir = work_dir("calibrate");
+  std::string out;
+  std::string const base = eval + " calibrate --model " + tinystories + " --samples 2 --tokens 96";
+  REQUIRE(run_command(base + " --out " + dir + "/a.json", out) == 0);
+  CHECK(out.find("2 windows x 96 tokens of the built-in calibration text") != std::string::npos);
+  REQUIRE(run_command(base + " --out " + dir + "/b.json", out) == 0);
+  std::string const a = read_text(dir + "/a.json");
+  CHECK(a == read_text(dir + "/b.json"));  // byte-identical
+  kvc::tools::Calibration const c = kvc::tools::read_calibration(dir + "/a.json");
+  CHECK(kvc::tools::calibration_json(c) == a);  // reads back exactly
+  CHECK(c.model == tinystories);
+  CHECK(c.layers == 2);
+  CHECK(c.heads == 8);
+  CHECK(c.kv_heads == 4);
+  CHECK(c.head_dim == 16);
+  CHECK(c.top_k == 32);
+  CHECK(c.normalize_rows);
+  CHECK(c.samples == 2);
+  CHECK(c.tokens == 96);
+  CHECK(c.text == "built-in");
+  CHECK(c.groups == 8);
+  CHECK(c.rule == kvc::tools::GroupRule::mean);
+  // The same calibration in-process (the runner's fp32 prefill is deterministic), and the file's sums.
+  Model const model = load(tinystories);
+  kvc::eval::CalibrationOptions opts;
+  opts.samples = 2;
+  opts.tokens = 96;
+  auto const tokenizer_path = tinystories + "/tokenizer.json";
+  kvc::eval::Tokenizer tok;
+  std::string error;
+  REQUIRE(kvc::eval::Tokenizer::load_json(tokenizer_path, tok, error));
+  auto const text = tok.encode(kvc::eval::builtin_calibration_text);
+  auto const windows = kvc::eval::calibration_windows(text, opts, model.config.bos, "built-in");
+  REQUIRE(windows.size() == 2);
+  CHECK(windows[1].front() == model.config.bos);
+  CHECK(std::vector<std::int32_t>(windows[1].begin() + 1, windows[1].end()) ==
+        std::vector<std::int32_t>(text.begin() + 95, text.begin() + 190));  // consecutive windows of 95 text tokens
+  CHECK(kvc::eval::calibrate(model, windows, opts, tinystories, "built-in") == c);
+  for (Index l = 0; l < c.layers; ++l) {
+    auto const q0 = static_cast<std::size_t>(l * c.heads), g0 = static_cast<std::size_t>(l * c.kv_heads);
+    double score = 0;
+    for (Index h = 0; h < c.heads; ++h) {
+      double const e = c.erank[q0 + static_cast<std::size_t>(h)];
+      CHECK(e >= 1.0);
+      CHECK(e <= 16.0);
+      CHECK(c.normalized[q0 + static_cast<std::size_t>(h)] <= 1.0);
+      score += e;
+    }
+    CHECK(c.layer_score[static_cast<std::size_t>(l)] == Approx(score / 8.0).epsilon(1e-12));
+    for (Index g = 0; g < c.kv_heads; ++g)  // a KV head: the mean erank of its two query heads
+      CHECK(c.kv_erank[g0 + static_cast<std::size_t>(g)] ==
+            Approx((c.erank[q0 + static_cast<std::size_t>(2 * g)] + c.erank[q0 + static_cast<std::size_t>(2 * g + 1)]) /
+                   2.0)
+                .epsilon(1e-12));
+    // M = 8 groups of 8 query heads: a permutation, ranked by the mean erank; 4 KV heads take groups 0, 1, 6 and 7
+    // (the balanced split's outermost groups).
+    std::vector<Index> labels(c.query_group.begin() + static_cast<std::ptrdiff_t>(q0),
+                              c.query_group.begin() + static_cast<std::ptrdiff_t>(q0) + 8);
+    std::sort(labels.begin(), labels.end());
+    CHECK(labels == std::vector<Index>{0, 1, 2, 3, 4, 5, 6, 7});
+    check_ranked(c.erank, c.query_group, q0, c.heads);
+    std::vector<Index> kv(c.kv_group.begin() + static_cast<std::ptrdiff_t>(g0),
+                          c.kv_group.begin() + static_cast<std::ptrdiff_t>(g0) + 4);
+    std::sort(kv.begin(), kv.end());
+    CHECK(kv == std::vector<Index>{0, 1, 6, 7});
+    check_ranked(c.kv_erank, c.kv_group, g0, c.kv_heads);
+  }
+
+  // The majority vote: balanced groups (M = 2: four heads each, two KV heads each); with one window it is the mean's.
+  REQUIRE(run_command(base + " --groups 2 --rule majority_vote --out " + dir + "/v.json", out) == 0);
+  kvc::tools::Calibration const v = kvc::tools::read_calibration(dir + "/v.json");
+  CHECK(v.rule == kvc::tools::GroupRule::majority_vote);
+  CHECK(v.erank == c.erank);  // the grouping rule changes the labels only
+  CHECK(std::count(v.query_group.begin(), v.query_group.end(), 0) == 8);
+  CHECK(std::count(v.kv_group.begin(), v.kv_group.end(), 0) == 4);
+  std::string const one = eval + " calibrate --model " + tinystories + " --samples 1 --tokens 64 --groups 4";
+  REQUIRE(run_command(one + " --out " + dir + "/m1.json", out) == 0);
+  REQUIRE(run_command(one + " --rule majority_vote --out " + dir + "/v1.json", out) == 0);
+  auto const m1 = kvc::tools::read_calibration(dir + "/m1.json"), v1 = kvc::tools::read_calibration(dir + "/v1.json");
+  CHECK(m1.query_group == v1.query_group);
+  CHECK(m1.kv_group == v1.kv_group);
+
+  // --text: any text file; the entropy's parameters.
+  write_bytes(dir + "/text.txt", std::string(kvc::eval::builtin_calibration_text.substr(2000)));
+  REQUIRE(
+      run_command(base + " --text " + dir + "/text.txt --param top_k=4 --param ridge=1e-10 --out " + dir + "/t.json",
+                  out) == 0);
+  kvc::tools::Calibration const t = kvc::tools::read_calibration(dir + "/t.json");
+  CHECK(t.text == dir + "/text.txt");
+  CHECK(t.top_k == 4);
+  CHECK(t.ridge == 1e-10);
+  CHECK(t.erank != c.erank);
+  // A llama2.c checkpoint (interleaved RoPE, its own tokenizer).
+  if (have(stories260k)) {
+    REQUIRE(run_command(eval + " calibrate --model " + stories260k + " --samples 2 --tokens 64 --groups 3 --out " +
+                            dir + "/s.json",
+                        out) == 0);
+    auto const s = kvc::tools::read_calibration(dir + "/s.json");
+    CHECK(s.layers == 5);
+    CHECK(s.head_dim == 8);
+  }
+}
+
+TEST_CASE("kvc-eval calibrate: bad options and texts exit 2 or 3 with the reason, writing nothing") {
+  std::string const eval = KVC_EVAL, dir = work_dir("calibrate_errors");
+  std::string out;
+  std::string const target = dir + "/c.json";
+  auto expect = [&](int code, std::string const& args, std::string const& needle) {
+    int const rc = run_command(eval + " calibrate" + args, out);
+    INFO(args << "\n" << out);
+    CHECK(rc == code);
+    CHECK(out.find(needle) != std::string::npos);
+    CHECK_FALSE(fs::exists(target));
+  };
+  expect(2, " --out " + target, "missing --model");
+  expect(2, " --model x", "missing --out");
+  expect(2, " --model x --out " + target + " --rule vote", "--rule 'vote': expected mean or majority_vote");
+  expect(2, " --model x --out " + target + " --param k=32", "'k' is not a parameter of kvc-eval calibrate");
+  expect(2, " --model x --out " + target + " --param top_k=3 --param top_k=4", "'top_k' given twice");
+  expect(2, " --model x --out " + target + " --bogus 1", "unknown option '--bogus'");
+  expect(3, " --model x --out " + target + " --param top_k=0", "--param top_k = 0: expected an integer >= 1");
+  expect(3, " --model x --out " + target + " --param normalize_rows=no", "--param normalize_rows = 'no'");
+  expect(3, " --model x --out " + target + " --samples 0", "--samples = 0: expected an integer >= 1");
+  expect(3, " --model x --out " + target + " --tokens 1", "--tokens = 1: expected an integer >= 2");
+  expect(3, " --model x --out " + target + " --groups 0", "--groups = 0: expected an integer >= 1");
+  expect(3, " --model /nonexistent --out " + target, "/nonexistent");
+  if (!have(tinystories))
+    return;
+  std::string const m = " --model " + tinystories + " --out " + target;
+  write_bytes(dir + "/empty.txt", "");
+  expect(3, m + " --text " + dir + "/empty.txt", "--text " + dir + "/empty.txt: the file is empty");
+  expect(3, m + " --text " + dir, "--text " + dir + ": ");
+  expect(3, m + " --text " + dir + "/absent.txt", "absent.txt");
+  write_bytes(dir + "/short.txt", "Once upon a time there was a cat.");
+  expect(3, m + " --text " + dir + "/short.txt", "tokens, but 4 windows of 255 text tokens need 1020");
+  expect(3, m + " --samples 100", "the built-in calibration text: ");
+  expect(3, m + " --tokens 600", "--tokens 600: more than the model's 512 positions");
+  fs::create_directories(dir + "/outdir");
+  CHECK(run_command(eval + " calibrate" + " --model " + tinystories + " --out " + dir + "/outdir", out) == 3);
+  CHECK(out.find("exists and is not a regular file") != std::string::npos);
+}
+
+TEST_CASE("the calibration file: damaged or hand-edited files are refused naming the field") {
+  std::string const dir = work_dir("calibration_file");
+  // A small valid calibration: 2 layers, 4 query heads, 2 KV heads, 2 groups.
+  kvc::tools::Calibration c;
+  c.model = "m";
+  c.layers = 2;
+  c.heads = 4;
+  c.kv_heads = 2;
+  c.head_dim = 8;
+  c.samples = 3;
+  c.tokens = 64;
+  c.text = "built-in";
+  c.groups = 2;
+  c.normalized = {0.5, 0.6, 0.7, 0.8, 0.4, 0.3, 0.2, 0.1};
+  c.truncated = c.normalized;
+  c.erank = {2, 3, 4, 5, 4, 3, 2, 1.5};
+  c.query_group = {1, 1, 0, 0, 0, 0, 1, 1};
+  c.kv_erank = {2.5, 4.5, 3.5, 1.75};
+  c.kv_group = {1, 0, 0, 1};
+  c.layer_score = {3.5, 2.625};
+  kvc::tools::write_calibration(c, dir + "/good.json");
+  CHECK(kvc::tools::read_calibration(dir + "/good.json") == c);
+  std::string const good = read_text(dir + "/good.json");
+  CHECK(good == kvc::tools::calibration_json(c));
+  auto edited = [&](std::string const& from, std::string const& to) {
+    std::string text = good;
+    auto const at = text.find(from);
+    REQUIRE(at != std::string::npos);
+    text.replace(at, from.size(), to);
+    write_bytes(dir + "/bad.json", text);
+    return read_refusal(dir + "/bad.json");
+  };
+  auto refused = [&](std::pair<int, std::string> const& r, std::string const& needle) {
+    INFO(r.second);
+    CHECK(r.first == 3);
+    CHECK(r.second.find("calibration file " + dir + "/bad.json: ") == 0);
+    CHECK(r.second.find(needle) != std::string::npos);
+  };
+  write_bytes(dir + "/bad.json", good.substr(0, good.size() / 2));
+  refused(read_refusal(dir + "/bad.json"), "not JSON");
+  write_bytes(dir + "/bad.json", "[1, 2]");
+  refused(read_refusal(dir + "/bad.json"), "expected a JSON object");
+  refused(edited("\"kvc.uncomp.calibration\"", "\"other\""), "field 'format' is not \"kvc.uncomp.calibration\"");
+  refused(edited("\"version\": 1", "\"version\": 2"), "field 'version' is not an integer in [1, 1]");
+  refused(edited("\"layers\": 2", "\"layers\": 3"), "field 'layer_score' has 2 elements, expected 3");
+  refused(edited("\"layers\": 2", "\"layers\": 100000"), "field 'layers' is not an integer in [1, 4096]");
+  refused(edited("\"layers\": 2", "\"layers\": 2.0"), "field 'layers' is not an integer");
+  refused(edited("\"kv_heads\": 2", "\"kv_heads\": 3"), "field 'kv_heads' (3) does not divide query_heads (4)");
+  refused(edited("\"query_heads\": 4", "\"query_heads\": 8"),
+          "field 'per_layer[0].normalized' has 4 elements, "
+          "expected 8");
+  refused(edited("\"model\": \"m\",\n", ""), "field 'model' is missing");
+  refused(edited("\"model\": \"m\"", "\"model\": 7"), "field 'model' is not a string");
+  refused(edited("\"model\": \"m\"", "\"model\": \"m\", \"extra\": 1"), "unknown field 'extra'");
+  refused(edited("\"rule\": \"mean\"", "\"rule\": \"median\""), "field 'rule' is not \"mean\" or \"majority_vote\"");
+  refused(edited("\"normalize_rows\": true", "\"normalize_rows\": 1"), "field 'normalize_rows' is not true or false");
+  refused(edited("\"ridge\": 0", "\"ridge\": -1"), "field 'ridge' is not a finite number in [0, 0.5]");
+  refused(edited("\"erank\": [2, ", "\"erank\": [0.5, "), "field 'per_layer[0].erank[0]' is not a finite number");
+  refused(edited("\"erank\": [2, ", "\"erank\": [\"2\", "), "field 'per_layer[0].erank[0]'");
+  refused(edited("\"normalized\": [0.5,", "\"normalized\": [1e999,"), "field 'per_layer[0].normalized[0]'");
+  refused(edited("\"groups\": [1, 1, 0, 0]", "\"groups\": [1, 1, 0, 2]"),
+          "field 'per_layer[0].groups[3]' is not a group label in [0, 2)");
+  refused(edited("\"groups\": [1, 1, 0, 0]", "\"groups\": [1, 1, 1, 0]"),
+          "field 'per_layer[0].groups' puts 1 heads in group 0, expected the balanced split of 4 heads into 2 groups");
+  refused(edited("\"kv_groups\": [1, 0]", "\"kv_groups\": [1, 0, 0]"),
+          "field 'per_layer[0].kv_groups' has 3 elements, expected 2");
+  refused(edited("{\"layer\": 1,", "{\"layer\": 0,"), "field 'per_layer[1].layer' is not an integer in [1, 1]");
+  refused(edited("\"kv_erank\": [2.5, 4.5]", "\"kv_erank\": [2.5, 4.5], \"note\": 1"),
+          "unknown field 'per_layer[0].note'");
+  CHECK(read_refusal(dir + "/absent.json").second.find("absent.json") != std::string::npos);
+  CHECK(read_refusal(dir).first == 3);  // a directory
+  // A calibration of another model.
+  try {
+    kvc::tools::check_calibration_fits(c, "x.json", 2, 8, 2, 8, "the model");
+    FAIL("a calibration of 4 query heads fits a model of 8");
+  } catch (kvc::tools::Failure const& f) {
+    CHECK(f.message ==
+          "calibration file x.json: field 'query_heads' is 4, but the model has 8 (a calibration of "
+          "another model?)");
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// uncomp rows: per-head budgets from the calibration's groups, on a ragged store (engine.hpp compress_uncomp).
+
+namespace {
+
+/// The calibration of tinystories on the built-in text (2 windows of 96 tokens, M = 8, rule mean).
+std::shared_ptr<kvc::tools::Calibration const> tiny_calibration(Model const& model) {
+  kvc::eval::Tokenizer tok;
+  std::string error;
+  REQUIRE(kvc::eval::Tokenizer::load_json(tinystories + "/tokenizer.json", tok, error));
+  kvc::eval::CalibrationOptions opts;
+  opts.samples = 2;
+  opts.tokens = 96;
+  auto const windows =
+      kvc::eval::calibration_windows(tok.encode(kvc::eval::builtin_calibration_text), opts, model.config.bos, "text");
+  return std::make_shared<kvc::tools::Calibration const>(
+      kvc::eval::calibrate(model, windows, opts, tinystories, "built-in"));
+}
+
+}  // namespace
+
+TEST_CASE("uncomp rows: each head keeps its calibrated budget, the window kept, memory from the ragged store") {
+  if (!have(tinystories))
+    return;
+  Model const model = load(tinystories);
+  auto const cal = tiny_calibration(model);
+  Index const prompt = 48, continuation = 16;
+  std::vector<std::vector<std::int32_t>> samples;
+  for (std::uint64_t s = 0; s < 2; ++s)
+    samples.push_back(sample_tokens(model, {}, prompt + continuation + 1, 1, 40 + s, {1, 2}));
+
+  // One session: at ratio 0.5 (B = 24) every (layer, KV head) holds uncomp_budgets' count, the last 8 positions
+  // included, in a ragged store.
+  auto const& info = kvc::tools::find_policy("uncomp");
+  kvc::tools::Params const params = kvc::tools::resolve_params(info, {}, true);
+  auto session = make_session(model, {}, prompt + continuation);
+  session->set_calibration(cal);
+  RowMatrix logits;
+  REQUIRE(session->forward(std::span(samples[0]).subspan(0, prompt), logits).ok());
+  double seconds = 0;
+  REQUIRE(session->compress(info, params, 0.5, seconds).ok());
+  kvc::tools::UNCompConfig const cfg = kvc::tools::uncomp_config(params);
+  for (Index l = 0; l < 2; ++l) {
+    CHECK(session->ragged(l));
+    auto const budgets = kvc::tools::uncomp_budgets(cfg, *cal, "cal", l, 24.0);
+    Index total = 0;
+    for (Index h = 0; h < 4; ++h) {
+      CHECK(session->length(l, h) == budgets[static_cast<std::size_t>(h)]);
+      total += budgets[static_cast<std::size_t>(h)];
+      Index const n = session->length(l, h);
+      for (Index t = 0; t < 8; ++t)
+        CHECK(session->slot_position(l, h, n - 8 + t) == prompt - 8 + t);
+      // Group 0 (the highest entropy) keeps the most.
+      if (cal->kv_group[static_cast<std::size_t>(l * 4 + h)] == 0)
+        CHECK(n == *std::max_element(budgets.begin(), budgets.end()));
+    }
+    CHECK(total == 96);  // the layer's total is 4 x B (nothing clamped at B = 24)
+  }
+  // A session without a calibration is refused.
+  auto bare = make_session(model, {}, prompt);
+  REQUIRE(bare->forward(std::span(samples[0]).subspan(0, prompt), logits).ok());
+  CHECK_FALSE(bare->compress(info, params, 0.5, seconds).ok());
+
+  // Rows at the same average budget as snap_kv: the same K + V bytes; gqa=expand holds Hq / Hkv = 2 times as much.
+  RunOptions opts = options_for({"snap_kv"}, {0.5}, {});
+  opts.policies[0].params = kvc::tools::resolve_params(*opts.policies[0].policy, {"window_size=8"}, true);
+  opts.policies.push_back(inline_run("uncomp", "", ""));
+  opts.policies.push_back(inline_run("uncomp", "", "gqa=expand"));
+  opts.prompt_tokens = prompt;
+  opts.continuation = continuation;
+  opts.calibration = cal;
+  auto const records = evaluate(model, opts, samples);
+  REQUIRE(records.size() == 3);
+  CHECK(records[1].policy == "uncomp");
+  CHECK(records[2].policy == "uncomp(gqa=expand)");
+  CHECK(records[1].kv_bytes == records[0].kv_bytes);
+  CHECK(records[2].kv_bytes == 2 * records[1].kv_bytes);
+  CHECK(records[1].kept_min == 8);  // group 7 at the window
+  CHECK(records[1].kept_max == 40);
+  for (Record const& r : records) {
+    INFO(r.policy);
+    CHECK(r.kl > 0.0);
+    CHECK(std::isfinite(r.kl));
+  }
+  // Without a calibration the run is refused (exit 3).
+  opts.calibration.reset();
+  CHECK_THROWS_AS(evaluate(model, opts, samples), kvc::tools::Failure);
+}
+
+TEST_CASE("uncomp rows while decoding: one eviction per step keeps every head at its budget") {
+  if (!have(tinystories))
+    return;
+  Model const model = load(tinystories);
+  auto const cal = tiny_calibration(model);
+  Index const prompt = 40, steps = 12;
+  auto const tokens = sample_tokens(model, {}, prompt + steps, 1, 7, {1, 2});
+  auto const& info = kvc::tools::find_policy("uncomp");
+  for (char const* gqa : {"gqa=kv_heads", "gqa=expand"}) {
+    INFO(gqa);
+    kvc::tools::Params const params = kvc::tools::resolve_params(info, {gqa}, true);
+    kvc::tools::UNCompConfig const cfg = kvc::tools::uncomp_config(params);
+    Index const heads = cfg.gqa == kvc::tools::UNCompGqa::expand ? 8 : 4;
+    auto session = make_session(model, {CacheType::f32, CacheLayout::paged}, prompt + steps);
+    session->set_calibration(cal);
+    RowMatrix logits;
+    REQUIRE(session->forward(std::span(tokens).subspan(0, prompt), logits).ok());
+    kvc::DecodeSchedule schedule;
+    schedule.compression_interval = 8;  // ignored: UNComp evicts every step
+    schedule.target_size = 16;
+    REQUIRE(session->begin_decode(info, params, schedule).ok());
+    for (Index t = 0; t < steps; ++t) {
+      REQUIRE(session->forward(std::span(tokens).subspan(static_cast<std::size_t>(prompt + t), 1), logits).ok());
+      for (Index l = 0; l < 2; ++l) {
+        auto const budgets = kvc::tools::uncomp_budgets(cfg, *cal, "cal", l, 16.0);
+        REQUIRE(static_cast<Index>(budgets.size()) == heads);
+        for (Index h = 0; h < heads; ++h) {
+          Index const n = session->length(l, h);
+          CHECK(n == budgets[static_cast<std::size_t>(h)]);
+          CHECK(session->slot_position(l, h, n - 1) == prompt + t);  // the newest token is kept
+          for (Index i = 1; i < n; ++i)                              // positional order (spec §7.18)
+            CHECK(session->slot_position(l, h, i - 1) < session->slot_position(l, h, i));
+        }
+      }
+    }
+  }
+}
+
+TEST_CASE("kvc-eval run: uncomp rows, their calibration, and what they refuse") {
+  std::string const eval = KVC_EVAL;
+  std::string out;
+  std::string const base = eval + " run --model x --out-dir y --no-progress --policies ";
+  CHECK(run_command(base + "uncomp+ada_kv", out) == 2);
+  CHECK(out.find("uncomp allocates its own per-head budgets (no +allocator)") != std::string::npos);
+  CHECK(run_command(base + "'uncomp(schedule=paper)'", out) == 2);
+  CHECK(out.find("uncomp rows use schedule=preserving") != std::string::npos);
+  CHECK(run_command(base + "'uncomp(gqa=both)'", out) == 3);
+  CHECK(out.find("--param gqa = 'both': expected kv_heads or expand") != std::string::npos);
+  CHECK(run_command(base + "uncomp_entropy", out) == 2);
+  CHECK(out.find("policy uncomp_entropy writes per-head values") != std::string::npos);
+  if (!have(tinystories))
+    return;
+  std::string const dir = work_dir("uncomp_run");
+  std::string const m = eval + " run --model " + tinystories + " --out-dir " + dir +
+                        "/run --prompt-tokens 48 --continuation 8 --samples 1 --generate 0 --no-progress";
+  CHECK(run_command(m + " --policies snap_kv --calibration " + dir + "/c.json", out) == 2);
+  CHECK(out.find("--calibration given, but --policies has no uncomp row") != std::string::npos);
+  if (have(stories260k)) {  // a calibration of another model
+    REQUIRE(
+        run_command(eval + " calibrate --model " + stories260k + " --samples 1 --tokens 64 --out " + dir + "/s.json",
+                    out) == 0);
+    CHECK(run_command(m + " --policies uncomp --calibration " + dir + "/s.json", out) == 3);
+    CHECK(out.find("field 'layers' is 5, but the model has 2") != std::string::npos);
+  }
+  if (have(stories260k)) {  // `all` on a checkpoint without its tokenizer: no built-in calibration, no uncomp row
+    fs::create_directories(dir + "/bare");
+    fs::copy_file(stories260k + "/stories260K.bin", dir + "/bare/stories260K.bin",
+                  fs::copy_options::overwrite_existing);
+    REQUIRE(run_command(eval + " run --model " + dir + "/bare/stories260K.bin --out-dir " + dir +
+                            "/bare_run --prompt-tokens 32 --continuation 4 --samples 1 --ratios 0.5 --no-progress",
+                        out) == 0);
+    CHECK(out.find("the uncomp row is left out of `all`: the model has no tokenizer") != std::string::npos);
+    CHECK(run_command(eval + " run --model " + dir + "/bare/stories260K.bin --out-dir " + dir +
+                          "/bare_run --prompt-tokens 32 --continuation 4 --samples 1 --policies uncomp --no-progress",
+                      out) == 3);
+    CHECK(out.find("uncomp rows: the model has no tokenizer to encode the built-in calibration text") !=
+          std::string::npos);
+  }
+  REQUIRE(run_command(eval + " calibrate --model " + tinystories + " --samples 1 --tokens 64 --out " + dir + "/t.json",
+                      out) == 0);
+  CHECK(run_command(m + " --policies 'uncomp(rule=majority_vote)' --calibration " + dir + "/t.json", out) == 2);
+  CHECK(out.find("the calibration (" + dir + "/t.json) groups by mean") != std::string::npos);
+  CHECK(run_command(m + " --policies 'uncomp(stages=true,stage_count=3)' --ratios 0.5", out) == 3);
+  CHECK(out.find("uncomp stages (--param stage_count / stage_epsilon over the calibration's 2 layer scores)") !=
+        std::string::npos);
+  // The built-in calibration (the evaluation's prompts are sampled from the model), and a file.
+  REQUIRE(run_command(m + " --policies uncomp,'uncomp(gqa=expand)' --ratios 0.5", out) == 0);
+  CHECK(out.find("uncomp: head groups from the built-in calibration text (4 windows x 256 tokens, 8 groups, mean)") !=
+        std::string::npos);
+  REQUIRE(run_command(m + " --policies uncomp --ratios 0.5 --calibration " + dir + "/t.json", out) == 0);
+  CHECK(out.find("uncomp: head groups from " + dir + "/t.json") != std::string::npos);
+  kvc::json::Value v;
+  std::string error;
+  REQUIRE(kvc::json::parse(read_text(dir + "/run/results.json"), v, error));
+  REQUIRE(v.items().size() == 2);  // uncomp and random
+  CHECK(v.items()[0].find("policy")->as_string() == "uncomp");
+}
+
+TEST_CASE("uncomp's stage variant: hidden states pruned at stage boundaries keep their positions") {
+  if (!have(tinystories))
+    return;
+  Model const model = load(tinystories);
+  Index const prompt = 48;
+  auto const tokens = sample_tokens(model, {}, prompt + 4, 1, 11, {1, 2});
+  std::span<std::int32_t const> const head(tokens.data(), static_cast<std::size_t>(prompt));
+  // Two stages (layer 1 starts the second): layer 1 sees 20 rows, the last 8 among them.
+  HiddenStatePlan plan;
+  plan.stage_of_layer = {0, 1};
+  plan.stages = 2;
+  plan.min_tokens = 20;
+  auto session = make_session(model, {CacheType::f32, CacheLayout::dense}, prompt + 4);
+  session->set_hidden_state_plan(plan);
+  RowMatrix logits;
+  REQUIRE(session->forward(head, logits).ok());
+  CHECK(logits.rows() == 20);
+  REQUIRE(session->hidden_state_plan());
+  CHECK(session->hidden_state_plan()->kept == std::vector<Index>{48, 20});
+  CHECK(session->position() == prompt);
+  for (Index h = 0; h < 4; ++h) {
+    CHECK(session->length(0, h) == prompt);
+    REQUIRE(session->length(1, h) == 20);
+    for (Index i = 1; i < 20; ++i)
+      CHECK(session->slot_position(1, h, i - 1) < session->slot_position(1, h, i));
+    for (Index t = 0; t < 8; ++t)
+      CHECK(session->slot_position(1, h, 12 + t) == prompt - 8 + t);
+  }
+  // The next tokens run at their own positions, the plan spent.
+  REQUIRE(session->forward(std::span(tokens).subspan(static_cast<std::size_t>(prompt), 4), logits).ok());
+  CHECK(logits.rows() == 4);
+  CHECK(session->length(1, 0) == 24);
+  CHECK(session->slot_position(1, 0, 23) == prompt + 3);
+  // One stage prunes nothing: the logits equal an unplanned prefill's, bit for bit.
+  HiddenStatePlan one;
+  one.stage_of_layer = {0, 0};
+  auto a = make_session(model, {CacheType::f32, CacheLayout::dense}, prompt);
+  auto b = make_session(model, {CacheType::f32, CacheLayout::dense}, prompt);
+  a->set_hidden_state_plan(one);
+  RowMatrix la, lb;
+  REQUIRE(a->forward(head, la).ok());
+  REQUIRE(b->forward(head, lb).ok());
+  CHECK(la == lb);
+  // The stage plan from a calibration's layer scores (tinystories: the mean erank falls from layer 0 to layer 1).
+  auto const cal = tiny_calibration(model);
+  REQUIRE(cal->layer_score[0] - cal->layer_score[1] > 1.0);
+  auto const& info = kvc::tools::find_policy("uncomp");
+  auto config = [&](std::vector<std::string> const& given) {
+    return kvc::tools::uncomp_config(kvc::tools::resolve_params(info, given, true));
+  };
+  CHECK(uncomp_stage_plan(config({"stages=true"}), *cal).stage_of_layer == std::vector<Index>{0, 1});
+  CHECK(uncomp_stage_plan(config({"stages=true", "stage_epsilon=100"}), *cal).stages == 1);
+  CHECK(uncomp_stage_plan(config({"stages=true", "stage_epsilon=100", "stage_count=2"}), *cal).stages == 2);
+  CHECK_THROWS_AS(uncomp_stage_plan(config({"stages=true", "stage_count=3"}), *cal), kvc::tools::Failure);
+  // Rows: the stage variant holds less at the same ratio (layer 1 keeps at most its 3/8 of the prompt's rows).
+  std::vector<std::vector<std::int32_t>> samples = {sample_tokens(model, {}, prompt + 9, 1, 12, {1, 2})};
+  RunOptions opts;
+  opts.policies = {inline_run("uncomp", "", ""), inline_run("uncomp", "", "stages=true")};
+  opts.ratios = {0.5};
+  opts.prompt_tokens = prompt;
+  opts.continuation = 8;
+  opts.calibration = cal;
+  auto const records = evaluate(model, opts, samples);
+  REQUIRE(records.size() == 2);
+  CHECK(records[1].policy == "uncomp(stages=true)");
+  CHECK(records[1].kv_bytes < records[0].kv_bytes);
+  CHECK(std::isfinite(records[1].kl));
 }

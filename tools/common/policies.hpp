@@ -68,6 +68,9 @@ struct PolicyInfo {
   bool reads_keys;
   bool reads_queries;         ///< needs --queries (and accepts --positions, --rope and the `queries` parameter)
   bool reads_values = false;  ///< scores read the values too (kvc score needs --values)
+  /// true: a cache policy (scores every token; kvc compress, kvc-eval rows). false: `kvc score` writes one value
+  /// per (sequence, query head) instead (uncomp_entropy), and compress and kvc-eval refuse it.
+  bool token_scores = true;
 };
 
 inline ParamInfo const n_sink_param{"n_sink", "0", "first tokens always kept (compress only)", Stage::selection};
@@ -163,6 +166,51 @@ inline std::vector<PolicyInfo> const& policies() {
         {"n_sink", "1", "first tokens always kept (the sink)", Stage::selection},
         {"n_recent", "32", "last tokens always kept (the observation window)", Stage::selection}},
        true,
+       true,
+       true},
+      {"uncomp_entropy",
+       "UNComp's truncated matrix entropy of each query head's rows (Xiong et al., arXiv 2410.03090, Eq. 5-6): `kvc "
+       "score` writes [B, Hq] per-head values, not token scores (the quantity UNComp's calibration averages)",
+       {{"top_k", "32", "k: the leading eigenvalues kept (clamped to min(k, rows, head_dim))"},
+        {"normalize_rows", "true",
+         "true: the authors' centred, row-L2-normalised second moment; false: Eq. 1's covariance"},
+        {"renormalize_topk", "false", "true: the top k eigenvalues divided by their sum (isotropic gives ln k)"},
+        {"ridge", "0", "added to every normalised eigenvalue (the authors' code: 1e-10), in [0, 0.5]"},
+        {"unit", "normalized",
+         "normalized (H_k / ln d, the unit the authors store), truncated (H_k, nats) or erank (exp(H_k))"},
+        {"dtype", "float64", "the output's dtype: float64 or float32"},
+        queries_param},
+       false,
+       true,
+       false,
+       false},
+      {"uncomp",
+       "entropy-grouped per-head budgets from a calibration file (kvc-eval calibrate) and a SnapKV-style window "
+       "score that keeps sliding while decoding (Xiong et al., arXiv 2410.03090); compress --calibration FILE",
+       {{"window_size", "8", "w: the last w queries vote; the window is always kept (UNComp's l = 8)"},
+        {"kernel_size", "7", "pooling kernel along the tokens, odd (the authors' runs: max pooling, 7)"},
+        {"pooling", "max", "max or avg (avg always divides by kernel_size, as PyTorch)"},
+        {"schedule", "preserving",
+         "preserving (N_g = B + (c - g) step: each layer's total is heads x B, B from --budget/--ratio), paper "
+         "(N_1 = largest, N_g+1 = N_g - step) or list (the budgets of `list` or `preset`)"},
+        {"step", "auto", "step between neighbouring groups, tokens; auto: 74/384 of B (the paper's 74 at B = 384)"},
+        {"largest", "640", "group 0's budget under schedule=paper"},
+        {"list", "", "schedule=list: the groups' budgets, highest entropy first, separated by '/' (640/567/...)"},
+        {"preset", "", "an authors' list (authors_384, paper_384, wide_2, narrow_2, ... wide_8): schedule=list"},
+        {"groups", "auto",
+         "M; auto: the calibration's (kvc-eval's own calibration: 8); another M regroups a rule=mean calibration "
+         "from its mean eranks"},
+        {"rule", "auto", "mean or majority_vote for kvc-eval's own calibration (auto: mean); a file's must agree"},
+        {"gqa", "kv_heads",
+         "kv_heads (per-KV-head budgets from the KV heads' groups, scores summed over each group's query heads) or "
+         "expand (the authors' per-query-head caches: K/V repeated to Hq heads, Hq / Hkv times the memory)"},
+        {"stages", "false", "kvc-eval only: true prunes hidden states at stage boundaries during prefill (spec 2.9)"},
+        {"stage_epsilon", "1", "stages: a drop of the layer score (mean erank) above epsilon starts a stage"},
+        {"stage_count", "0", "stages: the number of stages (the largest drops); 0: from stage_epsilon"},
+        {"hs_min_tokens", "auto",
+         "stages: the fewest hidden states a stage keeps; auto: 3/8 of the prompt (the code's 1536 of 4096)"},
+        {"hs_step", "0", "stages: hidden states dropped per stage; 0: the code's (n - hs_min_tokens) / (stages - 1)"},
+        queries_param},
        true,
        true},
       {"random",
@@ -545,6 +593,10 @@ void with_policy(PolicyInfo const& policy, Params const& p, Fn&& fn) {
       emit(kvc::H2OScorer<>{});
   } else if (name == "moment_kv") {
     throw std::logic_error("kvc: moment_kv has state and a prefill driver: build it with tools/common/moment_kv.hpp");
+  } else if (name == "uncomp") {
+    throw std::logic_error("kvc: uncomp has state and per-head budgets: build it with tools/common/uncomp.hpp");
+  } else if (name == "uncomp_entropy") {
+    throw std::logic_error("kvc: uncomp_entropy writes per-head entropies, not token scores (tools/common/uncomp.hpp)");
   } else if (name == "random") {
     std::string const& seed = p.at("seed");
     char* end = nullptr;

@@ -25,17 +25,21 @@
 #include <kvc/backend/cpu/pipeline/compact.hpp>
 #include <kvc/backend/cpu/pipeline/rerotate.hpp>
 #include <kvc/backend/cpu/scorers/random.hpp>
+#include <kvc/backend/cpu/scorers/uncomp.hpp>
 #include <kvc/backend/cpu/selectors/top_k.hpp>
+#include <kvc/backend/cpu/selectors/uncomp.hpp>
 #include <kvc/core/element.hpp>
 #include <kvc/core/observations.hpp>
 #include <kvc/core/rope.hpp>
 #include <kvc/pipeline/decode.hpp>
+#include <kvc/pipeline/layer_stages.hpp>
 #include <kvc/pipeline/press.hpp>
 #include <kvc/store/ragged.hpp>
 
 #include "common/observations.hpp"
 #include "common/policies.hpp"
 #include "common/ragged_store.hpp"
+#include "common/uncomp.hpp"
 #include "eval/model.hpp"
 #include "eval/moment_kv.hpp"
 
@@ -45,6 +49,7 @@
 #include <cmath>
 #include <cstdint>
 #include <functional>
+#include <limits>
 #include <memory>
 #include <optional>
 #include <span>
@@ -92,6 +97,20 @@ struct StoreBytes {
   std::size_t held = 0;  ///< bytes allocated for K, V and positions (see Session::store_bytes)
   Index min_count = 0;   ///< fewest valid tokens of one (layer, KV head)
   Index max_count = 0;   ///< most valid tokens of one (layer, KV head)
+};
+
+/// UNComp's hidden-state pruning during a prefill (spec §2.9, pipeline/layer_stages.hpp): at the first layer of each
+/// stage c > 0 the hidden states keep hidden_state_counts' K_c rows (min_tokens: empty = 3/8 of the call's tokens,
+/// the code's 1536 of 4096; step 0 = the code's), chosen by select_hidden_states from the attention the previous
+/// layer's last `window` queries paid each row, summed over its query heads (the last `window` rows always kept).
+/// Kept rows keep their positions (RoPE, the causal mask); later layers never see the dropped tokens.
+struct HiddenStatePlan {
+  std::vector<Index> stage_of_layer;  ///< [layers] contiguous, non-decreasing, from 0
+  Index stages = 1;
+  std::optional<Index> min_tokens;
+  Index step = 0;
+  Index window = 8;
+  std::vector<Index> kept;  ///< after the call: the hidden-state rows each layer saw
 };
 
 /// The state of one sequence: a KV cache per layer and the next absolute position. Copyable through clone(), so a
@@ -153,10 +172,21 @@ class Session {
   virtual Index slot_position(Index layer, Index head, Index slot) const = 0;
   /// The next token's absolute position (the tokens seen so far, whatever was evicted).
   Index position() const noexcept { return next_position_; }
+  /// UNComp's stage variant: the next forward call of more than one token prunes its hidden states at `plan`'s
+  /// stage boundaries (spec §2.9; the logits then have one row per kept token, the last always kept). The plan
+  /// applies to that call only; hidden_state_plan() returns it afterwards with the rows each layer saw.
+  void set_hidden_state_plan(HiddenStatePlan plan) { stage_plan_ = std::move(plan); }
+  std::optional<HiddenStatePlan> const& hidden_state_plan() const noexcept { return last_stage_plan_; }
+  /// UNComp's calibration (tools/common/uncomp.hpp), which `uncomp` rows read their head groups from; clones share it.
+  void set_calibration(std::shared_ptr<tools::Calibration const> calibration) noexcept {
+    calibration_ = std::move(calibration);
+  }
 
  protected:
   Index next_position_ = 0;
   double decode_seconds_ = 0;
+  std::shared_ptr<tools::Calibration const> calibration_;
+  std::optional<HiddenStatePlan> stage_plan_, last_stage_plan_;
 };
 
 /// A session over `model` holding up to `capacity` tokens per head (positions [0, capacity) for RoPE).
@@ -225,7 +255,8 @@ class Engine final : public Session {
 
   Status forward(std::span<std::int32_t const> tokens, RowMatrix& logits, ForwardTrace* trace) override {
     ModelConfig const& c = model_->config;
-    Index const n = static_cast<Index>(tokens.size());
+    Index const count = static_cast<Index>(tokens.size());
+    Index n = count;  // rows of the hidden states (fewer after a stage boundary's pruning)
     if (next_position_ + n > capacity_)
       return {Errc::out_of_capacity, "kvc-eval: the sequence is longer than the session's capacity"};
     for (std::int32_t t : tokens)
@@ -245,10 +276,28 @@ class Engine final : public Session {
       x_.row(t) = embed.row(tokens[static_cast<std::size_t>(t)]);
     if (trace)
       trace->attention.resize(layers_.size());
+    // UNComp's stage variant (spec §2.9): this call's hidden states are pruned at stage boundaries.
+    std::optional<HiddenStatePlan> plan = std::exchange(stage_plan_, std::nullopt);
+    std::vector<Index> counts;
+    if (plan && n > 1) {
+      counts.resize(static_cast<std::size_t>(plan->stages));
+      KVC_RETURN_IF_ERROR(
+          hidden_state_counts(n, plan->stages, plan->min_tokens.value_or((3 * n + 7) / 8), plan->step, counts.data()));
+      plan->kept.assign(layers_.size(), n);
+    }
 
     for (std::size_t li = 0; li < layers_.size(); ++li) {
       LayerWeights const& w = model_->layers[li];
       Layer& layer = layers_[li];
+      if (!counts.empty() && li > 0 &&
+          plan->stage_of_layer[li] != plan->stage_of_layer[li - 1]) {  // q_, k_ still hold layer li - 1's
+        KVC_RETURN_IF_ERROR(
+            prune_hidden_states(counts[static_cast<std::size_t>(plan->stage_of_layer[li])], plan->window, n));
+        if (trace)
+          return {Errc::invalid_argument, "kvc-eval: a forward call with hidden-state pruning records no trace"};
+      }
+      if (plan && !counts.empty())
+        plan->kept[li] = n;
       rms_norm(x_, w.attn_norm.vector(), c.rms_eps, h_);
       q_.noalias() = h_ * w.wq.matrix().transpose();  // [n, Hq * d]
       k_.noalias() = h_ * w.wk.matrix().transpose();  // [n, Hkv * d]
@@ -257,9 +306,9 @@ class Engine final : public Session {
       layer.query_positions = positions_;
       for (Index t = 0; t < n; ++t) {
         for (Index h = 0; h < hq; ++h)
-          rope_.rotate(q_.data() + (t * hq + h) * d, next_position_ + t);
+          rope_.rotate(q_.data() + (t * hq + h) * d, positions_[static_cast<std::size_t>(t)]);
         for (Index h = 0; h < hkv; ++h)
-          rope_.rotate(k_.data() + (t * hkv + h) * d, next_position_ + t);
+          rope_.rotate(k_.data() + (t * hkv + h) * d, positions_[static_cast<std::size_t>(t)]);
       }
       if (trace && trace->projections) {
         trace->qkv.resize(layers_.size());
@@ -270,10 +319,29 @@ class Engine final : public Session {
         head_major(layer.queries, hq, d, p.queries_prerope);
       }
       // K and V of the new tokens, [1, Hkv, n, d] token-major (bthd), appended after each head's length.
-      KVExtents const new_ext{1, hkv, n, d};
-      auto const src = make_cache(TokenRows<float const, StridedLayout>(k_.data(), bthd_layout(new_ext)),
-                                  TokenRows<float const, StridedLayout>(v_.data(), bthd_layout(new_ext)), Lengths{},
-                                  src_positions_.data());
+      // A layer UNComp expanded to one KV head per query head (gqa=expand) takes each KV head's rows once per query
+      // head of its group.
+      Index const store_heads = heads_of(layer);
+      if (store_heads != hkv) {
+        Index const g = store_heads / hkv;
+        kx_.resize(n, store_heads * d);
+        vx_.resize(n, store_heads * d);
+        for (Index t = 0; t < n; ++t)
+          for (Index h = 0; h < store_heads; ++h) {
+            kx_.block(t, h * d, 1, d) = k_.block(t, (h / g) * d, 1, d);
+            vx_.block(t, h * d, 1, d) = v_.block(t, (h / g) * d, 1, d);
+          }
+        src_positions_x_.resize(static_cast<std::size_t>(store_heads * n));
+        for (Index h = 0; h < store_heads; ++h)
+          for (Index t = 0; t < n; ++t)
+            src_positions_x_[static_cast<std::size_t>(h * n + t)] = positions_[static_cast<std::size_t>(t)];
+      }
+      bool const expanded = store_heads != hkv;
+      KVExtents const new_ext{1, store_heads, n, d};
+      auto const src =
+          make_cache(TokenRows<float const, StridedLayout>(expanded ? kx_.data() : k_.data(), bthd_layout(new_ext)),
+                     TokenRows<float const, StridedLayout>(expanded ? vx_.data() : v_.data(), bthd_layout(new_ext)),
+                     Lengths{}, expanded ? src_positions_x_.data() : src_positions_.data());
       make_room(layer, n);
       AttendQueries<float> const queries{TokenRows<float const, StridedLayout>(q_.data(), bthd_layout({1, hq, n, d})),
                                          positions_.data()};
@@ -310,7 +378,9 @@ class Engine final : public Session {
     }
     rms_norm(x_, model_->final_norm.vector(), c.rms_eps, h_);
     logits.noalias() = h_ * model_->lm_head.matrix().transpose();
-    next_position_ += n;
+    next_position_ += count;
+    if (plan && !counts.empty())
+      last_stage_plan_ = std::move(plan);
     if (decode_hook_) {  // the decode driver, after the layers' attention, as an engine runs it per layer
       auto const start = std::chrono::steady_clock::now();
       Status const st = decode_hook_();
@@ -327,6 +397,9 @@ class Engine final : public Session {
       return status;
     if (std::string_view(policy.name) == "moment_kv")
       return begin_moment_decode(params, schedule, alloc);
+    if (std::string_view(policy.name) == "uncomp")
+      return alloc.any() ? Status{Errc::invalid_argument, "kvc-eval: uncomp allocates its own per-head budgets"}
+                         : begin_uncomp_decode(params, schedule);
     tools::with_policy(policy, params, [&](auto const& scorer, tools::Selection sel) {
       using S = std::remove_cvref_t<decltype(scorer)>;
       if constexpr (StatefulScorer<S>) {
@@ -398,6 +471,12 @@ class Engine final : public Session {
       seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
       return status;
     }
+    if (std::string_view(policy.name) == "uncomp") {
+      status = alloc.any() ? Status{Errc::invalid_argument, "kvc-eval: uncomp allocates its own per-head budgets"}
+                           : compress_uncomp(params, ratio, 0);
+      seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+      return status;
+    }
     tools::with_policy(policy, params, [&](auto const& scorer, tools::Selection sel) {
       using S = std::remove_cvref_t<decltype(scorer)>;
       index_.resize(static_cast<std::size_t>(ext_.rows()));
@@ -463,7 +542,7 @@ class Engine final : public Session {
       Index const rows = r.row_bytes > 0 ? r.used_bytes / r.row_bytes : 0;
       s.kv += static_cast<std::size_t>(rows) * static_cast<std::size_t>(2 * ext_.dim) * sizeof(T);
       s.held += held;
-      for (Index h = 0; h < ext_.heads; ++h) {
+      for (Index h = 0; h < heads_of(l); ++h) {
         s.min_count = std::min(s.min_count, length(l, h));
         s.max_count = std::max(s.max_count, length(l, h));
       }
@@ -536,9 +615,11 @@ class Engine final : public Session {
   Index length(Layer const& l, Index head) const {
     return (l.store ? l.store->lengths : l.lengths)[static_cast<std::size_t>(head)];
   }
+  /// KV heads of the layer's store (Hq for a layer UNComp expanded with gqa=expand).
+  Index heads_of(Layer const& l) const { return l.store ? l.store->heads : ext_.heads; }
   Index longest(Layer const& l) const {
     Index n = 0;
-    for (Index h = 0; h < ext_.heads; ++h)
+    for (Index h = 0; h < heads_of(l); ++h)
       n = std::max(n, length(l, h));
     return n;
   }
@@ -552,7 +633,7 @@ class Engine final : public Session {
         l.held = longest(l) + fresh;
       return;
     }
-    for (Index h = 0; h < ext_.heads; ++h)
+    for (Index h = 0; h < l.store->heads; ++h)
       if (l.store->lengths[static_cast<std::size_t>(h)] + n > l.store->capacity(0, h)) {
         *l.store = tools::relayout(*l.store, fresh);
         return;
@@ -573,6 +654,58 @@ class Engine final : public Session {
     tools::HostRaggedStore<T> store(1, ext_.heads, ext_.dim, ext_.dim, l.lengths.data(), reserve_);
     KVC_RETURN_IF_ERROR(append(Cpu{}, store.view(), view(l)));
     adopt(l, std::move(store));
+    return {};
+  }
+
+  /// Keeps `keep` of the `n` hidden-state rows (spec §2.9): u_j = the attention the last `window` queries of the
+  /// previous layer (q_, k_: its post-RoPE projections, still in place) paid row j, summed over the query heads (fp64
+  /// softmax, causal by position), then select_hidden_states (the last `window` rows always kept) and the rows of
+  /// the residual stream and their positions gathered. n becomes the count kept.
+  Status prune_hidden_states(Index keep, Index window, Index& n) {
+    ModelConfig const& c = model_->config;
+    Index const hq = c.heads, hkv = c.kv_heads, d = c.head_dim, g = hq / hkv, rows = std::min(window, n);
+    std::vector<float> u(static_cast<std::size_t>(n), 0.0f);
+    std::vector<double> p(static_cast<std::size_t>(n));
+    double const scale = 1.0 / std::sqrt(static_cast<double>(d));
+    for (Index h = 0; h < hq; ++h)
+      for (Index t = n - rows; t < n; ++t) {
+        float const* q = q_.data() + (t * hq + h) * d;
+        double peak = -std::numeric_limits<double>::infinity(), total = 0.0;
+        for (Index j = 0; j < n; ++j) {
+          if (positions_[static_cast<std::size_t>(j)] > positions_[static_cast<std::size_t>(t)])
+            continue;
+          float const* k = k_.data() + (j * hkv + h / g) * d;
+          double dot = 0.0;
+          for (Index i = 0; i < d; ++i)
+            dot += static_cast<double>(q[i]) * static_cast<double>(k[i]);
+          p[static_cast<std::size_t>(j)] = dot * scale;
+          peak = std::max(peak, dot * scale);
+        }
+        for (Index j = 0; j < n; ++j)
+          if (positions_[static_cast<std::size_t>(j)] <= positions_[static_cast<std::size_t>(t)])
+            total += std::exp(p[static_cast<std::size_t>(j)] - peak);
+        for (Index j = 0; j < n; ++j)
+          if (positions_[static_cast<std::size_t>(j)] <= positions_[static_cast<std::size_t>(t)])
+            u[static_cast<std::size_t>(j)] +=
+                static_cast<float>(std::exp(p[static_cast<std::size_t>(j)] - peak) / total);
+      }
+    std::vector<Index> kept_rows(static_cast<std::size_t>(std::min(n, std::max(keep, window))));
+    Index kept = 0;
+    KVC_RETURN_IF_ERROR(select_hidden_states(u.data(), n, keep, window, kept_rows.data(), kept));
+    RowMatrix x(kept, x_.cols());
+    std::vector<Index> positions(static_cast<std::size_t>(kept));
+    for (Index i = 0; i < kept; ++i) {
+      Index const r = kept_rows[static_cast<std::size_t>(i)];
+      x.row(i) = x_.row(r);
+      positions[static_cast<std::size_t>(i)] = positions_[static_cast<std::size_t>(r)];
+    }
+    x_.swap(x);
+    positions_ = std::move(positions);
+    n = kept;
+    src_positions_.resize(static_cast<std::size_t>(hkv * n));
+    for (Index h = 0; h < hkv; ++h)
+      for (Index t = 0; t < n; ++t)
+        src_positions_[static_cast<std::size_t>(h * n + t)] = positions_[static_cast<std::size_t>(t)];
     return {};
   }
 
@@ -674,6 +807,164 @@ class Engine final : public Session {
               });
             },
             l.selector));
+      }
+      return {};
+    }
+  };
+
+  /// UNComp's decode state of one layer: the scorer over its window rows [1, heads, capacity + 1, w], each head's
+  /// budget, a one-row query buffer.
+  struct UNCompLayer {
+    UNCompScorer<> scorer{};
+    std::vector<float> rows;
+    std::vector<Index> tracked, budgets;
+    std::vector<float> queries;
+    std::vector<Index> positions;
+    QueryBuffer<float> buffer{};
+    DecodeCounter counter{};
+  };
+
+  /// UNComp's prefill compression of every layer (tools/common/uncomp.hpp, spec §2.6-2.7): per layer, the per-head
+  /// budgets from the calibration's groups for an average of `ratio`'s kept count of the layer's tokens (or `budget`
+  /// tokens), kvc::update with the prompt's last window_size queries (each slot's attention, summed over its query
+  /// group), kvc::compress with UNCompSelector (the window always kept), and the kept tokens gathered into a ragged
+  /// per-head store with reserve_. gqa=expand runs on a copy of the layer whose KV heads are repeated to Hq (the
+  /// authors' per-query-head caches), and the layer's store keeps Hq heads from then on.
+  Status compress_uncomp(tools::Params const& params, std::optional<double> ratio, Index budget,
+                         std::vector<UNCompLayer>* decode = nullptr) {
+    if (!calibration_)
+      return {Errc::invalid_argument, "kvc-eval: uncomp rows need a calibration (--calibration or the built-in one)"};
+    tools::UNCompConfig const cfg = tools::uncomp_config(params);
+    ModelConfig const& c = model_->config;
+    bool const expand = cfg.gqa == tools::UNCompGqa::expand;
+    Index const heads = expand ? c.heads : ext_.heads, g = c.heads / ext_.heads, w = cfg.window_size;
+    Status status;
+    for (std::size_t li = 0; li < layers_.size() && status.ok(); ++li) {
+      Layer& layer = layers_[li];
+      Index const n = longest(layer);                        // (after hidden-state pruning: fewer than the prompt)
+      Index const prompt = cfg.stages ? next_position_ : n;  // the same average budget as the unpruned rows
+      double const average = cfg.absolute() ? 0.0
+                             : ratio        ? static_cast<double>(RatioBudget{*ratio}.keep(0, 0, prompt))
+                                            : static_cast<double>(budget);
+      std::vector<Index> const budgets =
+          tools::uncomp_budgets(cfg, *calibration_, "(kvc-eval)", static_cast<Index>(li), average);
+      Index const nq = static_cast<Index>(layer.query_positions.size());
+      auto const obs = observe(WindowQueries<float>{
+          TokenRows<float const, StridedLayout>(layer.queries.data(), bthd_layout({1, c.heads, nq, c.head_dim})), rope_,
+          layer.query_positions.data()});
+      std::optional<tools::HostRaggedStore<T>> store;
+      auto run = [&](auto const& cache) -> Status {
+        KVExtents const e = cache.keys.extents();
+        std::vector<float> rows(static_cast<std::size_t>(e.rows() * w));
+        std::vector<Index> tracked(static_cast<std::size_t>(e.heads), 0);
+        UNCompScorer<> scorer;
+        scorer.state = {{rows.data(), uncomp_window_layout(e, w)}, tracked.data()};
+        scorer.window_size = w;
+        scorer.kernel_size = cfg.kernel_size;
+        scorer.pooling = cfg.pooling;
+        Press const press{scorer, UNCompSelector{HeadBudgets{budgets.data(), heads}, 0, w}};
+        grow(workspace_,
+             std::max(update_workspace_bytes(Cpu{}, scorer, e, obs), compress_workspace_bytes(Cpu{}, press, e)));
+        Workspace const ws{workspace_.data(), workspace_.size()};
+        KVC_RETURN_IF_ERROR(update(Cpu{}, scorer, cache, obs, ws));
+        index_.resize(static_cast<std::size_t>(e.rows()));
+        count_.resize(static_cast<std::size_t>(heads));
+        KeepPlan<> const plan{index_.data(), count_.data(), 1, heads, e.tokens};
+        KVC_RETURN_IF_ERROR(kvc::compress(Cpu{}, press, cache, plan, ws));
+        store.emplace(1, heads, ext_.dim, ext_.dim, count_.data(), reserve_);
+        KVC_RETURN_IF_ERROR(gather(Cpu{}, plan, cache, store->view()));
+        if (decode) {  // the kept slots' window rows follow them (kvc::on_evict + compaction, here by the plan)
+          UNCompLayer& d = (*decode)[li];
+          d.budgets = budgets;
+          Index const slots = capacity_ + 1;  // any store segment (a head holds at most every token, + 1 free)
+          d.rows.assign(static_cast<std::size_t>(heads * slots * w), 0.0f);
+          d.tracked.assign(static_cast<std::size_t>(heads), 0);
+          for (Index h = 0; h < heads; ++h) {
+            Index const* kept = plan.indices(0, h);
+            for (Index i = 0; i < plan.kept(0, h); ++i)
+              std::copy_n(rows.data() + (h * e.tokens + kept[i]) * w, w, d.rows.data() + (h * slots + i) * w);
+            d.tracked[static_cast<std::size_t>(h)] = plan.kept(0, h);
+          }
+          d.scorer = scorer;
+          d.scorer.state = {{d.rows.data(), uncomp_window_layout({1, heads, slots, ext_.dim}, w)}, d.tracked.data()};
+        }
+        return {};
+      };
+      if (!expand) {
+        status = run(view(layer));
+      } else {  // K/V of KV head h / g for query head h, positions alike
+        auto const src = view(layer);
+        KVExtents const xe{1, heads, n, ext_.dim};
+        std::vector<T> xk(static_cast<std::size_t>(xe.rows() * xe.dim)), xv(xk.size());
+        std::vector<Index> xlen(static_cast<std::size_t>(heads)), xpos(static_cast<std::size_t>(xe.rows()));
+        for (Index h = 0; h < heads; ++h) {
+          xlen[static_cast<std::size_t>(h)] = length(layer, h / g);
+          for (Index t = 0; t < xlen[static_cast<std::size_t>(h)]; ++t) {
+            std::copy_n(src.keys.row(0, h / g, t), ext_.dim, xk.data() + (h * n + t) * ext_.dim);
+            std::copy_n(src.values.row(0, h / g, t), ext_.dim, xv.data() + (h * n + t) * ext_.dim);
+            xpos[static_cast<std::size_t>(h * n + t)] = slot_position(static_cast<Index>(li), h / g, t);
+          }
+        }
+        status = run(dense_cache(xk.data(), xv.data(), xe, head_lengths(xlen.data(), heads), xpos.data()));
+      }
+      if (status.ok())
+        adopt(layer, std::move(*store));
+    }
+    return status;
+  }
+
+  /// UNComp while decoding (spec §2.8): the prompt compressed to per-head budgets of average `target` (schedule
+  /// target_size), then after every token kvc::decode_step with interval 1 and TopKSelector<PerHeadBudget> of those
+  /// budgets: the scorer's state takes the new query's attention row, and each head over its budget evicts the one
+  /// token of lowest pooled window score (the window protected). Ragged stores with one free slot per head.
+  Status begin_uncomp_decode(tools::Params const& params, DecodeSchedule const& schedule) {
+    for (Layer const& layer : layers_)
+      if (layer.store || layer.moments)
+        return {Errc::invalid_argument, "kvc-eval: this session's cache is already compressed"};
+    reserve_ = 1;
+    auto run = std::make_shared<UNCompDecodeRun>();
+    run->layers.resize(layers_.size());
+    auto const start = std::chrono::steady_clock::now();
+    Status const status = compress_uncomp(params, std::nullopt, schedule.target_size, &run->layers);
+    decode_seconds_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    if (!status.ok())
+      return status;
+    ModelConfig const& c = model_->config;
+    run->schedule.compression_interval = 1;
+    run->schedule.hidden_states_buffer_size = 1;
+    run->schedule.target_size = schedule.target_size;
+    for (UNCompLayer& l : run->layers) {
+      l.queries.assign(static_cast<std::size_t>(c.heads * c.head_dim), 0.0f);
+      l.positions.assign(1, 0);
+      l.buffer = {l.queries.data(), l.positions.data(), 1, c.heads, 1, c.head_dim};
+    }
+    decode_hook_ = [this, run]() { return run->step(*this); };
+    return {};
+  }
+
+  struct UNCompDecodeRun {
+    DecodeSchedule schedule{};
+    std::vector<UNCompLayer> layers;
+    std::vector<std::byte> workspace;
+
+    Status step(Engine& e) {
+      ModelConfig const& c = e.model_->config;
+      for (std::size_t li = 0; li < layers.size(); ++li) {
+        UNCompLayer& l = layers[li];
+        Layer& layer = e.layers_[li];
+        if (layer.queries.rows() > l.buffer.capacity - l.buffer.count)
+          return {Errc::out_of_capacity, "kvc-eval: decode-time compression takes one token per forward call"};
+        for (Index q = 0; q < c.heads; ++q)
+          std::copy_n(layer.queries.data() + q * c.head_dim, c.head_dim, l.buffer.row(0, q, l.buffer.count));
+        l.positions[static_cast<std::size_t>(l.buffer.count)] = layer.query_positions[0];
+        KVC_RETURN_IF_ERROR(l.buffer.push(1));
+        KVC_RETURN_IF_ERROR(e.with_view(layer, [&](auto const& cache) -> Status {
+          TopKSelector<PerHeadBudget<>> const selector{
+              {l.budgets.data(), static_cast<Index>(l.budgets.size())}, 0, l.scorer.window_size};
+          grow(workspace, decode_workspace_bytes(Cpu{}, l.scorer, selector, schedule, cache.keys.extents(), l.buffer));
+          return decode_step(Cpu{}, l.scorer, selector, schedule, cache, l.buffer, l.counter, e.rope_,
+                             {workspace.data(), workspace.size()});
+        }));
       }
       return {};
     }
@@ -832,8 +1123,8 @@ class Engine final : public Session {
   std::vector<float> rope_storage_;
   RopeTable<> rope_{};
   // Scratch reused across calls (sized by the largest call so far).
-  RowMatrix x_, h_, q_, k_, v_, out_, o_, gate_, up_;
-  std::vector<Index> positions_, src_positions_, index_, count_;
+  RowMatrix x_, h_, q_, k_, v_, out_, o_, gate_, up_, kx_, vx_;
+  std::vector<Index> positions_, src_positions_, src_positions_x_, index_, count_;
   std::vector<std::byte> workspace_;
   MomentScratch moment_scratch_;
 };

@@ -8,12 +8,16 @@
 //   kvc-eval dump   --model DIR --tokens T.npy --out-dir D
 //   kvc-eval correction --model DIR [--policies ROW,...] [--ratios R,...] [--prompt-tokens N] [--continuation M]
 //                   [--samples S] [--seed X] [--param ROW.NAME=VALUE]... [--out F.json]
+//   kvc-eval calibrate --model DIR --out calib.json [--text FILE] [--samples S] [--tokens N] [--groups M]
+//                   [--rule mean|majority_vote] [--param NAME=VALUE]...
 // Exit codes as kvc's: 0 success, 2 usage error, 3 invalid input (the message names the file); outputs appear whole
 // or not at all (staged, then committed together).
 #include <kvc/io/file.hpp>
 #include <kvc/io/npy.hpp>
 
 #include "common/policies.hpp"
+#include "common/uncomp.hpp"
+#include "eval/calibrate.hpp"
 #include "eval/correction.hpp"
 #include "eval/engine.hpp"
 #include "eval/model.hpp"
@@ -34,6 +38,7 @@
 #include <optional>
 #include <string>
 #include <string_view>
+#include <sys/stat.h>
 #include <unistd.h>
 #include <utility>
 #include <vector>
@@ -51,7 +56,7 @@ constexpr char usage_text[] =
     "  kvc-eval run    --model DIR --out-dir D [--policies P[+ALLOC],...] [--ratios R,...] [--prompt-tokens N]\n"
     "                  [--continuation M] [--samples S] [--seed X] [--prompt-file TEXT] [--cache fp16|bf16|fp32]\n"
     "                  [--layout dense|paged] [--schedule prefill] [--param POLICY.NAME=VALUE]...\n"
-    "                  [--show POLICY@RATIO] [--generate G] [--no-progress]\n"
+    "                  [--show POLICY@RATIO] [--generate G] [--no-progress] [--calibration calib.json]\n"
     "  kvc-eval run    ... --decode interval=I,target=T[,buffer=B][,relayout=fill|compress] [--show POLICY]\n"
     "                  (no --ratios: compression while decoding the continuation, every I tokens back to T per head)\n"
     "  kvc-eval logits --model DIR --tokens T.npy --out L.npy [--cache fp32|fp16|bf16] [--layout dense|paged]\n"
@@ -59,6 +64,10 @@ constexpr char usage_text[] =
     "  kvc-eval correction --model DIR [--policies ROW,...] [--ratios R,...] [--prompt-tokens N] [--continuation M]\n"
     "                  [--samples S] [--seed X] [--param ROW.NAME=VALUE]... [--out F.json]\n"
     "                  (MomentKV's corrected vs plain attention error per layer, same kept set; rows: moment_kv)\n"
+    "  kvc-eval calibrate --model DIR --out calib.json [--text FILE] [--samples S] [--tokens N] [--groups M]\n"
+    "                  [--rule mean|majority_vote] [--param NAME=VALUE]...\n"
+    "                  (UNComp's head groups from the query entropies of S windows of N tokens of FILE, default a\n"
+    "                  built-in text; --param top_k=32, normalize_rows=true, renormalize_topk=false, ridge=0)\n"
     "P: a policy of `kvc policies`, or `all` (the default: every one); +ALLOC adds budgets across heads (ada_kv) or\n"
     "layers (pyramid_kv), or both, e.g. snap_kv+ada_kv, snap_kv+pyramid_kv+ada_kv: the compressed cache is then a\n"
     "ragged per-head store. POLICY(NAME=VALUE,...) gives a row its own parameters, so one policy can have several\n"
@@ -311,6 +320,19 @@ void check_policy(kvc::eval::PolicyRun const& p, kvc::eval::RunOptions const& ru
     fail(exit_usage, "--param " + label + ".queries=" + q->second +
                          ": kvc-eval passes the model's pre-RoPE queries with its RoPE table (queries=pre_rope)");
   bool const decode = run.schedule == kvc::eval::Schedule::decode;
+  if (std::string_view(p.policy->name) == "uncomp") {  // its parameters, and what this runner compares
+    kvc::tools::UNCompConfig const cfg = kvc::tools::uncomp_config(p.params);
+    if (p.alloc.any())
+      fail(exit_usage, "--policies " + label + ": uncomp allocates its own per-head budgets (no +allocator)");
+    if (cfg.absolute())
+      fail(exit_usage, "--param " + label + ".schedule=" + p.params.at("schedule") +
+                           ": kvc-eval compares rows at equal average budgets (the ratio's); uncomp rows use "
+                           "schedule=preserving");
+    if (cfg.window_size > run.prompt_tokens)
+      fail(exit_usage, "--param " + label + ".window_size=" + std::to_string(cfg.window_size) +
+                           " is longer than --prompt-tokens " + std::to_string(run.prompt_tokens));
+    return;
+  }
   if (std::string_view(p.policy->name) == "moment_kv") {  // its parameters, the allocator's, and the window
     kvc::tools::MomentKVConfig const cfg = kvc::eval::eval_moment_config(p.params, p.alloc, label);
     if (p.alloc.any())
@@ -529,6 +551,113 @@ int command_correction(int argc, char** argv) {
   return 0;
 }
 
+/// The token ids of a text file (at most 4 MiB: thousands of windows; the bound also bounds the tokenizer's working
+/// memory) or of the built-in calibration text, every id inside the vocabulary. `option` names the file in errors.
+std::vector<std::int32_t> encode_text(kvc::eval::Tokenizer const& tokenizer, kvc::eval::ModelConfig const& c,
+                                      std::string const& option, std::string const& path, std::string_view builtin) {
+  std::vector<std::byte> bytes;
+  std::string_view text = builtin;
+  std::string const where = path.empty() ? std::string("the built-in calibration text") : option + " " + path;
+  if (!path.empty()) {
+    std::string error;
+    if (!kvc::read_regular_file(path, bytes, error, 4u << 20))
+      fail(exit_invalid, where + ": " + error);
+    if (bytes.empty())
+      fail(exit_invalid, where + ": the file is empty, expected text to calibrate on");
+    text = {reinterpret_cast<char const*>(bytes.data()), bytes.size()};
+  }
+  std::vector<std::int32_t> const ids = tokenizer.encode(text);
+  for (std::size_t i = 0; i < ids.size(); ++i)
+    if (ids[i] < 0 || ids[i] >= c.vocab)
+      fail(exit_invalid, where + ": the tokenizer gives id " + std::to_string(ids[i]) + " (token " + std::to_string(i) +
+                             "), outside the model's vocabulary [0, " + std::to_string(c.vocab) + ")");
+  return ids;
+}
+
+/// The entropy's parameters of `kvc-eval calibrate` (--param NAME=VALUE): uncomp_entropy's top_k, normalize_rows,
+/// renormalize_topk and ridge, with their defaults.
+kvc::MatrixEntropyOptions calibration_entropy(Options const& o) {
+  kvc::tools::PolicyInfo const& entropy = kvc::tools::find_policy("uncomp_entropy");
+  kvc::tools::Params p;
+  for (auto [it, end] = o.values.equal_range("--param"); it != end; ++it) {
+    std::string const& kv = it->second;
+    std::size_t const eq = kv.find('=');
+    if (eq == std::string::npos || eq == 0)
+      fail(exit_usage, "--param '" + kv + "': expected NAME=VALUE");
+    std::string const key = kv.substr(0, eq);
+    if (key != "top_k" && key != "normalize_rows" && key != "renormalize_topk" && key != "ridge")
+      fail(exit_usage, "--param '" + key +
+                           "' is not a parameter of kvc-eval calibrate (its parameters: top_k, normalize_rows, "
+                           "renormalize_topk, ridge)");
+    if (!p.emplace(key, kv.substr(eq + 1)).second)
+      fail(exit_usage, "--param '" + key + "' given twice");
+  }
+  for (char const* name : {"top_k", "normalize_rows", "renormalize_topk", "ridge"})
+    p.emplace(name, kvc::tools::find_param(entropy, name)->default_value);
+  return kvc::tools::entropy_config(p).options;
+}
+
+/// `kvc-eval calibrate`: UNComp's calibration file (eval/calibrate.hpp, tools/common/uncomp.hpp).
+int command_calibrate(int argc, char** argv) {
+  Options const o = parse_options(
+      argc, argv, {"--model", "--text", "--out", "--samples", "--tokens", "--groups", "--rule", "--param"}, {});
+  std::string const model_path = o.need("--model"), out = o.need("--out");
+  kvc::eval::CalibrationOptions opts;
+  opts.samples = count_option(o, "--samples", opts.samples, 1, 1 << 16);
+  opts.tokens = count_option(o, "--tokens", opts.tokens, 2, 1 << 20);
+  opts.groups = count_option(o, "--groups", opts.groups, 1, kvc::tools::max_calibration_heads);
+  std::string const rule = o.get("--rule", "mean");
+  if (rule != "mean" && rule != "majority_vote")
+    fail(exit_usage, "--rule '" + rule + "': expected mean or majority_vote");
+  opts.rule = rule == "mean" ? kvc::tools::GroupRule::mean : kvc::tools::GroupRule::majority_vote;
+  opts.entropy = calibration_entropy(o);
+  std::string const text_path = o.get("--text");
+  if (o.has("--text") && text_path.empty())
+    fail(exit_usage, "--text needs a file name");
+  struct stat st {};
+  if (::stat(out.c_str(), &st) == 0 && !S_ISREG(st.st_mode))
+    fail(exit_invalid, "--out " + out + " exists and is not a regular file");
+  if (!text_path.empty() && kvc::file_id(out) && kvc::file_id(out) == kvc::file_id(text_path))
+    fail(exit_invalid, "--out " + out + " is the same file as --text " + text_path + ": refusing to overwrite it");
+
+  auto const model = load_model(model_path);
+  kvc::eval::ModelConfig const& c = model.config;
+  if (opts.tokens > c.context)
+    fail(exit_invalid, "--tokens " + std::to_string(opts.tokens) + ": more than the model's " +
+                           std::to_string(c.context) + " positions (its queries are out of distribution past them)");
+  auto const tokenizer = load_tokenizer(model);
+  if (!tokenizer)
+    fail(exit_invalid, model_path + ": the model has no tokenizer next to it to encode the calibration text");
+  std::int32_t const bos = c.bos >= 0 ? c.bos : tokenizer->bos_id();
+  std::vector<std::int32_t> const text =
+      encode_text(*tokenizer, c, "--text", text_path, kvc::eval::builtin_calibration_text);
+  std::string const source = text_path.empty() ? std::string("the built-in calibration text") : "--text " + text_path;
+  auto const windows = kvc::eval::calibration_windows(text, opts, bos, source);
+  kvc::tools::Calibration const cal = kvc::eval::calibrate(
+      model, windows, opts, model_path, text_path.empty() ? std::string(kvc::eval::builtin_text_name) : text_path);
+  kvc::tools::write_calibration(cal, out);
+  std::printf(
+      "kvc-eval calibrate: %s (%lld layers, %lld/%lld heads, d %lld), %lld windows x %lld tokens of %s, "
+      "top_k %lld, %lld groups (%s)\n",
+      model_path.c_str(), static_cast<long long>(c.layers), static_cast<long long>(c.heads),
+      static_cast<long long>(c.kv_heads), static_cast<long long>(c.head_dim), static_cast<long long>(cal.samples),
+      static_cast<long long>(cal.tokens), source.c_str(), static_cast<long long>(cal.top_k),
+      static_cast<long long>(cal.groups), rule.c_str());
+  std::printf("%5s %10s  %s\n", "layer", "score", "query-head groups (0 = highest entropy) | KV-head groups");
+  for (Index l = 0; l < cal.layers; ++l) {
+    std::string groups;
+    for (Index h = 0; h < cal.heads; ++h)
+      groups += (h ? " " : "") + std::to_string(cal.query_group[static_cast<std::size_t>(l * cal.heads + h)]);
+    groups += " |";
+    for (Index g = 0; g < cal.kv_heads; ++g)
+      groups += " " + std::to_string(cal.kv_group[static_cast<std::size_t>(l * cal.kv_heads + g)]);
+    std::printf("%5lld %10.4f  %s\n", static_cast<long long>(l), cal.layer_score[static_cast<std::size_t>(l)],
+                groups.c_str());
+  }
+  std::printf("wrote %s\n", out.c_str());
+  return 0;
+}
+
 /// --decode interval=I,target=T[,buffer=B][,relayout=fill|compress]: the decode driver's schedule (kvpress's
 /// DecodingPress fields), and when a ragged store (rows with an allocator) is re-laid out.
 kvc::DecodeSchedule parse_decode(std::string const& text, bool& relayout_on_compress) {
@@ -572,7 +701,8 @@ std::vector<kvc::eval::PolicyRun> policy_rows(Options const& o, std::string cons
       continue;
     }
     for (auto const& p : kvc::tools::policies())
-      names.push_back(p.name);
+      if (p.token_scores)  // uncomp_entropy writes per-head values, not a cache
+        names.push_back(p.name);
   }
   if (add_random && std::find(names.begin(), names.end(), "random") == names.end())
     names.push_back("random");
@@ -587,6 +717,10 @@ std::vector<kvc::eval::PolicyRun> policy_rows(Options const& o, std::string cons
   for (std::string const& name : names) {
     RowName const row = parse_row(name);
     auto const& info = kvc::tools::find_policy(row.scorer);
+    if (!info.token_scores)
+      fail(exit_usage, "--policies " + name + ": policy " + info.name +
+                           " writes per-head values (`kvc score`), it does not compress a cache (calibration: "
+                           "`kvc-eval calibrate`)");
     kvc::tools::AllocatorChoice alloc;
     if (row.has_allocators)
       alloc = kvc::tools::parse_allocators(row.allocators, "--policies");
@@ -610,6 +744,74 @@ std::vector<kvc::eval::PolicyRun> policy_rows(Options const& o, std::string cons
   return rows;
 }
 
+/// The calibrations of the run's uncomp rows (returns what to print; empty: no uncomp row). With --calibration FILE
+/// (checked against the model) every row uses it, and a row's explicit rule must be the file's. Without it, each
+/// row's (groups, rule) (auto: 8, mean) gets a calibration computed with the model on the built-in calibration
+/// text (eval/calibration_text.hpp; not the evaluation text: prompts are sampled from the model or read from
+/// --prompt-file), 4 windows of 256 tokens (at most the model's context), the entropy's defaults; rows asking the
+/// same share it.
+std::string uncomp_calibration(Options const& o, kvc::eval::Model const& model,
+                               std::optional<kvc::eval::Tokenizer> const& tokenizer, kvc::eval::RunOptions& run) {
+  kvc::eval::ModelConfig const& c = model.config;
+  std::vector<std::string> const listed = split_rows(o.get("--policies", "all"));
+  if (!tokenizer && !o.has("--calibration") && std::count(listed.begin(), listed.end(), "all") > 0 &&
+      std::count(listed.begin(), listed.end(), "uncomp") == 0) {  // `all` without the means to calibrate
+    std::erase_if(run.policies, [](kvc::eval::PolicyRun const& r) { return r.label() == "uncomp"; });
+    std::fprintf(stderr,
+                 "kvc-eval: note: the uncomp row is left out of `all`: the model has no tokenizer to encode "
+                 "the built-in calibration text (pass --calibration FILE)\n");
+  }
+  std::string report;
+  std::shared_ptr<kvc::tools::Calibration const> file;
+  std::string const path = o.get("--calibration");
+  std::map<std::pair<Index, int>, std::shared_ptr<kvc::tools::Calibration const>> computed;
+  std::vector<std::int32_t> text;
+  for (kvc::eval::PolicyRun& row : run.policies) {
+    if (std::string_view(row.policy->name) != "uncomp")
+      continue;
+    kvc::tools::UNCompConfig const cfg = kvc::tools::uncomp_config(row.params);
+    if (o.has("--calibration")) {
+      if (!file) {
+        kvc::tools::Calibration cal = kvc::tools::read_calibration(path);
+        kvc::tools::check_calibration_fits(cal, path, c.layers, c.heads, c.kv_heads, c.head_dim, "the model");
+        file = std::make_shared<kvc::tools::Calibration const>(std::move(cal));
+        report += "uncomp: head groups from " + path + "\n";
+      }
+      if (cfg.rule && *cfg.rule != file->rule)
+        fail(exit_usage, "--param " + row.label() + ".rule=" + kvc::tools::group_rule_name(*cfg.rule) +
+                             ": the calibration (" + path + ") groups by " + kvc::tools::group_rule_name(file->rule));
+      row.calibration = file;
+    } else {
+      kvc::eval::CalibrationOptions opts;
+      opts.tokens = std::min<Index>(opts.tokens, c.context);
+      opts.groups = cfg.groups > 0 ? cfg.groups : 8;
+      opts.rule = cfg.rule.value_or(kvc::tools::GroupRule::mean);
+      auto& cal = computed[{opts.groups, static_cast<int>(opts.rule)}];
+      if (!cal) {
+        if (!tokenizer)
+          fail(exit_invalid,
+               "uncomp rows: the model has no tokenizer to encode the built-in calibration text; pass "
+               "--calibration FILE");
+        std::int32_t const bos = c.bos >= 0 ? c.bos : tokenizer->bos_id();
+        if (text.empty())
+          text = encode_text(*tokenizer, c, "--text", "", kvc::eval::builtin_calibration_text);
+        auto const windows = kvc::eval::calibration_windows(text, opts, bos, "the built-in calibration text");
+        cal = std::make_shared<kvc::tools::Calibration const>(
+            kvc::eval::calibrate(model, windows, opts, o.get("--model"), std::string(kvc::eval::builtin_text_name)));
+        report += "uncomp: head groups from the built-in calibration text (" + std::to_string(opts.samples) +
+                  " windows x " + std::to_string(opts.tokens) + " tokens, " + std::to_string(opts.groups) +
+                  " groups, " + kvc::tools::group_rule_name(opts.rule) + ")\n";
+      }
+      row.calibration = cal;
+    }
+    kvc::tools::uncomp_budgets(cfg, *row.calibration, o.has("--calibration") ? path : "the built-in calibration", 0,
+                               static_cast<double>(run.prompt_tokens) / 2);  // the budgets' parameters
+  }
+  if (report.empty() && o.has("--calibration"))
+    fail(exit_usage, "--calibration given, but --policies has no uncomp row");
+  return report;
+}
+
 std::string schedule_text(kvc::eval::RunOptions const& run) {
   if (run.schedule == kvc::eval::Schedule::prefill)
     return "prefill";
@@ -625,11 +827,11 @@ std::string schedule_text(kvc::eval::RunOptions const& run) {
 }
 
 int command_run(int argc, char** argv) {
-  Options const o = parse_options(
-      argc, argv,
-      {"--model", "--out-dir", "--policies", "--ratios", "--prompt-tokens", "--continuation", "--samples", "--seed",
-       "--prompt-file", "--cache", "--layout", "--schedule", "--decode", "--param", "--show", "--generate"},
-      {"--no-progress"});
+  Options const o = parse_options(argc, argv,
+                                  {"--model", "--out-dir", "--policies", "--ratios", "--prompt-tokens",
+                                   "--continuation", "--samples", "--seed", "--prompt-file", "--cache", "--layout",
+                                   "--schedule", "--decode", "--param", "--show", "--generate", "--calibration"},
+                                  {"--no-progress"});
   std::string const model_path = o.need("--model"), dir = o.need("--out-dir");
   if (o.get("--schedule", "prefill") != "prefill")
     fail(exit_usage, "--schedule '" + o.get("--schedule") +
@@ -659,11 +861,15 @@ int command_run(int argc, char** argv) {
     run.policies.push_back(std::move(r));
     check_policy(run.policies.back(), run);
   }
-  Shown const shown = shown_cache(o.get("--show"), run);
+  Shown shown = shown_cache(o.get("--show"), run);
 
   auto const model = load_model(model_path);
   auto const tokenizer = load_tokenizer(model);
   kvc::eval::ModelConfig const& c = model.config;
+  std::size_t const rows = run.policies.size();
+  std::string const calibration_source = uncomp_calibration(o, model, tokenizer, run);
+  if (run.policies.size() != rows)  // a row was left out: the shown row again
+    shown = shown_cache(o.get("--show"), run);
   Index const length = run.prompt_tokens + run.continuation + 1;
   if (length > c.context)
     std::fprintf(stderr,
@@ -725,6 +931,7 @@ int command_run(int argc, char** argv) {
       kvc::eval::cache_type_name(run.cache.type), run.cache.layout == kvc::eval::CacheLayout::paged ? "paged" : "dense",
       static_cast<long long>(samples), static_cast<long long>(run.prompt_tokens),
       static_cast<long long>(run.continuation), source.c_str());
+  std::fputs(calibration_source.c_str(), stdout);
   std::fflush(stdout);
   auto const records =
       kvc::eval::evaluate(model, run, data, [&](Index done, Index total, std::string const& p, double r) {
@@ -752,10 +959,13 @@ int command_run(int argc, char** argv) {
     double const show_ratio = shown.ratio;
     std::vector<std::int32_t> const prompt(data[0].begin(), data[0].begin() + run.prompt_tokens);
     auto full = kvc::eval::make_session(model, run.cache, run.prompt_tokens + generate);
+    full->set_calibration(chosen->calibration);
     kvc::eval::RowMatrix last;
     if (auto const st = full->forward(prompt, last); !st.ok())
       fail(exit_invalid, std::string("generation: ") + st.message());
-    auto compressed = full->clone();
+    kvc::eval::RowMatrix last_compressed = last.bottomRows(1);  // the stage variant prefills on its own
+    auto compressed = kvc::eval::row_session(model, run.cache, run.prompt_tokens + generate, *full, *chosen,
+                                             run.calibration, prompt, &last_compressed);
     double seconds = 0;
     bool const decode = run.schedule == kvc::eval::Schedule::decode;
     kvc::Status const st =
@@ -765,7 +975,7 @@ int command_run(int argc, char** argv) {
     if (!st.ok())
       fail(exit_invalid, std::string("generation: ") + st.message());
     auto const a = kvc::eval::greedy(*full, last, generate);
-    auto const b = kvc::eval::greedy(*compressed, last, generate);
+    auto const b = kvc::eval::greedy(*compressed, last_compressed, generate);
     char title[160];
     if (decode && std::string_view(chosen->policy->name) == "moment_kv")  // Algorithm 1: every token
       std::snprintf(title, sizeof title, "%s, target %lld", show_policy.c_str(),
@@ -828,6 +1038,8 @@ int main(int argc, char** argv) {
       return command_dump(argc, argv);
     if (command == "correction")
       return command_correction(argc, argv);
+    if (command == "calibrate")
+      return command_calibrate(argc, argv);
     if (command == "--help" || command == "-h" || command == "help") {
       std::fputs(usage_text, stdout);
       return 0;

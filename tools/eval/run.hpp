@@ -17,6 +17,7 @@
 #pragma once
 
 #include "common/policies.hpp"
+#include "common/uncomp.hpp"
 #include "eval/engine.hpp"
 #include "eval/metrics.hpp"
 #include "eval/model.hpp"
@@ -24,6 +25,7 @@
 #include <cmath>
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <span>
 #include <string>
 #include <vector>
@@ -41,6 +43,8 @@ struct PolicyRun {
   /// The row's own parameters as written in --policies, `NAME=VALUE,...` inside parentheses (empty: none), e.g.
   /// `mi=false,correction=true` for the row moment_kv(mi=false,correction=true)+ada_kv.
   std::string inline_params{};
+  /// UNComp's calibration for this row (`uncomp` rows; null: RunOptions::calibration).
+  std::shared_ptr<tools::Calibration const> calibration{};
   /// The row's name: the scorer's, its inline parameters in parentheses, then `+allocator` (e.g.
   /// snap_kv+pyramid_kv+ada_kv, moment_kv(mi=false)+ada_kv).
   std::string label() const {
@@ -68,6 +72,9 @@ struct RunOptions {
   DecodeSchedule decode{};  ///< Schedule::decode: interval, target and buffer (protections come from the policy)
   bool relayout_on_compress = false;  ///< Schedule::decode: ragged stores are also re-laid out after compressions
   std::uint64_t seed = 0;             ///< with the sample's index, salts the random baseline (Session::compress)
+  /// UNComp's calibration, which `uncomp` rows take their head groups from (Session::set_calibration) unless the row
+  /// has its own (PolicyRun::calibration).
+  std::shared_ptr<tools::Calibration const> calibration;
 };
 
 /// One (policy, ratio) row, averaged over samples.
@@ -199,6 +206,61 @@ inline Status forward_each(Session& session, std::span<std::int32_t const> token
   return {};
 }
 
+/// UNComp's stage plan of a row (spec §2.9): stages from the calibration's layer scores (a drop above stage_epsilon
+/// starts a stage, or the stage_count - 1 largest drops), and the row's hidden-state parameters. Exit 3 when the
+/// calibration cannot be partitioned so.
+inline HiddenStatePlan uncomp_stage_plan(tools::UNCompConfig const& cfg, tools::Calibration const& cal) {
+  HiddenStatePlan plan;
+  plan.stage_of_layer.resize(static_cast<std::size_t>(cal.layers));
+  Status st;
+  if (cfg.stage_count > 0) {
+    plan.stages = cfg.stage_count;
+    st = partition_layers_count(cal.layer_score.data(), cal.layers, cfg.stage_count, plan.stage_of_layer.data());
+  } else {
+    st = partition_layers(cal.layer_score.data(), cal.layers, cfg.stage_epsilon, plan.stage_of_layer.data(),
+                          plan.stages);
+  }
+  if (!st.ok())
+    tools::fail(tools::exit_invalid, "uncomp stages (--param stage_count / stage_epsilon over the calibration's " +
+                                         std::to_string(cal.layers) + " layer scores): " + st.message());
+  plan.min_tokens = cfg.hs_min_tokens;
+  plan.step = cfg.hs_step;
+  plan.window = cfg.window_size;
+  return plan;
+}
+
+/// Whether a row is UNComp's stage variant (its prefill prunes hidden states: it cannot share the prefilled cache).
+inline bool staged(PolicyRun const& run) {
+  return std::string_view(run.policy->name) == "uncomp" && tools::uncomp_config(run.params).stages;
+}
+
+/// The session a row compresses: a clone of the shared prefilled one, or for UNComp's stage variant its own prefill
+/// of `prompt` with hidden-state pruning (`last`, when given, receives that prefill's last logits row). With the
+/// row's calibration (or `fallback`).
+inline std::unique_ptr<Session> row_session(Model const& model, CacheOptions const& cache, Index capacity,
+                                            Session const& prefilled, PolicyRun const& run,
+                                            std::shared_ptr<tools::Calibration const> const& fallback,
+                                            std::span<std::int32_t const> prompt, RowMatrix* last = nullptr) {
+  auto const& calibration = run.calibration ? run.calibration : fallback;
+  if (!staged(run)) {
+    auto session = prefilled.clone();
+    if (run.calibration)
+      session->set_calibration(run.calibration);
+    return session;
+  }
+  if (!calibration)
+    tools::fail(tools::exit_invalid, run.label() + ": uncomp's stages need a calibration");
+  auto session = make_session(model, cache, capacity);
+  session->set_calibration(calibration);
+  session->set_hidden_state_plan(uncomp_stage_plan(tools::uncomp_config(run.params), *calibration));
+  RowMatrix logits;
+  if (Status const st = session->forward(prompt, logits); !st.ok())
+    tools::fail(tools::exit_invalid, "prefill with hidden-state pruning (" + run.label() + "): " + st.message());
+  if (last)  // the prompt's last row (always kept), from this prefill
+    *last = logits.bottomRows(1);
+  return session;
+}
+
 /// Called before each compressed run: (done, total, policy name, ratio).
 using Progress = std::function<void(Index, Index, std::string const&, double)>;
 
@@ -223,6 +285,7 @@ inline std::vector<Record> evaluate(Model const& model, RunOptions const& option
     std::span<std::int32_t const> const targets =
         all.subspan(static_cast<std::size_t>(n + 1), static_cast<std::size_t>(m));
     auto prefilled = make_session(model, options.cache, n + m);
+    prefilled->set_calibration(options.calibration);
     RowMatrix logits;
     check(prefilled->forward(prompt, logits), "prefill");
     Reference ref;
@@ -257,7 +320,7 @@ inline std::vector<Record> evaluate(Model const& model, RunOptions const& option
       for (PolicyRun const& run : options.policies) {
         if (progress)
           progress(done, total, run.label(), 0.0);
-        auto session = prefilled->clone();
+        auto session = row_session(model, options.cache, n + m, *prefilled, run, options.calibration, prompt);
         std::uint64_t const salt = options.seed * 0x9E3779B97F4A7C15ull + static_cast<std::uint64_t>(sample);
         check(session->begin_decode(*run.policy, run.params, options.decode, salt, run.alloc,
                                     options.relayout_on_compress),
@@ -286,7 +349,7 @@ inline std::vector<Record> evaluate(Model const& model, RunOptions const& option
       for (double ratio : options.ratios) {
         if (progress)
           progress(done, total, run.label(), ratio);
-        auto session = prefilled->clone();
+        auto session = row_session(model, options.cache, n + m, *prefilled, run, options.calibration, prompt);
         double seconds = 0;
         check(session->compress(*run.policy, run.params, ratio, seconds,
                                 options.seed * 0x9E3779B97F4A7C15ull + static_cast<std::uint64_t>(sample), run.alloc),

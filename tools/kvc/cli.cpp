@@ -17,7 +17,9 @@
 #include <kvc/backend/cpu/scorers/snap_kv.hpp>
 #include <kvc/backend/cpu/scorers/streaming_llm.hpp>
 #include <kvc/backend/cpu/scorers/tova.hpp>
+#include <kvc/backend/cpu/scorers/uncomp.hpp>
 #include <kvc/backend/cpu/selectors/top_k.hpp>
+#include <kvc/backend/cpu/selectors/uncomp.hpp>
 #include <kvc/backend/cpu/thread_pool.hpp>
 #include <kvc/core/rope.hpp>
 #include <kvc/core/validate.hpp>
@@ -32,6 +34,7 @@
 #include "common/moment_kv.hpp"
 #include "common/observations.hpp"
 #include "common/policies.hpp"
+#include "common/uncomp.hpp"
 
 #include <algorithm>
 #include <cerrno>
@@ -84,6 +87,8 @@ char const* const overview_text =
     "kvc: score and compress .npy or .safetensors KV-cache dumps with kvc's policies.\n"
     "usage:\n"
     "  kvc score    --policy NAME [--param NAME=VALUE]... --keys K.npy [--queries Q.npy] --out scores.npy\n"
+    "  kvc score    --policy uncomp_entropy [--param NAME=VALUE]... --queries Q.npy --out E.npy   per-head\n"
+    "               truncated matrix entropies [B, Hq] (UNComp; calibration files: `kvc-eval calibrate`)\n"
     "  kvc compress --policy NAME (--ratio R | --budget N) [--allocator A] [--param NAME=VALUE]...\n"
     "               (--keys K.npy --values V.npy [--queries Q.npy] | --dump DIR) --out-dir DIR\n"
     "  kvc attend   --keys K.npy --values V.npy --queries Q.npy [--indices I.npy] [--moments DIR]\n"
@@ -128,8 +133,13 @@ std::vector<CommandInfo> const& commands() {
       {"score",
        "usage: kvc score --policy NAME [--param NAME=VALUE]... --keys K.npy [--values V.npy]\n"
        "                 [--queries Q.npy [--positions P.npy] [--rope theta=T,style=neox|interleaved]]\n"
-       "                 --out scores.npy [--time] [--threads N]\n",
-       "Scores every cached token with a policy: writes [B, Hkv, N] float32, higher = keep.\n",
+       "                 --out scores.npy [--time] [--threads N]\n"
+       "       kvc score --policy uncomp_entropy [--param NAME=VALUE]... --queries Q.npy [--positions P.npy]\n"
+       "                 [--rope theta=T,style=neox|interleaved] --out E.npy [--time]\n",
+       "Scores every cached token with a policy: writes [B, Hkv, N] float32, higher = keep.\n"
+       "With --policy uncomp_entropy (no --keys): UNComp's truncated matrix entropy of each query head's rows of\n"
+       "--queries [B, Hq, n, d] (pre-RoPE ones rotated to --positions, default 0 .. n - 1), written as [B, Hq]\n"
+       "(--param unit=normalized|truncated|erank, dtype=float64|float32; head_dim at most 1024).\n",
        "  --out scores.npy       the scores\n",
        {"--policy", "--param", "--keys", "--values", "--queries", "--positions", "--rope", "--out", "--time",
         "--threads"}},
@@ -137,7 +147,9 @@ std::vector<CommandInfo> const& commands() {
        "usage: kvc compress --policy NAME (--ratio R | --budget N) [--allocator ada_kv|pyramid_kv|pyramid_kv+ada_kv]\n"
        "                    [--param NAME=VALUE]... (--keys K.npy --values V.npy [--queries Q.npy\n"
        "                    [--positions P.npy] [--rope theta=T,style=S]] | --dump DIR) --out-dir DIR [--time]\n"
-       "                    [--threads N]\n",
+       "                    [--threads N]\n"
+       "       kvc compress --policy uncomp --calibration calib.json [--ratio R | --budget B] [--param NAME=VALUE]...\n"
+       "                    (--keys K.npy --values V.npy --queries Q.npy --layer L | --dump DIR) --out-dir DIR\n",
        "Keeps the best-scored tokens of each (sequence, KV head) and writes, in DIR: keys.npy and values.npy\n"
        "([B, Hkv, n_kept, d], input dtype; n_kept the longest head's count), indices.npy (int64 [B, Hkv, n_kept],\n"
        "ascending, -1 padding where heads keep different counts) and counts.npy (int64 [B, Hkv]); with --allocator\n"
@@ -158,6 +170,11 @@ std::vector<CommandInfo> const& commands() {
        "                         queries.npy) instead of --keys/--values/--queries; RoPE from meta.json;\n"
        "                         pyramid_kv's layer and num_layers from the dump; outputs in --out-dir's layer<L>/\n"
        "  --out-dir DIR          created if absent\n"
+       "  --calibration FILE     --policy uncomp: the calibration file `kvc-eval calibrate` writes; each layer's\n"
+       "                         per-head budgets come from its head groups (average B = --budget, or\n"
+       "                         floor(N * (1 - R)) with --ratio; neither with --param schedule=paper or list).\n"
+       "                         Writes the ragged store too; with --param gqa=expand every output is per query head\n"
+       "  --layer L              --policy uncomp without --dump: the calibration's layer of these keys\n"
        "  memory (in --time)     \"input_bytes\" (K + V of the input), \"padded_bytes\" (a uniform cache padded to\n"
        "                         the longest head: what keys.npy and values.npy hold), \"ragged_bytes\" (the\n"
        "                         ragged store), \"row_bytes\" (one token's K + V row), \"input_tokens\",\n"
@@ -165,7 +182,7 @@ std::vector<CommandInfo> const& commands() {
        "                         moment_kv adds \"moment_bytes\" (the moments, all heads, in the storage\n"
        "                         dtype), \"moment_head_bytes\" and \"moment_ratio\" (moment_bytes / ragged_bytes)\n",
        {"--policy", "--param", "--keys", "--values", "--queries", "--positions", "--rope", "--ratio", "--budget",
-        "--allocator", "--dump", "--out-dir", "--time", "--threads"}},
+        "--allocator", "--dump", "--out-dir", "--time", "--threads", "--calibration", "--layer"}},
       {"attend",
        "usage: kvc attend --keys K.npy --values V.npy --queries Q.npy [--positions P.npy] [--rope theta=T,style=S]\n"
        "                  [--indices I.npy] [--moments DIR] [--param NAME=VALUE]... --out-dir DIR [--time]\n"
@@ -764,15 +781,18 @@ constexpr std::size_t max_rope_table_bytes = std::size_t{1} << 30;
 
 void fill_query_rope(kvc::RopeSpec const& spec, kvc::Index max_position, Queries& q);
 
-/// Loads the queries file `path` (and the positions file `positions_path`, when not empty) for keys of extents `k`,
-/// and fills the RoPE table when they are pre-RoPE.
-void load_queries(std::string const& path, std::string const& positions_path, kvc::KVExtents const& k,
+/// Loads the queries file `path` (and the positions file `positions_path`, when not empty) for keys of extents `*k`,
+/// and fills the RoPE table when they are pre-RoPE. Without keys (`k` null: uncomp_entropy) the queries are checked
+/// on their own (finite; no logit range) and the default positions are 0 .. w - 1.
+void load_queries(std::string const& path, std::string const& positions_path, kvc::KVExtents const* keys,
                   std::string const& keys_path, bool rotate, kvc::RopeSpec const& spec, Queries& q) {
   q.path = path;
   Input const in = load_tensor(q.path, "queries", "[batch, query_heads, window, head_dim]");
   q.ext = extents_of(in);
   q.file_bytes = in.array.data.size();
   std::string const where = "queries file " + q.path + ": field 'shape': ";
+  // Without keys the queries' own extents stand in for them (every check below then holds).
+  kvc::KVExtents const k = keys ? *keys : kvc::KVExtents{q.ext.batch, q.ext.heads, q.ext.tokens, q.ext.dim};
   if (q.ext.batch != k.batch)
     fail(exit_invalid, where + "batch (shape[0]) is " + std::to_string(q.ext.batch) + ", expected the keys' " +
                            std::to_string(k.batch));
@@ -790,7 +810,7 @@ void load_queries(std::string const& path, std::string const& positions_path, kv
     if (!std::isfinite(q.rows[i]))
       fail(exit_invalid, "queries file " + q.path + ": field 'data' holds NaN or Inf (element " + std::to_string(i) +
                              "), expected finite values");
-    if (!kvc::in_exact_range(q.rows[i], q.ext.dim))
+    if (keys && !kvc::in_exact_range(q.rows[i], q.ext.dim))
       fail(exit_invalid, "queries file " + q.path + ": field 'data': element " + std::to_string(i) + " is " +
                              short_number(q.rows[i]) + ", " + range_text(q.ext.dim));
   }
@@ -1040,9 +1060,9 @@ void load_job(JobFiles const& files, Job& job) {
   job.keys = load_tensor(files.keys, "keys", kv_dims);
   if (!files.values.empty())
     job.values = load_tensor(files.values, "values", kv_dims);
+  kvc::KVExtents const keys_ext = extents_of(job.keys);
   if (job.policy.reads_queries)
-    load_queries(files.queries, files.positions, extents_of(job.keys), job.keys.path, job.rotate, job.rope,
-                 job.queries);
+    load_queries(files.queries, files.positions, &keys_ext, job.keys.path, job.rotate, job.rope, job.queries);
 }
 
 /// A kernel's workspace: uninitialised (kernels write before they read, so untouched pages cost nothing), within
@@ -1073,6 +1093,10 @@ Scratch workspace(std::size_t bytes, Job const& job) {
 /// What every job of one compress call shares.
 struct CompressSettings {
   AllocatorChoice alloc;
+  bool ragged = false;  ///< per-head counts: the ragged store is written too (an allocator, or uncomp)
+  std::optional<kvc::tools::Calibration> calibration;  ///< uncomp
+  std::string calibration_path;
+  kvc::Index layer = 0;  ///< uncomp: the calibration's layer of the job
   std::optional<double> ratio;
   kvc::Index budget = 0;
   kvc::Index threads = 1;
@@ -1085,6 +1109,24 @@ struct CompressSettings {
 
 bool is_moment_kv(PolicyInfo const& policy) {
   return std::string_view(policy.name) == "moment_kv";
+}
+
+bool is_uncomp(PolicyInfo const& policy) {
+  return std::string_view(policy.name) == "uncomp";
+}
+
+/// gqa=expand: the keys or values [B, Hkv, N, d] repeated to [B, Hq, N, d] (query head q reads KV head q / (Hq / Hkv)),
+/// the authors' per-query-head caches.
+void expand_heads(Input& in, kvc::Index hq) {
+  auto const& s = in.array.shape;
+  kvc::Index const b = s[0], hkv = s[1], per_head = s[2] * s[3] * in.array.itemsize(), g = hq / hkv;
+  std::vector<std::byte> out =
+      buffer<std::byte>(static_cast<std::size_t>(b * hq * per_head), "the per-query-head copy of " + in.path);
+  for (kvc::Index i = 0; i < b; ++i)
+    for (kvc::Index q = 0; q < hq; ++q)
+      std::copy_n(in.array.data.data() + (i * hkv + q / g) * per_head, per_head, out.data() + (i * hq + q) * per_head);
+  in.array.data = std::move(out);
+  in.array.shape[1] = hq;
 }
 
 /// The files of the moments, in --out-dir (compress) or --moments (attend).
@@ -1109,12 +1151,12 @@ void check_moment_memory(kvc::KVExtents const& e, kvc::Index dim_v, std::string 
 /// kvc's other window policies get (with_observations).
 template <class C, class Fn>
 void with_moment_observations(kvc::SnapKVScorer const& base, C const& cache, Queries const& q,
-                              std::string const& keys_path, Fn&& fn) {
+                              std::string const& keys_path, Fn&& fn, char const* policy = "moment_kv") {
   kvc::KVExtents const k = cache.keys.extents();
   kvc::Index const used = base.window_size;
   if (used > q.ext.tokens)
     fail(exit_invalid, "queries file " + q.path + ": field 'shape': window (shape[2]) is " +
-                           std::to_string(q.ext.tokens) + ", but policy moment_kv reads the last " +
+                           std::to_string(q.ext.tokens) + ", but policy " + policy + " reads the last " +
                            std::to_string(used) +
                            " query rows (--param window_size); pass more queries or a smaller window_size");
   if (q.positions.empty() && used > k.tokens)
@@ -1268,7 +1310,64 @@ void compress_moment_kv(Job& job, CompressSettings const& s, kvc::Cpu const& cpu
   });
 }
 
+/// The largest head dim uncomp_entropy accepts: its solver holds d x d fp64 matrices and solves them in O(d^3).
+constexpr kvc::Index max_entropy_head_dim = 1024;
+
+/// `kvc score --policy uncomp_entropy`: UNComp's truncated matrix entropy (kvc::MatrixEntropySolver) of each
+/// (sequence, query head)'s rows of --queries, rotated to their positions first when pre-RoPE (default positions
+/// 0 .. w - 1: a shift of every position is a rotation of the features, which leaves the entropy unchanged), written
+/// as [B, Hq] float64 or float32 in the unit asked. It reads no keys.
+int cmd_score_entropy(Options const& o) {
+  Job job(find_policy(o.get("--policy")));
+  for (char const* opt : {"--keys", "--values"})
+    if (o.has(opt))
+      fail(exit_usage, std::string(opt) + " given, but policy " + job.policy.name +
+                           " reads only --queries (it writes each query head's entropy, [B, Hq])");
+  if (!o.has("--queries") || !o.has("--out"))
+    fail(exit_usage, std::string("score --policy ") + job.policy.name + " needs --queries and --out");
+  check_job(o, false, job);
+  kvc::tools::EntropyConfig const cfg = kvc::tools::entropy_config(job.params);  // exit 3 before any file is read
+  check_outputs(option_inputs(o), {o.get("--out")}, "--out");
+  kvc::Index const threads = thread_count(o);
+  Queries& q = job.queries;
+  load_queries(o.get("--queries"), o.get("--positions"), nullptr, std::string(), job.rotate, job.rope, q);
+  if (q.ext.dim > max_entropy_head_dim)
+    fail(exit_invalid, "queries file " + q.path + ": field 'shape': head_dim (shape[3]) is " +
+                           std::to_string(q.ext.dim) + ", expected at most " + std::to_string(max_entropy_head_dim) +
+                           " (the entropy solves a head_dim x head_dim eigenproblem)");
+  kvc::Index const heads = q.ext.batch * q.ext.heads, w = q.ext.tokens, d = q.ext.dim;
+  std::vector<double> values = buffer<double>(static_cast<std::size_t>(heads), "the entropies of " + q.path);
+  kvc::MatrixEntropySolver solver(d, cfg.options);
+  auto once = [&] {
+    for (kvc::Index bh = 0; bh < heads; ++bh) {
+      kvc::Index const b = bh / q.ext.heads;
+      kvc::MatrixEntropy e;
+      check_status(solver.compute(q.rows.data() + bh * w * d, w, d, e, q.rope,
+                                  q.positions.empty() ? nullptr : q.positions.data() + b * w),
+                   "queries file " + q.path + ": sequence " + std::to_string(b) + ", query head " +
+                       std::to_string(bh % q.ext.heads));
+      values[static_cast<std::size_t>(bh)] = cfg.value(e);
+    }
+  };
+  once();
+  if (o.time)
+    print_time("score", job.policy, "", "",
+               {median_seconds(timing_repeats, once), -1, 0, threads, q.file_bytes, std::nullopt});
+  std::vector<float> narrow;
+  if (!cfg.float64) {
+    narrow = buffer<float>(values.size(), "the entropies of " + q.path);
+    std::transform(values.begin(), values.end(), narrow.begin(), [](double x) { return static_cast<float>(x); });
+  }
+  write_outputs({{o.get("--out"),
+                  cfg.float64 ? kvc::NpyDtype::f64 : kvc::NpyDtype::f32,
+                  {q.ext.batch, q.ext.heads},
+                  cfg.float64 ? static_cast<void const*>(values.data()) : static_cast<void const*>(narrow.data())}});
+  return 0;
+}
+
 int cmd_score(Options const& o) {
+  if (o.has("--policy") && !find_policy(o.get("--policy")).token_scores)
+    return cmd_score_entropy(o);
   if (!o.has("--policy") || !o.has("--keys") || !o.has("--out"))
     fail(exit_usage, "score needs --policy, --keys and --out");
   Job job(find_policy(o.get("--policy")));
@@ -1283,9 +1382,11 @@ int cmd_score(Options const& o) {
                          " weights scores by the value norms: pass --values V.npy (or --param use_vnorm=false)");
   std::optional<MomentKVConfig> const moment_config =
       moment_kv ? std::optional(moment_kv_config(job.params)) : std::nullopt;  // bad values exit 3 before reading
+  std::optional<kvc::tools::UNCompConfig> const uncomp =
+      is_uncomp(job.policy) ? std::optional(kvc::tools::uncomp_config(job.params)) : std::nullopt;
   check_outputs(option_inputs(o), {o.get("--out")}, "--out");
   load_job(option_files(o), job);
-  kvc::KVExtents const e = extents_of(job.keys);
+  kvc::KVExtents e = extents_of(job.keys);  // (uncomp with gqa=expand scores Hq heads)
   kvc::Index const threads = thread_count(o);
   kvc::ThreadPool pool(threads);
   kvc::Cpu const cpu = threads > 1 ? pool.cpu() : kvc::Cpu{};
@@ -1318,6 +1419,40 @@ int cmd_score(Options const& o) {
       });
     });
     write_outputs({{o.get("--out"), kvc::NpyDtype::f32, {e.batch, e.heads, e.tokens}, scores.data()}});
+    return 0;
+  }
+  if (uncomp) {
+    // UNComp's score before any eviction: kvc::update with the queries' last window_size rows, then kvc::score (the
+    // pooled window attention of each prefix slot, summed over its query group; window slots above every prefix
+    // score). gqa=expand scores each query head's copy of its KV head: [B, Hq, N].
+    if (uncomp->gqa == kvc::tools::UNCompGqa::expand && job.queries.ext.heads != e.heads) {
+      expand_heads(job.keys, job.queries.ext.heads);
+      scores = buffer<float>(static_cast<std::size_t>(extents_of(job.keys).rows()), "the scores of " + job.context());
+    }
+    kvc::KVExtents const x = extents_of(job.keys);
+    std::vector<float> rows = buffer<float>(kvc::bytes_product(x.rows(), uncomp->window_size), "UNComp's state");
+    std::vector<kvc::Index> tracked = buffer<kvc::Index>(static_cast<std::size_t>(x.batch * x.heads), "UNComp's state");
+    kvc::UNCompScorer<> scorer;
+    scorer.state = {{rows.data(), kvc::uncomp_window_layout(x, uncomp->window_size)}, tracked.data()};
+    scorer.window_size = uncomp->window_size;
+    scorer.kernel_size = uncomp->kernel_size;
+    scorer.pooling = uncomp->pooling;
+    kvc::SnapKVScorer window;
+    window.window_size = uncomp->window_size;
+    with_cache(job.keys, nullptr, KeyRange::logits, [&](auto const& cache) {
+      with_moment_observations(
+          window, cache, job.queries, job.keys.path,
+          [&](auto const& obs) {
+            Scratch const ws = workspace(kvc::update_workspace_bytes(cpu, scorer, x, obs), job);
+            check_status(kvc::update(cpu, scorer, cache, obs, ws.span()), job.context());
+            kvc::Index const heads_e = e.heads;
+            e.heads = x.heads;  // the scores' shape (gqa=expand: per query head)
+            score_with(scorer, cache, kvc::NoObservations{});
+            e.heads = heads_e;
+          },
+          "uncomp");
+    });
+    write_outputs({{o.get("--out"), kvc::NpyDtype::f32, {x.batch, x.heads, x.tokens}, scores.data()}});
     return 0;
   }
   job.run([&](auto const& scorer, Selection, auto const& cache, auto const& obs) { score_with(scorer, cache, obs); });
@@ -1384,6 +1519,52 @@ std::vector<std::byte> npy_bytes(std::vector<std::byte> raw, Elem elem, std::str
   return out;
 }
 
+/// UNComp's prefill selection of one loaded job (tools/common/uncomp.hpp): the layer's per-head budgets from the
+/// calibration's groups (average: --budget, or the ratio's kept count of N), kvc::update with the last window_size
+/// query rows (the attention each slot receives, summed over its query group), then kvc::compress with
+/// UNCompSelector (the window always kept) into `plan`. With --time, both are timed together.
+void compress_uncomp(Job& job, CompressSettings const& s, kvc::Cpu const& cpu, kvc::KeepPlan<> const& plan,
+                     Timing& timing) {
+  kvc::tools::UNCompConfig const cfg = kvc::tools::uncomp_config(job.params);
+  kvc::KVExtents const e = extents_of(job.keys);
+  double const average = cfg.absolute() ? 0.0
+                         : s.ratio      ? static_cast<double>(kvc::RatioBudget{*s.ratio}.keep(0, 0, e.tokens))
+                                        : static_cast<double>(s.budget);
+  std::vector<kvc::Index> const budgets =
+      kvc::tools::uncomp_budgets(cfg, *s.calibration, s.calibration_path, s.layer, average);
+  std::vector<float> window_rows =
+      buffer<float>(kvc::bytes_product(e.rows(), cfg.window_size), "UNComp's window rows of " + job.context());
+  std::vector<kvc::Index> tracked = buffer<kvc::Index>(static_cast<std::size_t>(e.batch * e.heads), "UNComp's state");
+  kvc::UNCompScorer<> scorer;
+  scorer.state = {{window_rows.data(), kvc::uncomp_window_layout(e, cfg.window_size)}, tracked.data()};
+  scorer.window_size = cfg.window_size;
+  scorer.kernel_size = cfg.kernel_size;
+  scorer.pooling = cfg.pooling;
+  check_status(scorer.check(), "policy uncomp");
+  kvc::SnapKVScorer window;  // only its window_size: the checks of the query rows the window reads
+  window.window_size = cfg.window_size;
+  with_cache(job.keys, &*job.values, KeyRange::logits, [&](auto const& cache) {
+    with_moment_observations(
+        window, cache, job.queries, job.keys.path,
+        [&](auto const& obs) {
+          kvc::Press const press{scorer,
+                                 kvc::UNCompSelector{kvc::HeadBudgets{budgets.data(), e.heads}, 0, cfg.window_size}};
+          Scratch const ws = workspace(
+              std::max(kvc::update_workspace_bytes(cpu, scorer, e, obs), kvc::compress_workspace_bytes(cpu, press, e)),
+              job);
+          auto once = [&] {
+            std::fill(tracked.begin(), tracked.end(), 0);
+            check_status(kvc::update(cpu, scorer, cache, obs, ws.span()), job.context());
+            check_status(kvc::compress(cpu, press, cache, plan, ws.span()), job.context());
+          };
+          once();
+          if (s.time)
+            timing = {median_seconds(timing_repeats, once), -1, ws.size, s.threads, job.bytes_read(), std::nullopt};
+        },
+        "uncomp");
+  });
+}
+
 /// Scores, selects (top-k, or the allocators' selection: with_selection), builds the ragged store from the kept
 /// rows (kvc::gather), compacts and measures one job whose inputs are loaded. `layer` names a --dump layer in
 /// --time's line.
@@ -1409,6 +1590,8 @@ Compressed compress_job(Job& job, CompressSettings const& s) {
     for (kvc::Index bh = 0; bh < e.batch * e.heads; ++bh)
       for (kvc::Index j = 0; j < c.counts[static_cast<std::size_t>(bh)]; ++j)
         index[static_cast<std::size_t>(bh * e.tokens + j)] = j;
+  } else if (is_uncomp(job.policy)) {
+    compress_uncomp(job, s, cpu, plan, c.timing);
   } else {
     std::vector<float> scores = buffer<float>(rows, "the scores of " + job.context());
     // kvc::compress is kvc::score then kvc::select; they are called one by one so that --time reports each. Each
@@ -1508,7 +1691,7 @@ Compressed compress_job(Job& job, CompressSettings const& s) {
                 c.indices.data() + bh * c.kept_max);
   c.keys = repack(keys);
   c.values = repack(values);
-  if (s.alloc.any()) {
+  if (s.ragged) {
     c.ragged_keys = npy_bytes(std::move(ragged_k), keys.array.elem, "the ragged store of " + keys.path);
     c.ragged_values = npy_bytes(std::move(ragged_v), values.array.elem, "the ragged store of " + values.path);
   }
@@ -1629,18 +1812,54 @@ int cmd_compress(Options const& o) {
   bool const dump = o.has("--dump");
   if (!o.has("--policy") || !o.has("--out-dir") || (!dump && (!o.has("--keys") || !o.has("--values"))))
     fail(exit_usage, "compress needs --policy, --out-dir, and --keys and --values or --dump");
-  if (o.has("--ratio") == o.has("--budget"))
+  bool const uncomp = o.has("--policy") && o.get("--policy") == "uncomp";
+  if (!uncomp && o.has("--ratio") == o.has("--budget"))
     fail(exit_usage, "compress needs exactly one of --ratio and --budget");
+  for (char const* opt : {"--calibration", "--layer"})
+    if (!uncomp && o.has(opt))
+      fail(exit_usage, std::string(opt) + " goes with --policy uncomp (its calibration file and the layer)");
   if (dump)
     for (char const* opt : {"--keys", "--values", "--queries", "--positions", "--rope"})
       if (o.has(opt))
         fail(exit_usage, std::string(opt) + " given with --dump: the dump folder gives each layer's keys, values " +
                              "and queries (at positions 0 .. N - 1), and its meta.json the RoPE");
+  if (!find_policy(o.get("--policy")).token_scores)
+    fail(exit_usage, "policy " + o.get("--policy") +
+                         " writes per-head values (kvc score), not token scores: it does not compress (UNComp's "
+                         "compression is --policy uncomp)");
   CompressSettings s;
   if (o.has("--allocator"))
     s.alloc = parse_allocators(o.get("--allocator"));
   Job setup(with_allocators(find_policy(o.get("--policy")), s.alloc));
   check_job(o, true, setup);
+  std::optional<kvc::tools::UNCompConfig> uncomp_cfg;
+  if (uncomp) {
+    if (s.alloc.any())
+      fail(exit_usage,
+           "--allocator given with --policy uncomp: UNComp allocates its own per-head budgets from the "
+           "calibration's head groups");
+    if (!o.has("--calibration"))
+      fail(exit_usage, "--policy uncomp needs --calibration FILE (`kvc-eval calibrate` writes one)");
+    if (dump && o.has("--layer"))
+      fail(exit_usage, "--layer given with --dump: each layer of the dump is the calibration's layer of that index");
+    if (!dump && !o.has("--layer"))
+      fail(exit_usage, "--policy uncomp without --dump needs --layer L (the calibration's layer of these keys)");
+    uncomp_cfg = kvc::tools::uncomp_config(setup.params);
+    if (uncomp_cfg->absolute() && (o.has("--ratio") || o.has("--budget")))
+      fail(exit_usage, "--param schedule=" + setup.params.at("schedule") +
+                           (setup.params.at("preset").empty() ? std::string() : " (a preset)") +
+                           ": the budgets are absolute; drop --ratio and --budget");
+    if (!uncomp_cfg->absolute() && o.has("--ratio") == o.has("--budget"))
+      fail(exit_usage, "compress --policy uncomp needs exactly one of --ratio and --budget (the average budget B)");
+    if (uncomp_cfg->stages)
+      fail(exit_usage, "--param stages=true prunes hidden states inside the model's prefill: kvc-eval only");
+    if (uncomp_cfg->rule)
+      fail(exit_usage, "--param rule: the calibration file's rule holds (`kvc-eval calibrate --rule`)");
+    s.ragged = true;
+    if (o.has("--layer"))
+      s.layer = parse_count(o.get("--layer"), "--layer");
+  }
+  s.ragged = s.ragged || s.alloc.any();
   if (dump && s.alloc.pyramid_kv)
     for (char const* name : {"layer", "num_layers"})
       if (param_given(o, name))
@@ -1653,9 +1872,20 @@ int cmd_compress(Options const& o) {
   // The selection's parameters (allocators' included) are checked before any file is read.
   if (setup.params.count("reference"))
     reference_of(setup.params);
-  with_selection(s.alloc, setup.params, Selection{}, s.ratio, s.budget, 0, [](auto const&) {});
+  if (!uncomp)
+    with_selection(s.alloc, setup.params, Selection{}, s.ratio, s.budget, 0, [](auto const&) {});
   if (is_moment_kv(setup.policy))
     moment_kv_config(setup.params);
+  if (uncomp) {  // the calibration, before any tensor is read
+    s.calibration_path = o.get("--calibration");
+    s.calibration = kvc::tools::read_calibration(s.calibration_path);
+    if (!dump && s.layer >= s.calibration->layers)
+      fail(exit_invalid, "--layer " + o.get("--layer") + ": calibration file " + s.calibration_path + " has " +
+                             std::to_string(s.calibration->layers) + " layers");
+    if (uncomp_cfg->absolute() || o.has("--budget"))  // every layer's budgets (with --ratio: per layer, from N)
+      for (kvc::Index l = 0; l < s.calibration->layers; ++l)
+        kvc::tools::uncomp_budgets(*uncomp_cfg, *s.calibration, s.calibration_path, l, static_cast<double>(s.budget));
+  }
   std::string const out_dir = o.get("--out-dir");
   struct stat st {};
   if (::stat(out_dir.c_str(), &st) == 0 && !S_ISDIR(st.st_mode))
@@ -1697,7 +1927,7 @@ int cmd_compress(Options const& o) {
   for (std::string const& dir : dirs) {
     for (char const* name : compress_outputs)
       outputs.push_back(dir + "/" + name);
-    if (s.alloc.any())
+    if (s.ragged)
       for (char const* name : ragged_outputs)
         outputs.push_back(dir + "/" + name);
     if (is_moment_kv(setup.policy))
@@ -1723,12 +1953,25 @@ int cmd_compress(Options const& o) {
       load_job(jobs[i], job);
       if (d)
         check_dump_layer(*d, job, first);
+      kvc::KVExtents const loaded = extents_of(job.keys);
+      if (uncomp) {
+        kvc::KVExtents const ke = loaded;
+        kvc::tools::check_calibration_fits(
+            *s.calibration, s.calibration_path, d ? d->layers : 0, job.queries.ext.heads, ke.heads, ke.dim,
+            d ? "--dump " + d->dir : "keys file " + job.keys.path + " / queries file " + job.queries.path);
+        if (d)
+          s.layer = static_cast<kvc::Index>(i);
+        if (uncomp_cfg->gqa == kvc::tools::UNCompGqa::expand && job.queries.ext.heads != ke.heads) {
+          expand_heads(job.keys, job.queries.ext.heads);
+          expand_heads(*job.values, job.queries.ext.heads);
+        }
+      }
       Compressed c = compress_job(job, s);
       make_folders(dirs[i], made);
-      stage_outputs(c.outputs(dirs[i], s.alloc.any()), staged);
+      stage_outputs(c.outputs(dirs[i], s.ragged), staged);
       timings.push_back(c.timing);
       if (!first)
-        first = LayerShape{c.ext, c.dim_v};
+        first = LayerShape{loaded, c.dim_v};  // as read (gqa=expand's outputs are per query head)
     }
     commit_outputs(staged);
   } catch (Failure const&) {
@@ -1959,7 +2202,7 @@ int cmd_attend(Options const& o) {
   if (o.has("--indices"))
     load_indices(o.get("--indices"), k, lengths, key_positions);
   Queries q;
-  load_queries(o.get("--queries"), o.get("--positions"), k, keys.path, false, a.rope, q);
+  load_queries(o.get("--queries"), o.get("--positions"), &k, keys.path, false, a.rope, q);
   kvc::Index const n = q.ext.tokens;
   if (q.positions.empty()) {  // the cache's last n positions, as kvc::attend takes them (kvc::context_end)
     q.positions = buffer<kvc::Index>(static_cast<std::size_t>(q.ext.batch * n), "the positions of " + q.path);
@@ -2115,7 +2358,9 @@ int cmd_policies() {
     for (auto const& p : a.params)
       width = std::max(width, param_text(p).size());
   for (auto const& policy : policies()) {
-    char const* reads = policy.reads_queries ? "keys and --queries" : (policy.reads_keys ? "keys" : "no tensor data");
+    char const* reads = !policy.token_scores   ? "--queries"
+                        : policy.reads_queries ? "keys and --queries"
+                                               : (policy.reads_keys ? "keys" : "no tensor data");
     std::fprintf(io.out, "%s  (reads %s)\n    %s\n", policy.name, reads, policy.summary);
     for (auto const& p : policy.params)
       std::fprintf(io.out, "    %-*s  %s\n", static_cast<int>(width), param_text(p).c_str(), p.help);
