@@ -397,7 +397,7 @@ TEST_CASE("matrix entropy: degenerate input (n = 1, constant rows, n = 0) gives 
       CHECK(e.full == 0.0);
       CHECK(e.erank == 1.0);
       CHECK(e.normalized == 0.0);
-      CHECK(e.k == std::min<Index>(32, n));
+      CHECK(e.k == std::min<Index>(d / 4, n));  // top_k 0: d / 4
       CHECK(s.spectrum().allFinite());
       CHECK(s.spectrum().sum() == 0.0);
     }
@@ -522,6 +522,21 @@ TEST_CASE("matrix entropy: NaN or Inf rows are errors in both modes", "[calibrat
   }
 }
 
+TEST_CASE("matrix entropy: top_k 0 is the head dim / 4 (spec 7.4: 32 at d = 128)", "[calibration][entropy]") {
+  for (Index d : {4, 8, 16, 128}) {
+    std::vector<float> const x = cloud(2 * d + 3, d, 21);
+    MatrixEntropy automatic, explicit_k;
+    MatrixEntropySolver a(d, {.top_k = 0}), b(d, {.top_k = std::max<Index>(1, d / 4)});
+    REQUIRE(a.compute(x.data(), 2 * d + 3, d, automatic).ok());
+    REQUIRE(b.compute(x.data(), 2 * d + 3, d, explicit_k).ok());
+    CHECK(automatic.k == std::max<Index>(1, d / 4));
+    CHECK(automatic.truncated == explicit_k.truncated);
+  }
+  CHECK(kvc::resolved_top_k({}, 128) == 32);
+  CHECK(kvc::resolved_top_k({}, 2) == 1);
+  CHECK(kvc::resolved_top_k({.top_k = 7}, 128) == 7);
+}
+
 TEST_CASE("matrix entropy: bad arguments are errors naming them", "[calibration][entropy]") {
   Index const n = 20, d = 8;
   std::vector<float> const x = cloud(n, d, 16);
@@ -530,7 +545,7 @@ TEST_CASE("matrix entropy: bad arguments are errors naming them", "[calibration]
     MatrixEntropySolver s(dim, o);
     return s.compute(x.data(), n, d, e).code();
   };
-  CHECK(code({.top_k = 0}) == kvc::Errc::invalid_argument);
+  CHECK(code({.top_k = -1}) == kvc::Errc::invalid_argument);
   CHECK(code({.ridge = -1e-10}) == kvc::Errc::invalid_argument);
   CHECK(code({.ridge = 1.0}) == kvc::Errc::invalid_argument);
   CHECK(code({.ridge = std::numeric_limits<double>::quiet_NaN()}) == kvc::Errc::invalid_argument);
@@ -544,7 +559,7 @@ TEST_CASE("matrix entropy: bad arguments are errors naming them", "[calibration]
   CHECK(s.compute(x.data(), n, d - 1, e).code() == kvc::Errc::invalid_argument);
   kvc::Status const st = s.compute(x.data(), n, d - 1, e);
   CHECK(std::string(st.message()).find("stride") != std::string::npos);
-  CHECK(std::string(kvc::MatrixEntropyOptions{.top_k = 0}.check().message()).find("top_k") != std::string::npos);
+  CHECK(std::string(kvc::MatrixEntropyOptions{.top_k = -1}.check().message()).find("top_k") != std::string::npos);
   CHECK(s.compute(x.data(), n, d, e).ok());  // the solver still works after errors
 }
 

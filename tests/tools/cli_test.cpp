@@ -364,7 +364,7 @@ TEST_CASE("cli: policies lists every policy with every parameter and its default
         {"n_recent", "32"}}},
   };
   // uncomp_entropy writes per-head values ([B, Hq]), not token scores: it is listed, and compress refuses it.
-  M const entropy = {{"top_k", "32"},        {"normalize_rows", "true"}, {"renormalize_topk", "false"}, {"ridge", "0"},
+  M const entropy = {{"top_k", "auto"},      {"normalize_rows", "true"}, {"renormalize_topk", "false"}, {"ridge", "0"},
                      {"unit", "normalized"}, {"dtype", "float64"},       {"queries", "pre_rope"}};
   auto listed_cache_policies = listed;
   CHECK(listed_cache_policies["uncomp_entropy"] == entropy);
@@ -1803,10 +1803,11 @@ TEST_CASE("cli: score --policy uncomp_entropy writes each query head's entropy, 
       CHECK(std::abs(got[i] - want[i]) <= 1e-12);
     }
   };
-  // Default: top_k 32 clamps to d = 8 (the full spectrum), Ĥ_k in float64.
+  // Default: top_k=auto is d / 4 = 2 (isotropic: Ĥ_2 = 2/8), Ĥ_k in float64; top_k 32 clamps to d = 8.
   kvc::NpyArray a = entropies("", "ent_default.npy");
   CHECK(a.dtype == kvc::NpyDtype::f64);
-  near(doubles(a), {1.0, third, 0.0, 1.0, third, 0.0});
+  near(doubles(a), {0.25, third, 0.0, 0.25, third, 0.0});
+  near(doubles(entropies(" --param top_k=32", "ent_k32.npy")), {1.0, third, 0.0, 1.0, third, 0.0});
   // k = 4: Ĥ_k = k / d for the isotropic head; the two-direction head keeps ln 2.
   near(doubles(entropies(" --param top_k=4", "ent_k4.npy")), {0.5, third, 0.0, 0.5, third, 0.0});
   near(doubles(entropies(" --param top_k=4 --param unit=truncated", "ent_h.npy")),
@@ -1874,7 +1875,7 @@ TEST_CASE("cli: uncomp_entropy refuses bad parameters and inputs with exit 2 or 
   for (auto const& [param, needle] : std::vector<std::pair<std::string, std::string>>{
            {"top_k=0", "--param top_k = 0: expected an integer >= 1"},
            {"top_k=abc", "--param top_k = 'abc': expected an integer"},
-           {"top_k=2000000", "--param top_k = 2000000: expected an integer in [1, 2^20]"},
+           {"top_k=2000000", "--param top_k = 2000000: expected auto or an integer in [1, 2^20]"},
            {"normalize_rows=yes", "--param normalize_rows = 'yes': expected true or false"},
            {"renormalize_topk=1", "--param renormalize_topk = '1': expected true or false"},
            {"ridge=-1", "--param ridge = '-1'"},

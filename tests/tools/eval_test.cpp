@@ -1088,7 +1088,7 @@ TEST_CASE("kvc-eval calibrate: a deterministic calibration file that reads back 
   CHECK(c.heads == 8);
   CHECK(c.kv_heads == 4);
   CHECK(c.head_dim == 16);
-  CHECK(c.top_k == 32);
+  CHECK(c.top_k == 4);  // auto: d / 4
   CHECK(c.normalize_rows);
   CHECK(c.samples == 2);
   CHECK(c.tokens == 96);
@@ -1310,6 +1310,7 @@ std::shared_ptr<kvc::tools::Calibration const> tiny_calibration(Model const& mod
   kvc::eval::CalibrationOptions opts;
   opts.samples = 2;
   opts.tokens = 96;
+  opts.entropy.top_k = 16;  // the full spectrum (auto would be d / 4 = 4): the layer scores then fall by 2 from layer 0
   auto const windows =
       kvc::eval::calibration_windows(tok.encode(kvc::eval::builtin_calibration_text), opts, model.config.bos, "text");
   return std::make_shared<kvc::tools::Calibration const>(

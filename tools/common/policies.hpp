@@ -171,7 +171,9 @@ inline std::vector<PolicyInfo> const& policies() {
       {"uncomp_entropy",
        "UNComp's truncated matrix entropy of each query head's rows (Xiong et al., arXiv 2410.03090, Eq. 5-6): `kvc "
        "score` writes [B, Hq] per-head values, not token scores (the quantity UNComp's calibration averages)",
-       {{"top_k", "32", "k: the leading eigenvalues kept (clamped to min(k, rows, head_dim))"},
+       {{"top_k", "auto",
+         "k: the leading eigenvalues kept; auto: head_dim / 4 (the paper's 32 at d = 128); clamped to min(k, rows, "
+         "head_dim)"},
         {"normalize_rows", "true",
          "true: the authors' centred, row-L2-normalised second moment; false: Eq. 1's covariance"},
         {"renormalize_topk", "false", "true: the top k eigenvalues divided by their sum (isotropic gives ln k)"},

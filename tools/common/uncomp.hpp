@@ -56,9 +56,9 @@ constexpr Index max_entropy_top_k = Index{1} << 20;
 /// and `dtype` where the policy has them (uncomp_entropy). Bad values exit 3 naming the parameter.
 inline EntropyConfig entropy_config(Params const& p) {
   EntropyConfig c;
-  c.options.top_k = parse_count(p.at("top_k"), "--param top_k", 1);
+  c.options.top_k = p.at("top_k") == "auto" ? 0 : parse_count(p.at("top_k"), "--param top_k", 1);  // 0: d / 4
   if (c.options.top_k > max_entropy_top_k)
-    fail(exit_invalid, "--param top_k = " + p.at("top_k") + ": expected an integer in [1, 2^20]");
+    fail(exit_invalid, "--param top_k = " + p.at("top_k") + ": expected auto or an integer in [1, 2^20]");
   c.options.normalize_rows = parse_bool(p, "normalize_rows");
   c.options.renormalize_topk = parse_bool(p, "renormalize_topk");
   c.options.ridge = parse_real(p, "ridge", 0.0, 0.5);

@@ -88,7 +88,7 @@ inline tools::Calibration calibrate(Model const& model, std::vector<std::vector<
   cal.heads = hq;
   cal.kv_heads = hkv;
   cal.head_dim = d;
-  cal.top_k = o.entropy.top_k;
+  cal.top_k = resolved_top_k(o.entropy, d);  // the k used (auto: d / 4)
   cal.normalize_rows = o.entropy.normalize_rows;
   cal.renormalize_topk = o.entropy.renormalize_topk;
   cal.ridge = o.entropy.ridge;

@@ -592,6 +592,21 @@ class Engine final : public Session {
     std::optional<LayerMoments> moments;             // after MomentKV's compression: its moments
   };
 
+  /// Appends the last forward call's pre-RoPE queries of `layer` ([n, Hq * d]) and their positions to a decode
+  /// QueryBuffer (the decode drivers of every policy); an error when they do not fit the buffer.
+  static Status push_queries(ModelConfig const& c, Layer const& layer, QueryBuffer<float>& buffer) {
+    Index const n = layer.queries.rows();
+    if (n > buffer.capacity - buffer.count)
+      return {Errc::out_of_capacity, "kvc-eval: decode-time compression takes one token per forward call"};
+    for (Index t = 0; t < n; ++t) {
+      for (Index q = 0; q < c.heads; ++q)
+        std::copy_n(layer.queries.data() + (t * c.heads + q) * c.head_dim, c.head_dim,
+                    buffer.row(0, q, buffer.count + t));
+      buffer.positions[buffer.count + t] = layer.query_positions[static_cast<std::size_t>(t)];
+    }
+    return buffer.push(n);
+  }
+
   auto view(Layer& l) {
     if constexpr (Paged) {
       Index const pages = static_cast<Index>(block_table_.size());
@@ -771,17 +786,7 @@ class Engine final : public Session {
       for (std::size_t li = 0; li < layers.size(); ++li) {
         PerLayer& l = layers[li];
         Layer& layer = e.layers_[li];
-        Index const n = layer.queries.rows();
-        if (n > l.buffer.capacity - l.buffer.count)
-          return {Errc::out_of_capacity, "kvc-eval: decode-time compression takes one token per forward call"};
-        for (Index t = 0; t < n; ++t) {
-          for (Index q = 0; q < c.heads; ++q)
-            std::copy_n(layer.queries.data() + (t * c.heads + q) * c.head_dim, c.head_dim,
-                        l.buffer.row(0, q, l.buffer.count + t));
-          l.positions[static_cast<std::size_t>(l.buffer.count + t)] =
-              layer.query_positions[static_cast<std::size_t>(t)];
-        }
-        KVC_RETURN_IF_ERROR(l.buffer.push(n));
+        KVC_RETURN_IF_ERROR(push_queries(c, layer, l.buffer));
         KVC_RETURN_IF_ERROR(std::visit(
             [&](auto const& selector) -> Status {
               return e.with_view(layer, [&](auto const& cache) -> Status {
@@ -952,12 +957,7 @@ class Engine final : public Session {
       for (std::size_t li = 0; li < layers.size(); ++li) {
         UNCompLayer& l = layers[li];
         Layer& layer = e.layers_[li];
-        if (layer.queries.rows() > l.buffer.capacity - l.buffer.count)
-          return {Errc::out_of_capacity, "kvc-eval: decode-time compression takes one token per forward call"};
-        for (Index q = 0; q < c.heads; ++q)
-          std::copy_n(layer.queries.data() + q * c.head_dim, c.head_dim, l.buffer.row(0, q, l.buffer.count));
-        l.positions[static_cast<std::size_t>(l.buffer.count)] = layer.query_positions[0];
-        KVC_RETURN_IF_ERROR(l.buffer.push(1));
+        KVC_RETURN_IF_ERROR(push_queries(c, layer, l.buffer));
         KVC_RETURN_IF_ERROR(e.with_view(layer, [&](auto const& cache) -> Status {
           TopKSelector<PerHeadBudget<>> const selector{
               {l.budgets.data(), static_cast<Index>(l.budgets.size())}, 0, l.scorer.window_size};
@@ -1076,13 +1076,7 @@ class Engine final : public Session {
       for (std::size_t li = 0; li < layers.size(); ++li) {
         PerLayer& l = layers[li];
         Layer& layer = e.layers_[li];
-        Index const n = layer.queries.rows();
-        if (n > l.buffer.capacity - l.buffer.count)
-          return {Errc::out_of_capacity, "kvc-eval: decode-time compression takes one token per forward call"};
-        for (Index q = 0; q < c.heads; ++q)
-          std::copy_n(layer.queries.data() + q * c.head_dim, c.head_dim, l.buffer.row(0, q, l.buffer.count));
-        l.positions[static_cast<std::size_t>(l.buffer.count)] = layer.query_positions[0];
-        KVC_RETURN_IF_ERROR(l.buffer.push(n));
+        KVC_RETURN_IF_ERROR(push_queries(c, layer, l.buffer));
         KVC_RETURN_IF_ERROR(e.with_view(layer, [&](auto const& cache) -> Status {
           TopKSelector<PerHeadBudget<>> const selector{{l.budgets.data(), e.ext_.heads}, n_sink, n_recent};
           if (!mi) {  // the same step with the base score: compress, fold the evicted tokens, compact

@@ -67,7 +67,7 @@ constexpr char usage_text[] =
     "  kvc-eval calibrate --model DIR --out calib.json [--text FILE] [--samples S] [--tokens N] [--groups M]\n"
     "                  [--rule mean|majority_vote] [--param NAME=VALUE]...\n"
     "                  (UNComp's head groups from the query entropies of S windows of N tokens of FILE, default a\n"
-    "                  built-in text; --param top_k=32, normalize_rows=true, renormalize_topk=false, ridge=0)\n"
+    "                  built-in text; --param top_k=auto (d/4), normalize_rows=true, renormalize_topk=false, ridge=0)\n"
     "P: a policy of `kvc policies`, or `all` (the default: every one); +ALLOC adds budgets across heads (ada_kv) or\n"
     "layers (pyramid_kv), or both, e.g. snap_kv+ada_kv, snap_kv+pyramid_kv+ada_kv: the compressed cache is then a\n"
     "ragged per-head store. POLICY(NAME=VALUE,...) gives a row its own parameters, so one policy can have several\n"

@@ -40,7 +40,8 @@ enum class Gram : std::uint8_t { automatic, features, tokens };
 
 /// Options of the truncated matrix entropy (spec §7.1-7.4).
 struct MatrixEntropyOptions {
-  Index top_k = 32;               ///< k, leading eigenvalues kept (spec: 32 for d = 128; clamped to min(n, d))
+  Index top_k = 0;  ///< k, leading eigenvalues kept; 0 = d / 4 (at least 1: the spec's 32 at d = 128, §7.4); clamped
+                    ///< to min(n, d)
   bool normalize_rows = true;     ///< the authors' centred, row-L2-normalised second moment; false: Eq. 1's covariance
   bool renormalize_topk = false;  ///< divide the top k by their sum (isotropic then gives ln k, not (k/d) ln d)
   double ridge = 0.0;             ///< added to every normalised eigenvalue (the authors' code: 1e-10)
@@ -48,8 +49,8 @@ struct MatrixEntropyOptions {
   Index tile_rows = 256;  ///< rows per fp64 rank update (bounds the solver's buffer)
 
   constexpr Status check() const noexcept {
-    if (top_k < 1)
-      return {Errc::invalid_argument, "MatrixEntropyOptions: `top_k` must be >= 1"};
+    if (top_k < 0)
+      return {Errc::invalid_argument, "MatrixEntropyOptions: `top_k` must be >= 0 (0: head dim / 4)"};
     if (!(ridge >= 0.0 && ridge < 1.0))
       return {Errc::invalid_argument, "MatrixEntropyOptions: `ridge` must be in [0, 1)"};
     if (tile_rows < 1)
@@ -58,13 +59,18 @@ struct MatrixEntropyOptions {
   }
 };
 
+/// The k a head dim `dim` uses: options.top_k, or dim / 4 (at least 1) when it is 0.
+constexpr Index resolved_top_k(MatrixEntropyOptions const& options, Index dim) noexcept {
+  return options.top_k > 0 ? options.top_k : (dim / 4 > 1 ? dim / 4 : 1);
+}
+
 /// The entropies of one matrix (natural log).
 struct MatrixEntropy {
   double truncated = 0.0;   ///< H_k
   double full = 0.0;        ///< H (all d eigenvalues)
   double erank = 1.0;       ///< exp(H_k), the truncated effective rank
   double normalized = 0.0;  ///< H_k / ln d (0 when d = 1)
-  Index k = 0;              ///< the k used: min(top_k, n, d)
+  Index k = 0;              ///< the k used: min(top_k (or d / 4), n, d)
 };
 
 /// Computes truncated matrix entropies of [n, d] row blocks in fp64. One object per head dim; reuse it across heads.
@@ -182,7 +188,7 @@ class MatrixEntropySolver {
   Status finish(Matrix& m, Index used, Index n, MatrixEntropy& out) {
     out = {};
     values_.setZero();
-    out.k = std::min({options_.top_k, n, dim_});
+    out.k = std::min({resolved_top_k(options_, dim_), n, dim_});
     double const log_d = std::log(static_cast<double>(dim_));
     Index const size = m.rows();  // not `used`: the d x d path has d eigenvalues for any row count
     double const trace = used > 0 ? m.diagonal().sum() : 0.0;
