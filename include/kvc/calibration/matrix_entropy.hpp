@@ -139,7 +139,8 @@ class MatrixEntropySolver {
           gram_rows_.row(used++) = row_.transpose();
       gram_.resize(used, used);
       gram_.setZero();
-      gram_.selfadjointView<Eigen::Lower>().rankUpdate(gram_rows_.topRows(used));
+      if (used > 0)  // an empty product would hand BLAS a null pointer (UBSan)
+        gram_.selfadjointView<Eigen::Lower>().rankUpdate(gram_rows_.topRows(used));
       return finish(gram_, used, n, out);
     }
     second_.setZero();
