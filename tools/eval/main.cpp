@@ -646,11 +646,16 @@ int command_calibrate(int argc, char** argv) {
   std::printf("%5s %10s  %s\n", "layer", "score", "query-head groups (0 = highest entropy) | KV-head groups");
   for (Index l = 0; l < cal.layers; ++l) {
     std::string groups;
-    for (Index h = 0; h < cal.heads; ++h)
-      groups += (h ? " " : "") + std::to_string(cal.query_group[static_cast<std::size_t>(l * cal.heads + h)]);
+    for (Index h = 0; h < cal.heads; ++h) {  // appended piece by piece: GCC 12's -Wrestrict misfires on "lit" + string
+      if (h > 0)
+        groups += ' ';
+      groups += std::to_string(cal.query_group[static_cast<std::size_t>(l * cal.heads + h)]);
+    }
     groups += " |";
-    for (Index g = 0; g < cal.kv_heads; ++g)
-      groups += " " + std::to_string(cal.kv_group[static_cast<std::size_t>(l * cal.kv_heads + g)]);
+    for (Index g = 0; g < cal.kv_heads; ++g) {
+      groups += ' ';
+      groups += std::to_string(cal.kv_group[static_cast<std::size_t>(l * cal.kv_heads + g)]);
+    }
     std::printf("%5lld %10.4f  %s\n", static_cast<long long>(l), cal.layer_score[static_cast<std::size_t>(l)],
                 groups.c_str());
   }
