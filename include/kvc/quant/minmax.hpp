@@ -1,0 +1,141 @@
+// SPDX-License-Identifier: Apache-2.0
+// kvc/quant/minmax.hpp: uniform asymmetric min-max quantisation of one group of values at 2, 4 or 8 bits
+// (spec rdkv §2.7): the KIVI float-min offset (default) and the RDKV reference's integer zero-point.
+//
+// Host and device (no Eigen, no exceptions, no allocation). Parameters are stored as FP16 and rounded to half
+// *before* any code is computed, so quantize() and dequantize() use exactly the stored scale and offset: a value
+// dequantised on the CPU and on a CUDA device is bit-identical, and the round trip is bounded by the stored
+// parameters alone.
+//
+// Rounding of codes is round-half-to-even (torch.round, Python round), computed by hand so that it does not depend
+// on the floating-point environment. Codes come from one IEEE division (never a reciprocal multiply), so the
+// host and nvcc (without --use_fast_math) agree code for code.
+//
+// Dequantisation is reproducible under FMA contraction too: code * scale has at most 8 + 11 significant bits,
+// so the product is exact in float and `code * a + c` rounds once whether or not it is fused.
+//
+// Round-trip bound (tested, Q1), with s = the float scale before rounding, s_h = half(s), and for float_min
+// mn = the group minimum, o_h = half(mn):
+//   float_min:                        |x - x̂| <= max(s, s_h) / 2 + |mn - o_h| + (2^b - 1) |s - s_h|
+//   integer, zero-straddling groups:  |x - x̂| <= max(s, s_h) / 2 + (2^b - 1) |s - s_h|
+// i.e. s/2 plus the FP16 rounding of the offset and of the scale times the largest code (plus float rounding).
+// Groups that exclude 0 break the integer mode (the reference's clipping quirk, Q7): zp is clamped to
+// [0, 2^b - 1] before use, so a 2-bit group in [10, 11] reconstructs as ~1.
+//
+// Values must fit FP16 (|x| <= 65504 and range / (2^b - 1) <= 65504); NaN/Inf input is the caller's problem
+// (the packer validates): it never causes undefined behaviour here, a NaN quantises to code 0.
+#pragma once
+
+#include <kvc/config.hpp>
+#include <kvc/core/element.hpp>
+#include <kvc/core/extents.hpp>
+
+#include <cstdint>
+
+namespace kvc {
+
+/// How the offset of a group is stored.
+///   float_min (KIVI, the default arithmetic): x̂ = q * scale + offset, offset = half(min).
+///   integer (RDKV reference, `reference=authors`): x̂ = (q - offset) * scale with an integer zero-point
+///   offset in [0, 2^b - 1] (clamped, hence the clipping quirk on groups that exclude 0).
+enum class ZeroPoint : std::uint8_t { float_min, integer };
+
+/// One group's parameters, stored as FP16. float_min: x̂ = q * scale + offset; integer: x̂ = (q - offset) * scale
+/// (offset holds the integer zero-point exactly). Zero-initialised params (scale = offset = 0) dequantise every
+/// code to 0 in both modes: that is how pad columns are stored.
+struct QuantParams {
+  half scale;
+  half offset;
+};
+
+namespace detail {
+
+/// Largest code at `bits` bits, as float (2^b - 1).
+KVC_HOST_DEVICE inline float quant_max_code(int bits) noexcept {
+  return static_cast<float>((1u << static_cast<unsigned>(bits)) - 1u);
+}
+
+/// Clamp to [0, qmax] then round half to even, as a code. NaN clamps to 0 (no undefined conversion).
+KVC_HOST_DEVICE inline std::uint8_t quant_round_code(float v, float qmax) noexcept {
+  v = v > 0.0f ? v : 0.0f;  // NaN fails the comparison: 0
+  v = v < qmax ? v : qmax;
+  auto const f = static_cast<std::uint32_t>(v);  // v >= 0: truncation is floor
+  float const r = v - static_cast<float>(f);     // exact: Sterbenz for v >= 1, r = v below 1
+  std::uint32_t const q = r > 0.5f ? f + 1u : (r < 0.5f ? f : f + (f & 1u));
+  return static_cast<std::uint8_t>(q);  // q <= qmax <= 255: qmax is an integer, rounding never passes it
+}
+
+}  // namespace detail
+
+/// Parameters of one group: `count` values x[0], x[stride], ..., x[(count - 1) * stride] (T = float, half or
+/// bfloat16; stride in elements, may be any non-zero value), bits in {2, 4, 8}.
+///   float_min: scale = half((max - min) / (2^b - 1)), offset = half(min). max == min gives scale 0 and x̂ = offset
+///              = half(min): exact when min is representable in FP16.
+///   integer:   s = max((max - min) / (2^b - 1), 1e-8), scale = half(s), offset = zp =
+///              round_half_even(clamp(-min / s, 0, 2^b - 1)) (computed from the float s, as the reference does).
+///              1e-8 rounds to 0 in FP16, so a constant group gets scale 0 and dequantises to 0 (the reference
+///              reconstructs it as 3e-8 * ... ~ 0 too).
+/// count <= 0 gives zero params (dequantise to 0).
+template <class T>
+KVC_HOST_DEVICE inline QuantParams minmax_params(T const* x, Index count, Index stride, int bits,
+                                                 ZeroPoint zero_point) noexcept {
+  QuantParams p{};
+  if (count <= 0)
+    return p;
+  float mn = to_float(x[0]);
+  float mx = mn;
+  for (Index i = 1; i < count; ++i) {
+    float const v = to_float(x[i * stride]);
+    mn = v < mn ? v : mn;
+    mx = v > mx ? v : mx;
+  }
+  float const qmax = detail::quant_max_code(bits);
+  float const s = (mx - mn) / qmax;
+  if (zero_point == ZeroPoint::float_min) {
+    p.scale = half(s);
+    p.offset = half(mn);
+  } else {
+    float const si = s > 1e-8f ? s : 1e-8f;
+    p.scale = half(si);
+    p.offset = half(static_cast<float>(detail::quant_round_code(-mn / si, qmax)));
+  }
+  return p;
+}
+
+/// Code of x in [0, 2^b - 1] with the stored (FP16) parameters, bits in {2, 4, 8}.
+///   float_min: q = round(clamp((x - offset) / scale, 0, 2^b - 1)); scale 0 gives q = 0 (x̂ = offset).
+///   integer:   q = round(clamp(x / scale + zp, 0, 2^b - 1)); scale 0 gives q = zp (x̂ = 0).
+/// round = half to even.
+KVC_HOST_DEVICE inline std::uint8_t quantize(float x, QuantParams p, int bits, ZeroPoint zero_point) noexcept {
+  float const s = static_cast<float>(p.scale);
+  float const o = static_cast<float>(p.offset);
+  float const qmax = detail::quant_max_code(bits);
+  if (zero_point == ZeroPoint::float_min)
+    return s == 0.0f ? std::uint8_t{0} : detail::quant_round_code((x - o) / s, qmax);
+  return s == 0.0f ? detail::quant_round_code(o, qmax) : detail::quant_round_code(x / s + o, qmax);
+}
+
+/// Value of a code: float_min q * scale + offset; integer (q - zp) * scale. Exact products (see the file comment),
+/// so it equals affine(p, zero_point) applied to the code bit for bit.
+KVC_HOST_DEVICE inline float dequantize(std::uint8_t code, QuantParams p, ZeroPoint zero_point) noexcept {
+  float const s = static_cast<float>(p.scale);
+  float const o = static_cast<float>(p.offset);
+  float const q = static_cast<float>(code);
+  return zero_point == ZeroPoint::float_min ? q * s + o : (q - o) * s;
+}
+
+/// Affine form of dequantisation for fused kernels: x̂ = code * a + c. float_min: a = scale, c = offset;
+/// integer: a = scale, c = -zp * scale. `code * a + c` equals dequantize(code) exactly in float, fused or not:
+/// code * a and zp * scale are exact (<= 19 significant bits) and so is (code - zp) * scale.
+struct Affine {
+  float a;
+  float c;
+};
+
+KVC_HOST_DEVICE inline Affine affine(QuantParams p, ZeroPoint zero_point) noexcept {
+  float const s = static_cast<float>(p.scale);
+  float const o = static_cast<float>(p.offset);
+  return zero_point == ZeroPoint::float_min ? Affine{s, o} : Affine{s, -(o * s)};
+}
+
+}  // namespace kvc
