@@ -65,6 +65,38 @@ Oracle outputs (float64 unless stated):
 UNComp cases (uncomp.py) are listed in uncomp_manifest.txt; their folders are named uncomp_<...>: post-RoPE keys and
 queries of a prompt plus decode steps, the oracle's entropies, groups, budgets, prefill and decode kept sets; plus
 the grids uncomp_budgets/ and uncomp_vote/. The exact format is in the docstring of uncomp.py.
+RDKV cases (rdkv.py) are listed in rdkv_manifest.txt; their folders are named rdkv_<...>. Inputs (float32 unless
+stated; key j of a head at position j, valid slots [0, length)):
+  <case>/keys.npy values.npy   POST-RoPE keys and values [B, Hkv, N, d]
+  <case>/queries.npy           POST-RoPE window queries [B, Hq, W, d] (no RoPE table)
+  <case>/query_positions.npy   int64 [B, W]: their positions (the last W of the sequence's context)
+  <case>/lengths.npy           int64 [B, Hkv]: valid slots per head (they differ between heads)
+  <case>/attn_queries.npy      POST-RoPE queries of the attention check [B, Hq, nq, d]
+  <case>/attn_positions.npy    int64 [B, nq]: their positions (causal mask over the kept tokens' positions)
+  <case>/meta.txt              "window_size W", "kernel_size K", "eps_v llama31_v", "eps_k llama31_k" (rdkv.EPS),
+                               "weight_gap G" (the smallest stability of an exact plan, see gaps_<plan>)
+Oracle outputs (float64 unless stated):
+  <case>/token_weights.npy     attn_linear weights [B, Hkv, N] (0 past a head's length)
+  <case>/channel_weights.npy   ThinK weights [B, Hkv, d]
+  <case>/plans.txt             one plan a line: "name solver budget_tokens ratio rho evict" (solver
+                               exact|lagrangian|dp; evict 0: no 0-bit option, the quant-only ablation;
+                               ratio -1: budget_tokens; the allocation runs on the weights rounded to float32)
+  <case>/v_bits_<plan>.npy     int64 [B, Hkv, N] (0: evicted or padding); k_bits_<plan>.npy int64 [B, Hkv, d]
+  <case>/budgets_<plan>.npy    [B, Hkv, 2]: V and K budgets in bits (Σ b; exact and dp use their floor)
+  <case>/gaps_<plan>.npy       [B, Hkv, 2]: stability of the head's plan under perturbed token (V) and channel (K)
+                               weights: the largest delta of (1e-3, 1e-4, ..., 1e-9, 1e-12) such that weights
+                               w (1 + delta U(-1, 1)) give the same v_bits and k_bits (0: an exact tie; inf: dp,
+                               compared by its distortion). A plan from weights off by less than delta (relative)
+                               must equal the oracle's. A Lagrangian bisection that never converges (its last
+                               λ sits on a unit's threshold) is an exact tie: 0.
+  <case>/packs.txt             one pack a line: "name plan zero_point v_group k_group clamp_k16_to_8"
+  <case>/positions_<pack>.npy  int64 [B, Hkv, N]: kept positions in packed order, padded with -1
+  <case>/khat_<pack>.npy vhat_<pack>.npy   dequantised K (original channel order, pruned 0) and V of the kept tokens
+                               [B, Hkv, N, d] in packed order (padding rows 0)
+  <case>/kmargin_<pack>.npy vmargin_<pack>.npy   float32 [B, Hkv, N, d]: distance of each pre-rounding code to a
+                               rounding boundary, in code units (inf: no rounding decision); a code may flip in
+                               another arithmetic only where it is tiny
+  <case>/out_<pack>.npy lse_<pack>.npy   attention of attn_queries over the kept K^, V^ [B, Hq, nq, d], [B, Hq, nq]
 PyramidKV schedules (allocators.py) in pyramid_kv/:
   params.npy                   float64 [M, 7]: reference (0 authors, 1 kvpress), n, max_capacity_prompt (authors;
                                0: int(n (1 - ratio))), compression_ratio, window, beta, layers
@@ -73,6 +105,7 @@ Exit code 77 (ctest's skip code) when NumPy is missing.
 """
 import argparse
 import json
+import math
 import os
 import sys
 
@@ -89,6 +122,7 @@ import expected_attention  # noqa: E402
 import h2o  # noqa: E402
 import moment_kv  # noqa: E402
 import oracle  # noqa: E402
+import rdkv  # noqa: E402
 import uncomp  # noqa: E402
 
 RATIOS = (0.25, 0.5, 0.75)
@@ -210,6 +244,10 @@ def main():
         f.write("\n".join(uncomp_cases) + "\n")
     print(f"wrote {len(uncomp_cases)} UNComp cases, {write_uncomp_budget_grid(a.out)} budget rows and "
           f"{write_uncomp_vote_grid(a.out)} vote rows to {a.out}")
+    rdkv_cases = write_rdkv_cases(a.out, a.model)
+    with open(os.path.join(a.out, "rdkv_manifest.txt"), "w") as f:
+        f.write("\n".join(rdkv_cases) + "\n")
+    print(f"wrote {len(rdkv_cases)} RDKV cases to {a.out}")
 
 
 def write_window_cases(out, model_dir):
@@ -717,6 +755,193 @@ def write_uncomp_vote_grid(out):
     np.save(os.path.join(d, "vote.npy"), V)
     np.save(os.path.join(d, "mean.npy"), Mn)
     return R
+
+
+RDKV_EPS = ("llama31_v", "llama31_k")
+
+
+RDKV_LADDER = (1e-3, 1e-4, 1e-5, 1e-6, 1e-7, 1e-9, 1e-12)
+
+
+def rdkv_stability(tw, cw, v, k, Bt, rho, solver, eps_v, eps_k, evict, rng):
+    """(V, K) stability of a head's plan: the largest relative perturbation in RDKV_LADDER such that three draws of
+    w_u (1 + delta U(-1, 1)) on the token weights (V) or the channel weights (K) leave both bit vectors unchanged
+    (0 when even 1e-12 changes them: an exact tie)."""
+    out = []
+    for which in (0, 1):
+        level = 0.0
+        for delta in RDKV_LADDER:
+            ok = True
+            for _ in range(3):
+                t = tw * (1 + delta * rng.uniform(-1, 1, tw.shape)) if which == 0 else tw
+                c = cw * (1 + delta * rng.uniform(-1, 1, cw.shape)) if which == 1 else cw
+                v2, k2 = rdkv.allocate_head(t, c, Bt, rho, solver, eps_v, eps_k, evict)
+                ok = ok and np.array_equal(v2, v) and np.array_equal(k2, k)
+            if ok:
+                level = delta
+                break
+        out.append(level)
+    return out
+
+
+def write_rdkv_case(out, name, keys, values, queries, qpos, lengths, aq, apos, window, kernel, plans, packs,
+                    require_gap=0.0):
+    """One RDKV case (format: the module docstring). plans: [(name, solver, budget_tokens, ratio, rho)]; packs:
+    [(name, plan, zero_point, v_group, k_group, clamp)]. Returns None, writing nothing, when an exact plan's
+    decision gap is below require_gap."""
+    keys, values = np.ascontiguousarray(keys, np.float32), np.ascontiguousarray(values, np.float32)
+    queries, aq = np.ascontiguousarray(queries, np.float32), np.ascontiguousarray(aq, np.float32)
+    k64, v64, q64, a64 = (x.astype(np.float64) for x in (keys, values, queries, aq))
+    B, H, N, d = keys.shape
+    Hq = queries.shape[1]
+    g = Hq // H
+    lengths = np.asarray(lengths, dtype=np.int64).reshape(B, H)
+    eps_v, eps_k = (rdkv.EPS[e] for e in RDKV_EPS)
+    rng = np.random.default_rng(7)  # the stability probes' own stream
+    tw = np.zeros((B, H, N))
+    cw = np.zeros((B, H, d))
+    for b in range(B):
+        for h in range(H):
+            n = lengths[b, h]
+            tw[b, h, :n] = rdkv.token_weights(k64[b, h, :n], q64[b, h * g:(h + 1) * g], np.arange(n), qpos[b],
+                                              window, kernel)
+            cw[b, h] = rdkv.channel_weights(k64[b, h, :n], q64[b, h * g:(h + 1) * g], window)
+    tw32, cw32 = tw.astype(np.float32).astype(np.float64), cw.astype(np.float32).astype(np.float64)
+    res = {}
+    worst = np.inf
+    for pname, solver, budget, ratio, rho, evict in plans:
+        vb = np.zeros((B, H, N), dtype=np.int64)
+        kb = np.zeros((B, H, d), dtype=np.int64)
+        bud = np.zeros((B, H, 2))
+        gap = np.full((B, H, 2), np.inf)
+        for b in range(B):
+            for h in range(H):
+                n = lengths[b, h]
+                info = {}
+                Bt = rdkv.head_budget_tokens(n, budget, ratio)
+                v, k = rdkv.allocate_head(tw32[b, h, :n], cw32[b, h], Bt, rho, solver, eps_v, eps_k, evict,
+                                          info=info)
+                vb[b, h, :n], kb[b, h] = v, k
+                floor = solver != "lagrangian"
+                bud[b, h] = [math.floor(info["v_budget"]) if floor else info["v_budget"],
+                             math.floor(info["k_budget"]) if floor else info["k_budget"]]
+                if solver != "dp":  # the DP is compared by its distortion
+                    gap[b, h] = rdkv_stability(tw32[b, h, :n], cw32[b, h], v, k, Bt, rho, solver, eps_v, eps_k,
+                                               evict, rng)
+                if solver == "lagrangian":  # a bisection that never converged ends on a threshold λ: an exact tie
+                    gap[b, h] = [0.0 if info[x] < 1e-12 else gap[b, h, i] for i, x in enumerate(("v_gap", "k_gap"))]
+        if solver == "exact":
+            worst = min(worst, gap.min())
+        res[pname] = (vb, kb, bud, gap)
+    if worst < require_gap:
+        return None
+    dd = os.path.join(out, name)
+    os.makedirs(dd, exist_ok=True)
+    for f, x in (("keys", keys), ("values", values), ("queries", queries), ("query_positions", qpos),
+                 ("lengths", lengths), ("attn_queries", aq), ("attn_positions", apos), ("token_weights", tw),
+                 ("channel_weights", cw)):
+        np.save(os.path.join(dd, f"{f}.npy"), np.asarray(x, dtype=np.int64) if f in (
+            "query_positions", "attn_positions", "lengths") else x)
+    with open(os.path.join(dd, "meta.txt"), "w") as f:
+        f.write(f"window_size {window}\nkernel_size {kernel}\neps_v {RDKV_EPS[0]}\neps_k {RDKV_EPS[1]}\n"
+                f"weight_gap {worst:.3e}\n")
+    with open(os.path.join(dd, "plans.txt"), "w") as f:
+        for pname, solver, budget, ratio, rho, evict in plans:
+            f.write(f"{pname} {solver} {budget} {ratio!r} {rho!r} {int(evict)}\n")
+            for tag, x in zip(("v_bits", "k_bits", "budgets", "gaps"), res[pname]):
+                np.save(os.path.join(dd, f"{tag}_{pname}.npy"), x)
+    nq = aq.shape[2]
+    notes = []
+    with open(os.path.join(dd, "packs.txt"), "w") as f:
+        for kname, pname, zp, vg, kg, clamp in packs:
+            f.write(f"{kname} {pname} {zp} {vg} {kg} {int(clamp)}\n")
+            vb, kb = res[pname][:2]
+            pos = np.full((B, H, N), -1, dtype=np.int64)
+            kh, vh = np.zeros((B, H, N, d)), np.zeros((B, H, N, d))
+            km, vm = np.full((B, H, N, d), np.inf, np.float32), np.full((B, H, N, d), np.inf, np.float32)
+            o, lse = np.zeros((B, Hq, nq, d)), np.zeros((B, Hq, nq))
+            for b in range(B):
+                for h in range(H):
+                    n = lengths[b, h]
+                    p_, k_, v_, kmar, vmar = rdkv.pack_head(k64[b, h, :n], v64[b, h, :n], np.arange(n), vb[b, h, :n],
+                                                          kb[b, h], zp, vg, kg, clamp)
+                    T = len(p_)
+                    pos[b, h, :T], kh[b, h, :T], vh[b, h, :T] = p_, k_, v_
+                    km[b, h, :T], vm[b, h, :T] = kmar, vmar
+                    o[b, h * g:(h + 1) * g], lse[b, h * g:(h + 1) * g] = rdkv.attend(
+                        a64[b, h * g:(h + 1) * g], apos[b], k_, v_, p_)
+            for tag, x in (("positions", pos), ("khat", kh), ("vhat", vh), ("kmargin", km), ("vmargin", vm),
+                           ("out", o), ("lse", lse)):
+                np.save(os.path.join(dd, f"{tag}_{kname}.npy"), x)
+            notes.append(f"{kname} min code margin {min(km.min(), vm.min()):.1e}")
+    gaps = ", ".join(f"{p[0]} {res[p[0]][3].min():.0e}" for p in plans)
+    kept = ", ".join(f"{p[0]} {int((res[p[0]][0] > 0).sum())}" for p in plans)
+    print(f"{name}: lengths {lengths.tolist()}; kept tokens {kept}; plan stability {gaps}; " + "; ".join(notes))
+    return name
+
+
+def rdkv_plans(N):
+    """Plans of a case with up to N tokens: two budgets (about N/8 and N/3 tokens), rho 0.5 and 0.25, every
+    solver, a ratio budget, and the quant-only ablation (no eviction) at the larger budget."""
+    b1, b2 = max(4, N // 8), max(6, N // 3)
+    return [(f"exact_b{b1}_rho0.5", "exact", b1, -1.0, 0.5, True),
+            (f"lagrangian_b{b1}_rho0.5", "lagrangian", b1, -1.0, 0.5, True),
+            (f"exact_b{b2}_rho0.25", "exact", b2, -1.0, 0.25, True),
+            (f"lagrangian_b{b2}_rho0.25", "lagrangian", b2, -1.0, 0.25, True),
+            (f"dp_b{b1}_rho0.5", "dp", b1, -1.0, 0.5, True), ("exact_ratio0.85_rho0.5", "exact", 0, 0.85, 0.5, True),
+            (f"exact_b{b2}_rho0.25_noevict", "exact", b2, -1.0, 0.25, False),
+            (f"lagrangian_b{b2}_rho0.25_noevict", "lagrangian", b2, -1.0, 0.25, False)]
+
+
+def rdkv_packs(plans, d):
+    """KIVI arithmetic on the first exact plan, the authors' (integer zero point, K 16 -> 8) on the first
+    Lagrangian plan, grouped float-min (V groups of d/2 channels, K groups of 16 tokens) on the second exact plan."""
+    return [("kivi", plans[0][0], "float_min", 0, 0, False), ("authors", plans[1][0], "integer", 0, 0, True),
+            ("grouped", plans[2][0], "float_min", d // 2, 16, False)]
+
+
+def write_rdkv_cases(out, model_dir):
+    """Random caches (float32; GQA 4 and MHA, d = 16 and 32, N = 40 to 300, per-head lengths differing; keys with
+    per-channel scales so the ThinK weights spread; redrawn until every exact plan is stable under 1e-9 relative
+    perturbations of its weights), plus tinystories-656k's layers 0 and 1 when dumped (W = 32, the model's own
+    post-RoPE queries)."""
+    rng = np.random.default_rng(20261213)  # separate stream: every case above stays byte-identical
+    cases = []
+    for name, (B, H, Hq, N, d, W), lengths in (
+            ("rdkv_gqa4_d32", (2, 2, 8, 300, 32, 16), [[300, 271], [233, 300]]),
+            ("rdkv_mha_d16", (1, 3, 3, 120, 16, 8), [[120, 97, 64]]),
+            ("rdkv_gqa4_d16_short", (2, 2, 8, 40, 16, 8), [[40, 33], [21, 40]]),
+            ("rdkv_gqa1_d32", (1, 2, 2, 200, 32, 32), [[200, 151]])):
+        written = None
+        while written is None:
+            scale = np.exp(rng.uniform(-1.0, 1.0, (1, H, 1, d)))
+            k = rng.standard_normal((B, H, N, d)) * scale + 0.3 * rng.standard_normal((1, H, 1, d))
+            v = rng.standard_normal((B, H, N, d)) * np.exp(rng.uniform(-0.5, 0.5, (B, H, N, 1)))
+            q = 1.5 * rng.standard_normal((B, Hq, W + 3, d))
+            end = np.max(lengths, axis=1)
+            qpos = np.stack([np.arange(e - W, e) for e in end])
+            apos = np.stack([np.array([e - W // 2, e - 1, e + 5]) for e in end])
+            plans = rdkv_plans(N)
+            written = write_rdkv_case(out, name, k, v, q[:, :, :W], qpos, lengths, q[:, :, W:], apos, W, 5, plans,
+                                      rdkv_packs(plans, d), require_gap=1e-9)
+        cases.append(written)
+    dump = os.path.join(out, "tinystories_dump")
+    if model_dir and os.path.exists(os.path.join(model_dir, "model.safetensors")):  # main() has just dumped it
+        for layer in ("layer0", "layer1"):
+            ld = os.path.join(dump, layer)
+            if not os.path.isdir(ld):
+                continue
+            kk, vv = np.load(os.path.join(ld, "keys.npy")), np.load(os.path.join(ld, "values.npy"))
+            qq = np.load(os.path.join(ld, "queries.npy"))  # the model's own post-RoPE queries, row i at position i
+            B, H, n, d = kk.shape
+            W = 32
+            rows = np.array([n // 2, n - 20, n - 1])
+            plans = rdkv_plans(n)
+            cases.append(write_rdkv_case(out, f"rdkv_tinystories_{layer}", kk, vv, qq[:, :, n - W:],
+                                         np.broadcast_to(np.arange(n - W, n), (B, W)), np.full((B, H), n),
+                                         qq[:, :, rows], np.broadcast_to(rows, (B, 3)), W, 5, plans,
+                                         rdkv_packs(plans, d)))
+    return cases
 
 
 def write_pyramid_schedules(out):
