@@ -15,15 +15,15 @@
 //  - T_eff = tokens of the m with b_t > 0 (the residual excluded).
 //  - K knapsack over the dim channels (unit cost T_eff per bit, absorbed): exact: Σ_c b_c <= floor(ρ · 2·B·dim·16 /
 //    max(1, T_eff)); lagrangian: k_avg = ρ · 2·B·dim·16 / (dim · max(1, T_eff)). k_avg >= 16 -> every channel at 16
-//    (reference = authors: the packer then clamps K16 to 8). A head with T_eff = 0 stores no K: its k_bits are 0.
+//    (the authors' packer then clamps K16 to 8). A head with T_eff = 0 stores no K: its k_bits are 0.
 //  - Padding slots (>= n) get v_bits 0.
 // scope = layer: one V knapsack over the m_h tokens of every head of a sequence (budget: the sum of the heads'
 // budgets; lagrangian: target Σ_h (1 − ρ) 2·B_h·dim·16 / (Σ_h m_h · dim)), then each head's K knapsack as above.
 //
 // Solvers (rate_distortion/knapsack.hpp): `solver` picks exact (default: Σ bits <= budget, A7) or lagrangian (the
-// authors' bisection, may overshoot by tol). `reference` does not pick the solver: it is read by the packer
-// (authors: K at 16 bits clamped to 8, integer zero point); the authors' preset is reference = authors with
-// solver = lagrangian. BitSolver::dp is refused (it allocates and is O(n · budget): a test reference only).
+// authors' bisection, may overshoot by tol). The authors' full preset (the tools' `reference=authors`) is solver =
+// lagrangian here plus PackOptions{ZeroPoint::integer, clamp_k16_to_8 = true} in the packer (pipeline/pack.hpp).
+// BitSolver::dp is refused (it allocates and is O(n · budget): a test reference only).
 // options.evict = false (no 0 bits, the quant-only ablation): exact mode reports invalid_argument when a head's
 // (scope layer: a sequence's) V budget is below 2 bits per token or its K budget below 2 bits per channel.
 // Weights must be finite and >= 0 on valid slots (padding is ignored: -inf there is fine); a scorer whose scores
@@ -58,7 +58,6 @@ enum class RDKVBudgetScope : std::uint8_t {
 struct RDKVAllocator {
   static constexpr std::string_view name = "rdkv";
 
-  Reference reference = Reference::authors;  ///< read by the packer: authors clamps K16 to 8 (see the file comment)
   Index budget_tokens = 128;    ///< B: FP16-equivalent tokens per (layer, KV head); total bits = 2 * B * dim * 16
   double ratio = -1.0;          ///< >= 0 (<= 1): budget = floor(n (1 - ratio)) per head instead of budget_tokens
   double k_budget_ratio = 0.5;  ///< rho in [0, 1]: K gets rho of the bits, V 1 - rho
