@@ -4,6 +4,7 @@
 
 #include <kvc/backend/cuda/attention/attend.cuh>
 #include <kvc/backend/cuda/attention/corrected.cuh>
+#include <kvc/backend/cuda/attention/packed.cuh>
 #include <kvc/backend/cuda/config.cuh>
 #include <kvc/backend/cuda/pipeline/compact.cuh>
 #include <kvc/backend/cuda/pipeline/query_statistics.cuh>
@@ -13,10 +14,14 @@
 #include <kvc/backend/cuda/scorers/knorm.cuh>
 #include <kvc/backend/cuda/scorers/moment_kv.cuh>
 #include <kvc/backend/cuda/scorers/random.cuh>
+#include <kvc/backend/cuda/scorers/rdkv.cuh>
 #include <kvc/backend/cuda/scorers/snap_kv.cuh>
 #include <kvc/backend/cuda/scorers/streaming_llm.cuh>
 #include <kvc/backend/cuda/scorers/tova.cuh>
 #include <kvc/backend/cuda/scorers/uncomp.cuh>
+#include <kvc/backend/cuda/selectors/ada_kv.cuh>
+#include <kvc/backend/cuda/selectors/rdkv.cuh>
 #include <kvc/backend/cuda/selectors/top_k.cuh>
 #include <kvc/backend/cuda/selectors/uncomp.cuh>
+#include <kvc/backend/cuda/store/packed.cuh>
 #include <kvc/pipeline/press.hpp>

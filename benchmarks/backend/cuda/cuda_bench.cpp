@@ -8,8 +8,25 @@
 #include <benchmark/benchmark.h>
 
 #include <cstdint>
+#include <memory>
 
 namespace kb = kvc::bench::cuda;
+
+// Packed attention (RDKV, issue 13): defined in cuda_bench_kernels.cu, declared here beside their only caller.
+namespace kvc::bench::cuda {
+struct PackedBench;
+struct PackedBenchDeleter {
+  void operator()(PackedBench*) const;
+};
+using PackedBenchPtr = std::unique_ptr<PackedBench, PackedBenchDeleter>;
+/// A decode step (32 query heads x 1 row, GQA 4) over [1, 8, tokens, 128]: packed at `bits` (2, 4, 8) for
+/// kvc::attend_packed, or bits = 16 for kvc::attend over the same tokens as an fp16 cache.
+PackedBenchPtr make_packed_bench(Index tokens, int bits);
+/// Seconds of one call (cudaEvent pair), negative on error.
+double time_packed(PackedBench& p);
+/// Bytes one call must read: the packed arena (codes, params, permutation, positions), or fp16 K and V.
+double packed_bench_bytes(PackedBench const& p);
+}  // namespace kvc::bench::cuda
 
 static void run(benchmark::State& state, kb::Op op, bool fp16) {
   if (!kb::device_available()) {
@@ -54,6 +71,35 @@ static void grid128(benchmark::internal::Benchmark* b) {
 /// UNComp's decode step at its specified shape (Hq = 32, Hkv = 8, d = 128, w = 8) and context lengths.
 static void grid_uncomp(benchmark::internal::Benchmark* b) {
   b->ArgNames({"tokens", "dim"})->ArgsProduct({{4096, 32768}, {128}})->UseManualTime()->Unit(benchmark::kMicrosecond);
+}
+
+/// Packed attention at `bits` (16: the fp16 kvc::attend baseline over the same tokens): bytes/s is the rate at
+/// which the step reads what it must (compare with BM_Cuda_MemoryRead's).
+static void run_packed(benchmark::State& state, int bits) {
+  if (!kb::device_available()) {
+    state.SkipWithError("no CUDA device");
+    return;
+  }
+  auto p = kb::make_packed_bench(state.range(0), bits);
+  if (!p) {
+    state.SkipWithError("CUDA allocation or packing failed");
+    return;
+  }
+  for (auto _ : state) {
+    double const s = kb::time_packed(*p);
+    if (s < 0) {
+      state.SkipWithError("CUDA kernel failed");
+      return;
+    }
+    state.SetIterationTime(s);
+  }
+  state.SetBytesProcessed(static_cast<std::int64_t>(kb::packed_bench_bytes(*p)) * state.iterations());
+  state.counters["tokens/s"] =
+      benchmark::Counter(static_cast<double>(8 * state.range(0)), benchmark::Counter::kIsIterationInvariantRate);
+}
+
+static void grid_packed(benchmark::internal::Benchmark* b) {
+  b->ArgNames({"tokens"})->Args({4096})->Args({32768})->UseManualTime()->Unit(benchmark::kMicrosecond);
 }
 
 BENCHMARK_CAPTURE(run, KeyDiff_fp32, kb::Op::key_diff, false)->Apply(grid)->Name("BM_KeyDiff_Cuda/fp32");
@@ -106,6 +152,10 @@ BENCHMARK_CAPTURE(run, UNCompUpdate_fp32, kb::Op::uncomp_update, false)
     ->Apply(grid_uncomp)
     ->Name("BM_UNCompUpdate_Cuda/fp32");
 BENCHMARK_CAPTURE(run, UNCompScore, kb::Op::uncomp_score, true)->Apply(grid_uncomp)->Name("BM_UNCompScore_Cuda");
+BENCHMARK_CAPTURE(run_packed, Packed2, 2)->Apply(grid_packed)->Name("BM_PackedAttend_Cuda/2bit");
+BENCHMARK_CAPTURE(run_packed, Packed4, 4)->Apply(grid_packed)->Name("BM_PackedAttend_Cuda/4bit");
+BENCHMARK_CAPTURE(run_packed, Packed8, 8)->Apply(grid_packed)->Name("BM_PackedAttend_Cuda/8bit");
+BENCHMARK_CAPTURE(run_packed, Fp16, 16)->Apply(grid_packed)->Name("BM_PackedAttend_Cuda/fp16_attend");
 BENCHMARK_CAPTURE(run, Read_fp32, kb::Op::read, false)->Apply(grid)->Name("BM_Cuda_MemoryRead");
 BENCHMARK_CAPTURE(run, Fma, kb::Op::fma_peak, false)
     ->ArgNames({"tokens", "dim"})

@@ -2,6 +2,7 @@
 // benchmarks/backend/cuda/cuda_bench_kernels.cu: device side of the CUDA benchmarks (see cuda_bench.hpp).
 #include <kvc/backend/cuda/attention/attend.cuh>
 #include <kvc/backend/cuda/attention/corrected.cuh>
+#include <kvc/backend/cuda/attention/packed.cuh>
 #include <kvc/backend/cuda/pipeline/compact.cuh>
 #include <kvc/backend/cuda/pipeline/query_statistics.cuh>
 #include <kvc/backend/cuda/scorers/expected_attention.cuh>
@@ -13,6 +14,8 @@
 #include <kvc/backend/cuda/scorers/uncomp.cuh>
 #include <kvc/backend/cuda/selectors/ada_kv.cuh>
 #include <kvc/backend/cuda/selectors/top_k.cuh>
+#include <kvc/backend/cuda/store/packed.cuh>
+#include <kvc/pipeline/pack.hpp>
 #include <kvc/store/ragged.hpp>
 
 #include "backend/cuda/cuda_bench.hpp"
@@ -20,6 +23,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <memory>
 #include <vector>
 
 namespace kvc::bench::cuda {
@@ -466,6 +470,123 @@ double flops_of(Context const& c, Op op) {
     case Op::fma_peak: return 2.0 * 8.0 * fma_iterations * static_cast<double>(fma_blocks) * fma_threads;
     default: return 0.0;
   }
+}
+
+// --- Packed attention (RDKV, issue 13; declared in cuda_bench.cpp, beside its only caller) -----------------------
+
+struct PackedBench;
+struct PackedBenchDeleter {
+  void operator()(PackedBench*) const;
+};
+using PackedBenchPtr = std::unique_ptr<PackedBench, PackedBenchDeleter>;
+
+/// A decode step's attention, 32 query heads x 1 row (GQA 4) over [1, 8, tokens, 128]: over a packed layer with
+/// every token and channel at `bits` (2, 4 or 8; whole-axis groups, float-min zero point), or (bits = 16) with
+/// kvc::attend over the same tokens as an fp16 cache. K and V hold the same random values in both.
+struct PackedBench {
+  Index tokens = 0;
+  int bits = 16;
+  double bytes = 0.0;  ///< what one call must read: the packed arena, or the fp16 K and V
+  void* arena = nullptr;
+  PackedHead* heads = nullptr;
+  PackedKVView<DeviceSpace> view{};
+  half* k = nullptr;
+  half* v = nullptr;
+  half* q = nullptr;
+  float* out = nullptr;
+  float* lse = nullptr;
+  cudaEvent_t start{}, stop{};
+};
+
+void PackedBenchDeleter::operator()(PackedBench* p) const {
+  cudaFree(p->arena);
+  cudaFree(p->heads);
+  cudaFree(p->k);
+  cudaFree(p->v);
+  cudaFree(p->q);
+  cudaFree(p->out);
+  cudaFree(p->lse);
+  cudaEventDestroy(p->start);
+  cudaEventDestroy(p->stop);
+  delete p;
+}
+
+namespace {
+constexpr Index packed_kv_heads = 8, packed_query_heads = 32, packed_dim = 128;
+}  // namespace
+
+PackedBenchPtr make_packed_bench(Index tokens, int bits) {
+  PackedBenchPtr p(new PackedBench);
+  p->tokens = tokens;
+  p->bits = bits;
+  KVExtents const e{1, packed_kv_heads, tokens, packed_dim};
+  auto const elems = static_cast<std::size_t>(e.rows() * packed_dim);
+  bool ok =
+      cudaEventCreate(&p->start) == cudaSuccess && cudaEventCreate(&p->stop) == cudaSuccess &&
+      cudaMalloc(&p->q, static_cast<std::size_t>(packed_query_heads * packed_dim) * sizeof(half)) == cudaSuccess &&
+      cudaMalloc(&p->out, static_cast<std::size_t>(packed_query_heads * packed_dim) * sizeof(float)) == cudaSuccess &&
+      cudaMalloc(&p->lse, static_cast<std::size_t>(packed_query_heads) * sizeof(float)) == cudaSuccess;
+  if (!ok)
+    return nullptr;
+  fill_kernel<<<64, 256>>>(p->q, packed_query_heads * packed_dim, 21u);
+  if (bits == 16) {
+    ok = cudaMalloc(&p->k, elems * sizeof(half)) == cudaSuccess &&
+         cudaMalloc(&p->v, elems * sizeof(half)) == cudaSuccess;
+    if (!ok)
+      return nullptr;
+    fill_kernel<<<1024, 256>>>(p->k, e.rows() * packed_dim, 22u);
+    fill_kernel<<<1024, 256>>>(p->v, e.rows() * packed_dim, 23u);
+    p->bytes = 2.0 * static_cast<double>(elems) * sizeof(half);
+    return cudaDeviceSynchronize() == cudaSuccess ? std::move(p) : nullptr;
+  }
+  // The packed layer is built on the host (kvc::pack) from values drawn there, then copied.
+  std::vector<half> k(elems), v(elems);
+  std::uint32_t state = 12345u;
+  auto next = [&] {  // a small LCG: uniform in [-1, 1)
+    state = state * 1664525u + 1013904223u;
+    return static_cast<float>(state >> 8) * (2.0f / 16777216.0f) - 1.0f;
+  };
+  for (std::size_t i = 0; i < elems; ++i) {
+    k[i] = half(next());
+    v[i] = half(next());
+  }
+  std::vector<std::int8_t> v_bits(static_cast<std::size_t>(e.rows()), static_cast<std::int8_t>(bits)),
+      k_bits(static_cast<std::size_t>(packed_kv_heads * packed_dim), static_cast<std::int8_t>(bits));
+  auto const cache = make_cache(bhtd_rows(k.data(), e), bhtd_rows(v.data(), e));
+  PackedKV kv;
+  if (!pack(cache, BitPlan<HostSpace>{v_bits.data(), k_bits.data(), 1, packed_kv_heads, tokens, packed_dim},
+            PackOptions{}, kv)
+           .ok())
+    return nullptr;
+  ok = cudaMalloc(&p->arena, kv.arena_bytes()) == cudaSuccess &&
+       cudaMalloc(reinterpret_cast<void**>(&p->heads), kv.descriptor_bytes()) == cudaSuccess &&
+       to_device(Cuda{}, kv, p->arena, kv.arena_bytes(), p->heads, packed_kv_heads, p->view).ok();
+  p->bytes = static_cast<double>(kv.arena_bytes());
+  return ok && cudaDeviceSynchronize() == cudaSuccess ? std::move(p) : nullptr;
+}
+
+double time_packed(PackedBench& p) {
+  AttendQueries<half, DeviceSpace> const q{
+      TokenRows<half const, StridedLayout, DeviceSpace>(p.q, bhtd_layout({1, packed_query_heads, 1, packed_dim}))};
+  cudaEventRecord(p.start);
+  Status st;
+  if (p.bits == 16) {
+    KVExtents const e{1, packed_kv_heads, p.tokens, packed_dim};
+    auto const cache = make_cache(bhtd_device_rows(p.k, e), bhtd_device_rows(p.v, e));
+    st = attend(Cuda{}, Attention{}, q, cache, AttendOutput<DeviceSpace>{p.out, p.lse}, Workspace{});
+  } else {
+    st = attend_packed(Cuda{}, Attention{}, q, p.view, AttendOutput<DeviceSpace>{p.out, p.lse}, Workspace{});
+  }
+  cudaEventRecord(p.stop);
+  if (!st.ok() || cudaEventSynchronize(p.stop) != cudaSuccess)
+    return -1.0;
+  float ms = 0.0f;
+  cudaEventElapsedTime(&ms, p.start, p.stop);
+  return static_cast<double>(ms) * 1e-3;
+}
+
+double packed_bench_bytes(PackedBench const& p) {
+  return p.bytes;
 }
 
 }  // namespace kvc::bench::cuda

@@ -2,6 +2,7 @@
 // tests/backend/cuda/cuda_kernels.cu: device-side halves of the parity tests (see cuda_kernels.hpp).
 #include <kvc/backend/cuda/attention/attend.cuh>
 #include <kvc/backend/cuda/attention/corrected.cuh>
+#include <kvc/backend/cuda/attention/packed.cuh>
 #include <kvc/backend/cuda/pipeline/compact.cuh>
 #include <kvc/backend/cuda/pipeline/query_statistics.cuh>
 #include <kvc/backend/cuda/scorers/expected_attention.cuh>
@@ -10,12 +11,15 @@
 #include <kvc/backend/cuda/scorers/knorm.cuh>
 #include <kvc/backend/cuda/scorers/moment_kv.cuh>
 #include <kvc/backend/cuda/scorers/random.cuh>
+#include <kvc/backend/cuda/scorers/rdkv.cuh>
 #include <kvc/backend/cuda/scorers/snap_kv.cuh>
 #include <kvc/backend/cuda/scorers/streaming_llm.cuh>
 #include <kvc/backend/cuda/scorers/uncomp.cuh>
 #include <kvc/backend/cuda/selectors/ada_kv.cuh>
+#include <kvc/backend/cuda/selectors/rdkv.cuh>
 #include <kvc/backend/cuda/selectors/top_k.cuh>
 #include <kvc/backend/cuda/selectors/uncomp.cuh>
+#include <kvc/backend/cuda/store/packed.cuh>
 #include <kvc/pipeline/blockwise.hpp>
 #include <kvc/pipeline/decode.hpp>
 #include <kvc/pipeline/moment_kv.hpp>
@@ -928,6 +932,84 @@ void decode_driver_builds_for_cuda(Cuda const& cuda, Workspace ws) {
                     counter, rope, ws);
   (void)decode_step(cuda, UNCompScorer<DeviceSpace>{}, UNCompSelector<DeviceSpace>{}, schedule, cache, buf, counter,
                     rope, ws);
+}
+
+// --- RDKV (issue 13). Declared in parity_test.cpp beside their tests (cuda_kernels.hpp is shared with other work). --
+
+/// kvc::attend_packed on the device: the host PackedKV copied with kvc::to_device, queries [B, Hq, n, d_k] (fp32
+/// narrowed to `dtype`), positions [B, n] or empty (the context end), causal or not.
+std::string attend_packed(PackedKV const& kv, Dtype dtype, KVExtents q_ext, std::vector<float> const& queries,
+                          std::vector<Index> const& positions, bool causal, std::vector<float>& out,
+                          std::vector<float>& lse) {
+  Index const heads = kv.batch() * kv.kv_heads();
+  DeviceBuffer<unsigned char> arena(kv.arena_bytes());
+  DeviceBuffer<PackedHead> table(static_cast<std::size_t>(heads));
+  DeviceBuffer<Index> pos(positions);
+  DeviceBuffer<float> o(static_cast<std::size_t>(q_ext.rows() * kv.value_dim())),
+      l(static_cast<std::size_t>(q_ext.rows()));
+  PackedKVView<DeviceSpace> view;
+  if (Status const st = to_device(Cuda{}, kv, arena.ptr, arena.n, table.ptr, heads, view); !st.ok())
+    return st.message();
+  std::string const err = by_dtype(dtype, [&](auto tag) {
+    using T = decltype(tag);
+    DeviceBuffer<T> q(narrow<T>(queries));
+    AttendQueries<T, DeviceSpace> const aq{TokenRows<T const, StridedLayout, DeviceSpace>(q.ptr, bhtd_layout(q_ext)),
+                                           positions.empty() ? nullptr : pos.ptr};
+    Attention op;
+    op.causal = causal;
+    return finish(kvc::attend_packed(Cuda{}, op, aq, view, AttendOutput<DeviceSpace>{o.ptr, l.ptr}, Workspace{}));
+  });
+  o.to_host(out);
+  l.to_host(lse);
+  return err;
+}
+
+/// kvc::allocate_bits (RDKV) on the device: token weights [B, H, T] with per-head lengths [B * H] (empty: none),
+/// channel weights [B, H, dim]; the plan's v_bits [B, H, T] and k_bits [B, H, dim] come back.
+std::string allocate_bits(RDKVAllocator const& a, KVExtents e, std::vector<float> const& token_weights,
+                          std::vector<Index> const& lengths, std::vector<float> const& channel_weights,
+                          std::vector<std::int8_t>& v_bits, std::vector<std::int8_t>& k_bits) {
+  DeviceBuffer<float> w(token_weights), cw(channel_weights);
+  DeviceBuffer<Index> len(lengths);
+  DeviceBuffer<std::int8_t> v(static_cast<std::size_t>(e.rows())),
+      k(static_cast<std::size_t>(e.batch * e.heads * e.dim));
+  ScoreSpan<DeviceSpace> const span{w.ptr, e.batch, e.heads, e.tokens,
+                                    lengths.empty() ? Lengths{} : head_lengths(len.ptr, e.heads)};
+  BitPlan<DeviceSpace> const plan{v.ptr, k.ptr, e.batch, e.heads, e.tokens, e.dim};
+  std::size_t const bytes = allocate_bits_workspace_bytes(Cuda{}, a, e.batch, e.heads, e.tokens, e.dim);
+  DeviceBuffer<unsigned char> ws(bytes);
+  std::string const err = finish(kvc::allocate_bits(Cuda{}, a, span, cw.ptr, plan, Workspace{ws.ptr, bytes}));
+  v.to_host(v_bits);
+  k.to_host(k_bits);
+  return err;
+}
+
+/// RDKV's token weights (attn_linear, window = the case's window rows, pooling kernel `kernel`) on the device.
+std::string rdkv_scores(Case const& c, Index kernel, std::vector<float>& out) {
+  return by_dtype(c.dtype, [&](auto tag) {
+    Mirror<decltype(tag)> m(c);
+    RDKVTokenScorer s;
+    s.window_size = c.q_ext.tokens;
+    s.kernel_size = kernel;
+    return score_with(s, m, out);
+  });
+}
+
+/// ThinK's channel weights [B, Hkv, d] (window = the case's window rows) on the device.
+std::string think_scores(Case const& c, std::vector<float>& out) {
+  return by_dtype(c.dtype, [&](auto tag) {
+    Mirror<decltype(tag)> m(c);
+    DeviceBuffer<float> o(static_cast<std::size_t>(c.e.batch * c.e.heads * c.e.dim));
+    ThinKChannelScorer const s{c.q_ext.tokens};
+    std::string const err = m.with_cache([&](auto const& cache) {
+      auto const obs = observe(m.window());
+      std::size_t const bytes = channel_score_workspace_bytes(Cuda{}, s, c.e, obs);
+      DeviceBuffer<unsigned char> ws(bytes);
+      return finish(score_channels(Cuda{}, s, cache, obs, o.ptr, Workspace{ws.ptr, bytes}));
+    });
+    o.to_host(out);
+    return err;
+  });
 }
 
 }  // namespace kvc::test::cuda

@@ -9,6 +9,7 @@
 // device" and ctest reports it skipped.
 #include <kvc/backend/cpu/attention/attend.hpp>
 #include <kvc/backend/cpu/attention/corrected.hpp>
+#include <kvc/backend/cpu/attention/packed.hpp>
 #include <kvc/backend/cpu/pipeline/compact.hpp>
 #include <kvc/backend/cpu/pipeline/query_statistics.hpp>
 #include <kvc/backend/cpu/scorers/expected_attention.hpp>
@@ -17,14 +18,17 @@
 #include <kvc/backend/cpu/scorers/knorm.hpp>
 #include <kvc/backend/cpu/scorers/moment_kv.hpp>
 #include <kvc/backend/cpu/scorers/random.hpp>
+#include <kvc/backend/cpu/scorers/rdkv.hpp>
 #include <kvc/backend/cpu/scorers/snap_kv.hpp>
 #include <kvc/backend/cpu/scorers/streaming_llm.hpp>
 #include <kvc/backend/cpu/scorers/uncomp.hpp>
 #include <kvc/backend/cpu/selectors/ada_kv.hpp>
+#include <kvc/backend/cpu/selectors/rdkv.hpp>
 #include <kvc/backend/cpu/selectors/top_k.hpp>
 #include <kvc/backend/cpu/selectors/uncomp.hpp>
 #include <kvc/pipeline/blockwise.hpp>
 #include <kvc/pipeline/moment_kv.hpp>
+#include <kvc/pipeline/pack.hpp>
 
 #include "backend/cuda/cuda_kernels.hpp"
 #include "common/ragged_store.hpp"
@@ -1629,4 +1633,254 @@ TEST_CASE("cuda: the MomentKV prefill driver runs on the device and keeps the CP
       for (Index n : cpu_m.count)
         CHECK(n > 0);
     }
+}
+
+// --- RDKV (issue 13): packed attention and the bit allocator. The device wrappers live in cuda_kernels.cu; they are
+// declared here, beside their only callers.
+namespace kvc::test::cuda {
+std::string attend_packed(kvc::PackedKV const& kv, Dtype dtype, kvc::KVExtents q_ext, std::vector<float> const& queries,
+                          std::vector<Index> const& positions, bool causal, std::vector<float>& out,
+                          std::vector<float>& lse);
+std::string allocate_bits(kvc::RDKVAllocator const& a, kvc::KVExtents e, std::vector<float> const& token_weights,
+                          std::vector<Index> const& lengths, std::vector<float> const& channel_weights,
+                          std::vector<std::int8_t>& v_bits, std::vector<std::int8_t>& k_bits);
+std::string rdkv_scores(Case const& c, Index kernel, std::vector<float>& out);
+std::string think_scores(Case const& c, std::vector<float>& out);
+}  // namespace kvc::test::cuda
+
+namespace {
+
+/// A bit plan [B, H, N] / [B, H, d_k] for the packed-attention cases. mix 0: every width, evicted tokens (V 0) and
+/// pruned channels (K 0), segment counts that need pads; 1: KIVI's uniform 2 bits; 2: V all 16 (zone B only), K 8 and
+/// 16. Padding slots (t >= the head's length) get 0.
+struct PackedPlan {
+  std::vector<std::int8_t> v, k;
+  kvc::BitPlan<> plan;
+  PackedPlan(kvc::KVExtents e, std::vector<Index> const& lengths, int mix)
+      : v(static_cast<std::size_t>(e.rows())), k(static_cast<std::size_t>(e.batch * e.heads * e.dim)) {
+    static constexpr std::int8_t v_mix[10] = {2, 4, 0, 8, 2, 16, 4, 2, 0, 8};
+    static constexpr std::int8_t k_mix[9] = {2, 4, 8, 16, 0, 2, 4, 2, 8};
+    for (Index b = 0; b < e.batch; ++b)
+      for (Index h = 0; h < e.heads; ++h) {
+        Index const n = lengths[static_cast<std::size_t>(b * e.heads + h)];
+        for (Index t = 0; t < e.tokens; ++t) {
+          std::int8_t bits = mix == 0 ? v_mix[(t * 7 + h * 3 + b) % 10] : (mix == 1 ? 2 : 16);
+          v[static_cast<std::size_t>((b * e.heads + h) * e.tokens + t)] = t < n ? bits : 0;
+        }
+        for (Index c = 0; c < e.dim; ++c)
+          k[static_cast<std::size_t>((b * e.heads + h) * e.dim + c)] =
+              mix == 0 ? k_mix[(c * 5 + h + b) % 9] : (mix == 1 ? 2 : (c % 3 == 0 ? 16 : 8));
+      }
+    plan = {v.data(), k.data(), e.batch, e.heads, e.tokens, e.dim};
+  }
+};
+
+/// Packs a random cache of element type T with the plan and the options, then compares kvc::attend_packed on the
+/// device with the CPU kernel: outputs and LSEs within 1e-5 relative (1e-5 absolute near 0). Not bit-identical: the
+/// device factors and sums the dot products in another order, its exp differs from the CPU's by an ulp or two and
+/// nvcc fuses multiply-adds (backend/cuda/attention/packed.cuh).
+template <class T>
+void check_packed_attention(kc::Dtype dtype, Index gqa, Index dim_v, Index group, kvc::ZeroPoint zp, int mix,
+                            bool given_positions, std::uint64_t seed) {
+  kvc::KVExtents const e{2, 2, 300, 64};
+  auto cache = kvc::tools::HostCache<T>::random(e, seed, dim_v);
+  cache.per_head = true;
+  cache.lengths = {300, 257, 190, 300};
+  cache.positions.resize(static_cast<std::size_t>(e.rows()));
+  for (std::size_t i = 0; i < cache.positions.size(); ++i)
+    cache.positions[i] = static_cast<Index>(i) % e.tokens + 3;  // a context that started before the cache
+  PackedPlan const plan(e, cache.lengths, mix);
+  kvc::PackOptions opt;
+  opt.zero_point = zp;
+  opt.v_group = group;
+  opt.k_group = group;
+  kvc::PackedKV kv;
+  REQUIRE(kvc::pack(cache.view(), plan.plan, opt, kv).ok());
+
+  kvc::KVExtents const q_ext{e.batch, e.heads * gqa, 5, e.dim};
+  auto queries = kvc::tools::HostCache<float>::random(q_ext, seed + 1).k;
+  for (float& x : queries)
+    x *= 1.5f;
+  std::vector<Index> positions;
+  if (given_positions)
+    positions = {2, 100, 180, 250, 400, 0, 50, 170, 299, 303};  // [B, n]: rows that see nothing, some, everything
+  std::vector<float> out, lse;
+  REQUIRE(kc::attend_packed(kv, dtype, q_ext, queries, positions, true, out, lse) == "");
+
+  std::vector<T> q(queries.size());
+  for (std::size_t i = 0; i < q.size(); ++i)
+    q[i] = kvc::from_float<T>(queries[i]);
+  kvc::AttendQueries<T> const aq{kvc::TokenRows<T const, kvc::StridedLayout>(q.data(), kvc::bhtd_layout(q_ext)),
+                                 positions.empty() ? nullptr : positions.data()};
+  std::vector<float> o(out.size()), l(lse.size());
+  kvc::test::OwnedWorkspace ws(kvc::attend_packed_workspace_bytes(kvc::Cpu{}, kvc::Attention{}, aq, kv.view()));
+  REQUIRE(kvc::attend_packed(kvc::Cpu{}, kvc::Attention{}, aq, kv.view(), {o.data(), l.data()}, ws.get()).ok());
+  require_close(out, o, 1e-5f, 1e-5f);
+  require_close(lse, l, 1e-5f, 1e-5f);
+}
+
+}  // namespace
+
+TEST_CASE("cuda: packed attention matches the CPU (bit mixes, evictions, pruned channels, groups, zero points, GQA)",
+          "[cuda][attention][rdkv]") {
+  KVC_REQUIRE_DEVICE();
+  std::uint64_t seed = 900;
+  for (int mix : {0, 1, 2})
+    for (Index gqa : {Index{1}, Index{4}})
+      for (Index group : {Index{0}, Index{32}})
+        for (auto zp : {kvc::ZeroPoint::float_min, kvc::ZeroPoint::integer}) {
+          INFO("mix " << mix << " gqa " << gqa << " group " << group << " zero point " << static_cast<int>(zp));
+          Index const dim_v = gqa == 4 ? 38 : 64;  // d_v != d_k, with pads in the 2- and 4-bit V rows
+          check_packed_attention<float>(kc::Dtype::f32, gqa, dim_v, group, zp, mix, group == 0, ++seed);
+          check_packed_attention<kvc::half>(kc::Dtype::f16, gqa, dim_v, group, zp, mix, group != 0, ++seed);
+        }
+}
+
+namespace {
+
+/// Weights that stress the order of the exact solver and the Lagrangian's tests: a wide dynamic range (e^N(0, 2)),
+/// many exact ties (every 3rd weight rounded to one of 4 values), zeros (every 11th), -inf on padding slots.
+std::vector<float> rdkv_weights(Index rows, Index tokens, std::vector<Index> const& lengths, std::uint64_t seed) {
+  kvc::tools::Rng rng(seed);
+  std::vector<float> w(static_cast<std::size_t>(rows * tokens));
+  for (Index r = 0; r < rows; ++r)
+    for (Index t = 0; t < tokens; ++t) {
+      float x = std::exp(2.0f * rng.normal());
+      if (t % 3 == 0)
+        x = static_cast<float>(1 + static_cast<int>(x * 7.0f) % 4) * 0.25f;
+      if (t % 11 == 0)
+        x = 0.0f;
+      Index const n = lengths.empty() ? tokens : lengths[static_cast<std::size_t>(r)];
+      w[static_cast<std::size_t>(r * tokens + t)] = t < n ? x : -std::numeric_limits<float>::infinity();
+    }
+  return w;
+}
+
+void check_rdkv_allocation(kvc::RDKVAllocator const& a, kvc::KVExtents e, std::vector<Index> const& lengths,
+                           std::uint64_t seed) {
+  auto tw = rdkv_weights(e.batch * e.heads, e.tokens, lengths, seed);
+  auto cw = rdkv_weights(e.batch * e.heads, e.dim, {}, seed + 1);
+  std::vector<std::int8_t> gpu_v, gpu_k;
+  REQUIRE(kc::allocate_bits(a, e, tw, lengths, cw, gpu_v, gpu_k) == "");
+
+  std::vector<Index> len = lengths;
+  kvc::ScoreSpan<> const span{tw.data(), e.batch, e.heads, e.tokens,
+                              len.empty() ? kvc::Lengths{} : kvc::head_lengths(len.data(), e.heads)};
+  std::vector<std::int8_t> v(static_cast<std::size_t>(e.rows())),
+      k(static_cast<std::size_t>(e.batch * e.heads * e.dim));
+  kvc::BitPlan<> const plan{v.data(), k.data(), e.batch, e.heads, e.tokens, e.dim};
+  kvc::test::OwnedWorkspace ws(kvc::allocate_bits_workspace_bytes(kvc::Cpu{}, a, e.batch, e.heads, e.tokens, e.dim));
+  REQUIRE(kvc::allocate_bits(kvc::Cpu{}, a, span, cw.data(), plan, ws.get()).ok());
+  REQUIRE(gpu_v.size() == v.size());
+  REQUIRE(gpu_k.size() == k.size());
+  for (std::size_t i = 0; i < v.size(); ++i) {
+    INFO("v_bits entry " << i);
+    REQUIRE(int{gpu_v[i]} == int{v[i]});
+  }
+  for (std::size_t i = 0; i < k.size(); ++i) {
+    INFO("k_bits entry " << i);
+    REQUIRE(int{gpu_k[i]} == int{k[i]});
+  }
+}
+
+}  // namespace
+
+TEST_CASE("cuda: the RDKV allocation equals the CPU's bit for bit (both solvers, budgets, scopes, long heads)",
+          "[cuda][selector][rdkv]") {
+  KVC_REQUIRE_DEVICE();
+  std::uint64_t seed = 1300;
+  for (auto solver : {kvc::BitSolver::exact, kvc::BitSolver::lagrangian})
+    for (auto scope : {kvc::RDKVBudgetScope::head, kvc::RDKVBudgetScope::layer})
+      for (Index budget : {Index{0}, Index{8}, Index{64}, Index{128}, Index{1000}, Index{30000}})
+        for (Index residual : {Index{0}, Index{16}}) {
+          INFO("solver " << static_cast<int>(solver) << " scope " << static_cast<int>(scope) << " budget " << budget
+                         << " residual " << residual);
+          kvc::RDKVAllocator a;
+          a.solver = solver;
+          a.scope = scope;
+          a.budget_tokens = budget;
+          a.residual = residual;
+          check_rdkv_allocation(a, {2, 3, 300, 64}, {300, 257, 190, 300, 0, 17}, ++seed);
+          a.eps_v = kvc::EpsilonTable::default_v();  // the authors' built-in tables, and a skewed K/V split
+          a.eps_k = kvc::EpsilonTable::default_k();
+          a.k_budget_ratio = 0.3;
+          check_rdkv_allocation(a, {1, 2, 20000, 128}, {20000, 13001}, ++seed);
+        }
+  SECTION("ratio budgets, no eviction, an off-hull table") {
+    kvc::RDKVAllocator a;
+    for (auto solver : {kvc::BitSolver::exact, kvc::BitSolver::lagrangian}) {
+      a.solver = solver;
+      a.ratio = 0.9;
+      check_rdkv_allocation(a, {2, 2, 4000, 128}, {4000, 3999, 1, 2500}, ++seed);
+      a.ratio = -1.0;
+      a.budget_tokens = 2000;  // >= 2 bits per unit everywhere: allowed without eviction
+      a.options.evict = false;
+      check_rdkv_allocation(a, {2, 2, 4000, 128}, {}, ++seed);
+      a.options.evict = true;
+      a.budget_tokens = 200;
+      a.eps_v = {{1.0, 0.5, 0.2, 0.15, 0.0}};  // 8 bits above the hull's chord 4 -> 16: never chosen
+      check_rdkv_allocation(a, {1, 2, 5000, 128}, {5000, 4321}, ++seed);
+    }
+  }
+}
+
+namespace {
+
+/// RDKV's token weights (kernel `kernel`) or, with `think`, ThinK's channel weights, on the CPU for the case.
+template <class T>
+std::vector<float> cpu_rdkv_scores(kc::Case const& c, Index kernel, bool think) {
+  auto const h = host_cache<T>(c);
+  std::vector<T> q(c.queries.size());
+  for (std::size_t i = 0; i < q.size(); ++i)
+    q[i] = kvc::from_float<T>(c.queries[i]);
+  kvc::test::OwnedRope const rope(kc::test_rope_spec(c.rope_style), c.e.dim, kc::test_rope_positions);
+  kvc::WindowQueries<T> wq{kvc::TokenRows<T const, kvc::StridedLayout>(q.data(), kvc::bhtd_layout(c.q_ext))};
+  if (c.pre_rope)
+    wq.rope = rope.table;
+  if (!c.query_positions.empty())
+    wq.positions = c.query_positions.data();
+  auto const obs = kvc::observe(wq);
+  if (think) {
+    kvc::ThinKChannelScorer const s{c.q_ext.tokens};
+    std::vector<float> out(static_cast<std::size_t>(c.e.batch * c.e.heads * c.e.dim));
+    kvc::test::OwnedWorkspace ws(kvc::channel_score_workspace_bytes(kvc::Cpu{}, s, c.e, obs));
+    REQUIRE(kvc::score_channels(kvc::Cpu{}, s, h.view(), obs, out.data(), ws.get()).ok());
+    return out;
+  }
+  kvc::RDKVTokenScorer s;
+  s.window_size = c.q_ext.tokens;
+  s.kernel_size = kernel;
+  kvc::test::OwnedScores out(c.e.batch, c.e.heads, c.e.tokens);
+  kvc::test::OwnedWorkspace ws(kvc::score_workspace_bytes(kvc::Cpu{}, s, c.e, obs));
+  REQUIRE(kvc::score(kvc::Cpu{}, s, h.view(), obs, out.span, ws.get()).ok());
+  return out.data;
+}
+
+}  // namespace
+
+TEST_CASE("cuda: RDKV token weights (attn_linear) and ThinK channel weights match the CPU (fp32 1e-5, 16-bit 1e-4)",
+          "[cuda][scorers][rdkv]") {
+  KVC_REQUIRE_DEVICE();
+  for (auto dtype : {kc::Dtype::f32, kc::Dtype::f16, kc::Dtype::bf16})
+    for (auto layout : {kc::Layout::bhtd, kc::Layout::paged})
+      for (bool pre_rope : {false, true})
+        for (Index kernel : {Index{1}, Index{5}}) {
+          auto c = random_case({2, 2, 300, 64}, 4, 8, true, 31);
+          c.dtype = dtype;
+          c.layout = layout;
+          c.pre_rope = pre_rope;
+          INFO("dtype " << static_cast<int>(dtype) << " layout " << static_cast<int>(layout) << " pre_rope " << pre_rope
+                        << " kernel " << kernel);
+          float const rel = dtype == kc::Dtype::f32 ? 1e-5f : 1e-4f;
+          auto cpu = [&](bool think) {
+            return dtype == kc::Dtype::f32   ? cpu_rdkv_scores<float>(c, kernel, think)
+                   : dtype == kc::Dtype::f16 ? cpu_rdkv_scores<kvc::half>(c, kernel, think)
+                                             : cpu_rdkv_scores<kvc::bfloat16>(c, kernel, think);
+          };
+          std::vector<float> gpu;
+          REQUIRE(kc::rdkv_scores(c, kernel, gpu) == "");
+          require_close(gpu, cpu(false), rel, rel);
+          REQUIRE(kc::think_scores(c, gpu) == "");
+          require_close(gpu, cpu(true), rel, rel);
+        }
 }
