@@ -18,6 +18,7 @@
 #include <kvc/store/packed.hpp>
 #include <kvc/store/packed_kv.hpp>
 
+#include <algorithm>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
@@ -176,7 +177,7 @@ Status pack(C const& cache, BitPlan<HostSpace> const& plan, PackOptions const& o
   // 2. Fill the arena.
   out.reset(e.batch, e.heads, dk, dv, quant, static_cast<std::size_t>(arena));
   std::byte* base = out.arena_mut();
-  std::vector<float> column, row;
+  std::vector<float> rows, row, lo, hi, scale, offset;  // scratch of the fill, reused by every head
   std::vector<std::uint8_t> codes;
   auto fail = [&out](Status st) {
     out.reset(0, 0, 0, 0, {}, 0);
@@ -202,47 +203,76 @@ Status pack(C const& cache, BitPlan<HostSpace> const& plan, PackOptions const& o
       if (!hp.perm.empty())
         std::memcpy(base + d.k_perm, hp.perm.data(), hp.perm.size() * sizeof(std::int32_t));
 
-      // K: one packed channel at a time, gathered into a column of the packed order.
-      column.resize(static_cast<std::size_t>(tn));
+      // K: the kept rows are gathered once into `rows` [tn, d_k] fp32 (token-major: the cache is read in its
+      // storage order, never a strided column per channel, which cost 128 passes over the head), then per segment
+      // and token group the per-channel ranges come from one pass over the group's rows, and the codes are written
+      // row by row in the segment's packed-channel order.
+      rows.resize(static_cast<std::size_t>(tn * dk));
+      for (Index t = 0; t < tn; ++t) {
+        auto const* src = cache.keys.row(b, h, hp.slots[static_cast<std::size_t>(t)]);
+        float* dst = rows.data() + t * dk;
+        for (Index c = 0; c < dk; ++c)
+          dst[c] = to_float(src[c]);
+        for (std::int32_t const c : hp.perm)  // only what is stored must fit FP16 (pruned channels are never read)
+          if (c >= 0 && !detail::fits_half(dst[c]))
+            return fail(bad_key);
+      }
       Index const kg = opt.k_group > 0 ? opt.k_group : tn;
       for (int s = 0; s < packed_segments; ++s) {
         Index const cnt = d.k_count[s], c0 = d.k_begin(s);
         if (cnt == 0)
           continue;
-        int const bits = segment_bits(s);
-        codes.assign(static_cast<std::size_t>(tn * cnt), 0);
-        for (Index i = 0; i < cnt; ++i) {
-          std::int32_t const c = hp.perm[static_cast<std::size_t>(c0 + i)];
-          if (c < 0)
-            continue;  // pad: zero params (reset zeroed the arena), codes 0
-          for (Index t = 0; t < tn; ++t) {
-            float const x = to_float(cache.keys.row(b, h, hp.slots[static_cast<std::size_t>(t)])[c]);
-            if (!detail::fits_half(x))
-              return fail(bad_key);
-            column[static_cast<std::size_t>(t)] = x;
-          }
-          if (s == 3) {
-            auto* raw = reinterpret_cast<half*>(base + d.k_raw);
-            for (Index t = 0; t < tn; ++t)
-              raw[t * cnt + i] = half(column[static_cast<std::size_t>(t)]);
-            continue;
-          }
-          auto* params = reinterpret_cast<QuantParams*>(base + d.k_params[s]);
-          for (Index g = 0; g < d.k_groups; ++g) {
-            Index const t0 = g * kg, gn = tn - t0 < kg ? tn - t0 : kg;
-            QuantParams const p = minmax_params(column.data() + t0, gn, 1, bits, opt.zero_point);
-            params[g * cnt + i] = p;
-            for (Index t = t0; t < t0 + gn; ++t)
-              codes[static_cast<std::size_t>(t * cnt + i)] =
-                  quantize(column[static_cast<std::size_t>(t)], p, bits, opt.zero_point);
-          }
-        }
-        if (s < 3) {
-          Index const rb = packed_bytes(cnt, bits);
-          auto* dst = reinterpret_cast<std::uint8_t*>(base + d.k_codes[s]);
+        std::int32_t const* perm = hp.perm.data() + c0;
+        if (s == 3) {
+          auto* raw = reinterpret_cast<half*>(base + d.k_raw);
           for (Index t = 0; t < tn; ++t)
-            pack_codes(codes.data() + t * cnt, cnt, bits, dst + t * rb);
+            for (Index i = 0; i < cnt; ++i)
+              raw[t * cnt + i] = perm[i] < 0 ? half(0.0f) : half(rows[static_cast<std::size_t>(t * dk + perm[i])]);
+          continue;
         }
+        int const bits = segment_bits(s);
+        float const qmax = detail::quant_max_code(bits);
+        auto* params = reinterpret_cast<QuantParams*>(base + d.k_params[s]);
+        codes.assign(static_cast<std::size_t>(tn * cnt), 0);
+        lo.resize(static_cast<std::size_t>(cnt));
+        row.resize(static_cast<std::size_t>(cnt));
+        hi.resize(static_cast<std::size_t>(cnt));
+        scale.resize(static_cast<std::size_t>(cnt));
+        offset.resize(static_cast<std::size_t>(cnt));
+        for (Index g = 0; g < d.k_groups; ++g) {
+          Index const t0 = g * kg, t1 = tn - t0 < kg ? tn : t0 + kg;
+          for (Index i = 0; i < cnt; ++i) {
+            float const x = perm[i] < 0 ? 0.0f : rows[static_cast<std::size_t>(t0 * dk + perm[i])];
+            lo[static_cast<std::size_t>(i)] = hi[static_cast<std::size_t>(i)] = x;
+          }
+          for (Index t = t0 + 1; t < t1; ++t)
+            for (Index i = 0; i < cnt; ++i) {
+              if (perm[i] < 0)
+                continue;
+              float const x = rows[static_cast<std::size_t>(t * dk + perm[i])];
+              auto const u = static_cast<std::size_t>(i);
+              lo[u] = x < lo[u] ? x : lo[u];
+              hi[u] = x > hi[u] ? x : hi[u];
+            }
+          for (Index i = 0; i < cnt; ++i) {
+            auto const u = static_cast<std::size_t>(i);
+            // pad: zero params (reset zeroed the arena), codes 0
+            QuantParams const p = perm[i] < 0 ? QuantParams{} : range_params(lo[u], hi[u], bits, opt.zero_point);
+            params[g * cnt + i] = p;
+            scale[u] = static_cast<float>(p.scale);
+            offset[u] = static_cast<float>(p.offset);
+          }
+          for (Index t = t0; t < t1; ++t) {  // pads: x = 0 with zero params -> code 0 in both modes
+            for (Index i = 0; i < cnt; ++i)
+              row[static_cast<std::size_t>(i)] = perm[i] < 0 ? 0.0f : rows[static_cast<std::size_t>(t * dk + perm[i])];
+            detail::quantize_row(row.data(), scale.data(), offset.data(), cnt, qmax, opt.zero_point,
+                                 codes.data() + t * cnt);
+          }
+        }
+        Index const rb = packed_bytes(cnt, bits);
+        auto* dst = reinterpret_cast<std::uint8_t*>(base + d.k_codes[s]);
+        for (Index t = 0; t < tn; ++t)
+          pack_codes(codes.data() + t * cnt, cnt, bits, dst + t * rb);
       }
 
       // V: one token at a time (params per token per channel group).
@@ -252,6 +282,8 @@ Status pack(C const& cache, BitPlan<HostSpace> const& plan, PackOptions const& o
         int const bits = segment_bits(s);
         row.assign(static_cast<std::size_t>(padded), 0.0f);
         codes.assign(static_cast<std::size_t>(padded), 0);
+        scale.resize(static_cast<std::size_t>(dv));
+        offset.resize(static_cast<std::size_t>(dv));
         for (Index j = 0; j < d.v_count[s]; ++j) {
           auto const* src = cache.values.row(b, h, hp.slots[static_cast<std::size_t>(t0 + j)]);
           for (Index c = 0; c < dv; ++c) {
@@ -269,10 +301,11 @@ Status pack(C const& cache, BitPlan<HostSpace> const& plan, PackOptions const& o
           for (Index g = 0; g < v_groups; ++g) {
             Index const c0 = g * vg, gn = dv - c0 < vg ? dv - c0 : vg;
             params[g] = minmax_params(row.data() + c0, gn, 1, bits, opt.zero_point);
-            for (Index c = c0; c < c0 + gn; ++c)
-              codes[static_cast<std::size_t>(c)] =
-                  quantize(row[static_cast<std::size_t>(c)], params[g], bits, opt.zero_point);
+            std::fill_n(scale.data() + c0, gn, static_cast<float>(params[g].scale));
+            std::fill_n(offset.data() + c0, gn, static_cast<float>(params[g].offset));
           }
+          detail::quantize_row(row.data(), scale.data(), offset.data(), dv, detail::quant_max_code(bits),
+                               opt.zero_point, codes.data());
           pack_codes(codes.data(), padded, bits,
                      reinterpret_cast<std::uint8_t*>(base + d.v_codes[s]) + j * shape.v_row_bytes(s));
         }

@@ -61,34 +61,47 @@ KVC_HOST_DEVICE inline std::uint8_t quant_round_code(float v, float qmax) noexce
   v = v < qmax ? v : qmax;
   auto const f = static_cast<std::uint32_t>(v);  // v >= 0: truncation is floor
   float const r = v - static_cast<float>(f);     // exact: Sterbenz for v >= 1, r = v below 1
-  std::uint32_t const q = r > 0.5f ? f + 1u : (r < 0.5f ? f : f + (f & 1u));
+  // Branch-free (random data mispredicts a branch on r half the time): +1 above the half, +1 at it when f is odd.
+  std::uint32_t const q = f + static_cast<std::uint32_t>(r > 0.5f) + (static_cast<std::uint32_t>(r == 0.5f) & f);
   return static_cast<std::uint8_t>(q);  // q <= qmax <= 255: qmax is an integer, rounding never passes it
+}
+
+/// quantize() with the parameters already widened to float (s = scale, o = offset) and qmax = 2^b - 1: loops over
+/// many values of one group widen the FP16 parameters once.
+KVC_HOST_DEVICE inline std::uint8_t quantize_widened(float x, float s, float o, float qmax,
+                                                     ZeroPoint zero_point) noexcept {
+  if (zero_point == ZeroPoint::float_min)
+    return s == 0.0f ? std::uint8_t{0} : quant_round_code((x - o) / s, qmax);
+  return s == 0.0f ? quant_round_code(o, qmax) : quant_round_code(x / s + o, qmax);
+}
+
+/// Codes of x[0, n) with per-value widened parameters s[i], o[i] (what quantize_widened computes for each), written
+/// to out[0, n). The zero-point branch is hoisted and the body is branch-free (a zero scale divides by 1 and is then
+/// selected away), so the loop vectorises: the packer quantises whole rows with it.
+KVC_HOST_DEVICE inline void quantize_row(float const* x, float const* s, float const* o, Index n, float qmax,
+                                         ZeroPoint zero_point, std::uint8_t* out) noexcept {
+  if (zero_point == ZeroPoint::float_min) {
+    for (Index i = 0; i < n; ++i) {
+      float const si = s[i] != 0.0f ? s[i] : 1.0f;
+      float const v = s[i] != 0.0f ? (x[i] - o[i]) / si : 0.0f;
+      out[i] = quant_round_code(v, qmax);
+    }
+  } else {
+    for (Index i = 0; i < n; ++i) {
+      float const si = s[i] != 0.0f ? s[i] : 1.0f;
+      float const v = s[i] != 0.0f ? x[i] / si + o[i] : o[i];
+      out[i] = quant_round_code(v, qmax);
+    }
+  }
 }
 
 }  // namespace detail
 
-/// Parameters of one group: `count` values x[0], x[stride], ..., x[(count - 1) * stride] (T = float, half or
-/// bfloat16; stride in elements, may be any non-zero value), bits in {2, 4, 8}.
-///   float_min: scale = half((max - min) / (2^b - 1)), offset = half(min). max == min gives scale 0 and x̂ = offset
-///              = half(min): exact when min is representable in FP16.
-///   integer:   s = max((max - min) / (2^b - 1), 1e-8), scale = half(s), offset = zp =
-///              round_half_even(clamp(-min / s, 0, 2^b - 1)) (computed from the float s, as the reference does).
-///              1e-8 rounds to 0 in FP16, so a constant group gets scale 0 and dequantises to 0 (the reference
-///              reconstructs it as 3e-8 * ... ~ 0 too).
-/// count <= 0 gives zero params (dequantise to 0).
-template <class T>
-KVC_HOST_DEVICE inline QuantParams minmax_params(T const* x, Index count, Index stride, int bits,
-                                                 ZeroPoint zero_point) noexcept {
+/// Parameters of a group whose smallest and largest values are `mn` <= `mx`, by the rules of minmax_params below
+/// (which scans the values, then calls this; a caller that has the range already, e.g. per channel over many rows
+/// at once, calls it directly).
+KVC_HOST_DEVICE inline QuantParams range_params(float mn, float mx, int bits, ZeroPoint zero_point) noexcept {
   QuantParams p{};
-  if (count <= 0)
-    return p;
-  float mn = to_float(x[0]);
-  float mx = mn;
-  for (Index i = 1; i < count; ++i) {
-    float const v = to_float(x[i * stride]);
-    mn = v < mn ? v : mn;
-    mx = v > mx ? v : mx;
-  }
   float const qmax = detail::quant_max_code(bits);
   float const s = (mx - mn) / qmax;
   if (zero_point == ZeroPoint::float_min) {
@@ -102,17 +115,37 @@ KVC_HOST_DEVICE inline QuantParams minmax_params(T const* x, Index count, Index 
   return p;
 }
 
+/// Parameters of one group: `count` values x[0], x[stride], ..., x[(count - 1) * stride] (T = float, half or
+/// bfloat16; stride in elements, may be any non-zero value), bits in {2, 4, 8}.
+///   float_min: scale = half((max - min) / (2^b - 1)), offset = half(min). max == min gives scale 0 and x̂ = offset
+///              = half(min): exact when min is representable in FP16.
+///   integer:   s = max((max - min) / (2^b - 1), 1e-8), scale = half(s), offset = zp =
+///              round_half_even(clamp(-min / s, 0, 2^b - 1)) (computed from the float s, as the reference does).
+///              1e-8 rounds to 0 in FP16, so a constant group gets scale 0 and dequantises to 0 (the reference
+///              reconstructs it as 3e-8 * ... ~ 0 too).
+/// count <= 0 gives zero params (dequantise to 0).
+template <class T>
+KVC_HOST_DEVICE inline QuantParams minmax_params(T const* x, Index count, Index stride, int bits,
+                                                 ZeroPoint zero_point) noexcept {
+  if (count <= 0)
+    return QuantParams{};
+  float mn = to_float(x[0]);
+  float mx = mn;
+  for (Index i = 1; i < count; ++i) {
+    float const v = to_float(x[i * stride]);
+    mn = v < mn ? v : mn;
+    mx = v > mx ? v : mx;
+  }
+  return range_params(mn, mx, bits, zero_point);
+}
+
 /// Code of x in [0, 2^b - 1] with the stored (FP16) parameters, bits in {2, 4, 8}.
 ///   float_min: q = round(clamp((x - offset) / scale, 0, 2^b - 1)); scale 0 gives q = 0 (x̂ = offset).
 ///   integer:   q = round(clamp(x / scale + zp, 0, 2^b - 1)); scale 0 gives q = zp (x̂ = 0).
 /// round = half to even.
 KVC_HOST_DEVICE inline std::uint8_t quantize(float x, QuantParams p, int bits, ZeroPoint zero_point) noexcept {
-  float const s = static_cast<float>(p.scale);
-  float const o = static_cast<float>(p.offset);
-  float const qmax = detail::quant_max_code(bits);
-  if (zero_point == ZeroPoint::float_min)
-    return s == 0.0f ? std::uint8_t{0} : detail::quant_round_code((x - o) / s, qmax);
-  return s == 0.0f ? detail::quant_round_code(o, qmax) : detail::quant_round_code(x / s + o, qmax);
+  return detail::quantize_widened(x, static_cast<float>(p.scale), static_cast<float>(p.offset),
+                                  detail::quant_max_code(bits), zero_point);
 }
 
 /// Value of a code: float_min q * scale + offset; integer (q - zp) * scale. Exact products (see the file comment),
