@@ -265,6 +265,61 @@ bool reads_queries(std::string const& policy) {
 
 }  // namespace
 
+namespace {
+
+/// An int8 .npy file ('|i1', as compress --policy rdkv|kivi writes its bit plans), read independently of kvc's
+/// reader (which has no int8): the header's descr and shape, then one byte per element.
+struct Int8Npy {
+  std::vector<Index> shape;
+  std::vector<int> data;
+};
+
+Int8Npy read_int8(std::string const& path) {
+  std::ifstream f(path, std::ios::binary);
+  std::string const bytes((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+  REQUIRE(bytes.size() >= 10);
+  REQUIRE(bytes.substr(1, 5) == "NUMPY");
+  std::size_t const length =
+      static_cast<unsigned char>(bytes[8]) | static_cast<std::size_t>(static_cast<unsigned char>(bytes[9])) << 8;
+  std::string const header = bytes.substr(10, length);
+  INFO(header);
+  REQUIRE(header.find("'descr': '|i1'") != std::string::npos);
+  std::size_t const open = header.find("'shape': (") + 10, close = header.find(')', open);
+  Int8Npy out;
+  std::stringstream dims(header.substr(open, close - open));
+  for (std::string item; std::getline(dims, item, ',');)
+    if (item.find_first_not_of(' ') != std::string::npos)
+      out.shape.push_back(std::stoll(item));
+  Index count = 1;
+  for (Index s : out.shape)
+    count *= s;
+  REQUIRE(bytes.size() == 10 + length + static_cast<std::size_t>(count));
+  for (std::size_t i = 10 + length; i < bytes.size(); ++i)
+    out.data.push_back(static_cast<signed char>(bytes[i]));
+  return out;
+}
+
+bool valid_bits(int b) {
+  return b == 0 || b == 2 || b == 4 || b == 8 || b == 16;
+}
+
+double json_real(std::string const& line, std::string const& key) {
+  std::size_t const at = line.find("\"" + key + "\": ");
+  REQUIRE(at != std::string::npos);
+  return std::strtod(line.c_str() + at + key.size() + 4, nullptr);
+}
+
+/// The synthetic layer of the RDKV tests: K, V [1, 2, 40, 8], pre-RoPE queries [1, 4, 8, 8].
+struct RDKVFiles {
+  static constexpr Index heads = 2, n = 40, d = 8;
+  std::string k = write_npy("rd_k.npy", kvc::NpyDtype::f32, {1, heads, n, d}, randoms(heads* n* d, 31));
+  std::string v = write_npy("rd_v.npy", kvc::NpyDtype::f32, {1, heads, n, d}, randoms(heads* n* d, 32));
+  std::string q = write_npy("rd_q.npy", kvc::NpyDtype::f32, {1, 4, 8, d}, randoms(4 * 8 * d, 33));
+  std::string in() const { return " --keys " + k + " --values " + v + " --queries " + q + " --param window_size=8"; }
+};
+
+}  // namespace
+
 TEST_CASE("cli: --help prints each command's usage to stdout and exits 0", "[tools][cli]") {
   auto r = run("score --help", true);
   CHECK(r.code == 0);
@@ -388,6 +443,46 @@ TEST_CASE("cli: policies lists every policy with every parameter and its default
                                              {"hs_step", "0"},
                                              {"queries", "pre_rope"}});
   listed_cache_policies.erase("uncomp");
+  // rdkv and kivi write bit plans (their own tests below), kivi takes neither --ratio nor --budget.
+  CHECK(listed_cache_policies["rdkv"] == M{{"reference", "default"},
+                                           {"k_budget_ratio", "0.5"},
+                                           {"solver", "exact"},
+                                           {"window_size", "32"},
+                                           {"kernel_size", "5"},
+                                           {"weight", "attn_linear"},
+                                           {"channel", "think"},
+                                           {"eps", "llama31"},
+                                           {"evict", "true"},
+                                           {"scope", "head"},
+                                           {"zero_point", "float_min"},
+                                           {"v_group", "0"},
+                                           {"k_group", "0"},
+                                           {"residual", "0"},
+                                           {"queries", "pre_rope"}});
+  CHECK(listed_cache_policies["kivi"] == M{{"bits", "2"}, {"group", "32"}, {"residual", "128"}});
+  CHECK(contains(r.output, "solver=exact (authors: lagrangian)"));
+  CHECK(contains(r.output, "zero_point=float_min (authors: integer)"));
+  CHECK(contains(r.output, "rdkv  (reads keys and --queries)"));
+  CHECK(contains(r.output, "kivi  (reads keys)"));
+  {  // every listed default, given, changes nothing
+    RDKVFiles const rf;
+    std::string all;
+    for (auto const& [name, value] : listed_cache_policies["rdkv"])
+      all += " --param " + name + "=" + value;
+    all.replace(all.find(" --param window_size=32"), 23, "");
+    REQUIRE(run("compress --policy rdkv --budget 10" + rf.in() + " --out-dir " + work("rd_plain")).code == 0);
+    REQUIRE(run("compress --policy rdkv --budget 10" + rf.in() + all + " --out-dir " + work("rd_alld")).code == 0);
+    CHECK(read_int8(work("rd_plain/v_bits.npy")).data == read_int8(work("rd_alld/v_bits.npy")).data);
+    CHECK(read_int8(work("rd_plain/k_bits.npy")).data == read_int8(work("rd_alld/k_bits.npy")).data);
+    std::string const kv = " --keys " + rf.k + " --values " + rf.v;
+    REQUIRE(run("compress --policy kivi" + kv + " --param residual=8 --out-dir " + work("kv_plain")).code == 0);
+    REQUIRE(run("compress --policy kivi" + kv + " --param residual=8 --param bits=2 --param group=32 --out-dir " +
+                work("kv_alld"))
+                .code == 0);
+    CHECK(read_int8(work("kv_plain/v_bits.npy")).data == read_int8(work("kv_alld/v_bits.npy")).data);
+  }
+  listed_cache_policies.erase("rdkv");
+  listed_cache_policies.erase("kivi");
   CHECK(listed_cache_policies == expected);
   CHECK(contains(r.output, "uncomp_entropy  (reads keys and --queries)") == false);
   CHECK(contains(r.output, "uncomp_entropy  (reads --queries)"));
@@ -2130,4 +2225,258 @@ TEST_CASE("cli: compress --policy uncomp refuses what it cannot run with exit 2 
                      " --out-dir " + out);
   CHECK(r.code == 2);
   CHECK(contains(r.output, "--calibration goes with --policy uncomp"));
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// RDKV and KIVI: compress writes bit plans (int8 .npy) and measures the packed store; score writes the weights.
+
+TEST_CASE("cli: compress --policy rdkv writes bit plans inside the budget and the packed store's memory",
+          "[tools][cli][rdkv]") {
+  RDKVFiles const f;
+  Index const d = RDKVFiles::d, n = RDKVFiles::n;
+  for (Index budget : {0, 4, 10, 25}) {
+    auto const r = run("compress --policy rdkv --budget " + std::to_string(budget) + f.in() + " --out-dir " +
+                       work("rd_b") + " --time");
+    INFO("budget " << budget << "\n" << r.output);
+    REQUIRE(r.code == 0);
+    Int8Npy const vb = read_int8(work("rd_b/v_bits.npy")), kb = read_int8(work("rd_b/k_bits.npy"));
+    REQUIRE(vb.shape == std::vector<Index>{1, 2, n});
+    REQUIRE(kb.shape == std::vector<Index>{1, 2, d});
+    long long payload = 0, kept = 0;
+    for (Index h = 0; h < 2; ++h) {
+      long long v_sum = 0, t_eff = 0, k_sum = 0;
+      for (Index t = 0; t < n; ++t) {
+        int const b = vb.data[static_cast<std::size_t>(h * n + t)];
+        CHECK(valid_bits(b));
+        v_sum += b;
+        t_eff += b > 0;
+      }
+      for (Index c = 0; c < d; ++c) {
+        int const b = kb.data[static_cast<std::size_t>(h * d + c)];
+        CHECK(valid_bits(b));
+        k_sum += b;
+      }
+      // Exact mode, rho = 0.5: V gets (1 - rho) 2 B d 16 bits, K rho 2 B d 16, never more.
+      CHECK(v_sum * d <= budget * d * 16);
+      CHECK(k_sum * t_eff <= budget * d * 16);
+      payload += v_sum * d + k_sum * t_eff;  // K at 16 bits is stored lossless: it counts 16
+      kept += t_eff;
+    }
+    CHECK(json_int(r.output, "payload_bits") == payload);
+    CHECK(json_int(r.output, "kept_tokens") == kept);
+    CHECK(json_int(r.output, "input_tokens") == 2 * n);
+    CHECK(json_int(r.output, "tail_tokens") == 0);
+    CHECK(json_real(r.output, "retention") == Approx(static_cast<double>(payload) / (2.0 * n * 2 * d * 16)));
+    CHECK(json_int(r.output, "packed_bytes") == (payload + 7) / 8 + (json_int(r.output, "overhead_bits") + 7) / 8);
+    if (budget > 0)
+      CHECK(payload > 0);
+    else
+      CHECK(payload == 0);  // budget 0: everything evicted
+  }
+  // --ratio R keeps the memory of floor(N (1 - R)) tokens: 0.75 of 40 is the budget 10.
+  REQUIRE(run("compress --policy rdkv --budget 10" + f.in() + " --out-dir " + work("rd_b10")).code == 0);
+  REQUIRE(run("compress --policy rdkv --ratio 0.75" + f.in() + " --out-dir " + work("rd_r75")).code == 0);
+  for (char const* file : {"/v_bits.npy", "/k_bits.npy"})
+    CHECK(file_bytes(work("rd_b10") + file) == file_bytes(work("rd_r75") + file));
+  CHECK(!std::filesystem::exists(work("rd_b10/indices.npy")));  // the plans, not a kept set
+  // reference=authors (lagrangian, integer zero point, K16 clamped to 8) gives bits from the same set.
+  REQUIRE(run("compress --policy rdkv --budget 10 --param reference=authors" + f.in() + " --out-dir " +
+              work("rd_auth") + " --time")
+              .code == 0);
+  for (int b : read_int8(work("rd_auth/v_bits.npy")).data)
+    CHECK(valid_bits(b));
+}
+
+TEST_CASE("cli: rdkv keeps a short context whole: T <= B gives every token and channel 16 bits", "[tools][cli][rdkv]") {
+  RDKVFiles const f;
+  Index const d = RDKVFiles::d, n = RDKVFiles::n;
+  for (std::string const budget : {"--budget 40", "--budget 100", "--ratio 0"}) {
+    auto const r = run("compress --policy rdkv " + budget + f.in() + " --out-dir " + work("rd_all") + " --time");
+    INFO(budget << "\n" << r.output);
+    REQUIRE(r.code == 0);
+    for (int b : read_int8(work("rd_all/v_bits.npy")).data)
+      CHECK(b == 16);
+    for (int b : read_int8(work("rd_all/k_bits.npy")).data)
+      CHECK(b == 16);
+    CHECK(json_int(r.output, "payload_bits") == 2 * (n * d * 16 + d * n * 16));
+    CHECK(json_real(r.output, "retention") == 1.0);
+    CHECK(json_int(r.output, "kept_tokens") == 2 * n);
+  }
+}
+
+TEST_CASE("cli: compress --policy kivi writes the uniform plan, the residual at 16, and its memory by hand",
+          "[tools][cli][rdkv]") {
+  RDKVFiles const f;
+  Index const d = RDKVFiles::d, n = RDKVFiles::n;
+  std::string const kv = " --keys " + f.k + " --values " + f.v;
+  for (int bits : {2, 4}) {
+    Index const residual = 8, m = n - residual;
+    auto const r = run("compress --policy kivi --param bits=" + std::to_string(bits) + " --param residual=8" + kv +
+                       " --out-dir " + work("kivi") + " --time");
+    INFO(r.output);
+    REQUIRE(r.code == 0);
+    Int8Npy const vb = read_int8(work("kivi/v_bits.npy")), kb = read_int8(work("kivi/k_bits.npy"));
+    REQUIRE(vb.shape == std::vector<Index>{1, 2, n});
+    REQUIRE(kb.shape == std::vector<Index>{1, 2, d});
+    for (Index h = 0; h < 2; ++h)
+      for (Index t = 0; t < n; ++t)
+        CHECK(vb.data[static_cast<std::size_t>(h * n + t)] == (t < m ? bits : 16));
+    for (int b : kb.data)
+      CHECK(b == bits);
+    // Per head: m tokens of K and V at `bits`, the 8 newest in fp16 (the tail); overhead: a (scale, offset) pair
+    // of fp16 per V token (one group of 32 >= d channels), per K channel and group of 32 tokens (m = 32: one),
+    // and a 16-bit permutation entry per channel (d = 8 needs no pads at 2 or 4 bits).
+    long long const payload = 2 * (2 * m * d * bits + residual * 2 * d * 16);
+    long long const overhead = 2 * (m * 1 * 32 + 1 * d * 32 + d * 16);
+    CHECK(json_int(r.output, "payload_bits") == payload);
+    CHECK(json_int(r.output, "overhead_bits") == overhead);
+    CHECK(json_int(r.output, "tail_tokens") == 2 * residual);
+    CHECK(json_int(r.output, "kept_tokens") == 2 * n);
+    CHECK(json_int(r.output, "packed_bytes") == (payload + 7) / 8 + (overhead + 7) / 8);
+  }
+  // residual >= N: everything stays fp16, nothing is packed.
+  REQUIRE(run("compress --policy kivi" + kv + " --out-dir " + work("kivi_all") + " --time").code == 0);
+  for (int b : read_int8(work("kivi_all/v_bits.npy")).data)
+    CHECK(b == 16);
+  // Its memory is what its bits give: no --ratio or --budget; no allocator.
+  auto const r = run("compress --policy kivi --ratio 0.5" + kv + " --out-dir " + work("kivi_r"));
+  CHECK(r.code == 2);
+  CHECK(contains(r.output, "drop --ratio and --budget"));
+  CHECK(run("compress --policy rdkv --budget 4 --allocator ada_kv" + f.in() + " --out-dir " + work("kivi_r")).code ==
+        2);
+  CHECK(!std::filesystem::exists(work("kivi_r")));
+}
+
+TEST_CASE("cli: compress --policy rdkv --dump writes each layer's plans and the total memory line",
+          "[tools][cli][rdkv][dump]") {
+  Index const L = 2, N = 24;
+  std::string const dump = make_dump("rd_dump", L, N);
+  auto const r = run("compress --policy rdkv --budget 6 --param window_size=8 --dump " + dump + " --out-dir " +
+                     work("rd_dump_out") + " --time");
+  INFO(r.output);
+  REQUIRE(r.code == 0);
+  long long payload = 0;
+  for (Index l = 0; l < L; ++l) {
+    std::string const ld = work("rd_dump_out/layer" + std::to_string(l));
+    CHECK(read_int8(ld + "/v_bits.npy").shape == std::vector<Index>{1, 2, N});
+    CHECK(read_int8(ld + "/k_bits.npy").shape == std::vector<Index>{1, 2, 8});
+    auto const lines = lines_with(r.output, "\"layer\": " + std::to_string(l) + ",");
+    REQUIRE(lines.size() == 1);
+    payload += json_int(lines[0], "payload_bits");
+    // Each layer is the job of its files with meta.json's RoPE.
+    std::string const lw = work("rd_dump/layer" + std::to_string(l));
+    REQUIRE(run("compress --policy rdkv --budget 6 --param window_size=8 --keys " + lw + "/keys.npy --values " + lw +
+                "/values.npy --queries " + lw + "/queries_prerope.npy --rope theta=500000,style=interleaved " +
+                "--out-dir " + work("rd_one"))
+                .code == 0);
+    for (char const* file : {"/v_bits.npy", "/k_bits.npy"})
+      CHECK(file_bytes(work("rd_one") + file) == file_bytes(ld + file));
+  }
+  auto const total = lines_with(r.output, "\"layers\": 2");
+  REQUIRE(total.size() == 1);
+  CHECK(json_int(total[0], "payload_bits") == payload);
+  CHECK(json_int(total[0], "input_tokens") == L * 2 * N);
+}
+
+TEST_CASE("cli: score --policy rdkv writes token weights and ThinK channel weights known by hand",
+          "[tools][cli][rdkv]") {
+  // One KV head of 3 tokens, d = 2, two query heads (GQA) with 2 window rows each, post-RoPE, at positions 1 and 2.
+  std::vector<float> const k = {1, 0, 0, 2, 1, 1};
+  std::vector<float> const q = {1, 0, 0, 1, 2, 1, 1, -1};  // head 0 rows (1, 0), (0, 1); head 1 rows (2, 1), (1, -1)
+  auto const kp = write_npy("rdw_k.npy", kvc::NpyDtype::f32, {1, 1, 3, 2}, k);
+  auto const qp = write_npy("rdw_q.npy", kvc::NpyDtype::f32, {1, 2, 2, 2}, q);
+  auto const r =
+      run("score --policy rdkv --param window_size=2 --param kernel_size=1 --param queries=post_rope --keys " + kp +
+          " --queries " + qp + " --out " + work("rdw_w.npy") + " --channel-out " + work("rdw_c.npy"));
+  INFO(r.output);
+  REQUIRE(r.code == 0);
+  auto const c = read(work("rdw_c.npy"));
+  REQUIRE(c.shape == std::vector<Index>{1, 1, 2});
+  // ThinK: mean over the 4 window rows of q_c^2 times mean over the 3 tokens of k_c^2.
+  double const q0 = (1 + 0 + 4 + 1) / 4.0, q1 = (0 + 1 + 1 + 1) / 4.0;
+  double const k0 = (1 + 0 + 1) / 3.0, k1 = (0 + 4 + 1) / 3.0;
+  CHECK(floats(c)[0] == Approx(q0 * k0));
+  CHECK(floats(c)[1] == Approx(q1 * k1));
+  // attn_linear without pooling: s_j = sum over the group's heads and the window rows that see j of a(q, i, j),
+  // divided by the rows that see j (row at position 1 sees tokens 0-1, row at 2 sees 0-2).
+  double s[3] = {0, 0, 0};
+  for (int h = 0; h < 2; ++h)
+    for (int i = 0; i < 2; ++i) {
+      double const* qi = nullptr;
+      double qq[2] = {q[static_cast<std::size_t>((h * 2 + i) * 2)], q[static_cast<std::size_t>((h * 2 + i) * 2 + 1)]};
+      qi = qq;
+      int const seen = i == 0 ? 2 : 3;
+      double e[3], total = 0;
+      for (int j = 0; j < seen; ++j) {
+        e[j] = std::exp((qi[0] * k[static_cast<std::size_t>(2 * j)] + qi[1] * k[static_cast<std::size_t>(2 * j + 1)]) /
+                        std::sqrt(2.0));
+        total += e[j];
+      }
+      for (int j = 0; j < seen; ++j)
+        s[j] += e[j] / total;
+    }
+  auto const w = floats(read(work("rdw_w.npy")));
+  REQUIRE(w.size() == 3);
+  CHECK(w[0] == Approx(s[0] / 2));
+  CHECK(w[1] == Approx(s[1] / 2));
+  CHECK(w[2] == Approx(s[2] / 1));
+  // weight=NAME: that policy's scores, shifted so that the smallest is 0 (knorm: minus the key norm).
+  REQUIRE(run("score --policy rdkv --param weight=knorm --param window_size=2 --param queries=post_rope --keys " + kp +
+              " --queries " + qp + " --out " + work("rdw_kn.npy"))
+              .code == 0);
+  auto const kn = floats(read(work("rdw_kn.npy")));
+  double const norms[3] = {1.0, 2.0, std::sqrt(2.0)};
+  for (int j = 0; j < 3; ++j)
+    CHECK(kn[static_cast<std::size_t>(j)] == Approx(2.0 - norms[j]).margin(1e-6));
+  // kivi has no scores; --channel-out is rdkv's; allocation parameters do not change weights.
+  CHECK(run("score --policy kivi --keys " + kp + " --out " + work("rdw_x.npy")).code == 2);
+  CHECK(run("score --policy knorm --keys " + kp + " --out " + work("rdw_x.npy") + " --channel-out " + work("rdw_y.npy"))
+            .code == 2);
+  auto const a = run("score --policy rdkv --param solver=lagrangian --keys " + kp + " --queries " + qp + " --out " +
+                     work("rdw_x.npy"));
+  CHECK(a.code == 2);
+  CHECK(contains(a.output, "solver"));
+  CHECK(!std::filesystem::exists(work("rdw_x.npy")));
+}
+
+TEST_CASE("cli: rdkv's and kivi's bad parameters exit 2 or 3 naming them, and write nothing", "[tools][cli][rdkv]") {
+  RDKVFiles const f;
+  std::string const out = work("rd_bad");
+  std::filesystem::remove_all(out);
+  struct Case {
+    std::string args;
+    int code;
+    std::string needle;
+  };
+  std::vector<Case> const cases = {
+      {"--policy rdkv --budget -3" + f.in(), 3, "--budget"},
+      {"--policy rdkv --ratio 1.5" + f.in(), 3, "--ratio"},
+      {"--policy rdkv --ratio -0.1" + f.in(), 3, "--ratio"},
+      {"--policy rdkv --budget 4 --param solver=greedy" + f.in(), 3, "solver"},
+      {"--policy rdkv --budget 4 --param k_budget_ratio=0" + f.in(), 3, "k_budget_ratio"},
+      {"--policy rdkv --budget 4 --param k_budget_ratio=1" + f.in(), 3, "k_budget_ratio"},
+      {"--policy rdkv --budget 4 --param k_budget_ratio=1.5" + f.in(), 3, "k_budget_ratio"},
+      {"--policy rdkv --budget 4 --param k_budget_ratio=abc" + f.in(), 3, "k_budget_ratio"},
+      {"--policy rdkv --budget 4 --param weight=rdkv" + f.in(), 3, "weight"},
+      {"--policy rdkv --budget 4 --param eps=llama2" + f.in(), 3, "eps"},
+      {"--policy rdkv --budget 4 --param zero_point=zero" + f.in(), 3, "zero_point"},
+      {"--policy rdkv --budget 4 --param kernel_size=4" + f.in(), 3, "kernel_size"},
+      {"--policy rdkv --budget 4 --param v_group=-1" + f.in(), 3, "v_group"},
+      {"--policy rdkv --budget 4 --param scope=model" + f.in(), 3, "scope"},
+      {"--policy rdkv --budget 4 --param channel=snap" + f.in(), 3, "channel"},
+      {"--policy rdkv --budget 4 --param bits=2" + f.in(), 2, "bits"},
+      {"--policy rdkv --budget 4 --keys " + f.k + " --values " + f.v, 2, "--queries"},
+      {"--policy rdkv" + f.in(), 2, "--budget"},
+      {"--policy kivi --param bits=3 --keys " + f.k + " --values " + f.v, 3, "bits"},
+      {"--policy kivi --param group=0 --keys " + f.k + " --values " + f.v, 3, "group"},
+      {"--policy kivi --param residual=-1 --keys " + f.k + " --values " + f.v, 3, "residual"},
+      {"--policy kivi --budget 4 --keys " + f.k + " --values " + f.v, 2, "--budget"},
+  };
+  for (Case const& c : cases) {
+    auto const r = run("compress " + c.args + " --out-dir " + out);
+    INFO(c.args << "\n" << r.output);
+    CHECK(r.code == c.code);
+    CHECK(contains(r.output, c.needle));
+    CHECK(!std::filesystem::exists(out));
+  }
 }

@@ -9,6 +9,7 @@
 #include <kvc/io/npy.hpp>
 #include <kvc/selectors/pyramid_kv.hpp>
 
+#include "common/rdkv.hpp"
 #include "common/uncomp.hpp"
 #include "eval/calibrate.hpp"
 #include "eval/correction.hpp"
@@ -236,7 +237,9 @@ TEST_CASE("decode-time runs: the cache follows the driver's sawtooth, a target a
   std::vector<std::string> names;
   for (auto const& p : kvc::tools::policies())
     // Algorithm 1 (moment_kv) and UNComp evict every step, UNComp reads a calibration: their own tests below.
-    if (std::string(p.name) != "moment_kv" && std::string(p.name) != "uncomp" && p.token_scores)
+    // rdkv and kivi allocate once after the prompt (their own test below).
+    if (std::string(p.name) != "moment_kv" && std::string(p.name) != "uncomp" && p.token_scores &&
+        !kvc::tools::is_packed_policy(p.name))
       names.push_back(p.name);
   RunOptions opts = options_for(names, {}, cache);
   for (auto& run : opts.policies)
@@ -609,17 +612,37 @@ TEST_CASE("results.json holds every field docs/eval.md lists") {
   REQUIRE(kvc::json::parse(text, v, error));
   REQUIRE(v.items().size() == 1);
   kvc::json::Value const& rec = v.items()[0];
-  for (char const* field : {"policy", "ratio", "kl", "top1", "perplexity", "perplexity_full", "kv_bytes",
-                            "kv_bytes_full", "kv_held_bytes", "kv_held_bytes_full", "kept_min", "kept_max", "seconds",
-                            "moment_bytes", "layer_error", "params", "model", "cache", "layout"})
+  for (char const* field : {"policy",
+                            "ratio",
+                            "kl",
+                            "top1",
+                            "perplexity",
+                            "perplexity_full",
+                            "kv_bytes",
+                            "kv_bytes_full",
+                            "kv_held_bytes",
+                            "kv_held_bytes_full",
+                            "kept_min",
+                            "kept_max",
+                            "seconds",
+                            "moment_bytes",
+                            "payload_bytes",
+                            "overhead_bytes",
+                            "layer_error",
+                            "params",
+                            "model",
+                            "cache",
+                            "layout"})
     CHECK(rec.find(field) != nullptr);
   CHECK(rec.find("kl")->as_double() == 0.125);
   CHECK(rec.find("model")->as_string() == "m\"odel");
   CHECK(rec.find("layer_error")->items()[1].is_null());  // NaN is not JSON: null
-  CHECK(results_csv({r}).rfind("policy,ratio,kl,top1,perplexity,perplexity_full,kv_bytes,kv_bytes_full,seconds,"
-                               "samples,kv_held_bytes,kv_held_bytes_full,kept_min,kept_max,moment_bytes,layer_error_0,"
-                               "layer_error_1\nsnap_kv,0.5,0.125,0.75,3,2.5,1024,2048,",
-                               0) == 0);
+  CHECK(results_csv({r}).rfind(
+            "policy,ratio,kl,top1,perplexity,perplexity_full,kv_bytes,kv_bytes_full,seconds,"
+            "samples,kv_held_bytes,kv_held_bytes_full,kept_min,kept_max,moment_bytes,payload_bytes,overhead_bytes,"
+            "layer_error_0,"
+            "layer_error_1\nsnap_kv,0.5,0.125,0.75,3,2.5,1024,2048,",
+            0) == 0);
   r.policy = "moment_kv(mi=false,correction=true)+ada_kv";  // a comma in the name: the field is quoted
   CHECK(results_csv({r}).find("\n\"moment_kv(mi=false,correction=true)+ada_kv\",0.5,") != std::string::npos);
 }
@@ -1552,4 +1575,170 @@ TEST_CASE("uncomp's stage variant: hidden states pruned at stage boundaries keep
   CHECK(records[1].policy == "uncomp(stages=true)");
   CHECK(records[1].kv_bytes < records[0].kv_bytes);
   CHECK(std::isfinite(records[1].kl));
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// RDKV and KIVI rows: a packed store (kvc::pack) attended by kvc::attend_packed, merged with the fp16 tail.
+
+namespace {
+
+Record const& record_of(std::vector<Record> const& records, std::string const& policy, double ratio) {
+  for (Record const& r : records)
+    if (r.policy == policy && r.ratio == ratio)
+      return r;
+  FAIL("no record " << policy << " at " << ratio);
+  return records.front();
+}
+
+}  // namespace
+
+TEST_CASE("rdkv rows: ratio 0 is lossless through the packed path, and the payload fits the eviction rows' memory") {
+  if (!have(tinystories))
+    return;
+  Model const model = load(tinystories);
+  for (CacheLayout layout : {CacheLayout::dense, CacheLayout::paged}) {
+    auto const cache = CacheOptions{CacheType::f16, layout};
+    std::vector<std::vector<std::int32_t>> samples;
+    for (std::uint64_t s = 0; s < 2; ++s)
+      samples.push_back(sample_tokens(model, cache, 65, 1, 40 + s, {1, 2}));
+    RunOptions opts = options_for({"snap_kv", "rdkv"}, {0.0, 0.5, 0.75}, cache);
+    opts.policies.push_back(inline_run("rdkv", "", "reference=authors"));
+    auto const records = evaluate(model, opts, samples);
+    REQUIRE(records.size() == 9);
+    INFO((layout == CacheLayout::dense ? "dense" : "paged"));
+    // Ratio 0: a budget of every token, so every token and channel at 16 bits, K stored lossless (S3): the
+    // packed attention merged with the (continuation's) tail is the full cache's attention up to fp32 rounding.
+    Record const& lossless = record_of(records, "rdkv", 0.0);
+    CHECK(lossless.kl < 1e-6);
+    CHECK(lossless.top1 == 1.0);
+    CHECK(lossless.payload_bytes == lossless.kv_bytes_full);  // 48 tokens of fp16 K and V per head
+    CHECK(lossless.kept_min == 48);
+    CHECK(lossless.kept_max == 48);
+    // reference=authors clamps K at 16 bits to 8: not lossless, but close.
+    Record const& authors = record_of(records, "rdkv(reference=authors)", 0.0);
+    CHECK(authors.kl > 0.0);
+    CHECK(authors.kl < 0.05);
+    CHECK(authors.payload_bytes < authors.kv_bytes_full);
+    for (double ratio : {0.5, 0.75}) {
+      INFO("ratio " << ratio);
+      Record const& rd = record_of(records, "rdkv", ratio);
+      Record const& snap = record_of(records, "snap_kv", ratio);
+      // The exact solver never exceeds floor(n (1 - ratio)) fp16 tokens' worth of bits: what snap_kv keeps.
+      CHECK(rd.payload_bytes <= snap.kv_bytes);
+      CHECK(rd.payload_bytes > 0.9 * snap.kv_bytes);
+      CHECK(rd.kv_bytes == std::ceil(rd.kv_bytes));  // whole bytes per layer
+      CHECK(rd.kv_bytes >= rd.payload_bytes + rd.overhead_bytes - 2);
+      CHECK(rd.kl > 0.0);
+    }
+  }
+}
+
+TEST_CASE("kivi rows: the memory is the hand formula, measured from the packed store and the fp16 tail") {
+  if (!have(tinystories))
+    return;
+  Model const model = load(tinystories);
+  ModelConfig const& c = model.config;
+  auto const cache = CacheOptions{CacheType::f16, CacheLayout::dense};
+  std::vector<std::vector<std::int32_t>> const samples{sample_tokens(model, cache, 65, 1, 7, {1, 2})};
+  RunOptions opts = options_for({}, {0.25, 0.5, 0.75}, cache);
+  opts.policies.push_back(inline_run("kivi", "", "bits=2,residual=16"));
+  opts.policies.push_back(inline_run("kivi", "", "bits=4,residual=16"));
+  auto const records = evaluate(model, opts, samples);
+  REQUIRE(records.size() == 2);  // once each: their memory does not follow the ratio
+  Index const d = c.head_dim, m = 48 - 16, heads = c.kv_heads;
+  auto const layers = static_cast<double>(c.layers);
+  for (Record const& r : records) {
+    int const bits = r.policy == "kivi(bits=2,residual=16)" ? 2 : 4;
+    INFO(r.policy);
+    // Per head: m = 32 tokens of K and V at `bits`; a (scale, offset) pair of fp16 per V token (d <= 32: one
+    // group), per K channel and group of 32 tokens (one), and a 16-bit permutation entry per channel; the 16
+    // newest tokens in fp16 in the tail. Per layer the packed bits are rounded up to bytes.
+    double const payload = static_cast<double>(heads * 2 * m * d * bits);
+    double const overhead = static_cast<double>(heads * (m * 32 + d * 32 + d * 16));
+    double const tail = static_cast<double>(heads * 16 * 2 * d * 2);
+    CHECK(r.payload_bytes == layers * (payload / 8 + tail));
+    CHECK(r.overhead_bytes == layers * overhead / 8);
+    CHECK(r.kv_bytes == layers * (std::ceil((payload + overhead) / 8) + tail));
+    CHECK(r.kv_bytes_full == static_cast<double>(c.layers * heads * 48 * 2 * d * 2));
+    CHECK(r.ratio == Approx(1.0 - r.kv_bytes / r.kv_bytes_full));
+    CHECK(r.kl > 0.0);
+    CHECK(r.kept_min == 48);
+  }
+  CHECK(records[0].kl > records[1].kl);  // 2 bits lose more than 4
+}
+
+TEST_CASE("a packed cache decodes: one token per call equals the teacher-forced continuation") {
+  if (!have(tinystories))
+    return;
+  Model const model = load(tinystories);
+  for (CacheLayout layout : {CacheLayout::dense, CacheLayout::paged}) {
+    auto const cache = CacheOptions{CacheType::f16, layout};
+    auto const tokens = sample_tokens(model, cache, 64, 1, 9, {1, 2});
+    std::span<std::int32_t const> const all(tokens);
+    auto prefilled = make_session(model, cache, 64);
+    RowMatrix logits;
+    REQUIRE(prefilled->forward(all.subspan(0, 48), logits).ok());
+    for (PolicyRun const& row : {inline_run("rdkv", "", ""), inline_run("kivi", "", "residual=16")}) {
+      INFO(row.label());
+      auto a = prefilled->clone();
+      double seconds = 0;
+      REQUIRE(a->compress(*row.policy, row.params, 0.5, seconds).ok());
+      auto b = a->clone();  // shares the packed store
+      RowMatrix teacher, stepped;
+      ForwardTrace trace;
+      REQUIRE(a->forward(all.subspan(48, 16), teacher).ok());
+      REQUIRE(forward_each(*b, all.subspan(48, 16), stepped, trace).ok());
+      REQUIRE(teacher.rows() == 16);
+      CHECK((teacher - stepped).cwiseAbs().maxCoeff() < 1e-3f);
+      // The tail holds what came after packing, at positions continuing from the prompt (KIVI: after its residual
+      // window, which sits first).
+      bool const kivi = row.label() != "rdkv";
+      for (Index l = 0; l < model.config.layers; ++l)
+        for (Index h = 0; h < model.config.kv_heads; ++h) {
+          REQUIRE(b->length(l, h) == (kivi ? 32 : 16));
+          CHECK(b->slot_position(l, h, 0) == (kivi ? 32 : 48));
+          CHECK(b->slot_position(l, h, b->length(l, h) - 1) == 63);
+        }
+    }
+  }
+  // The decode schedule: one allocation after the prompt (rdkv at the target), then every token in fp16.
+  auto const cache = CacheOptions{CacheType::f16, CacheLayout::dense};
+  std::vector<std::vector<std::int32_t>> const samples{sample_tokens(model, cache, 65, 1, 11, {1, 2})};
+  RunOptions opts = options_for({"rdkv"}, {}, cache);
+  opts.schedule = Schedule::decode;
+  opts.decode.compression_interval = 8;
+  opts.decode.target_size = 24;
+  opts.decode.hidden_states_buffer_size = 8;
+  auto const records = evaluate(model, opts, samples);
+  REQUIRE(records.size() == 1);
+  auto const& steps = records[0].kv_bytes_steps;
+  REQUIRE(steps.size() == 16);
+  double const token = static_cast<double>(model.config.layers * model.config.kv_heads * 2 * model.config.head_dim * 2);
+  for (std::size_t t = 1; t < steps.size(); ++t)
+    CHECK(steps[t] - steps[t - 1] == token);  // each decoded token lands in the fp16 tail
+  // The payload, a mean over the steps: at most the budget of 24 tokens plus the tail's mean of 8.5 tokens.
+  CHECK(records[0].payload_bytes <= (24 + 8.5) * token);
+  CHECK(records[0].kl > 0.0);
+}
+
+TEST_CASE("kvc-eval run: rdkv and kivi rows, and what they refuse") {
+  if (!have(tinystories))
+    return;
+  std::string const dir = work_dir("rdkv_run");
+  std::string out;
+  std::string const base = std::string(KVC_EVAL) + " run --model " + tinystories + " --out-dir " + dir +
+                           " --prompt-tokens 48 --continuation 8 --samples 1 --generate 0 --no-progress";
+  REQUIRE(run_command(base + " --policies 'snap_kv,rdkv,rdkv(reference=authors),kivi(bits=2),kivi(bits=4)' --ratios "
+                             "0.5,0.75",
+                      out) == 0);
+  INFO(out);
+  std::string const json = read_text(dir + "/results.json");
+  for (char const* row : {"\"rdkv\"", "\"rdkv(reference=authors)\"", "\"kivi(bits=2)\"", "\"kivi(bits=4)\""})
+    CHECK(json.find(std::string("\"policy\": ") + row) != std::string::npos);
+  CHECK(read_text(dir + "/kl.svg").find("kivi(bits=4)") != std::string::npos);  // one plot with the eviction rows
+  CHECK(run_command(base + " --policies rdkv+ada_kv", out) == 2);
+  CHECK(out.find("allocate their own bits") != std::string::npos);
+  CHECK(run_command(base + " --policies 'rdkv(k_budget_ratio=2)'", out) == 3);
+  CHECK(out.find("k_budget_ratio") != std::string::npos);
+  CHECK(run_command(base + " --policies 'rdkv(window_size=64)'", out) == 2);
 }

@@ -1049,3 +1049,39 @@ TEST_CASE("hostile: the same file as keys and values, and odd but valid paths, a
   CHECK(temporaries(dir).empty());
   inputs.check();
 }
+
+TEST_CASE("hostile: rdkv and kivi refuse NaN and values past fp16, write nothing, and take a huge budget whole",
+          "[tools][hostile][rdkv]") {
+  std::string const dir = fresh_dir("rdkv");
+  std::string const out_dir = dir + "/out";
+  auto const k = f32(dir + "/k.npy", {1, 2, 12, 4}, 51);
+  auto const q = f32(dir + "/q.npy", {1, 2, 4, 4}, 52);
+  auto with = [&](std::string const& name, float bad) {
+    std::vector<float> v = values(96, 53);
+    v[17] = bad;
+    return npy(dir + "/" + name, kvc::NpyDtype::f32, {1, 2, 12, 4}, v);
+  };
+  auto const nan = with("nan.npy", std::numeric_limits<float>::quiet_NaN()), big = with("big.npy", 1e6f),
+             ok = with("ok.npy", 0.5f);
+  Snapshot const inputs{k, q, nan, big, ok};
+  std::string const rdkv = "compress --policy rdkv --budget 4 --param window_size=4 --queries " + q + " --keys " + k;
+  check_error(run(rdkv + " --values " + nan + " --out-dir " + out_dir), 3, {"values file " + nan, "NaN"});
+  check_nothing_left(dir, {out_dir});
+  check_error(
+      run("compress --policy kivi --param residual=4 --keys " + k + " --values " + nan + " --out-dir " + out_dir), 3,
+      {"values file " + nan, "NaN"});
+  check_nothing_left(dir, {out_dir});
+  // 1e6 is finite in fp32 but past fp16's range: the packed store (fp16 raw values and params) cannot hold it.
+  check_error(run(rdkv + " --values " + big + " --out-dir " + out_dir), 3, {"values file " + big, "FP16"});
+  check_nothing_left(dir, {out_dir});
+  // A budget far past the context (2^62 tokens) is every token and channel at 16 bits, without overflow.
+  Result const r = run(rdkv.substr(0, rdkv.find("--budget")) + "--budget 4611686018427387904" +
+                       rdkv.substr(rdkv.find(" --param")) + " --values " + ok + " --out-dir " + out_dir + " --time");
+  INFO(r.output);
+  REQUIRE(r.code == 0);
+  CHECK(contains(r.output, "\"retention\": 1,"));
+  auto const plan = slurp(out_dir + "/v_bits.npy");
+  REQUIRE(plan);
+  CHECK(plan->substr(plan->size() - 24) == std::string(24, '\x10'));  // 2 heads x 12 tokens at 16 bits
+  inputs.check();
+}

@@ -50,8 +50,9 @@ struct Failure {
 // ---------------------------------------------------------------------------------------------------------------
 // Policies: the one table of names, summaries, parameters (with defaults and help) and inputs read.
 
-/// Where a parameter acts: the scorer, compress's top-k selection (compress only), or how the queries are read.
-enum class Stage : std::uint8_t { scorer, selection, queries };
+/// Where a parameter acts: the scorer, compress's top-k selection (compress only), how the queries are read, or
+/// RDKV's bit allocation and packing (compress and kvc-eval only: `kvc score` writes the weights it does not change).
+enum class Stage : std::uint8_t { scorer, selection, queries, allocation };
 
 struct ParamInfo {
   char const* name;
@@ -59,6 +60,7 @@ struct ParamInfo {
   char const* help;
   Stage stage = Stage::scorer;
   char const* kvpress_default = nullptr;  ///< the default under reference=kvpress, where it differs
+  char const* authors_default = nullptr;  ///< the default under reference=authors, where it differs (rdkv)
 };
 
 struct PolicyInfo {
@@ -215,6 +217,46 @@ inline std::vector<PolicyInfo> const& policies() {
         queries_param},
        true,
        true},
+      {"rdkv",
+       "rate-distortion bit allocation: every V token and K channel gets 0 (evicted), 2, 4, 8 or 16 bits under a "
+       "budget of fp16-equivalent tokens, packed and attended without unpacking (Zhang et al., arXiv 2605.08317)",
+       {{"reference", "default",
+         "default (exact solver, float-min zero point, K at 16 bits kept lossless) or authors (the RDKV code: "
+         "lagrangian solver, integer zero point, K16 clamped to 8)",
+         Stage::allocation},
+        {"k_budget_ratio", "0.5", "rho in (0, 1): K's share of the bits, V gets 1 - rho", Stage::allocation},
+        {"solver", "exact",
+         "exact (never over the budget) or lagrangian (the authors' bisection, may overshoot 1%); dp (the optimal "
+         "DP) is a test reference the allocator refuses (exit 3)",
+         Stage::allocation, nullptr, "lagrangian"},
+        {"window_size", "32", "w: the last w rows of --queries give the token and channel weights"},
+        {"kernel_size", "5", "avg pooling of the token weights along the tokens (reflect padding), odd"},
+        {"weight", "attn_linear",
+         "token weights: attn_linear (window attention / causal count), derived (E[a^2] d var(v)) or a policy's "
+         "name (its scores, shifted to >= 0; its default parameters)"},
+        {"channel", "think", "channel weights: think (mean q_c^2 x mean k_c^2, ThinK)"},
+        {"eps", "llama31", "epsilon tables: llama31 (calibrated, Llama-3.1-8B) or default (the code's built-ins)",
+         Stage::allocation},
+        {"evict", "true", "true: 0 bits (eviction) is an option; false: quantization only (2 bits at least)",
+         Stage::allocation},
+        {"scope", "head", "head (a budget per KV head, the authors') or layer (one lambda over the layer's heads)",
+         Stage::allocation},
+        {"zero_point", "float_min", "float_min (KIVI's offset) or integer (the authors' clamped zero point)",
+         Stage::allocation, nullptr, "integer"},
+        {"v_group", "0", "channels per V quantization group (0: the whole head dim)", Stage::allocation},
+        {"k_group", "0", "kept tokens per K quantization group (0: all of them)", Stage::allocation},
+        {"residual", "0", "the newest tokens kept at 16 bits outside the allocation (an fp16 tail)", Stage::allocation},
+        queries_param},
+       true,
+       true},
+      {"kivi",
+       "uniform 2- or 4-bit quantization: K per channel in groups of tokens, V per token in groups of channels, the "
+       "newest tokens in fp16 (Liu et al., arXiv 2402.02750); its memory is what its bits give (no --ratio/--budget)",
+       {{"bits", "2", "2 or 4", Stage::allocation},
+        {"group", "32", "tokens per K group and channels per V group", Stage::allocation},
+        {"residual", "128", "the newest tokens kept in fp16", Stage::allocation}},
+       true,
+       false},
       {"random",
        "uniform random eviction, the baseline every policy must beat (kvpress RandomPress)",
        {{"seed", "0", "64-bit; scores hash (seed, b, h, t): the same on every run and backend"},
@@ -270,16 +312,23 @@ inline Params resolve_params(PolicyInfo const& policy, std::vector<std::string> 
     if (!compress && info->stage == Stage::selection)
       fail(exit_usage, "--param '" + key + "' of policy " + policy.name +
                            " protects tokens in compress's selection; it does not change scores (use kvc compress)");
+    if (!compress && info->stage == Stage::allocation)
+      fail(exit_usage, "--param '" + key + "' of policy " + policy.name +
+                           " sets the bit allocation or the packing; it does not change the weights (use kvc "
+                           "compress)");
     if (!set.emplace(key, kv.substr(eq + 1)).second)
       fail(exit_usage, "--param '" + key + "' given twice");
   }
   auto const ref = set.find("reference");
   bool const kvpress = ref != set.end() && ref->second == "kvpress";
+  bool const authors = ref != set.end() && ref->second == "authors";
   Params values;
   for (auto const& p : policy.params) {
     auto const it = set.find(p.name);
-    values[p.name] =
-        it != set.end() ? it->second : (kvpress && p.kvpress_default ? p.kvpress_default : p.default_value);
+    values[p.name] = it != set.end()                ? it->second
+                     : kvpress && p.kvpress_default ? p.kvpress_default
+                     : authors && p.authors_default ? p.authors_default
+                                                    : p.default_value;
   }
   return values;
 }
@@ -597,6 +646,9 @@ void with_policy(PolicyInfo const& policy, Params const& p, Fn&& fn) {
     throw std::logic_error("kvc: moment_kv has state and a prefill driver: build it with tools/common/moment_kv.hpp");
   } else if (name == "uncomp") {
     throw std::logic_error("kvc: uncomp has state and per-head budgets: build it with tools/common/uncomp.hpp");
+  } else if (name == "rdkv" || name == "kivi") {
+    throw std::logic_error("kvc: " + std::string(name) +
+                           " allocates bits and packs the cache: build it with tools/common/rdkv.hpp");
   } else if (name == "uncomp_entropy") {
     throw std::logic_error("kvc: uncomp_entropy writes per-head entropies, not token scores (tools/common/uncomp.hpp)");
   } else if (name == "random") {

@@ -19,8 +19,17 @@
 // over that layer runs kvc::attend_corrected (correction=true) instead of kvc::attend. With ada_kv the layer then
 // moves into a ragged store as above. Decoding (begin_decode) runs the paper's Algorithm 1 with kvc::decode_step:
 // scorer.decode(), one step per token, each head back to its prefill budget L_h (TopKSelector<PerHeadBudget<>>).
+//
+// RDKV and KIVI (`rdkv` and `kivi` rows, tools/common/rdkv.hpp) pack each layer once after the prompt: token weights
+// (kvc::score with RDKVTokenScorer, or a policy's scores) and ThinK channel weights (kvc::score_channels) from the
+// prompt's window queries, kvc::allocate_bits at the row's budget (KIVI: its uniform plan), then kvc::pack into a
+// kvc::PackedKV (zones A + B). The engine's own cache then holds only the fp16 tail (zone C): empty for RDKV, KIVI's
+// newest `residual` tokens (compacted to the front); tokens appended later (the continuation, decode steps) land
+// there at positions continuing from the prompt. Attention over such a layer is kvc::attend_packed over the packed
+// store merged with kvc::attend over the tail through their log-sum-exps (kvc::merge_attention).
 #pragma once
 
+#include <kvc/attention/merge.hpp>
 #include <kvc/backend/cpu/attention/attend.hpp>
 #include <kvc/backend/cpu/pipeline/compact.hpp>
 #include <kvc/backend/cpu/pipeline/rerotate.hpp>
@@ -39,6 +48,7 @@
 #include "common/observations.hpp"
 #include "common/policies.hpp"
 #include "common/ragged_store.hpp"
+#include "common/rdkv.hpp"
 #include "common/uncomp.hpp"
 #include "eval/model.hpp"
 #include "eval/moment_kv.hpp"
@@ -93,10 +103,15 @@ struct ForwardTrace {
 
 /// What a session's caches hold, measured from their stores with kvc::store_report, summed over layers.
 struct StoreBytes {
-  std::size_t kv = 0;    ///< K + V bytes of the valid tokens (positions not counted)
-  std::size_t held = 0;  ///< bytes allocated for K, V and positions (see Session::store_bytes)
-  Index min_count = 0;   ///< fewest valid tokens of one (layer, KV head)
+  std::size_t kv = 0;    ///< K + V bytes of the valid tokens (positions not counted); packed layers (rdkv, kivi):
+                         ///< ceil((payload + overhead bits) / 8) of the packed store + the fp16 tail's K + V bytes
+  std::size_t held = 0;  ///< bytes allocated for K, V and positions (see Session::store_bytes); packed layers: the
+                         ///< packed store's arena + the tail's store
+  Index min_count = 0;   ///< fewest valid tokens of one (layer, KV head) (packed layers: packed + tail)
   Index max_count = 0;   ///< most valid tokens of one (layer, KV head)
+  std::int64_t payload_bits = 0;   ///< packed layers: PackedKV::payload_bits (codes and fp16 V / K) + the tail's
+                                   ///< K + V bits, all layers
+  std::int64_t overhead_bits = 0;  ///< packed layers: PackedKV::overhead_bits (scales, offsets, pads, permutation)
 };
 
 /// UNComp's hidden-state pruning during a prefill (spec §2.9, pipeline/layer_stages.hpp): at the first layer of each
@@ -133,6 +148,8 @@ class Session {
   /// and num_layers are set per layer here), the selection is the allocator's (tools::with_selection) and each
   /// layer's kept tokens are gathered into a ragged per-head store with a reserve of the tokens the session can
   /// still take (capacity - position(): the continuation).
+  /// rdkv rows allocate bits at a budget of floor(n (1 - ratio)) fp16-equivalent tokens per (layer, KV head) and
+  /// pack the layer (see the file comment); kivi rows ignore `ratio` (their memory is what their bits give).
   virtual Status compress(tools::PolicyInfo const& policy, tools::Params const& params, double ratio, double& seconds,
                           std::uint64_t salt = 0, tools::AllocatorChoice const& alloc = {}) = 0;
 
@@ -146,6 +163,8 @@ class Session {
   /// (h2o) are refused there (their per-token state does not follow a re-layout). The store is re-laid out when a
   /// head would overflow, and with `relayout_on_compress` also after every compression (freeing the slots the
   /// in-place compaction emptied).
+  /// rdkv and kivi allocate once (the paper's static allocation): every layer is packed now, rdkv at a budget of
+  /// schedule.target_size fp16-equivalent tokens per head, and the decoded tokens stay in the fp16 tail.
   virtual Status begin_decode(tools::PolicyInfo const& policy, tools::Params const& params,
                               DecodeSchedule const& schedule, std::uint64_t salt = 0,
                               tools::AllocatorChoice const& alloc = {}, bool relayout_on_compress = false) = 0;
@@ -348,6 +367,8 @@ class Engine final : public Session {
       out_.resize(hq * n, d);  // [Hq, n, d]
       Status const attended = with_view(layer, [&](auto const& cache) -> Status {
         KVC_RETURN_IF_ERROR(append(Cpu{}, cache, src));
+        if (layer.packed)  // rdkv / kivi: the packed zones and the fp16 tail, merged
+          return attend_split(*layer.packed, queries, cache);
         if (layer.moments && layer.moments->correction)  // MomentKV: the evicted set joins as one virtual token
           return std::visit(
               [&](auto const& m) -> Status {
@@ -397,6 +418,15 @@ class Engine final : public Session {
       return status;
     if (std::string_view(policy.name) == "moment_kv")
       return begin_moment_decode(params, schedule, alloc);
+    if (tools::is_packed_policy(policy.name)) {  // one allocation after the prompt; decoded tokens stay fp16
+      if (alloc.any())
+        return {Errc::invalid_argument, "kvc-eval: rdkv and kivi allocate their own bits (no allocator rows)"};
+      reserve_ = capacity_ - next_position_;
+      auto const start = std::chrono::steady_clock::now();
+      status = compress_packed(policy, params, std::nullopt, schedule.target_size);
+      decode_seconds_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+      return status;
+    }
     if (std::string_view(policy.name) == "uncomp")
       return alloc.any() ? Status{Errc::invalid_argument, "kvc-eval: uncomp allocates its own per-head budgets"}
                          : begin_uncomp_decode(params, schedule);
@@ -466,6 +496,12 @@ class Engine final : public Session {
     Status status;
     reserve_ = capacity_ - next_position_;  // the tokens still to come: the continuation
     auto const start = std::chrono::steady_clock::now();
+    if (tools::is_packed_policy(policy.name)) {
+      status = alloc.any() ? Status{Errc::invalid_argument, "kvc-eval: rdkv and kivi allocate their own bits"}
+                           : compress_packed(policy, params, ratio, 0);
+      seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+      return status;
+    }
     if (std::string_view(policy.name) == "moment_kv") {
       status = compress_moment_kv(params, ratio, 0, alloc);
       seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
@@ -532,6 +568,13 @@ class Engine final : public Session {
     for (Layer const& l : layers_) {
       StoreReport r;
       std::size_t held = 0;
+      if (l.packed) {  // the packed zones: what the store measures of itself (its bits, its arena)
+        PackedKV const& kv = *l.packed->kv;
+        s.payload_bits += kv.payload_bits();
+        s.overhead_bits += kv.overhead_bits();
+        s.kv += static_cast<std::size_t>((kv.payload_bits() + kv.overhead_bits() + 7) / 8);
+        s.held += kv.arena_bytes();
+      }
       if (l.store) {
         r = store_report(l.store->view());
         held = static_cast<std::size_t>(r.held_bytes);
@@ -540,11 +583,16 @@ class Engine final : public Session {
         held = static_cast<std::size_t>(l.held * ext_.heads * r.row_bytes);
       }
       Index const rows = r.row_bytes > 0 ? r.used_bytes / r.row_bytes : 0;
-      s.kv += static_cast<std::size_t>(rows) * static_cast<std::size_t>(2 * ext_.dim) * sizeof(T);
+      std::size_t const rows_bytes =
+          static_cast<std::size_t>(rows) * static_cast<std::size_t>(2 * ext_.dim) * sizeof(T);
+      s.kv += rows_bytes;
       s.held += held;
+      if (l.packed)  // the fp16 tail's K and V are payload too (zone C, stored as they are)
+        s.payload_bits += static_cast<std::int64_t>(8 * rows_bytes);
       for (Index h = 0; h < heads_of(l); ++h) {
-        s.min_count = std::min(s.min_count, length(l, h));
-        s.max_count = std::max(s.max_count, length(l, h));
+        Index const n = length(l, h) + (l.packed ? l.packed->kv->tokens(0, h) : 0);
+        s.min_count = std::min(s.min_count, n);
+        s.max_count = std::max(s.max_count, n);
       }
     }
     return s;
@@ -581,6 +629,11 @@ class Engine final : public Session {
   }
 
  private:
+  /// A layer packed by rdkv or kivi: its packed zones, immutable once built (clones share them).
+  struct PackedLayer {
+    std::shared_ptr<PackedKV const> kv;
+  };
+
   struct Layer {
     std::vector<T> k, v;                             // dense: [Hkv, capacity, d]; paged: pool [pages, page, Hkv, d]
     std::vector<Index> lengths;                      // [Hkv] valid tokens
@@ -590,7 +643,103 @@ class Engine final : public Session {
     Index held = 0;                                  // uniform: slots per head a store sized by the reserve rule holds
     std::optional<tools::HostRaggedStore<T>> store;  // after compression with an allocator: the ragged store
     std::optional<LayerMoments> moments;             // after MomentKV's compression: its moments
+    std::optional<PackedLayer> packed;               // after rdkv / kivi: the packed zones (the cache: the tail)
   };
+
+  /// Attention of `queries` over a packed layer: kvc::attend_packed over its packed zones, kvc::attend over the fp16
+  /// tail `tail` (the engine's cache), merged row by row through the log-sum-exps (kvc::merge_attention) into out_.
+  template <class C>
+  Status attend_split(PackedLayer const& p, AttendQueries<float> const& queries, C const& tail) {
+    PackedKVView<> const kv = p.kv->view();
+    Index const rows = out_.rows(), dim = out_.cols();
+    tail_out_.resize(rows, dim);
+    lse_.resize(static_cast<std::size_t>(rows));
+    tail_lse_.resize(static_cast<std::size_t>(rows));
+    std::size_t const a = attend_packed_workspace_bytes(Cpu{}, Attention{}, queries, kv);
+    std::size_t const b = attend_workspace_bytes(Cpu{}, Attention{}, queries, tail);
+    grow(workspace_, a > b ? a : b);
+    Workspace const ws{workspace_.data(), workspace_.size()};
+    KVC_RETURN_IF_ERROR(attend_packed(Cpu{}, Attention{}, queries, kv, {out_.data(), lse_.data()}, ws));
+    KVC_RETURN_IF_ERROR(attend(Cpu{}, Attention{}, queries, tail, {tail_out_.data(), tail_lse_.data()}, ws));
+    return merge_attention(out_.data(), lse_.data(), tail_out_.data(), tail_lse_.data(), rows, dim);
+  }
+
+  /// RDKV's or KIVI's compression of every layer (see the file comment): the bit plan (RDKV: weights from the
+  /// prompt's window queries and kvc::allocate_bits at floor(n (1 - ratio)) fp16-equivalent tokens per head, or
+  /// `budget` without a ratio; KIVI: tools::kivi_plan), the newest `residual` tokens of each head kept in the cache
+  /// as the fp16 tail (compacted to the front), the rest packed (kvc::pack). Bad parameters exit 3 (tools::Failure).
+  Status compress_packed(tools::PolicyInfo const& policy, tools::Params const& params, std::optional<double> ratio,
+                         Index budget) {
+    tools::RDKVConfig const cfg = tools::rdkv_config(policy, params);
+    for (Layer const& layer : layers_)
+      if (layer.store || layer.packed || layer.moments)
+        return {Errc::invalid_argument, "kvc-eval: this session's cache is already compressed"};
+    ModelConfig const& c = model_->config;
+    Index const heads = ext_.heads, d = ext_.dim, slots = capacity_;
+    Status status;
+    for (std::size_t li = 0; li < layers_.size() && status.ok(); ++li) {
+      Layer& layer = layers_[li];
+      auto const cache = view(layer);
+      v_bits_.assign(static_cast<std::size_t>(ext_.rows()), 0);
+      k_bits_.assign(static_cast<std::size_t>(heads * d), 0);
+      BitPlan<> const plan{v_bits_.data(), k_bits_.data(), 1, heads, slots, d};
+      if (cfg.kivi) {
+        for (Index h = 0; h < heads; ++h)
+          tools::kivi_plan(cfg.bits, cfg.residual, length(layer, h), slots, d, plan.v_row(0, h), plan.k_row(0, h));
+      } else {
+        Index const w = static_cast<Index>(layer.query_positions.size());
+        TokenRows<float const, StridedLayout> const rows(layer.queries.data(),
+                                                         bthd_layout({1, c.heads, w, c.head_dim}));
+        auto const obs = observe(WindowQueries<float>{rows, rope_, layer.query_positions.data()});
+        weights_.assign(static_cast<std::size_t>(ext_.rows()), 0.0f);
+        channels_.assign(static_cast<std::size_t>(heads * d), 0.0f);
+        ScoreSpan<> const span{weights_.data(), 1, heads, slots, cache.lengths};
+        if (cfg.weight_policy.empty()) {
+          grow(workspace_, score_workspace_bytes(Cpu{}, cfg.token, ext_, obs));
+          KVC_RETURN_IF_ERROR(score(Cpu{}, cfg.token, cache, obs, span, {workspace_.data(), workspace_.size()}));
+        } else {  // a policy's scores (its default parameters), shifted to >= 0
+          tools::PolicyInfo const& inner = tools::find_policy(cfg.weight_policy);
+          tools::with_policy(inner, tools::resolve_params(inner, {}, false), [&](auto const& scorer, tools::Selection) {
+            tools::ObservationStorage store;
+            tools::with_observations(
+                scorer, cache, tools::ObservedQueries{rows, layer.query_positions.data(), rope_, c.rope(), true},
+                "layer " + std::to_string(li), store, [&](auto const& live, auto const& o) {
+                  grow(workspace_, score_workspace_bytes(Cpu{}, live, ext_, o));
+                  status = score(Cpu{}, live, cache, o, span, {workspace_.data(), workspace_.size()});
+                });
+          });
+          if (!status.ok())
+            return status;
+          for (Index h = 0; h < heads; ++h)
+            tools::scores_as_weights(span.row(0, h), length(layer, h));
+        }
+        grow(workspace_, channel_score_workspace_bytes(Cpu{}, cfg.channel, cache, obs));
+        KVC_RETURN_IF_ERROR(
+            score_channels(Cpu{}, cfg.channel, cache, obs, channels_.data(), {workspace_.data(), workspace_.size()}));
+        RDKVAllocator const alloc = cfg.allocator_for(ratio, budget);
+        grow(workspace_, allocate_bits_workspace_bytes(Cpu{}, alloc, 1, heads, slots, d));
+        KVC_RETURN_IF_ERROR(
+            allocate_bits(Cpu{}, alloc, span, channels_.data(), plan, {workspace_.data(), workspace_.size()}));
+      }
+      // The newest `residual` tokens of each head stay in the cache (fp16, zone C); the rest is packed.
+      index_.resize(static_cast<std::size_t>(ext_.rows()));
+      count_.resize(static_cast<std::size_t>(heads));
+      for (Index h = 0; h < heads; ++h) {
+        Index const n = length(layer, h), tail = tools::tail_tokens(n, cfg.residual);
+        for (Index i = 0; i < tail; ++i) {
+          plan.v_row(0, h)[n - tail + i] = 0;
+          index_[static_cast<std::size_t>(h * slots + i)] = n - tail + i;
+        }
+        count_[static_cast<std::size_t>(h)] = tail;
+      }
+      auto kv = std::make_shared<PackedKV>();
+      KVC_RETURN_IF_ERROR(pack(cache, plan, cfg.pack, *kv));
+      KVC_RETURN_IF_ERROR(compact(Cpu{}, KeepPlan<>{index_.data(), count_.data(), 1, heads, slots}, cache));
+      layer.packed.emplace(PackedLayer{std::move(kv)});
+      layer.held = longest(layer) + reserve_;
+    }
+    return status;
+  }
 
   /// Appends the last forward call's pre-RoPE queries of `layer` ([n, Hq * d]) and their positions to a decode
   /// QueryBuffer (the decode drivers of every policy); an error when they do not fit the buffer.
@@ -1117,8 +1266,10 @@ class Engine final : public Session {
   std::vector<float> rope_storage_;
   RopeTable<> rope_{};
   // Scratch reused across calls (sized by the largest call so far).
-  RowMatrix x_, h_, q_, k_, v_, out_, o_, gate_, up_, kx_, vx_;
+  RowMatrix x_, h_, q_, k_, v_, out_, o_, gate_, up_, kx_, vx_, tail_out_;
   std::vector<Index> positions_, src_positions_, src_positions_x_, index_, count_;
+  std::vector<float> lse_, tail_lse_, weights_, channels_;  // packed layers: attention's lse; RDKV's weights
+  std::vector<std::int8_t> v_bits_, k_bits_;                // packed layers: the bit plan being built
   std::vector<std::byte> workspace_;
   MomentScratch moment_scratch_;
 };

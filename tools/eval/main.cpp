@@ -16,6 +16,7 @@
 #include <kvc/io/npy.hpp>
 
 #include "common/policies.hpp"
+#include "common/rdkv.hpp"
 #include "common/uncomp.hpp"
 #include "eval/calibrate.hpp"
 #include "eval/correction.hpp"
@@ -73,6 +74,8 @@ constexpr char usage_text[] =
     "ragged per-head store. POLICY(NAME=VALUE,...) gives a row its own parameters, so one policy can have several\n"
     "rows, e.g. moment_kv(mi=false,correction=true)+ada_kv; --param takes the row's whole name:\n"
     "--param 'moment_kv(mi=false)+ada_kv.n_sink=1'.\n"
+    "rdkv rows pack the cache at the eviction rows' memory (floor(N (1 - ratio)) fp16-equivalent tokens per head),\n"
+    "e.g. rdkv,'rdkv(reference=authors)'; kivi rows ('kivi(bits=2)', 'kivi(bits=4)') run once, at their own memory.\n"
     "DIR: a Hugging Face Llama directory (config.json, model.safetensors, tokenizer.json) or a llama2.c checkpoint\n"
     "(a .bin file, or a directory with one checkpoint .bin and its tok*.bin tokenizer). See docs/eval.md.\n";
 
@@ -343,6 +346,18 @@ void check_policy(kvc::eval::PolicyRun const& p, kvc::eval::RunOptions const& ru
       fail(exit_usage, "--param " + label + ".window_size=" + std::to_string(cfg.scorer.base.window_size) +
                            " is longer than --prompt-tokens " + std::to_string(run.prompt_tokens) +
                            " (MomentKV's base score observes the prompt's last queries)");
+    return;
+  }
+  if (kvc::tools::is_packed_policy(p.policy->name)) {  // rdkv, kivi: their parameters and the window
+    if (p.alloc.any())
+      fail(exit_usage, "--policies " + label + ": rdkv and kivi allocate their own bits per token and channel (no " +
+                           "+allocator)");
+    kvc::tools::RDKVConfig const cfg = kvc::tools::rdkv_config(*p.policy, p.params);
+    kvc::tools::check_rdkv_budget(cfg, decode ? std::nullopt : std::optional<double>(0.5), run.decode.target_size);
+    if (cfg.window_size() > run.prompt_tokens)
+      fail(exit_usage, "--param " + label + ".window_size=" + std::to_string(cfg.window_size()) +
+                           " is longer than --prompt-tokens " + std::to_string(run.prompt_tokens) +
+                           " (RDKV's weights observe the prompt's last queries)");
     return;
   }
   if (p.alloc.pyramid_kv && decode && p.params.at("reference") == "kvpress")

@@ -84,10 +84,11 @@ inline std::string results_json(std::vector<Record> const& records, std::vector<
            ", \"kv_held_bytes_full\": " + json_number(r.kv_held_bytes_full) +
            ", \"kept_min\": " + json_number(r.kept_min) + ", \"kept_max\": " + json_number(r.kept_max) +
            ", \"seconds\": " + json_number(r.seconds) + ", \"moment_bytes\": " + json_number(r.moment_bytes) +
-           ", \"layer_error\": [" + errors + "], \"samples\": " + std::to_string(r.samples) +
-           ", \"params\": " + json_string(params[r.policy]) + ", \"model\": " + json_string(info.model) +
-           ", \"cache\": " + json_string(info.cache) + ", \"layout\": " + json_string(info.layout) +
-           ", \"prompt_tokens\": " + std::to_string(info.prompt_tokens) +
+           ", \"payload_bytes\": " + json_number(r.payload_bytes) +
+           ", \"overhead_bytes\": " + json_number(r.overhead_bytes) + ", \"layer_error\": [" + errors +
+           "], \"samples\": " + std::to_string(r.samples) + ", \"params\": " + json_string(params[r.policy]) +
+           ", \"model\": " + json_string(info.model) + ", \"cache\": " + json_string(info.cache) +
+           ", \"layout\": " + json_string(info.layout) + ", \"prompt_tokens\": " + std::to_string(info.prompt_tokens) +
            ", \"continuation\": " + std::to_string(info.continuation) + ", \"seed\": " + std::to_string(info.seed) +
            ", \"prompt_source\": " + json_string(info.prompt_source) + ", \"schedule\": " + json_string(info.schedule) +
            (steps.empty() ? std::string() : ", \"kv_bytes_steps\": [" + steps + "]") + "}" +
@@ -115,7 +116,7 @@ inline std::string results_csv(std::vector<Record> const& records) {
   std::size_t const layers = records.empty() ? 0 : records.front().layer_error.size();
   std::string out =
       "policy,ratio,kl,top1,perplexity,perplexity_full,kv_bytes,kv_bytes_full,seconds,samples,kv_held_bytes,"
-      "kv_held_bytes_full,kept_min,kept_max,moment_bytes";
+      "kv_held_bytes_full,kept_min,kept_max,moment_bytes,payload_bytes,overhead_bytes";
   for (std::size_t l = 0; l < layers; ++l)
     out += ",layer_error_" + std::to_string(l);
   out += "\n";
@@ -128,7 +129,8 @@ inline std::string results_csv(std::vector<Record> const& records) {
     }
     out += ',';
     out += std::to_string(r.samples);
-    for (double x : {r.kv_held_bytes, r.kv_held_bytes_full, r.kept_min, r.kept_max, r.moment_bytes}) {
+    for (double x : {r.kv_held_bytes, r.kv_held_bytes_full, r.kept_min, r.kept_max, r.moment_bytes, r.payload_bytes,
+                     r.overhead_bytes}) {
       out += ',';
       out += json_number(x);
     }

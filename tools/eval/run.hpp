@@ -14,6 +14,11 @@
 // and continues on a ragged per-head store (eval/engine.hpp). Memory is measured from the stores after compression
 // (kvc::store_report): the K + V of the valid tokens, and what the stores hold (StoreBytes). A `moment_kv` row
 // (eval/moment_kv.hpp) also holds its moments: Record::moment_bytes, from Session::moment_bytes.
+//
+// `rdkv` rows pack each layer at a budget of floor(n (1 - ratio)) fp16-equivalent tokens per (layer, KV head): the
+// same memory as the eviction rows at that ratio, measured from the packed store (payload + overhead bits) and the
+// fp16 tail. `kivi` rows have the memory their bits give: they run once (at the first ratio) and their `ratio` is
+// the measured one, 1 - kv_bytes / kv_bytes_full, like the decode runs'.
 #pragma once
 
 #include "common/policies.hpp"
@@ -81,18 +86,20 @@ struct RunOptions {
 struct Record {
   std::string policy;
   double ratio = 0;
-  double kl = 0;                       ///< mean KL(full || compressed) per predicted token, nats
-  double top1 = 0;                     ///< fraction of predicted tokens whose argmax equals the full cache's
-  double perplexity = 0;               ///< exp(mean NLL of the continuation's tokens) with the compressed cache
-  double perplexity_full = 0;          ///< the same with the full cache
-  double kv_bytes = 0;                 ///< K + V bytes held after compression (all layers), mean over samples
-  double kv_bytes_full = 0;            ///< K + V bytes of the full prompt cache
-  double kv_held_bytes = 0;            ///< bytes the stores hold after compression (StoreBytes::held)
-  double kv_held_bytes_full = 0;       ///< the same for the full cache
-  double kept_min = 0;                 ///< fewest tokens of one (layer, KV head) after compression, mean over samples
-  double kept_max = 0;                 ///< most tokens of one (layer, KV head) after compression, mean over samples
-  double seconds = 0;                  ///< compression wall time per sample (score + select + compact, all layers)
-  double moment_bytes = 0;             ///< MomentKV: bytes of the moments held (all layers), mean over samples
+  double kl = 0;                  ///< mean KL(full || compressed) per predicted token, nats
+  double top1 = 0;                ///< fraction of predicted tokens whose argmax equals the full cache's
+  double perplexity = 0;          ///< exp(mean NLL of the continuation's tokens) with the compressed cache
+  double perplexity_full = 0;     ///< the same with the full cache
+  double kv_bytes = 0;            ///< K + V bytes held after compression (all layers), mean over samples
+  double kv_bytes_full = 0;       ///< K + V bytes of the full prompt cache
+  double kv_held_bytes = 0;       ///< bytes the stores hold after compression (StoreBytes::held)
+  double kv_held_bytes_full = 0;  ///< the same for the full cache
+  double kept_min = 0;            ///< fewest tokens of one (layer, KV head) after compression, mean over samples
+  double kept_max = 0;            ///< most tokens of one (layer, KV head) after compression, mean over samples
+  double seconds = 0;             ///< compression wall time per sample (score + select + compact, all layers)
+  double moment_bytes = 0;        ///< MomentKV: bytes of the moments held (all layers), mean over samples
+  double payload_bytes = 0;   ///< rdkv, kivi: the packed store's payload bits / 8 + the fp16 tail (all layers), mean
+  double overhead_bytes = 0;  ///< rdkv, kivi: the packed store's overhead bits / 8 (scales, offsets, pads, permutation)
   std::vector<double> layer_error;     ///< [layers] ||O_c - O_full|| / ||O_full|| of attention outputs (continuation)
   std::vector<double> kv_bytes_steps;  ///< Schedule::decode: K + V bytes after each decode step, mean over samples
   Index samples = 0;
@@ -101,7 +108,7 @@ struct Record {
 /// The per-sample sums a Record is averaged from.
 struct Accumulator {
   double kl = 0, top1 = 0, nll = 0, nll_full = 0, kv_bytes = 0, kv_bytes_full = 0, seconds = 0;
-  double held = 0, held_full = 0, kept_min = 0, kept_max = 0, moment_bytes = 0;
+  double held = 0, held_full = 0, kept_min = 0, kept_max = 0, moment_bytes = 0, payload = 0, overhead = 0;
   Index tokens = 0, samples = 0;
   std::vector<double> layer_error, kv_bytes_steps;
 };
@@ -121,6 +128,7 @@ struct Held {
   double kv = 0, held = 0;
   double moments = 0;  ///< MomentKV's moments (Session::moment_bytes)
   Index min_count = 0, max_count = 0;
+  double payload = 0, overhead = 0;  ///< packed layers: payload and overhead bytes (StoreBytes bits / 8)
 };
 
 /// Adds one compressed run of a sample to `acc`.
@@ -151,6 +159,8 @@ inline void accumulate(Accumulator& acc, Reference const& ref, RowMatrix const& 
   acc.kept_max += static_cast<double>(bytes.max_count);
   acc.seconds += seconds;
   acc.moment_bytes += bytes.moments;
+  acc.payload += bytes.payload;
+  acc.overhead += bytes.overhead;
   acc.layer_error.resize(trace.attention.size(), 0.0);
   for (std::size_t l = 0; l < trace.attention.size(); ++l)
     acc.layer_error[l] += relative_error(trace.attention[l], ref.trace.attention[l]);
@@ -174,6 +184,8 @@ inline Record finish(Accumulator const& acc, std::string policy, double ratio) {
   r.kept_max = acc.kept_max / s;
   r.seconds = acc.seconds / s;
   r.moment_bytes = acc.moment_bytes / s;
+  r.payload_bytes = acc.payload / s;
+  r.overhead_bytes = acc.overhead / s;
   for (double e : acc.layer_error)
     r.layer_error.push_back(e / s);
   for (double b : acc.kv_bytes_steps)
@@ -261,6 +273,18 @@ inline std::unique_ptr<Session> row_session(Model const& model, CacheOptions con
   return session;
 }
 
+/// Whether a row's memory does not follow the ratio (kivi: its bits set it): it runs once, at the first ratio.
+inline bool fixed_memory(PolicyRun const& run) {
+  return std::string_view(run.policy->name) == "kivi";
+}
+
+/// The ratios a prefill row runs at.
+inline std::vector<double> row_ratios(PolicyRun const& run, std::vector<double> const& ratios) {
+  if (fixed_memory(run) && !ratios.empty())
+    return {ratios.front()};
+  return ratios;
+}
+
 /// Called before each compressed run: (done, total, policy name, ratio).
 using Progress = std::function<void(Index, Index, std::string const&, double)>;
 
@@ -271,7 +295,10 @@ inline std::vector<Record> evaluate(Model const& model, RunOptions const& option
                                     Progress const& progress = {}) {
   Index const n = options.prompt_tokens, m = options.continuation;
   bool const decode = options.schedule == Schedule::decode;
-  std::vector<Accumulator> acc(options.policies.size() * (decode ? 1 : options.ratios.size()));
+  std::size_t slots = 0;
+  for (PolicyRun const& run : options.policies)
+    slots += decode ? 1 : row_ratios(run, options.ratios).size();
+  std::vector<Accumulator> acc(slots);
   Index const total = static_cast<Index>(samples.size() * acc.size());
   Index done = 0;
   auto check = [](Status const& st, std::string const& what) {
@@ -336,6 +363,8 @@ inline std::vector<Record> evaluate(Model const& model, RunOptions const& option
                              bytes.kv += static_cast<double>(b.kv) / static_cast<double>(m);
                              bytes.held += static_cast<double>(b.held) / static_cast<double>(m);
                              bytes.moments = static_cast<double>(session->moment_bytes());  // fixed size
+                             bytes.payload += static_cast<double>(b.payload_bits) / 8.0 / static_cast<double>(m);
+                             bytes.overhead += static_cast<double>(b.overhead_bits) / 8.0 / static_cast<double>(m);
                              bytes.min_count = b.min_count;
                              bytes.max_count = b.max_count;
                            }),
@@ -346,7 +375,7 @@ inline std::vector<Record> evaluate(Model const& model, RunOptions const& option
       continue;
     }
     for (PolicyRun const& run : options.policies)
-      for (double ratio : options.ratios) {
+      for (double ratio : row_ratios(run, options.ratios)) {
         if (progress)
           progress(done, total, run.label(), ratio);
         auto session = row_session(model, options.cache, n + m, *prefilled, run, options.calibration, prompt);
@@ -355,8 +384,13 @@ inline std::vector<Record> evaluate(Model const& model, RunOptions const& option
                                 options.seed * 0x9E3779B97F4A7C15ull + static_cast<std::uint64_t>(sample), run.alloc),
               std::string("compress with ") + run.label());
         StoreBytes const b = session->store_bytes();
-        Held const bytes{static_cast<double>(b.kv), static_cast<double>(b.held),
-                         static_cast<double>(session->moment_bytes()), b.min_count, b.max_count};
+        Held const bytes{static_cast<double>(b.kv),
+                         static_cast<double>(b.held),
+                         static_cast<double>(session->moment_bytes()),
+                         b.min_count,
+                         b.max_count,
+                         static_cast<double>(b.payload_bits) / 8.0,
+                         static_cast<double>(b.overhead_bits) / 8.0};
         ForwardTrace trace;
         check(session->forward(fed, logits, &trace), "continuation");
         accumulate(acc[slot++], ref, logits, trace, targets, bytes, seconds);
@@ -374,8 +408,12 @@ inline std::vector<Record> evaluate(Model const& model, RunOptions const& option
       records.push_back(std::move(r));
       continue;
     }
-    for (double ratio : options.ratios)
-      records.push_back(finish(acc[slot++], run.label(), ratio));
+    for (double ratio : row_ratios(run, options.ratios)) {
+      Record r = finish(acc[slot++], run.label(), ratio);
+      if (fixed_memory(run))  // the ratio its bits reach
+        r.ratio = r.kv_bytes_full > 0 ? 1.0 - r.kv_bytes / r.kv_bytes_full : 0.0;
+      records.push_back(std::move(r));
+    }
   }
   return records;
 }

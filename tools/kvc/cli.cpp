@@ -34,6 +34,7 @@
 #include "common/moment_kv.hpp"
 #include "common/observations.hpp"
 #include "common/policies.hpp"
+#include "common/rdkv.hpp"
 #include "common/uncomp.hpp"
 
 #include <algorithm>
@@ -135,14 +136,20 @@ std::vector<CommandInfo> const& commands() {
        "                 [--queries Q.npy [--positions P.npy] [--rope theta=T,style=neox|interleaved]]\n"
        "                 --out scores.npy [--time] [--threads N]\n"
        "       kvc score --policy uncomp_entropy [--param NAME=VALUE]... --queries Q.npy [--positions P.npy]\n"
-       "                 [--rope theta=T,style=neox|interleaved] --out E.npy [--time]\n",
+       "                 [--rope theta=T,style=neox|interleaved] --out E.npy [--time]\n"
+       "       kvc score --policy rdkv [--param NAME=VALUE]... --keys K.npy [--values V.npy] --queries Q.npy\n"
+       "                 --out W.npy [--channel-out C.npy] [--time] [--threads N]\n",
        "Scores every cached token with a policy: writes [B, Hkv, N] float32, higher = keep.\n"
+       "With --policy rdkv: RDKV's token weights [B, Hkv, N] (the distortion weight of each V token; --values with\n"
+       "--param weight=derived) and, with --channel-out, ThinK's channel weights [B, Hkv, d] (mean over the group's\n"
+       "window queries of q_c^2 times mean over the tokens of k_c^2), both float32 (kivi has no scores).\n"
        "With --policy uncomp_entropy (no --keys): UNComp's truncated matrix entropy of each query head's rows of\n"
        "--queries [B, Hq, n, d] (pre-RoPE ones rotated to --positions, default 0 .. n - 1), written as [B, Hq]\n"
        "(--param unit=normalized|truncated|erank, dtype=float64|float32; head_dim at most 1024).\n",
-       "  --out scores.npy       the scores\n",
-       {"--policy", "--param", "--keys", "--values", "--queries", "--positions", "--rope", "--out", "--time",
-        "--threads"}},
+       "  --out scores.npy       the scores\n"
+       "  --channel-out C.npy    --policy rdkv: the channel weights [B, Hkv, d] too\n",
+       {"--policy", "--param", "--keys", "--values", "--queries", "--positions", "--rope", "--out", "--channel-out",
+        "--time", "--threads"}},
       {"compress",
        "usage: kvc compress --policy NAME (--ratio R | --budget N) [--allocator ada_kv|pyramid_kv|pyramid_kv+ada_kv]\n"
        "                    [--param NAME=VALUE]... (--keys K.npy --values V.npy [--queries Q.npy\n"
@@ -158,8 +165,12 @@ std::vector<CommandInfo> const& commands() {
        "b * Hkv + h holds rows offsets[i] .. offsets[i + 1] - 1). With --policy moment_kv also the moments of\n"
        "each head's evicted set: moment_count.npy (int64 [B, Hkv]), moment_key_mean.npy [B, Hkv, d],\n"
        "moment_value_mean.npy [B, Hkv, d_v] and moment_comoment.npy [B, Hkv, d_v, d] (float32, or float16 with\n"
-       "--param storage=fp16; bf16 storage is written as float32), which `kvc attend --moments` reads. All\n"
-       "files are written, or none.\n",
+       "--param storage=fp16; bf16 storage is written as float32), which `kvc attend --moments` reads.\n"
+       "With --policy rdkv (--budget N: N fp16-equivalent tokens of memory per head, 2 N d 16 bits for K + V; --ratio\n"
+       "R: floor(N_tokens (1 - R)) of them) or --policy kivi (neither: its memory is what its bits give): the bit\n"
+       "plans instead, v_bits.npy (int8 [B, Hkv, N]: each token's V bits, 0 = evicted) and k_bits.npy (int8\n"
+       "[B, Hkv, d]: each channel's K bits, 0 = pruned), bits in {0, 2, 4, 8, 16}; the cache is packed\n"
+       "(kvc::pack) to measure its memory (--time). All files are written, or none.\n",
        "  --ratio R              the fraction of tokens removed, in [0, 1]: kept = floor(N * (1 - R))\n"
        "  --budget N             tokens kept per head\n"
        "  --allocator A          ada_kv (head-adaptive budgets inside a layer), pyramid_kv (per-layer budgets)\n"
@@ -180,7 +191,12 @@ std::vector<CommandInfo> const& commands() {
        "                         ragged store), \"row_bytes\" (one token's K + V row), \"input_tokens\",\n"
        "                         \"kept_tokens\", in the input dtype; with --dump one line per layer and a total;\n"
        "                         moment_kv adds \"moment_bytes\" (the moments, all heads, in the storage\n"
-       "                         dtype), \"moment_head_bytes\" and \"moment_ratio\" (moment_bytes / ragged_bytes)\n",
+       "                         dtype), \"moment_head_bytes\" and \"moment_ratio\" (moment_bytes / ragged_bytes)\n"
+       "                         rdkv and kivi: \"input_bytes\", \"input_tokens\", \"kept_tokens\" (packed + tail),\n"
+       "                         \"tail_tokens\" (the fp16 residual), \"payload_bits\" (codes + fp16 values, tail\n"
+       "                         included), \"overhead_bits\" (scales, offsets, pads, channel permutation),\n"
+       "                         \"payload_bytes\", \"overhead_bytes\", \"packed_bytes\" (their sum), \"arena_bytes\"\n"
+       "                         (the packed store as allocated) and \"retention\" (payload / (2 N d 16))\n",
        {"--policy", "--param", "--keys", "--values", "--queries", "--positions", "--rope", "--ratio", "--budget",
         "--allocator", "--dump", "--out-dir", "--time", "--threads", "--calibration", "--layer"}},
       {"attend",
@@ -474,7 +490,25 @@ struct Output {
   kvc::NpyDtype dtype;
   std::vector<kvc::Index> shape;
   void const* data;
+  bool int8 = false;  ///< int8 data ('|i1', RDKV's bit plans): `dtype` is ignored
 };
+
+/// Stages an int8 array as .npy: the header of an int32 array of that shape with its descr '<i4' replaced by '|i1'
+/// (the same length, so the padding holds), then one byte per element. (kvc::NpyDtype has no int8.)
+bool stage_int8_npy(kvc::StagedFile& file, std::string const& path, std::vector<kvc::Index> const& shape,
+                    void const* data, std::string& error) {
+  std::vector<std::byte> header = kvc::npy_header(kvc::NpyDtype::i32, shape);
+  std::string_view const text(reinterpret_cast<char const*>(header.data()), header.size());
+  std::size_t const at = text.find("'<i4'");
+  if (at == std::string_view::npos)
+    throw std::logic_error("kvc: the .npy header of an int32 array has no '<i4'");
+  std::memcpy(header.data() + at, "'|i1'", 5);
+  std::size_t bytes = 1;
+  for (kvc::Index d : shape)
+    bytes *= static_cast<std::size_t>(d);
+  return file.open(path, error) && file.write(header, error) &&
+         file.write(std::span(static_cast<std::byte const*>(data), bytes), error) && file.finish(error);
+}
 
 /// Writes every output whole or none: each is staged in a temporary file beside its destination (written, synced
 /// and closed, every error checked), and they are renamed into place only once all are whole. A failure removes
@@ -495,7 +529,9 @@ void stage_outputs(std::vector<Output> const& outputs, Staged& staged) {
                                            : std::filesystem::path(out.path);
     staged.files.emplace_back();
     staged.paths.push_back(out.path);
-    if (!kvc::stage_npy(staged.files.back(), ec ? out.path : real.string(), out.dtype, out.shape, out.data, error))
+    std::string const dest = ec ? out.path : real.string();
+    if (out.int8 ? !stage_int8_npy(staged.files.back(), dest, out.shape, out.data, error)
+                 : !kvc::stage_npy(staged.files.back(), dest, out.dtype, out.shape, out.data, error))
       fail(exit_invalid, "output file " + out.path + ": " + error);
   }
 }
@@ -927,8 +963,21 @@ struct Memory {
   bool moments = false;              ///< moment_kv: the moments of the evicted sets are reported too
   kvc::Index moment_bytes = 0;       ///< all heads' moments (moment_state_bytes), in the storage dtype
   kvc::Index moment_head_bytes = 0;  ///< one head's (moment_head_bytes)
+  // rdkv and kivi (a packed store, kvc::PackedKV, plus the fp16 tail of the newest `residual` tokens):
+  bool packed = false;
+  std::int64_t payload_bits = 0;   ///< codes and raw fp16 of the packed store (PackedKV::payload_bits) + the tail's
+  std::int64_t overhead_bits = 0;  ///< scales, offsets, pads, channel permutation (PackedKV::overhead_bits)
+  std::int64_t arena_bytes = 0;    ///< the packed store's arena as allocated (PackedKV::arena_bytes)
+  kvc::Index tail_tokens = 0;      ///< tokens kept in fp16 outside the packed store (residual)
+  std::int64_t full_bits = 0;      ///< 2 N d 16 per head: the fp16 cache the retention is a fraction of
 
   Memory& operator+=(Memory const& m) {
+    packed = m.packed;
+    payload_bits += m.payload_bits;
+    overhead_bits += m.overhead_bits;
+    arena_bytes += m.arena_bytes;
+    tail_tokens += m.tail_tokens;
+    full_bits += m.full_bits;
     moments = m.moments;
     moment_bytes += m.moment_bytes;
     moment_head_bytes = m.moment_head_bytes;
@@ -964,7 +1013,23 @@ void print_time(char const* command, PolicyInfo const& policy, std::string const
   if (t.select_seconds >= 0)
     std::snprintf(selection, sizeof selection, ", \"select_seconds\": %.9g", t.select_seconds);
   std::string memory;
-  if (t.memory) {
+  if (t.memory && t.memory->packed) {
+    Memory const& m = *t.memory;
+    char retention[64];
+    std::snprintf(retention, sizeof retention, "%.9g",
+                  m.full_bits > 0 ? static_cast<double>(m.payload_bits) / static_cast<double>(m.full_bits) : 0.0);
+    std::int64_t const payload_bytes = (m.payload_bits + 7) / 8, overhead_bytes = (m.overhead_bits + 7) / 8;
+    memory = ", \"input_bytes\": " + std::to_string(m.input_bytes) +
+             ", \"input_tokens\": " + std::to_string(m.input_tokens) +
+             ", \"kept_tokens\": " + std::to_string(m.kept_tokens) +
+             ", \"tail_tokens\": " + std::to_string(m.tail_tokens) +
+             ", \"payload_bits\": " + std::to_string(m.payload_bits) +
+             ", \"overhead_bits\": " + std::to_string(m.overhead_bits) +
+             ", \"payload_bytes\": " + std::to_string(payload_bytes) +
+             ", \"overhead_bytes\": " + std::to_string(overhead_bytes) +
+             ", \"packed_bytes\": " + std::to_string(payload_bytes + overhead_bytes) +
+             ", \"arena_bytes\": " + std::to_string(m.arena_bytes) + ", \"retention\": " + retention;
+  } else if (t.memory) {
     Memory const& m = *t.memory;
     memory =
         ", \"input_bytes\": " + std::to_string(m.input_bytes) +
@@ -1365,13 +1430,214 @@ int cmd_score_entropy(Options const& o) {
   return 0;
 }
 
+// ---------------------------------------------------------------------------------------------------------------
+// RDKV and KIVI (tools/common/rdkv.hpp): token and channel weights, the bit plan (kvc::allocate_bits, or KIVI's
+// uniform plan), and the packed store (kvc::pack) whose memory compress reports.
+
+/// The files compress --policy rdkv|kivi writes into --out-dir (or its layer<L>/).
+constexpr char const* packed_outputs[] = {"v_bits.npy", "k_bits.npy"};
+
+/// Whether RDKV's token weights of `cfg` read the values: weight=derived (var(v_t)), or a weight policy that does.
+bool rdkv_reads_values(kvc::tools::RDKVConfig const& cfg) {
+  if (!cfg.weight_policy.empty())
+    return find_policy(cfg.weight_policy).reads_values;
+  return cfg.token.weight == kvc::RDKVTokenWeight::derived;
+}
+
+/// RDKV's token weights of a loaded job into `tokens` [B, Hkv, N] and, when `channels` is not null, ThinK's channel
+/// weights into `channels` [B, Hkv, d], over `cache` (the job's typed view). The window queries are checked as for
+/// the window policies. weight=NAME: that policy's scores (its default parameters), each head's shifted to >= 0
+/// (tools::scores_as_weights). Returns the largest workspace used.
+template <class C>
+std::size_t rdkv_weights(Job const& job, kvc::tools::RDKVConfig const& cfg, kvc::Cpu const& cpu, C const& cache,
+                         float* tokens, float* channels) {
+  kvc::KVExtents const e = cache.keys.extents();
+  std::size_t used = 0;
+  kvc::SnapKVScorer window;  // only its window_size: the checks of the rows the weights read
+  window.window_size = cfg.token.window_size;
+  with_moment_observations(
+      window, cache, job.queries, job.keys.path,
+      [&](auto const& obs) {
+        if (cfg.weight_policy.empty()) {
+          Scratch const ws = workspace(kvc::score_workspace_bytes(cpu, cfg.token, e, obs), job);
+          kvc::ScoreSpan<> span{tokens, e.batch, e.heads, e.tokens, cache.lengths};
+          check_status(kvc::score(cpu, cfg.token, cache, obs, span, ws.span()), job.context());
+          used = std::max(used, ws.size);
+        }
+        if (channels) {
+          Scratch const ws = workspace(kvc::channel_score_workspace_bytes(cpu, cfg.channel, cache, obs), job);
+          check_status(kvc::score_channels(cpu, cfg.channel, cache, obs, channels, ws.span()), job.context());
+          used = std::max(used, ws.size);
+        }
+      },
+      "rdkv");
+  if (cfg.weight_policy.empty())
+    return used;
+  PolicyInfo const& inner = find_policy(cfg.weight_policy);
+  with_policy(inner, resolve_params(inner, {}, false), [&](auto const& scorer, Selection) {
+    auto score_with = [&](auto const& live, auto const& obs) {
+      Scratch const ws = workspace(kvc::score_workspace_bytes(cpu, live, e, obs), job);
+      kvc::ScoreSpan<> span{tokens, e.batch, e.heads, e.tokens, cache.lengths};
+      check_status(kvc::score(cpu, live, cache, obs, span, ws.span()),
+                   job.context() + " (rdkv weight=" + cfg.weight_policy + ")");
+      used = std::max(used, ws.size);
+    };
+    using S = std::remove_cvref_t<decltype(scorer)>;
+    if constexpr (kvc::has_need(S::needs, kvc::Needs::window_queries) ||
+                  kvc::has_need(S::needs, kvc::Needs::query_statistics) || kvc::StatefulScorer<S>)
+      with_observations(scorer, cache, job.queries, job.keys.path, job.rope, score_with);
+    else
+      score_with(scorer, kvc::NoObservations{});
+  });
+  for (kvc::Index bh = 0; bh < e.batch * e.heads; ++bh)
+    kvc::tools::scores_as_weights(tokens + bh * e.tokens, cache.lengths.at(bh / e.heads, bh % e.heads, e.tokens));
+  return used;
+}
+
+/// `kvc score --policy rdkv`: the token weights (--out) and, with --channel-out, the channel weights.
+int cmd_score_rdkv(Options const& o, Job& job) {
+  kvc::tools::RDKVConfig const cfg = kvc::tools::rdkv_config(job.policy, job.params);  // exit 3 before reading
+  if (rdkv_reads_values(cfg) && !o.has("--values"))
+    fail(exit_usage, "policy rdkv with --param weight=" + job.params.at("weight") +
+                         " reads the values (derived: var(v_t); a policy that weights by ||v||): pass --values V.npy");
+  std::vector<std::string> outs = {o.get("--out")};
+  if (o.has("--channel-out"))
+    outs.push_back(o.get("--channel-out"));
+  check_outputs(option_inputs(o), outs, o.has("--channel-out") ? "output file" : "--out");
+  load_job(option_files(o), job);
+  kvc::KVExtents const e = extents_of(job.keys);
+  kvc::Index const threads = thread_count(o);
+  kvc::ThreadPool pool(threads);
+  kvc::Cpu const cpu = threads > 1 ? pool.cpu() : kvc::Cpu{};
+  std::vector<float> tokens = buffer<float>(static_cast<std::size_t>(e.rows()), "the weights of " + job.context());
+  std::vector<float> channels;
+  if (o.has("--channel-out"))
+    channels = buffer<float>(static_cast<std::size_t>(e.batch * e.heads * e.dim), "the weights of " + job.context());
+  with_cache(job.keys, job.values ? &*job.values : nullptr, KeyRange::logits, [&](auto const& cache) {
+    std::size_t ws = 0;
+    auto once = [&] {
+      ws = rdkv_weights(job, cfg, cpu, cache, tokens.data(), channels.empty() ? nullptr : channels.data());
+    };
+    once();
+    if (o.time)
+      print_time("score", job.policy, "", "",
+                 {median_seconds(timing_repeats, once), -1, ws, threads, job.bytes_read(), std::nullopt});
+  });
+  std::vector<Output> files = {{o.get("--out"), kvc::NpyDtype::f32, {e.batch, e.heads, e.tokens}, tokens.data()}};
+  if (o.has("--channel-out"))
+    files.push_back({o.get("--channel-out"), kvc::NpyDtype::f32, {e.batch, e.heads, e.dim}, channels.data()});
+  write_outputs(files);
+  return 0;
+}
+
+/// One rdkv/kivi job's results: the bit plans and what --time prints.
+struct PackedCompressed {
+  kvc::KVExtents ext{};
+  std::vector<std::int8_t> v_bits, k_bits;
+  Timing timing;
+
+  std::vector<Output> outputs(std::string const& dir) const {
+    std::string const d = dir + "/";
+    return {{d + packed_outputs[0], kvc::NpyDtype::i32, {ext.batch, ext.heads, ext.tokens}, v_bits.data(), true},
+            {d + packed_outputs[1], kvc::NpyDtype::i32, {ext.batch, ext.heads, ext.dim}, k_bits.data(), true}};
+  }
+};
+
+/// RDKV's (weights, kvc::allocate_bits) or KIVI's (tools::kivi_plan) bit plan of one loaded job, then the packed
+/// store (kvc::pack of the plan without each head's fp16 tail) and its memory. With --time, the weights are timed
+/// as "seconds" and the allocation + packing as "select_seconds".
+PackedCompressed compress_packed(Job& job, CompressSettings const& s, kvc::tools::RDKVConfig const& cfg) {
+  Input const& keys = job.keys;
+  Input const& values = *job.values;
+  kvc::KVExtents const e = extents_of(keys);
+  if (values.array.shape[3] != e.dim)
+    fail(exit_invalid, "values file " + values.path + ": field 'shape': head_dim (shape[3]) is " +
+                           std::to_string(values.array.shape[3]) + ", expected the keys' " + std::to_string(e.dim) +
+                           " (policy " + job.policy.name + " packs K and V of one head dim)");
+  PackedCompressed c;
+  c.ext = e;
+  auto const heads = static_cast<std::size_t>(e.batch * e.heads);
+  c.v_bits = buffer<std::int8_t>(static_cast<std::size_t>(e.rows()), "the bit plan of " + job.context());
+  c.k_bits = buffer<std::int8_t>(heads * static_cast<std::size_t>(e.dim), "the bit plan of " + job.context());
+  std::vector<std::int8_t> pack_bits = buffer<std::int8_t>(c.v_bits.size(), "the bit plan of " + job.context());
+  kvc::ThreadPool pool(s.threads);
+  kvc::Cpu const cpu = s.threads > 1 ? pool.cpu() : kvc::Cpu{};
+  Memory m;
+  m.packed = true;
+  with_cache(keys, &values, KeyRange::logits, [&](auto const& cache) {
+    m.input_bytes = kvc::store_report(cache).held_bytes;
+    std::vector<float> tokens, channels;
+    std::size_t ws_bytes = 0;
+    kvc::RDKVAllocator const alloc = cfg.allocator_for(s.ratio, s.budget);
+    Scratch alloc_ws;
+    if (!cfg.kivi) {
+      tokens = buffer<float>(static_cast<std::size_t>(e.rows()), "the weights of " + job.context());
+      channels = buffer<float>(heads * static_cast<std::size_t>(e.dim), "the weights of " + job.context());
+      alloc_ws = workspace(kvc::allocate_bits_workspace_bytes(cpu, alloc, e.batch, e.heads, e.tokens, e.dim), job);
+    }
+    auto weigh = [&] { ws_bytes = rdkv_weights(job, cfg, cpu, cache, tokens.data(), channels.data()); };
+    kvc::PackedKV packed;
+    auto plan_and_pack = [&] {
+      if (cfg.kivi) {
+        for (std::size_t bh = 0; bh < heads; ++bh)
+          kvc::tools::kivi_plan(cfg.bits, cfg.residual, e.tokens, e.tokens, e.dim, c.v_bits.data() + bh * e.tokens,
+                                c.k_bits.data() + bh * static_cast<std::size_t>(e.dim));
+      } else {
+        kvc::ScoreSpan<> span{tokens.data(), e.batch, e.heads, e.tokens, cache.lengths};
+        kvc::BitPlan<> const plan{c.v_bits.data(), c.k_bits.data(), e.batch, e.heads, e.tokens, e.dim};
+        check_status(kvc::allocate_bits(cpu, alloc, span, channels.data(), plan, alloc_ws.span()), job.context());
+      }
+      // The newest `residual` tokens of each head stay fp16 outside the packed store (zone C).
+      std::copy(c.v_bits.begin(), c.v_bits.end(), pack_bits.begin());
+      kvc::Index const tail = kvc::tools::tail_tokens(e.tokens, cfg.residual);
+      for (std::size_t bh = 0; bh < heads; ++bh)
+        std::fill_n(pack_bits.data() + bh * e.tokens + (e.tokens - tail), tail, std::int8_t{0});
+      packed = kvc::PackedKV{};
+      kvc::BitPlan<> const plan{pack_bits.data(), c.k_bits.data(), e.batch, e.heads, e.tokens, e.dim};
+      check_status(kvc::pack(cache, plan, cfg.pack, packed),
+                   "keys file " + keys.path + " / values file " + values.path + " (packing)");
+    };
+    if (!cfg.kivi)
+      weigh();
+    plan_and_pack();
+    if (s.time)
+      c.timing = {cfg.kivi ? 0.0 : median_seconds(timing_repeats, weigh),
+                  median_seconds(timing_repeats, plan_and_pack),
+                  ws_bytes + alloc_ws.size,
+                  s.threads,
+                  job.bytes_read(),
+                  std::nullopt};
+    kvc::Index const tail = kvc::tools::tail_tokens(e.tokens, cfg.residual);
+    auto const view = packed.view();
+    m.kept_tokens = 0;
+    for (std::size_t bh = 0; bh < heads; ++bh)
+      m.kept_tokens += view.heads[bh].tokens + tail;
+    m.tail_tokens = tail * static_cast<kvc::Index>(heads);
+    m.payload_bits = packed.payload_bits() + m.tail_tokens * 2 * e.dim * 16;
+    m.overhead_bits = packed.overhead_bits();
+    m.arena_bytes = static_cast<std::int64_t>(packed.arena_bytes());
+  });
+  m.input_tokens = e.rows();
+  m.full_bits = e.rows() * 2 * e.dim * 16;
+  c.timing.memory = m;
+  return c;
+}
+
 int cmd_score(Options const& o) {
   if (o.has("--policy") && !find_policy(o.get("--policy")).token_scores)
     return cmd_score_entropy(o);
   if (!o.has("--policy") || !o.has("--keys") || !o.has("--out"))
     fail(exit_usage, "score needs --policy, --keys and --out");
   Job job(find_policy(o.get("--policy")));
+  if (std::string_view(job.policy.name) == "kivi")
+    fail(exit_usage,
+         "policy kivi quantizes every token alike: it has no scores (`kvc compress --policy kivi` "
+         "writes its bit plan)");
+  if (o.has("--channel-out") && std::string_view(job.policy.name) != "rdkv")
+    fail(exit_usage, "--channel-out goes with --policy rdkv (ThinK's channel weights)");
   check_job(o, false, job);
+  if (std::string_view(job.policy.name) == "rdkv")
+    return cmd_score_rdkv(o, job);
   bool const moment_kv = is_moment_kv(job.policy);
   if (moment_kv && job.params.at("mi") != "false" && !o.has("--values"))
     fail(exit_usage,
@@ -1813,7 +2079,13 @@ int cmd_compress(Options const& o) {
   if (!o.has("--policy") || !o.has("--out-dir") || (!dump && (!o.has("--keys") || !o.has("--values"))))
     fail(exit_usage, "compress needs --policy, --out-dir, and --keys and --values or --dump");
   bool const uncomp = o.has("--policy") && o.get("--policy") == "uncomp";
-  if (!uncomp && o.has("--ratio") == o.has("--budget"))
+  bool const kivi = o.has("--policy") && o.get("--policy") == "kivi";
+  bool const packed = kvc::tools::is_packed_policy(o.get("--policy"));
+  if (kivi && (o.has("--ratio") || o.has("--budget")))
+    fail(exit_usage,
+         "policy kivi's memory is what its bits give (--param bits, group, residual): drop --ratio and "
+         "--budget");
+  if (!uncomp && !kivi && o.has("--ratio") == o.has("--budget"))
     fail(exit_usage, "compress needs exactly one of --ratio and --budget");
   for (char const* opt : {"--calibration", "--layer"})
     if (!uncomp && o.has(opt))
@@ -1828,6 +2100,9 @@ int cmd_compress(Options const& o) {
                          " writes per-head values (kvc score), not token scores: it does not compress (UNComp's "
                          "compression is --policy uncomp)");
   CompressSettings s;
+  if (packed && o.has("--allocator"))
+    fail(exit_usage, "--allocator given with --policy " + o.get("--policy") +
+                         ": it allocates bits per token and channel itself (no token budgets to share)");
   if (o.has("--allocator"))
     s.alloc = parse_allocators(o.get("--allocator"));
   Job setup(with_allocators(find_policy(o.get("--policy")), s.alloc));
@@ -1870,10 +2145,15 @@ int cmd_compress(Options const& o) {
   s.threads = thread_count(o);
   s.time = o.time;
   // The selection's parameters (allocators' included) are checked before any file is read.
-  if (setup.params.count("reference"))
+  if (setup.params.count("reference") && !packed)  // rdkv's reference (default | authors): rdkv_config below
     reference_of(setup.params);
-  if (!uncomp)
+  if (!uncomp && !packed)
     with_selection(s.alloc, setup.params, Selection{}, s.ratio, s.budget, 0, [](auto const&) {});
+  std::optional<kvc::tools::RDKVConfig> rdkv_cfg;
+  if (packed) {
+    rdkv_cfg = kvc::tools::rdkv_config(setup.policy, setup.params);
+    kvc::tools::check_rdkv_budget(*rdkv_cfg, s.ratio, s.budget);
+  }
   if (is_moment_kv(setup.policy))
     moment_kv_config(setup.params);
   if (uncomp) {  // the calibration, before any tensor is read
@@ -1925,6 +2205,11 @@ int cmd_compress(Options const& o) {
   }
   std::vector<std::string> outputs;
   for (std::string const& dir : dirs) {
+    if (packed) {
+      for (char const* name : packed_outputs)
+        outputs.push_back(dir + "/" + name);
+      continue;
+    }
     for (char const* name : compress_outputs)
       outputs.push_back(dir + "/" + name);
     if (s.ragged)
@@ -1965,6 +2250,15 @@ int cmd_compress(Options const& o) {
           expand_heads(job.keys, job.queries.ext.heads);
           expand_heads(*job.values, job.queries.ext.heads);
         }
+      }
+      if (packed) {
+        PackedCompressed const pc = compress_packed(job, s, *rdkv_cfg);
+        make_folders(dirs[i], made);
+        stage_outputs(pc.outputs(dirs[i]), staged);
+        timings.push_back(pc.timing);
+        if (!first)
+          first = LayerShape{loaded, job.values->array.shape[3]};
+        continue;
       }
       Compressed c = compress_job(job, s);
       make_folders(dirs[i], made);
@@ -2348,6 +2642,8 @@ int cmd_policies() {
     std::string s = std::string("--param ") + p.name + "=" + p.default_value;
     if (p.kvpress_default)
       s += std::string(" (kvpress: ") + p.kvpress_default + ")";
+    if (p.authors_default)
+      s += std::string(" (authors: ") + p.authors_default + ")";
     return s;
   };
   std::size_t width = 0;
@@ -2367,7 +2663,8 @@ int cmd_policies() {
   }
   std::fprintf(
       io.out,
-      "n_sink and n_recent protect tokens in compress's top-k selection; `kvc score` rejects them.\n"
+      "n_sink and n_recent protect tokens in compress's top-k selection; `kvc score` rejects them, and rdkv's and\n"
+      "kivi's allocation and packing parameters too.\n"
       "budgets (compress): --ratio R (fraction removed, kept = floor(N*(1-R))) or --budget N (tokens per head)\n");
   std::fprintf(io.out,
                "\nallocators (compress --allocator ada_kv, pyramid_kv or pyramid_kv+ada_kv, with any policy): their "
