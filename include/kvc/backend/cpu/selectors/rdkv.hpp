@@ -137,27 +137,28 @@ struct Kernel<RDKVAllocator, Cpu> {
     return t;
   }
 
-  /// The K knapsack of head (b, h) with budget B and T_eff kept tokens.
+  /// One knapsack of n units (weights w, table eps) into `out`: exact with `exact_budget` bits, or the authors'
+  /// bisection at `target` average bits; a budget that covers 16 bits per unit keeps every unit lossless.
+  static bool solve(RDKVAllocator const& a, float const* w, Index n, EpsilonTable const& eps, std::int64_t exact_budget,
+                    double target, std::int8_t* out, Workspace s) {
+    if (exact(a) ? exact_budget / 16 >= n : target >= 16.0) {
+      fill16(out, n);
+      return true;
+    }
+    if (exact(a))
+      return exact_bits(w, n, eps, a.options, exact_budget, out, s.data, s.bytes).ok();
+    return lagrangian_bits(w, n, eps, a.options, target, a.lagrangian, out).ok();
+  }
+
+  /// The K knapsack of head (b, h) with budget B and T_eff kept tokens (none kept: no K to store).
   static bool allocate_k(RDKVAllocator const& a, float const* cw, std::int8_t* k, Index dim, Index budget, Index t_eff,
                          Workspace s) {
-    if (t_eff == 0) {  // no kept token: no K to store
+    if (t_eff == 0) {
       std::fill(k, k + dim, std::int8_t{0});
       return true;
     }
-    if (exact(a)) {
-      std::int64_t const bits = detail::rdkv_k_budget(a, budget, dim, t_eff);
-      if (bits >= 16 * dim) {
-        fill16(k, dim);
-        return true;
-      }
-      return exact_bits(cw, dim, a.eps_k, a.options, bits, k, s.data, s.bytes).ok();
-    }
-    double const target = detail::rdkv_k_target(a, budget, dim, t_eff);
-    if (target >= 16.0) {
-      fill16(k, dim);
-      return true;
-    }
-    return lagrangian_bits(cw, dim, a.eps_k, a.options, target, a.lagrangian, k).ok();
+    return solve(a, cw, dim, a.eps_k, exact(a) ? detail::rdkv_k_budget(a, budget, dim, t_eff) : 0,
+                 exact(a) ? 0.0 : detail::rdkv_k_target(a, budget, dim, t_eff), k, s);
   }
 
   /// The V knapsack over m units of weights `wv` into `v` with the given budgets (exact: bits; lagrangian: the
@@ -166,19 +167,7 @@ struct Kernel<RDKVAllocator, Cpu> {
                          std::int64_t exact_budget, double total_bits, Workspace s) {
     if (m == 0)
       return true;
-    if (exact(a)) {
-      if (exact_budget / 16 >= m) {
-        fill16(v, m);
-        return true;
-      }
-      return exact_bits(wv, m, a.eps_v, a.options, exact_budget, v, s.data, s.bytes).ok();
-    }
-    double const target = detail::rdkv_v_target(a, total_bits, m, dim);
-    if (target >= 16.0) {
-      fill16(v, m);
-      return true;
-    }
-    return lagrangian_bits(wv, m, a.eps_v, a.options, target, a.lagrangian, v).ok();
+    return solve(a, wv, m, a.eps_v, exact_budget, exact(a) ? 0.0 : detail::rdkv_v_target(a, total_bits, m, dim), v, s);
   }
 
   static bool allocate_head(RDKVAllocator const& a, ScoreSpan<HostSpace> const& w, float const* cw,
