@@ -7,6 +7,9 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#if defined(__SSE2__)
+#  include <xmmintrin.h>
+#endif
 
 namespace {
 std::uint16_t h(float f) {
@@ -52,6 +55,30 @@ TEST_CASE("half: decoding hand values", "[core][element]") {
   CHECK(static_cast<float>(kvc::half::from_bits(0x0001)) == std::ldexp(1.0f, -24));
   CHECK(static_cast<float>(kvc::half::from_bits(0x83ff)) == -std::ldexp(1023.0f, -24));
   CHECK(std::isinf(static_cast<float>(kvc::half::from_bits(0xfc00))));
+}
+
+TEST_CASE("half: subnormals widen exactly with flush-to-zero and denormals-are-zero on (fast-math devices)",
+          "[core][element]") {
+#if defined(__SSE2__)
+  // The CPU's FTZ and DAZ bits reproduce what nvcc's -use_fast_math / --ftz=true does on the device: a float
+  // subnormal operand or result becomes 0. The conversion must not depend on them.
+  unsigned const saved = _mm_getcsr();
+  _mm_setcsr(saved | 0x8040u);  // FTZ (bit 15) | DAZ (bit 6)
+  std::uint32_t wrong = 0;
+  for (std::uint32_t m = 1; m < 0x400; ++m) {  // every nonzero subnormal, both signs: m * 2^-24 (hand value)
+    volatile std::uint16_t const bits = static_cast<std::uint16_t>(m);
+    float const pos = static_cast<float>(kvc::half::from_bits(bits));
+    float const neg = static_cast<float>(kvc::half::from_bits(static_cast<std::uint16_t>(bits | 0x8000u)));
+    // Compared as integers scaled by 2^24 (normal floats): exact, and unaffected by DAZ.
+    wrong += pos * 0x1p24f == static_cast<float>(m) && neg * 0x1p24f == -static_cast<float>(m) ? 0u : 1u;
+  }
+  float const smallest_normal = static_cast<float>(kvc::half::from_bits(0x0400));
+  _mm_setcsr(saved);
+  CHECK(wrong == 0);
+  CHECK(smallest_normal == std::ldexp(1.0f, -14));
+#else
+  WARN("SKIPPED: no SSE control register to set flush-to-zero on this CPU");
+#endif
 }
 
 TEST_CASE("bfloat16: round to nearest even, NaN stays NaN", "[core][element]") {

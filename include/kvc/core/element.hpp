@@ -55,15 +55,23 @@ KVC_HOST_DEVICE inline std::uint16_t float_to_half_bits(float f) noexcept {
   return static_cast<std::uint16_t>(sign | q);
 }
 
-/// binary16 bits -> float (exact). Branch-light so loops over fp16 rows vectorise: placing the half's exponent
-/// and mantissa in a float's bit positions and scaling by 2^112 rebiases normals and subnormals alike.
+/// binary16 bits -> float (exact). Integer operations only, so flush-to-zero and denormals-are-zero modes (nvcc's
+/// -use_fast_math and --ftz=true, x86's FTZ/DAZ) cannot turn fp16 subnormals into 0: no subnormal float is ever an
+/// operand. Normals rebias the exponent by adding 112 << 23; a subnormal m * 2^-24 is float(m) (exact, m < 2^10)
+/// with 24 taken off its exponent (the result is a normal float). Branch-free selects, so loops over fp16 rows
+/// vectorise.
 KVC_HOST_DEVICE inline float half_bits_to_float(std::uint16_t h) noexcept {
   std::uint32_t const sign = static_cast<std::uint32_t>(h & 0x8000u) << 16;
   std::uint32_t const em = h & 0x7fffu;
-  std::uint32_t const scaled = float_bits(bits_float(em << 13) * 0x1p112f);
-  std::uint32_t const special = 0x7f800000u | ((em & 0x3ffu) << 13);                // Inf or NaN keeps its payload
-  std::uint32_t const is_special = 0u - static_cast<std::uint32_t>(em >= 0x7c00u);  // all ones or zero: no branch
-  return bits_float(sign | (special & is_special) | (scaled & ~is_special));
+  std::uint32_t const normal = (em << 13) + (112u << 23);
+  std::uint32_t const subnormal = float_bits(static_cast<float>(static_cast<std::int32_t>(em))) - (24u << 23);
+  std::uint32_t const special = 0x7f800000u | ((em & 0x3ffu) << 13);  // Inf or NaN keeps its payload
+  // All ones or zero: no branch.
+  std::uint32_t const is_special = 0u - static_cast<std::uint32_t>(em >= 0x7c00u);
+  std::uint32_t const is_subnormal = 0u - static_cast<std::uint32_t>(em < 0x400u);
+  std::uint32_t const is_zero = 0u - static_cast<std::uint32_t>(em == 0u);
+  std::uint32_t const finite = (subnormal & is_subnormal & ~is_zero) | (normal & ~is_subnormal);
+  return bits_float(sign | (special & is_special) | (finite & ~is_special));
 }
 
 /// float -> bfloat16 bits, round to nearest even; NaN stays a quiet NaN.

@@ -1679,13 +1679,14 @@ struct PackedPlan {
 /// device with the CPU kernel: outputs and LSEs within 1e-5 relative (1e-5 absolute near 0). Not bit-identical: the
 /// device factors and sums the dot products in another order, its exp differs from the CPU's by an ulp or two and
 /// nvcc fuses multiply-adds (backend/cuda/attention/packed.cuh).
+/// [2, 2, tokens, dim] with per-head lengths {tokens, tokens - 43, 19/30 of tokens, tokens}.
 template <class T>
 void check_packed_attention(kc::Dtype dtype, Index gqa, Index dim_v, Index group, kvc::ZeroPoint zp, int mix,
-                            bool given_positions, std::uint64_t seed) {
-  kvc::KVExtents const e{2, 2, 300, 64};
+                            bool given_positions, std::uint64_t seed, Index tokens = 300, Index dim = 64) {
+  kvc::KVExtents const e{2, 2, tokens, dim};
   auto cache = kvc::tools::HostCache<T>::random(e, seed, dim_v);
   cache.per_head = true;
-  cache.lengths = {300, 257, 190, 300};
+  cache.lengths = {tokens, tokens - 43, tokens * 19 / 30, tokens};
   cache.positions.resize(static_cast<std::size_t>(e.rows()));
   for (std::size_t i = 0; i < cache.positions.size(); ++i)
     cache.positions[i] = static_cast<Index>(i) % e.tokens + 3;  // a context that started before the cache
@@ -1734,6 +1735,22 @@ TEST_CASE("cuda: packed attention matches the CPU (bit mixes, evictions, pruned 
           check_packed_attention<float>(kc::Dtype::f32, gqa, dim_v, group, zp, mix, group == 0, ++seed);
           check_packed_attention<kvc::half>(kc::Dtype::f16, gqa, dim_v, group, zp, mix, group != 0, ++seed);
         }
+}
+
+TEST_CASE("cuda: packed attention with K groups longer than a 256-token chunk (300, 384; 700 tokens, d = 128)",
+          "[cuda][attention][rdkv]") {
+  // A chunk of 256 tokens that starts in one group and ends in the next (group 300: tokens 256-511) needs both
+  // groups' scaled queries and biases staged (the device once staged only the first: wrong logits past it).
+  KVC_REQUIRE_DEVICE();
+  std::uint64_t seed = 950;
+  for (Index group : {Index{300}, Index{384}})
+    for (int mix : {0, 2}) {
+      INFO("group " << group << " mix " << mix);
+      check_packed_attention<float>(kc::Dtype::f32, 4, 128, group, kvc::ZeroPoint::float_min, mix, true, ++seed, 700,
+                                    128);
+      check_packed_attention<kvc::half>(kc::Dtype::f16, 1, 96, group, kvc::ZeroPoint::integer, mix, false, ++seed, 700,
+                                        128);
+    }
 }
 
 namespace {

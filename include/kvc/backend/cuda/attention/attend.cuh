@@ -21,7 +21,7 @@ inline constexpr int attend_max_chunks = 8;  // output channels per lane: d_v <=
 template <class Q, class C>
 __global__ void __launch_bounds__(attend_warps* warp_size)
     attend_kernel(Attention op, Q queries, C cache, AttendOutput<DeviceSpace> out, float scale) {
-  extern __shared__ float q_rows[];  // [attend_warps, d_k]
+  float* const q_rows = dynamic_shared<float>();  // [attend_warps, d_k]
   KVExtents const qe = queries.rows.extents(), ke = cache.keys.extents();
   Index const dk = ke.dim, dv = cache.values.extents().dim;
   int const warp = static_cast<int>(threadIdx.x) / warp_size, lane = static_cast<int>(threadIdx.x) % warp_size;
@@ -92,8 +92,10 @@ struct Kernel<Attention, Cuda> {
     float const scale = op.scale > 0 ? op.scale : 1.0f / sqrtf(static_cast<float>(k.dim));
     dim3 const grid(bc::grid_dim((q.tokens + bc::attend_warps - 1) / bc::attend_warps, 2147483647),
                     static_cast<unsigned>(q.heads), static_cast<unsigned>(q.batch));
-    bc::attend_kernel<<<grid, bc::attend_warps * bc::warp_size, smem, cuda.stream>>>(op, queries, cache, out, scale);
-    return bc::launch_status("kvc::attend(Cuda): kernel launch failed");
+    KVC_RETURN_IF_ERROR(bc::launch(KVC_CUDA_KERNEL("kvc::attend(Cuda)", bc::attend_kernel), grid,
+                                   bc::attend_warps * bc::warp_size, smem, cuda.stream, op, queries, cache, out,
+                                   scale));
+    return {};
   }
 };
 

@@ -26,7 +26,7 @@ template <class Q, class MT>
 __global__ void __launch_bounds__(corrected_warps* warp_size)
     corrected_kernel(Q queries, MomentState<DeviceSpace, MT> st, float scale, float tau, bool first, Index dv,
                      float* out, float* lse) {
-  extern __shared__ float q_rows[];  // [corrected_warps, d_k]
+  float* const q_rows = dynamic_shared<float>();  // [corrected_warps, d_k]
   KVExtents const qe = queries.rows.extents();
   Index const dk = qe.dim, group = qe.heads / st.heads, rows = group * qe.tokens;
   int const warp = static_cast<int>(threadIdx.x) / warp_size, lane = static_cast<int>(threadIdx.x) % warp_size;
@@ -98,9 +98,10 @@ struct Kernel<CorrectedAttention, Cuda> {
     Index const rows = q.heads / k.heads * q.tokens;
     dim3 const grid(bc::grid_dim((rows + bc::corrected_warps - 1) / bc::corrected_warps, 2147483647),
                     static_cast<unsigned>(k.heads), static_cast<unsigned>(k.batch));
-    bc::corrected_kernel<<<grid, bc::corrected_warps * bc::warp_size, smem, cuda.stream>>>(
-        queries, moments, c, op.clamp_tau, op.order == MomentOrder::first, dv, out, lse);
-    return bc::launch_status("kvc::attend_corrected(Cuda): kernel launch failed");
+    KVC_RETURN_IF_ERROR(bc::launch(KVC_CUDA_KERNEL("kvc::attend_corrected(Cuda)", bc::corrected_kernel), grid,
+                                   bc::corrected_warps * bc::warp_size, smem, cuda.stream, queries, moments, c,
+                                   op.clamp_tau, op.order == MomentOrder::first, dv, out, lse));
+    return {};
   }
 };
 

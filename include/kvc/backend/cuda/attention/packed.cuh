@@ -102,8 +102,8 @@ template <class Q>
 __global__ void __launch_bounds__(packed_threads)
     packed_attend_kernel(Attention op, Q queries, PackedKVView<DeviceSpace> kv, AttendOutput<DeviceSpace> out,
                          float scale) {
-  extern __shared__ float packed_shared[];  // qs [cap], then q' [packed_max_groups][cap]
-  __shared__ float probs[packed_threads];   // the chunk's weights; at the end the slices' partial sums
+  float* const packed_shared = dynamic_shared<float>();  // qs [cap], then q' [packed_max_groups][cap]
+  __shared__ float probs[packed_threads];                // the chunk's weights; at the end the slices' partial sums
   __shared__ float bias[packed_max_groups];
   __shared__ float scratch[warp_size];
   KVExtents const qe = queries.rows.extents();
@@ -146,12 +146,15 @@ __global__ void __launch_bounds__(packed_threads)
     __syncthreads();
 
     float m = -CUDART_INF_F, l = 0.0f, acc = 0.0f;
-    Index staged = -1;  // first group staged (with one group, it stays staged for the whole row)
+    // The groups staged: [staged, staged + staged_n). A chunk whose groups are all among them reuses them (with one
+    // group, it stays staged for the whole row). Groups of more than packed_threads tokens: a chunk may start in
+    // the staged group and end in the next one, which then has to be staged too.
+    Index staged = -1, staged_n = 0;
     for (Index t0 = 0; sane && t0 < tokens; t0 += chunk) {
       Index const tn = tokens - t0 < chunk ? tokens - t0 : chunk;
       Index const g0 = group > 0 ? t0 / group : 0, ng = group > 0 ? (t0 + tn - 1) / group - g0 + 1 : 1;
       // 1. Stage q' and the bias of each group the chunk touches, one warp per group.
-      if (staged != g0) {
+      if (staged != g0 || staged_n < ng) {
         if (warp < ng) {
           Index const g = g0 + warp;
           float* dst = qg + warp * cap;
@@ -173,6 +176,7 @@ __global__ void __launch_bounds__(packed_threads)
             bias[warp] = part;
         }
         staged = g0;
+        staged_n = ng;
         __syncthreads();
       }
       // 2. One token per thread: its logit.
@@ -284,8 +288,9 @@ struct Kernel<PackedAttention, Cuda> {
     Attention const& a = op.attention;
     float const scale = a.scale > 0 ? a.scale : 1.0f / sqrtf(static_cast<float>(kv.dim));
     dim3 const grid(bc::grid_dim(q.tokens, 2147483647), static_cast<unsigned>(q.heads), static_cast<unsigned>(q.batch));
-    bc::packed_attend_kernel<<<grid, bc::packed_threads, smem, cuda.stream>>>(a, queries, kv, out, scale);
-    return bc::launch_status("kvc::attend_packed(Cuda): kernel launch failed");
+    KVC_RETURN_IF_ERROR(bc::launch(KVC_CUDA_KERNEL("kvc::attend_packed(Cuda)", bc::packed_attend_kernel), grid,
+                                   bc::packed_threads, smem, cuda.stream, a, queries, kv, out, scale));
+    return {};
   }
 };
 

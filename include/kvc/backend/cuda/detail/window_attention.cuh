@@ -180,15 +180,18 @@ Status window_attention(Cuda const& cuda, WQ const& wq, C const& cache, Index fi
   if (rows <= 0)
     return {};
   float const scale = 1.0f / sqrtf(static_cast<float>(e.dim));
-  window_prepare_kernel<<<dim3(static_cast<unsigned>(q.heads), static_cast<unsigned>(q.batch)), 128, 0, cuda.stream>>>(
-      wq, cache, first, rows, s);
-  window_lse_kernel<<<dim3(grid_dim((rows + window_lse_warps - 1) / window_lse_warps, 2147483647),
-                           static_cast<unsigned>(q.heads), static_cast<unsigned>(q.batch)),
-                      window_lse_warps * warp_size, 0, cuda.stream>>>(cache, q.heads, rows, scale, s);
-  window_columns_kernel<<<dim3(grid_dim((e.tokens + window_threads - 1) / window_threads, 4096),
-                               static_cast<unsigned>(e.heads), static_cast<unsigned>(e.batch)),
-                          window_threads, 0, cuda.stream>>>(cache, q.heads, rows, scale, s, accumulate, by);
-  return launch_status("kvc::score(window attention, Cuda): kernel launch failed");
+  KVC_RETURN_IF_ERROR(launch(KVC_CUDA_KERNEL("kvc::score(window attention, Cuda)", window_prepare_kernel),
+                             dim3(static_cast<unsigned>(q.heads), static_cast<unsigned>(q.batch)), 128, 0, cuda.stream,
+                             wq, cache, first, rows, s));
+  KVC_RETURN_IF_ERROR(launch(KVC_CUDA_KERNEL("kvc::score(window attention, Cuda)", window_lse_kernel),
+                             dim3(grid_dim((rows + window_lse_warps - 1) / window_lse_warps, 2147483647),
+                                  static_cast<unsigned>(q.heads), static_cast<unsigned>(q.batch)),
+                             window_lse_warps * warp_size, 0, cuda.stream, cache, q.heads, rows, scale, s));
+  KVC_RETURN_IF_ERROR(launch(KVC_CUDA_KERNEL("kvc::score(window attention, Cuda)", window_columns_kernel),
+                             dim3(grid_dim((e.tokens + window_threads - 1) / window_threads, 4096),
+                                  static_cast<unsigned>(e.heads), static_cast<unsigned>(e.batch)),
+                             window_threads, 0, cuda.stream, cache, q.heads, rows, scale, s, accumulate, by));
+  return {};
 }
 
 /// Host-side checks shared by the window scorers (shapes; positions live on the device and are clamped there).

@@ -19,7 +19,7 @@ inline constexpr int token_tile = 256;   // per-token scalars staged per step (o
 template <class Rows>
 __global__ void compact_rows_kernel(KeepPlan<DeviceSpace> plan, Rows rows) {
   using T = typename Rows::value_type;
-  extern __shared__ unsigned char staged_bytes[];
+  unsigned char* const staged_bytes = dynamic_shared<unsigned char>();
   T* staged = reinterpret_cast<T*>(staged_bytes);  // [compact_tile, dim]
   Index const b = blockIdx.y, h = blockIdx.x, dim = rows.extents().dim;
   Index const count = clamp_length(plan.kept(b, h), plan.capacity);
@@ -74,18 +74,19 @@ __global__ void compact_positions_kernel(KeepPlan<DeviceSpace> plan, C cache) {
   }
 }
 
-/// Writes each head's new length (count[b, h]) into a per-head table, or head 0's into a per-sequence one.
+/// Writes each head's new length (count[b, h], clamped to [0, capacity] as the row and position kernels clamp it, so
+/// the length never claims rows that were not moved) into a per-head table, or head 0's into a per-sequence one.
 /// (Every __global__ in a header is a template: a plain one is defined again in each translation unit.)
 template <class Plan>
 __global__ void plan_lengths_kernel(Plan plan, Lengths lengths) {
   Index const i = static_cast<Index>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i >= plan.batch * plan.heads)
     return;
-  Index const b = i / plan.heads, h = i % plan.heads;
+  Index const b = i / plan.heads, h = i % plan.heads, kept = clamp_length(plan.count[i], plan.capacity);
   if (lengths.per_head())
-    lengths.data[i] = plan.count[i];
+    lengths.data[i] = kept;
   else if (h == 0)
-    lengths.data[b] = plan.count[i];
+    lengths.data[b] = kept;
 }
 
 /// Rows head (b, h) of a gather writes: the plan's count, clamped to the plan's and the destination head's capacity
@@ -188,15 +189,17 @@ std::size_t extra_staged_bytes(TokenRows<T, L, DeviceSpace> const& a) noexcept {
 /// Enqueues the in-place compaction of one extra array: per-token scalars (TokenArray) one per thread, per-token
 /// rows (TokenRows, e.g. MomentKV's u_j) like K and V; a TokenRows with null data is an absent array and skipped.
 template <class T>
-void compact_extra(cudaStream_t stream, dim3 grid, KeepPlan<DeviceSpace> const& plan,
-                   TokenArray<T, DeviceSpace> const& a) {
-  compact_tokens_kernel<<<grid, token_tile, 0, stream>>>(plan, a);
+Status compact_extra(cudaStream_t stream, dim3 grid, KeepPlan<DeviceSpace> const& plan,
+                     TokenArray<T, DeviceSpace> const& a) {
+  return launch(KVC_CUDA_KERNEL("kvc::compact(Cuda)", compact_tokens_kernel), grid, token_tile, 0, stream, plan, a);
 }
 template <class T, class L>
-void compact_extra(cudaStream_t stream, dim3 grid, KeepPlan<DeviceSpace> const& plan,
-                   TokenRows<T, L, DeviceSpace> const& a) {
-  if (a.data() != nullptr)
-    compact_rows_kernel<<<grid, 256, extra_staged_bytes(a), stream>>>(plan, a);
+Status compact_extra(cudaStream_t stream, dim3 grid, KeepPlan<DeviceSpace> const& plan,
+                     TokenRows<T, L, DeviceSpace> const& a) {
+  if (a.data() == nullptr)
+    return {};
+  return launch(KVC_CUDA_KERNEL("kvc::compact(Cuda)", compact_rows_kernel), grid, 256, extra_staged_bytes(a), stream,
+                plan, a);
 }
 
 }  // namespace kvc::backend::cuda
@@ -225,15 +228,21 @@ struct Kernel<CompactStep, Cuda> {
     KVC_RETURN_IF_ERROR(bc::shared_memory_status(smem, "kvc::compact(Cuda): head dim too large for 32 staged rows"));
     KVC_RETURN_IF_ERROR(bc::pending_status());
     dim3 const grid(static_cast<unsigned>(plan.heads), static_cast<unsigned>(plan.batch));
-    bc::compact_rows_kernel<<<grid, 256, smem_k, cuda.stream>>>(plan, cache.keys);
-    bc::compact_rows_kernel<<<grid, 256, smem_v, cuda.stream>>>(plan, cache.values);
+    KVC_RETURN_IF_ERROR(bc::launch(KVC_CUDA_KERNEL("kvc::compact(Cuda)", bc::compact_rows_kernel), grid, 256, smem_k,
+                                   cuda.stream, plan, cache.keys));
+    KVC_RETURN_IF_ERROR(bc::launch(KVC_CUDA_KERNEL("kvc::compact(Cuda)", bc::compact_rows_kernel), grid, 256, smem_v,
+                                   cuda.stream, plan, cache.values));
     if (cache.positions)
-      bc::compact_positions_kernel<<<grid, bc::token_tile, 0, cuda.stream>>>(plan, cache);
-    (bc::compact_extra(cuda.stream, grid, plan, extra), ...);
+      KVC_RETURN_IF_ERROR(bc::launch(KVC_CUDA_KERNEL("kvc::compact(Cuda)", bc::compact_positions_kernel), grid,
+                                     bc::token_tile, 0, cuda.stream, plan, cache));
+    Status carried{};  // the first failure among the carried arrays (the rest are not launched)
+    ((carried = carried.ok() ? bc::compact_extra(cuda.stream, grid, plan, extra) : carried), ...);
+    KVC_RETURN_IF_ERROR(carried);
     if (cache.lengths.data)
-      bc::plan_lengths_kernel<<<bc::grid_dim((plan.batch * plan.heads + 255) / 256), 256, 0, cuda.stream>>>(
-          plan, cache.lengths);
-    return bc::launch_status("kvc::compact(Cuda): kernel launch failed");
+      KVC_RETURN_IF_ERROR(bc::launch(KVC_CUDA_KERNEL("kvc::compact(Cuda)", bc::plan_lengths_kernel),
+                                     bc::grid_dim((plan.batch * plan.heads + 255) / 256), 256, 0, cuda.stream, plan,
+                                     cache.lengths));
+    return {};
   }
 };
 
@@ -256,15 +265,19 @@ struct Kernel<GatherStep, Cuda> {
         src.keys.extents().dim > src.values.extents().dim ? src.keys.extents().dim : src.values.extents().dim;
     dim3 const grid(bc::grid_dim(plan.capacity * width / 256 + 1, 1024), static_cast<unsigned>(plan.heads),
                     static_cast<unsigned>(plan.batch));
-    bc::gather_rows_kernel<<<grid, 256, 0, cuda.stream>>>(plan, src.keys, dst.keys);
-    bc::gather_rows_kernel<<<grid, 256, 0, cuda.stream>>>(plan, src.values, dst.values);
+    KVC_RETURN_IF_ERROR(bc::launch(KVC_CUDA_KERNEL("kvc::gather(Cuda)", bc::gather_rows_kernel), grid, 256, 0,
+                                   cuda.stream, plan, src.keys, dst.keys));
+    KVC_RETURN_IF_ERROR(bc::launch(KVC_CUDA_KERNEL("kvc::gather(Cuda)", bc::gather_rows_kernel), grid, 256, 0,
+                                   cuda.stream, plan, src.values, dst.values));
     if (dst.positions || sizeof...(Carried) > 0)
-      bc::gather_tokens_kernel<<<dim3(bc::grid_dim(plan.capacity / 256 + 1, 1024), grid.y, grid.z), 256, 0,
-                                 cuda.stream>>>(plan, src, dst, carried...);
+      KVC_RETURN_IF_ERROR(bc::launch(KVC_CUDA_KERNEL("kvc::gather(Cuda)", bc::gather_tokens_kernel),
+                                     dim3(bc::grid_dim(plan.capacity / 256 + 1, 1024), grid.y, grid.z), 256, 0,
+                                     cuda.stream, plan, src, dst, carried...));
     if (dst.lengths.data)
-      bc::gather_lengths_kernel<<<bc::grid_dim((plan.batch * plan.heads + 255) / 256), 256, 0, cuda.stream>>>(plan,
-                                                                                                              dst);
-    return bc::launch_status("kvc::gather(Cuda): kernel launch failed");
+      KVC_RETURN_IF_ERROR(bc::launch(KVC_CUDA_KERNEL("kvc::gather(Cuda)", bc::gather_lengths_kernel),
+                                     bc::grid_dim((plan.batch * plan.heads + 255) / 256), 256, 0, cuda.stream, plan,
+                                     dst));
+    return {};
   }
 };
 
@@ -284,10 +297,12 @@ struct Kernel<AppendStep, Cuda> {
     Index const most = count < src.keys.extents().tokens ? count : src.keys.extents().tokens;
     dim3 const grid(bc::grid_dim(most * width / 256 + 1, 1024), static_cast<unsigned>(e.heads),
                     static_cast<unsigned>(e.batch));
-    bc::append_rows_kernel<<<grid, 256, 0, cuda.stream>>>(dst, src, begin, count);
-    bc::append_lengths_kernel<<<bc::grid_dim((e.batch * e.heads + 255) / 256), 256, 0, cuda.stream>>>(dst, src, begin,
-                                                                                                      count);
-    return bc::launch_status("kvc::append(Cuda): kernel launch failed");
+    KVC_RETURN_IF_ERROR(bc::launch(KVC_CUDA_KERNEL("kvc::append(Cuda)", bc::append_rows_kernel), grid, 256, 0,
+                                   cuda.stream, dst, src, begin, count));
+    KVC_RETURN_IF_ERROR(bc::launch(KVC_CUDA_KERNEL("kvc::append(Cuda)", bc::append_lengths_kernel),
+                                   bc::grid_dim((e.batch * e.heads + 255) / 256), 256, 0, cuda.stream, dst, src, begin,
+                                   count));
+    return {};
   }
 };
 

@@ -99,7 +99,7 @@ struct StatsScratch {
 template <class Rows>
 __global__ void __launch_bounds__(stats_warps* warp_size)
     stats_sum_kernel(Rows q, SampleRule rule, Index splits, StatsScratch s) {
-  extern __shared__ double warp_rows[];  // [stats_warps, dim]
+  double* const warp_rows = dynamic_shared<double>();  // [stats_warps, dim]
   __shared__ Index warp_taken[stats_warps];
   Index const d = q.extents().dim, heads = q.extents().heads;
   Index const b = blockIdx.z, hq = blockIdx.y, split = blockIdx.x;
@@ -273,16 +273,23 @@ struct Kernel<QueryStatisticsStep, Cuda> {
     bc::SampleRule const rule{sel.n_sink, sel.skip_rows, sel.count < 0 ? e.tokens : sel.count, e.tokens, positions};
     KVC_RETURN_IF_ERROR(bc::pending_status());
     dim3 const heads(static_cast<unsigned>(e.heads), static_cast<unsigned>(e.batch));
-    bc::stats_sum_kernel<<<dim3(static_cast<unsigned>(splits), heads.x, heads.y), bc::stats_warps * bc::warp_size, smem,
-                           cuda.stream>>>(queries, rule, splits, scratch);
-    bc::stats_mean_kernel<<<heads, 128, 0, cuda.stream>>>(e, splits, scratch, mean);
+    KVC_RETURN_IF_ERROR(bc::launch(KVC_CUDA_KERNEL("kvc::query_statistics(Cuda)", bc::stats_sum_kernel),
+                                   dim3(static_cast<unsigned>(splits), heads.x, heads.y),
+                                   bc::stats_warps * bc::warp_size, smem, cuda.stream, queries, rule, splits, scratch));
+    KVC_RETURN_IF_ERROR(bc::launch(KVC_CUDA_KERNEL("kvc::query_statistics(Cuda)", bc::stats_mean_kernel), heads, 128, 0,
+                                   cuda.stream, e, splits, scratch, mean));
     if (covariance != nullptr) {
-      bc::stats_gram_kernel<<<dim3(static_cast<unsigned>(splits * bc::stats_pairs(e.dim)), heads.x, heads.y),
-                              bc::stats_threads, 0, cuda.stream>>>(queries, rule, splits, mean, scratch);
-      bc::stats_covariance_kernel<<<dim3(bc::grid_dim((e.dim * e.dim + 255) / 256, 1024), heads.x, heads.y), 256, 0,
-                                    cuda.stream>>>(e, splits, scratch, covariance);
+      KVC_RETURN_IF_ERROR(
+          bc::launch(KVC_CUDA_KERNEL("kvc::query_statistics(Cuda)",
+                                     (bc::stats_gram_kernel<TokenRows<T const, StridedLayout, DeviceSpace>>)),
+                     dim3(static_cast<unsigned>(splits * bc::stats_pairs(e.dim)), heads.x, heads.y), bc::stats_threads,
+                     0, cuda.stream, queries, rule, splits, mean, scratch));
+      KVC_RETURN_IF_ERROR(
+          bc::launch(KVC_CUDA_KERNEL("kvc::query_statistics(Cuda)", bc::stats_covariance_kernel<KVExtents>),
+                     dim3(bc::grid_dim((e.dim * e.dim + 255) / 256, 1024), heads.x, heads.y), 256, 0, cuda.stream, e,
+                     splits, scratch, covariance));
     }
-    return bc::launch_status("kvc::query_statistics(Cuda): kernel launch failed");
+    return {};
   }
 };
 

@@ -97,7 +97,7 @@ __device__ inline float ea_rbar_entry(float const* x, Index stride, Index r, flo
 /// Pass 1, grid (Hq, B): R̄ for sequence b, then mū and Σ̄ of query head hq into the workspace.
 template <class C>
 __global__ void ea_prepare_kernel(ExpectedAttentionScorer s, QueryStatistics<DeviceSpace> st, C cache, EAScratch ws) {
-  extern __shared__ float rbar[];  // [half] mean cos, then [half] mean sin
+  float* const rbar = dynamic_shared<float>();  // [half] mean cos, then [half] mean sin
   __shared__ Index t0_shared;
   Index const b = blockIdx.y, hq = blockIdx.x, d = st.dim, item = b * st.heads + hq;
   Index const half = st.rope.empty() ? 0 : st.rope.rotary_dim / 2, count = s.n_future_positions;
@@ -150,7 +150,7 @@ __global__ void ea_prepare_kernel(ExpectedAttentionScorer s, QueryStatistics<Dev
 template <class C>
 __global__ void __launch_bounds__(ea_threads)
     ea_logits_kernel(C cache, Index query_heads, float scale, float half_scale_sq, bool covariance, EAScratch ws) {
-  extern __shared__ float4 ea_smem[];
+  float4* const ea_smem = dynamic_shared<float4>();
   float* kt = reinterpret_cast<float*>(ea_smem);  // [d][ea_key_stride]: the tile's keys, transposed, fp32
   KVExtents const e = cache.keys.extents();
   Index const d = e.dim, b = blockIdx.z, h = blockIdx.y, g = query_heads / e.heads;
@@ -321,26 +321,6 @@ __global__ void __launch_bounds__(ea_softmax_threads)
   }
 }
 
-/// Opts a kernel into more than the default 48 KiB of dynamic shared memory when `bytes` needs it (Hopper: up to
-/// 227 KiB); `what` names the parameter that sizes it.
-template <class F>
-Status opt_in_shared_memory(F* kernel, std::size_t bytes, char const* what) {
-  if (bytes <= 48 * 1024)
-    return {};
-  int device = 0, limit = 0;
-  if (cudaGetDevice(&device) != cudaSuccess ||
-      cudaDeviceGetAttribute(&limit, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) != cudaSuccess)
-    return {Errc::backend_error, "kvc (CUDA): cannot query the device's shared-memory limit"};
-  if (bytes > static_cast<std::size_t>(limit))
-    return {Errc::invalid_argument, what};
-  if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)) !=
-      cudaSuccess) {
-    (void)cudaGetLastError();  // ours (pending_status ran before): cleared, and reported as a Status
-    return {Errc::backend_error, "kvc (CUDA): cudaFuncSetAttribute(MaxDynamicSharedMemorySize) failed"};
-  }
-  return {};
-}
-
 }  // namespace kvc::backend::cuda
 
 namespace kvc {
@@ -399,10 +379,10 @@ struct Kernel<ExpectedAttentionScorer, Cuda> {
               "kvc::score(expected_attention, Cuda): workspace smaller than score_workspace_bytes()"};
     KVC_RETURN_IF_ERROR(bc::pending_status());
     std::size_t const smem = bc::ea_logits_smem(d);
-    char const* const too_big =
-        "kvc::score(expected_attention, Cuda): head dim too large for the 64-key tile in "
-        "the device's shared memory";
-    KVC_RETURN_IF_ERROR(bc::opt_in_shared_memory(bc::ea_logits_kernel<C>, smem, too_big));
+    KVC_RETURN_IF_ERROR(bc::shared_memory_status(  // above 48 KiB, launch() opts the kernel in
+        smem,
+        "kvc::score(expected_attention, Cuda): head dim too large for the 64-key tile in the device's shared "
+        "memory"));
     std::size_t const rope_smem =
         static_cast<std::size_t>(st.rope.empty() ? 0 : st.rope.rotary_dim) * sizeof(float);  // <= d floats
     KVC_RETURN_IF_ERROR(bc::shared_memory_status(
@@ -412,16 +392,22 @@ struct Kernel<ExpectedAttentionScorer, Cuda> {
     Index const blocks = bc::ea_score_blocks(e.tokens);
     auto const batch = static_cast<unsigned>(e.batch), kv_heads = static_cast<unsigned>(e.heads),
                query_heads = static_cast<unsigned>(st.heads);
-    bc::ea_prepare_kernel<<<dim3(query_heads, batch), 256, rope_smem, cuda.stream>>>(s, st, cache, scratch);
-    bc::ea_logits_kernel<<<dim3(bc::grid_dim((e.tokens + bc::ea_keys - 1) / bc::ea_keys, 2147483647), kv_heads, batch),
-                           bc::ea_threads, smem, cuda.stream>>>(cache, st.heads, scale, half_scale_sq, s.use_covariance,
-                                                                scratch);
-    bc::ea_softmax_kernel<<<dim3(query_heads, batch), bc::ea_softmax_threads, 0, cuda.stream>>>(s, cache, st.heads,
-                                                                                                scratch);
-    bc::ea_score_kernel<<<dim3(static_cast<unsigned>(blocks), kv_heads, batch), bc::ea_score_warps * bc::warp_size, 0,
-                          cuda.stream>>>(s, cache, st.heads, scratch, out);
-    bc::ea_sink_kernel<<<1, bc::ea_softmax_threads, 0, cuda.stream>>>(s, cache, blocks, scratch, out);
-    return bc::launch_status("kvc::score(expected_attention, Cuda): kernel launch failed");
+    KVC_RETURN_IF_ERROR(bc::launch(KVC_CUDA_KERNEL("kvc::score(expected_attention, Cuda)", bc::ea_prepare_kernel),
+                                   dim3(query_heads, batch), 256, rope_smem, cuda.stream, s, st, cache, scratch));
+    KVC_RETURN_IF_ERROR(bc::launch(
+        KVC_CUDA_KERNEL("kvc::score(expected_attention, Cuda)", bc::ea_logits_kernel),
+        dim3(bc::grid_dim((e.tokens + bc::ea_keys - 1) / bc::ea_keys, 2147483647), kv_heads, batch), bc::ea_threads,
+        smem, cuda.stream, cache, st.heads, scale, half_scale_sq, s.use_covariance, scratch));
+    KVC_RETURN_IF_ERROR(bc::launch(KVC_CUDA_KERNEL("kvc::score(expected_attention, Cuda)", bc::ea_softmax_kernel),
+                                   dim3(query_heads, batch), bc::ea_softmax_threads, 0, cuda.stream, s, cache, st.heads,
+                                   scratch));
+    KVC_RETURN_IF_ERROR(bc::launch(KVC_CUDA_KERNEL("kvc::score(expected_attention, Cuda)", bc::ea_score_kernel),
+                                   dim3(static_cast<unsigned>(blocks), kv_heads, batch),
+                                   bc::ea_score_warps * bc::warp_size, 0, cuda.stream, s, cache, st.heads, scratch,
+                                   out));
+    KVC_RETURN_IF_ERROR(bc::launch(KVC_CUDA_KERNEL("kvc::score(expected_attention, Cuda)", bc::ea_sink_kernel), 1,
+                                   bc::ea_softmax_threads, 0, cuda.stream, s, cache, blocks, scratch, out));
+    return {};
   }
 };
 

@@ -162,9 +162,10 @@ struct Kernel<H2OScorer<DeviceSpace>, Cuda> {
     if (e.batch * e.heads == 0 || e.tokens == 0)
       return {};
     KVC_RETURN_IF_ERROR(bc::pending_status());
-    bc::h2o_score_kernel<<<bc::h2o_slot_grid(e), bc::h2o_threads, 0, cuda.stream>>>(s.state.accumulated,
-                                                                                    s.state.tracked, out);
-    return bc::launch_status("kvc::score(h2o, Cuda): kernel launch failed");
+    KVC_RETURN_IF_ERROR(
+        bc::launch(KVC_CUDA_KERNEL("kvc::score(h2o, Cuda)", bc::h2o_score_kernel<decltype(s.state.accumulated)>),
+                   bc::h2o_slot_grid(e), bc::h2o_threads, 0, cuda.stream, s.state.accumulated, s.state.tracked, out));
+    return {};
   }
 
   template <class Obs>
@@ -190,12 +191,16 @@ struct Kernel<H2OScorer<DeviceSpace>, Cuda> {
     KVC_RETURN_IF_ERROR(check_state(s, e));
     KVC_RETURN_IF_ERROR(
         check_length_table(cache.lengths, e.heads, "kvc::update: per-head lengths must be [batch, KV heads]"));
-    auto add = [&](float const* cols, Index col_heads, Index col_tokens) {  // after the column sums, in stream order
-      bc::h2o_add_kernel<<<bc::h2o_slot_grid(e), bc::h2o_threads, 0, cuda.stream>>>(
-          cache, s.state.accumulated, s.state.tracked, cols, col_heads, col_tokens);
-      bc::h2o_track_kernel<<<bc::grid_dim((e.batch * e.heads + 255) / 256), 256, 0, cuda.stream>>>(cache,
-                                                                                                   s.state.tracked);
-      return bc::launch_status("kvc::update(h2o, Cuda): kernel launch failed");
+    auto add = [&](float const* cols, Index col_heads,
+                   Index col_tokens) -> Status {  // after the column sums, in stream order
+      KVC_RETURN_IF_ERROR(
+          bc::launch(KVC_CUDA_KERNEL("kvc::update(h2o, Cuda)", (bc::h2o_add_kernel<C, decltype(s.state.accumulated)>)),
+                     bc::h2o_slot_grid(e), bc::h2o_threads, 0, cuda.stream, cache, s.state.accumulated, s.state.tracked,
+                     cols, col_heads, col_tokens));
+      KVC_RETURN_IF_ERROR(bc::launch(KVC_CUDA_KERNEL("kvc::update(h2o, Cuda)", bc::h2o_track_kernel),
+                                     bc::grid_dim((e.batch * e.heads + 255) / 256), 256, 0, cuda.stream, cache,
+                                     s.state.tracked));
+      return {};
     };
     if constexpr (HasAttention<Obs>) {
       auto const& at = obs.attention;
@@ -239,9 +244,10 @@ struct Kernel<H2OScorer<DeviceSpace>, Cuda> {
     if (plan.batch * plan.heads == 0)
       return {};
     KVC_RETURN_IF_ERROR(bc::pending_status());
-    bc::h2o_evict_kernel<<<bc::grid_dim((plan.batch * plan.heads + 255) / 256), 256, 0, cuda.stream>>>(plan,
-                                                                                                       s.state.tracked);
-    return bc::launch_status("kvc::on_evict(h2o, Cuda): kernel launch failed");
+    KVC_RETURN_IF_ERROR(bc::launch(KVC_CUDA_KERNEL("kvc::on_evict(h2o, Cuda)", bc::h2o_evict_kernel),
+                                   bc::grid_dim((plan.batch * plan.heads + 255) / 256), 256, 0, cuda.stream, plan,
+                                   s.state.tracked));
+    return {};
   }
 };
 
@@ -282,8 +288,10 @@ struct Kernel<ObservedAttentionScorer, Cuda> {
       return {};
     KVC_RETURN_IF_ERROR(bc::pending_status());
     KVC_RETURN_IF_ERROR(bc::tiled_window_attention(cuda, wq, cache, s.query_tile, scratch));
-    bc::observed_finish_kernel<<<bc::h2o_slot_grid(e), bc::h2o_threads, 0, cuda.stream>>>(wq, cache, hq, scratch, out);
-    return bc::launch_status("kvc::score(h2o, reference=kvpress, Cuda): kernel launch failed");
+    KVC_RETURN_IF_ERROR(
+        bc::launch(KVC_CUDA_KERNEL("kvc::score(h2o, reference=kvpress, Cuda)", bc::observed_finish_kernel),
+                   bc::h2o_slot_grid(e), bc::h2o_threads, 0, cuda.stream, wq, cache, hq, scratch, out));
+    return {};
   }
 };
 

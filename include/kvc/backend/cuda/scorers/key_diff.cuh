@@ -29,7 +29,7 @@ inline constexpr int key_diff_warps = 8;
 template <class Keys>
 __global__ void key_diff_anchor_kernel(Keys keys, KeyDiffScorer s, ScoreSpan<DeviceSpace> out, double* partial,
                                        Index splits) {
-  extern __shared__ double warp_rows[];  // [key_diff_warps, dim]
+  double* const warp_rows = dynamic_shared<double>();  // [key_diff_warps, dim]
   Index const dim = keys.extents().dim;
   Index const b = blockIdx.z, h = blockIdx.y, split = blockIdx.x;
   int const warp = static_cast<int>(threadIdx.x) / warp_size, lane = static_cast<int>(threadIdx.x) % warp_size;
@@ -119,7 +119,7 @@ __device__ float key_diff_scale_anchor(Mean const& mean, Index dim, float eps, f
 template <class Keys>
 __global__ void key_diff_score_kernel(Keys keys, KeyDiffScorer s, ScoreSpan<DeviceSpace> out, double const* partial,
                                       Index splits) {
-  extern __shared__ float anchor[];  // [dim], then one float per warp for the norm reduction
+  float* const anchor = dynamic_shared<float>();  // [dim], then one float per warp for the norm reduction
   Index const dim = keys.extents().dim;
   Index const b = blockIdx.z, h = blockIdx.y, split = blockIdx.x;
   int const warp = static_cast<int>(threadIdx.x) / warp_size, lane = static_cast<int>(threadIdx.x) % warp_size;
@@ -210,9 +210,12 @@ struct Kernel<KeyDiffScorer, Cuda> {
     KVC_RETURN_IF_ERROR(bc::shared_memory_status(
         smem1, "kvc::score(key_diff, Cuda): head dim too large for the device's shared memory (8 fp64 rows)"));
     KVC_RETURN_IF_ERROR(bc::pending_status());
-    bc::key_diff_anchor_kernel<<<grid, threads, smem1, cuda.stream>>>(cache.keys, s, out, partial, splits);
-    bc::key_diff_score_kernel<<<grid, threads, smem2, cuda.stream>>>(cache.keys, s, out, partial, splits);
-    return bc::launch_status("kvc::score(key_diff, Cuda): kernel launch failed");
+    KVC_RETURN_IF_ERROR(bc::launch(KVC_CUDA_KERNEL("kvc::score(key_diff, Cuda)", bc::key_diff_anchor_kernel), grid,
+                                   threads, smem1, cuda.stream, cache.keys, s, out, partial, splits));
+    KVC_RETURN_IF_ERROR(
+        bc::launch(KVC_CUDA_KERNEL("kvc::score(key_diff, Cuda)", bc::key_diff_score_kernel<typename C::keys_type>),
+                   grid, threads, smem2, cuda.stream, cache.keys, s, out, partial, splits));
+    return {};
   }
 };
 

@@ -77,8 +77,9 @@ struct Kernel<KnormScorer, Cuda> {
     KVC_RETURN_IF_ERROR(bc::pending_status());
     dim3 const grid(bc::grid_dim((e.tokens + bc::knorm_warps - 1) / bc::knorm_warps, 4096),
                     static_cast<unsigned>(e.heads), static_cast<unsigned>(e.batch));
-    bc::knorm_kernel<<<grid, bc::knorm_warps * bc::warp_size, 0, cuda.stream>>>(cache.keys, out);
-    return bc::launch_status("kvc::score(knorm, Cuda): kernel launch failed");
+    KVC_RETURN_IF_ERROR(bc::launch(KVC_CUDA_KERNEL("kvc::score(knorm, Cuda)", bc::knorm_kernel), grid,
+                                   bc::knorm_warps * bc::warp_size, 0, cuda.stream, cache.keys, out));
+    return {};
   }
 };
 

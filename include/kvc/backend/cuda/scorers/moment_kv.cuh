@@ -126,7 +126,7 @@ __global__ void __launch_bounds__(moment_threads)
     moment_residual_kernel(C cache, MomentState<DeviceSpace, T> st, MomentResiduals<DeviceSpace> res,
                            TokenArray<float const, DeviceSpace> fixed, float scale, MomentPrep prep,
                            ScoreSpan<DeviceSpace> out) {
-  extern __shared__ float k_rows[];  // [moment_warps, d_k]
+  float* const k_rows = dynamic_shared<float>();  // [moment_warps, d_k]
   KVExtents const e = cache.keys.extents();
   Index const dk = e.dim, dv = cache.values.extents().dim;
   int const warp = static_cast<int>(threadIdx.x) / warp_size, lane = static_cast<int>(threadIdx.x) % warp_size;
@@ -184,7 +184,7 @@ __global__ void __launch_bounds__(moment_threads)
 template <class C>
 __global__ void __launch_bounds__(moment_threads)
     moment_fill_kernel(C cache, MomentResiduals<DeviceSpace> res, MomentPrep prep) {
-  extern __shared__ float k_rows[];  // [moment_warps, d_k]
+  float* const k_rows = dynamic_shared<float>();  // [moment_warps, d_k]
   KVExtents const e = cache.keys.extents();
   Index const dk = e.dim, dv = cache.values.extents().dim;
   int const warp = static_cast<int>(threadIdx.x) / warp_size, lane = static_cast<int>(threadIdx.x) % warp_size;
@@ -290,7 +290,7 @@ __device__ inline void moment_block_means(MomentFold const& fold, Index head, In
 /// pass over the rows (passes cover the d_v · d_k entries). Split 0 also stores the block means for the merge.
 template <class C>
 __global__ void __launch_bounds__(moment_threads) moment_comoment_kernel(C cache, Index splits, MomentFold fold) {
-  extern __shared__ float fold_smem[];  // mean [dk + dv], K tile [tile, dk], V tile [tile, dv]
+  float* const fold_smem = dynamic_shared<float>();  // mean [dk + dv], K tile [tile, dk], V tile [tile, dv]
   KVExtents const e = cache.keys.extents();
   Index const dk = e.dim, dv = cache.values.extents().dim, width = dk + dv, entries = dk * dv;
   Index const b = blockIdx.z, h = blockIdx.y, s = blockIdx.x, head = b * e.heads + h, n = cache.clamped_length(b, h);
@@ -350,7 +350,7 @@ template <class C, class T>
 __global__ void __launch_bounds__(moment_threads)
     moment_merge_kernel(C cache, MomentState<DeviceSpace, T> st, MomentResiduals<DeviceSpace> res, Index splits,
                         MomentFold fold) {
-  extern __shared__ float delta[];  // Δk [dk], Δv [dv]
+  float* const delta = dynamic_shared<float>();  // Δk [dk], Δv [dv]
   KVExtents const e = cache.keys.extents();
   Index const dk = e.dim, dv = cache.values.extents().dim, width = dk + dv, entries = dk * dv;
   Index const b = blockIdx.y, h = blockIdx.x, head = st.head(b, h), n = cache.clamped_length(b, h);
@@ -409,7 +409,7 @@ __global__ void __launch_bounds__(moment_threads)
 template <class C>
 __global__ void __launch_bounds__(moment_threads)
     moment_rows_kernel(C cache, KeepPlan<DeviceSpace> plan, MomentResiduals<DeviceSpace> res, MomentFold fold) {
-  extern __shared__ float k_rows[];  // [moment_warps, d_k]
+  float* const k_rows = dynamic_shared<float>();  // [moment_warps, d_k]
   KVExtents const e = cache.keys.extents();
   Index const dk = e.dim, dv = cache.values.extents().dim, width = dk + dv;
   int const warp = static_cast<int>(threadIdx.x) / warp_size, lane = static_cast<int>(threadIdx.x) % warp_size;
@@ -507,10 +507,12 @@ struct Kernel<MomentKVScorer<DeviceSpace, T>, Cuda> {
     KVC_RETURN_IF_ERROR(bc::pending_status());
     float const c = s.scale > 0.0f ? s.scale : 1.0f / std::sqrt(static_cast<float>(dk));
     dim3 const heads(static_cast<unsigned>(e.heads), static_cast<unsigned>(e.batch));
-    bc::moment_prep_kernel<<<heads, bc::moment_threads, 0, cuda.stream>>>(s.state, s.clamp_tau, prep);
-    bc::moment_residual_kernel<<<bc::moment_slot_grid(e), bc::moment_threads, smem, cuda.stream>>>(
-        cache, s.state, s.residuals, s.fixed_base, c, prep, out);
-    return bc::launch_status("kvc::score(moment_kv, Cuda): kernel launch failed");
+    KVC_RETURN_IF_ERROR(bc::launch(KVC_CUDA_KERNEL("kvc::score(moment_kv, Cuda)", bc::moment_prep_kernel), heads,
+                                   bc::moment_threads, 0, cuda.stream, s.state, s.clamp_tau, prep));
+    KVC_RETURN_IF_ERROR(bc::launch(KVC_CUDA_KERNEL("kvc::score(moment_kv, Cuda)", bc::moment_residual_kernel),
+                                   bc::moment_slot_grid(e), bc::moment_threads, smem, cuda.stream, cache, s.state,
+                                   s.residuals, s.fixed_base, c, prep, out));
+    return {};
   }
 
   template <class Obs>
@@ -540,12 +542,15 @@ struct Kernel<MomentKVScorer<DeviceSpace, T>, Cuda> {
     KVC_RETURN_IF_ERROR(bc::shared_memory_status(smem, "kvc::update(moment_kv, Cuda): d_k too large"));
     KVC_RETURN_IF_ERROR(bc::pending_status());
     dim3 const heads(static_cast<unsigned>(e.heads), static_cast<unsigned>(e.batch));
-    bc::moment_prep_kernel<<<heads, bc::moment_threads, 0, cuda.stream>>>(s.state, 0.0f, prep);
-    bc::moment_fill_kernel<<<bc::moment_slot_grid(e), bc::moment_threads, smem, cuda.stream>>>(cache, s.residuals,
-                                                                                               prep);
-    bc::moment_track_kernel<<<bc::grid_dim((e.batch * e.heads + 255) / 256), 256, 0, cuda.stream>>>(
-        cache, s.residuals.tracked);
-    return bc::launch_status("kvc::update(moment_kv, Cuda): kernel launch failed");
+    KVC_RETURN_IF_ERROR(bc::launch(KVC_CUDA_KERNEL("kvc::update(moment_kv, Cuda)", bc::moment_prep_kernel), heads,
+                                   bc::moment_threads, 0, cuda.stream, s.state, 0.0f, prep));
+    KVC_RETURN_IF_ERROR(bc::launch(KVC_CUDA_KERNEL("kvc::update(moment_kv, Cuda)", bc::moment_fill_kernel),
+                                   bc::moment_slot_grid(e), bc::moment_threads, smem, cuda.stream, cache, s.residuals,
+                                   prep));
+    KVC_RETURN_IF_ERROR(bc::launch(KVC_CUDA_KERNEL("kvc::update(moment_kv, Cuda)", bc::moment_track_kernel),
+                                   bc::grid_dim((e.batch * e.heads + 255) / 256), 256, 0, cuda.stream, cache,
+                                   s.residuals.tracked));
+    return {};
   }
 
   static std::size_t on_evict_workspace_bytes(Cuda const&, Scorer const& s, KVExtents const& keys) {
@@ -582,15 +587,20 @@ struct Kernel<MomentKVScorer<DeviceSpace, T>, Cuda> {
     KVC_RETURN_IF_ERROR(bc::pending_status());
     dim3 const heads(static_cast<unsigned>(e.heads), static_cast<unsigned>(e.batch));
     dim3 const ranges(static_cast<unsigned>(splits), static_cast<unsigned>(e.heads), static_cast<unsigned>(e.batch));
-    bc::moment_slots_kernel<<<heads, bc::moment_threads, 0, cuda.stream>>>(cache, plan, fold);
-    bc::moment_sums_kernel<<<ranges, bc::moment_threads, 0, cuda.stream>>>(cache, splits, fold);
-    bc::moment_comoment_kernel<<<ranges, bc::moment_threads, smem_fold, cuda.stream>>>(cache, splits, fold);
-    bc::moment_merge_kernel<<<heads, bc::moment_threads, static_cast<std::size_t>(dk + dv) * sizeof(float),
-                              cuda.stream>>>(cache, s.state, s.residuals, splits, fold);
+    KVC_RETURN_IF_ERROR(bc::launch(KVC_CUDA_KERNEL("kvc::on_evict(moment_kv, Cuda)", bc::moment_slots_kernel), heads,
+                                   bc::moment_threads, 0, cuda.stream, cache, plan, fold));
+    KVC_RETURN_IF_ERROR(bc::launch(KVC_CUDA_KERNEL("kvc::on_evict(moment_kv, Cuda)", bc::moment_sums_kernel), ranges,
+                                   bc::moment_threads, 0, cuda.stream, cache, splits, fold));
+    KVC_RETURN_IF_ERROR(bc::launch(KVC_CUDA_KERNEL("kvc::on_evict(moment_kv, Cuda)", bc::moment_comoment_kernel),
+                                   ranges, bc::moment_threads, smem_fold, cuda.stream, cache, splits, fold));
+    KVC_RETURN_IF_ERROR(bc::launch(KVC_CUDA_KERNEL("kvc::on_evict(moment_kv, Cuda)", bc::moment_merge_kernel), heads,
+                                   bc::moment_threads, static_cast<std::size_t>(dk + dv) * sizeof(float), cuda.stream,
+                                   cache, s.state, s.residuals, splits, fold));
     if (rows)
-      bc::moment_rows_kernel<<<bc::moment_slot_grid(e), bc::moment_threads, smem_rows, cuda.stream>>>(
-          cache, plan, s.residuals, fold);
-    return bc::launch_status("kvc::on_evict(moment_kv, Cuda): kernel launch failed");
+      KVC_RETURN_IF_ERROR(bc::launch(KVC_CUDA_KERNEL("kvc::on_evict(moment_kv, Cuda)", bc::moment_rows_kernel),
+                                     bc::moment_slot_grid(e), bc::moment_threads, smem_rows, cuda.stream, cache, plan,
+                                     s.residuals, fold));
+    return {};
   }
 };
 

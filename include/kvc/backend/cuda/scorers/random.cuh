@@ -41,8 +41,9 @@ struct Kernel<RandomScorer, Cuda> {
     KVC_RETURN_IF_ERROR(bc::pending_status());
     dim3 const grid(bc::grid_dim((out.tokens + 255) / 256, 1024), static_cast<unsigned>(out.heads),
                     static_cast<unsigned>(out.batch));
-    bc::random_kernel<<<grid, 256, 0, cuda.stream>>>(s, out);
-    return bc::launch_status("kvc::score(random, Cuda): kernel launch failed");
+    KVC_RETURN_IF_ERROR(
+        bc::launch(KVC_CUDA_KERNEL("kvc::score(random, Cuda)", bc::random_kernel), grid, 256, 0, cuda.stream, s, out));
+    return {};
   }
 };
 

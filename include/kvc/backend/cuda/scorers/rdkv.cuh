@@ -114,10 +114,10 @@ struct Kernel<RDKVTokenScorer, Cuda> {
     KVC_RETURN_IF_ERROR(bc::pending_status());
     KVC_RETURN_IF_ERROR(
         bc::window_attention(cuda, wq, cache, wq.window() - s.window_size, wq.window(), scratch, false));
-    bc::rdkv_token_finish_kernel<<<dim3(static_cast<unsigned>(e.heads), static_cast<unsigned>(e.batch)),
-                                   bc::rdkv_finish_threads, 0, cuda.stream>>>(s, cache, hq, s.window_size, scratch,
-                                                                              out);
-    return bc::launch_status("kvc::score(rdkv, Cuda): kernel launch failed");
+    KVC_RETURN_IF_ERROR(bc::launch(KVC_CUDA_KERNEL("kvc::score(rdkv, Cuda)", bc::rdkv_token_finish_kernel),
+                                   dim3(static_cast<unsigned>(e.heads), static_cast<unsigned>(e.batch)),
+                                   bc::rdkv_finish_threads, 0, cuda.stream, s, cache, hq, s.window_size, scratch, out));
+    return {};
   }
 };
 
@@ -154,11 +154,13 @@ struct Kernel<ThinKChannelScorer, Cuda> {
     if (e.batch * e.heads == 0 || e.dim == 0)
       return {};
     KVC_RETURN_IF_ERROR(bc::pending_status());
-    bc::window_prepare_kernel<<<dim3(static_cast<unsigned>(hq), static_cast<unsigned>(e.batch)), 128, 0, cuda.stream>>>(
-        wq, cache, wq.window() - s.window_size, s.window_size, scratch);
-    bc::thinK_channel_kernel<<<dim3(static_cast<unsigned>(e.heads), static_cast<unsigned>(e.batch)), 128, 0,
-                               cuda.stream>>>(cache, hq, s.window_size, scratch.q, out);
-    return bc::launch_status("kvc::score_channels(think, Cuda): kernel launch failed");
+    KVC_RETURN_IF_ERROR(bc::launch(KVC_CUDA_KERNEL("kvc::score_channels(think, Cuda)", bc::window_prepare_kernel),
+                                   dim3(static_cast<unsigned>(hq), static_cast<unsigned>(e.batch)), 128, 0, cuda.stream,
+                                   wq, cache, wq.window() - s.window_size, s.window_size, scratch));
+    KVC_RETURN_IF_ERROR(bc::launch(KVC_CUDA_KERNEL("kvc::score_channels(think, Cuda)", bc::thinK_channel_kernel<C>),
+                                   dim3(static_cast<unsigned>(e.heads), static_cast<unsigned>(e.batch)), 128, 0,
+                                   cuda.stream, cache, hq, s.window_size, scratch.q, out));
+    return {};
   }
 };
 

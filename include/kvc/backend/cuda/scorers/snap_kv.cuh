@@ -139,9 +139,10 @@ struct Kernel<SnapKVScorer, Cuda> {
     KVC_RETURN_IF_ERROR(bc::pending_status());
     KVC_RETURN_IF_ERROR(
         bc::window_attention(cuda, wq, cache, wq.window() - s.window_size, wq.window(), scratch, false));
-    bc::snap_kv_finish_kernel<<<dim3(static_cast<unsigned>(e.heads), static_cast<unsigned>(e.batch)),
-                                bc::finish_threads, 0, cuda.stream>>>(s, cache, hq, s.window_size, scratch, out);
-    return bc::launch_status("kvc::score(snap_kv, Cuda): kernel launch failed");
+    KVC_RETURN_IF_ERROR(bc::launch(KVC_CUDA_KERNEL("kvc::score(snap_kv, Cuda)", bc::snap_kv_finish_kernel),
+                                   dim3(static_cast<unsigned>(e.heads), static_cast<unsigned>(e.batch)),
+                                   bc::finish_threads, 0, cuda.stream, s, cache, hq, s.window_size, scratch, out));
+    return {};
   }
 };
 
@@ -171,9 +172,10 @@ struct Kernel<TOVAScorer, Cuda> {
       return {};
     KVC_RETURN_IF_ERROR(bc::pending_status());
     KVC_RETURN_IF_ERROR(bc::window_attention(cuda, wq, cache, wq.window() - 1, wq.window(), scratch, false));
-    bc::tova_finish_kernel<<<static_cast<unsigned>(e.batch), bc::finish_threads, 0, cuda.stream>>>(s, cache, hq,
-                                                                                                   scratch, out);
-    return bc::launch_status("kvc::score(tova, Cuda): kernel launch failed");
+    KVC_RETURN_IF_ERROR(bc::launch(KVC_CUDA_KERNEL("kvc::score(tova, Cuda)", bc::tova_finish_kernel),
+                                   static_cast<unsigned>(e.batch), bc::finish_threads, 0, cuda.stream, s, cache, hq,
+                                   scratch, out));
+    return {};
   }
 };
 

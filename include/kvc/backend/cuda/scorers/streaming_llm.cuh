@@ -46,8 +46,10 @@ struct Kernel<StreamingLLMScorer, Cuda> {
     KVC_RETURN_IF_ERROR(backend::cuda::pending_status());
     dim3 const grid(backend::cuda::grid_dim((out.tokens + 255) / 256, 1024), static_cast<unsigned>(out.heads),
                     static_cast<unsigned>(out.batch));
-    backend::cuda::streaming_llm_kernel<<<grid, 256, 0, cuda.stream>>>(s, out);
-    return backend::cuda::launch_status("kvc::score(streaming_llm, Cuda): kernel launch failed");
+    KVC_RETURN_IF_ERROR(
+        backend::cuda::launch(KVC_CUDA_KERNEL("kvc::score(streaming_llm, Cuda)", backend::cuda::streaming_llm_kernel),
+                              grid, 256, 0, cuda.stream, s, out));
+    return {};
   }
 };
 

@@ -212,11 +212,14 @@ struct Kernel<UNCompScorer<DeviceSpace>, Cuda> {
       return {};
     KVC_RETURN_IF_ERROR(bc::pending_status());
     dim3 const grid = bc::uncomp_slot_grid(e);
-    bc::uncomp_sum_kernel<<<grid, bc::uncomp_threads, 0, cuda.stream>>>(s, out, scratch.sums);
-    bc::uncomp_pool_kernel<<<grid, bc::uncomp_threads, 0, cuda.stream>>>(s, out, scratch.sums, scratch.maxima);
-    bc::uncomp_protect_kernel<<<dim3(static_cast<unsigned>(e.heads), static_cast<unsigned>(e.batch)),
-                                bc::uncomp_threads, 0, cuda.stream>>>(s, out, scratch.maxima, Index{grid.x});
-    return bc::launch_status("kvc::score(uncomp, Cuda): kernel launch failed");
+    KVC_RETURN_IF_ERROR(bc::launch(KVC_CUDA_KERNEL("kvc::score(uncomp, Cuda)", bc::uncomp_sum_kernel), grid,
+                                   bc::uncomp_threads, 0, cuda.stream, s, out, scratch.sums));
+    KVC_RETURN_IF_ERROR(bc::launch(KVC_CUDA_KERNEL("kvc::score(uncomp, Cuda)", bc::uncomp_pool_kernel<Scorer>), grid,
+                                   bc::uncomp_threads, 0, cuda.stream, s, out, scratch.sums, scratch.maxima));
+    KVC_RETURN_IF_ERROR(bc::launch(KVC_CUDA_KERNEL("kvc::score(uncomp, Cuda)", bc::uncomp_protect_kernel<Scorer>),
+                                   dim3(static_cast<unsigned>(e.heads), static_cast<unsigned>(e.batch)),
+                                   bc::uncomp_threads, 0, cuda.stream, s, out, scratch.maxima, Index{grid.x}));
+    return {};
   }
 
   /// The window attention's scratch for min(R, w) rows per query head, column sums [B, Hkv, min(R, w), N].
@@ -257,11 +260,13 @@ struct Kernel<UNCompScorer<DeviceSpace>, Cuda> {
     KVC_RETURN_IF_ERROR(bc::pending_status());
     KVC_RETURN_IF_ERROR(
         bc::window_attention(cuda, wq, cache, first, r, scratch, false, bc::ColumnSums::per_window_row));
-    bc::uncomp_rows_kernel<<<bc::uncomp_slot_grid(e), bc::uncomp_threads, 0, cuda.stream>>>(cache, s, fresh,
-                                                                                            scratch.colsum);
-    bc::uncomp_track_kernel<<<bc::grid_dim((e.batch * e.heads + 255) / 256), 256, 0, cuda.stream>>>(cache,
-                                                                                                    s.state.tracked);
-    return bc::launch_status("kvc::update(uncomp, Cuda): kernel launch failed");
+    KVC_RETURN_IF_ERROR(bc::launch(KVC_CUDA_KERNEL("kvc::update(uncomp, Cuda)", (bc::uncomp_rows_kernel<C, Scorer>)),
+                                   bc::uncomp_slot_grid(e), bc::uncomp_threads, 0, cuda.stream, cache, s, fresh,
+                                   scratch.colsum));
+    KVC_RETURN_IF_ERROR(bc::launch(KVC_CUDA_KERNEL("kvc::update(uncomp, Cuda)", bc::uncomp_track_kernel<C>),
+                                   bc::grid_dim((e.batch * e.heads + 255) / 256), 256, 0, cuda.stream, cache,
+                                   s.state.tracked));
+    return {};
   }
 
   /// The kept slots that were tracked stay tracked (plans are ascending: those below the old count); their rows
@@ -278,9 +283,10 @@ struct Kernel<UNCompScorer<DeviceSpace>, Cuda> {
     if (plan.batch * plan.heads == 0)
       return {};
     KVC_RETURN_IF_ERROR(bc::pending_status());
-    bc::uncomp_evict_kernel<<<bc::grid_dim((plan.batch * plan.heads + 255) / 256), 256, 0, cuda.stream>>>(
-        plan, s.state.tracked);
-    return bc::launch_status("kvc::on_evict(uncomp, Cuda): kernel launch failed");
+    KVC_RETURN_IF_ERROR(bc::launch(KVC_CUDA_KERNEL("kvc::on_evict(uncomp, Cuda)", bc::uncomp_evict_kernel),
+                                   bc::grid_dim((plan.batch * plan.heads + 255) / 256), 256, 0, cuda.stream, plan,
+                                   s.state.tracked));
+    return {};
   }
 
  private:

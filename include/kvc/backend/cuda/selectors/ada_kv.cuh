@@ -59,8 +59,9 @@ __device__ std::uint64_t block_kth_largest(Visit visit, Index k, unsigned* hist,
 /// kvpress pins per head, then the `total`-th largest key of the pool of unpinned candidates, then each head's
 /// winners counted with shared atomics (integers: the order of the additions does not matter).
 template <class Sel>
-__global__ void ada_kv_allocate_kernel(Sel sel, ScoreSpan<DeviceSpace> scores, Index* table) {
-  extern __shared__ unsigned char ada_shared_bytes[];
+__global__ void __launch_bounds__(ada_kv_threads)
+    ada_kv_allocate_kernel(Sel sel, ScoreSpan<DeviceSpace> scores, Index* table) {
+  unsigned char* const ada_shared_bytes = dynamic_shared<unsigned char>();
   auto* heads_state = reinterpret_cast<AdaKVShared*>(ada_shared_bytes);
   __shared__ unsigned hist[256];
   __shared__ std::uint64_t shared_prefix;
@@ -148,9 +149,10 @@ struct Kernel<Allocation<AdaKVSelector<Bu>>, Cuda> {
     std::size_t const smem = static_cast<std::size_t>(scores.heads) * sizeof(bc::AdaKVShared);
     KVC_RETURN_IF_ERROR(bc::shared_memory_status(smem, "kvc::allocate(Cuda): too many heads for shared memory"));
     KVC_RETURN_IF_ERROR(bc::pending_status());
-    bc::ada_kv_allocate_kernel<<<static_cast<unsigned>(scores.batch), bc::ada_kv_threads, smem, cuda.stream>>>(
-        sel, scores, table);
-    return bc::launch_status("kvc::allocate(ada_kv, Cuda): kernel launch failed");
+    KVC_RETURN_IF_ERROR(bc::launch(KVC_CUDA_KERNEL("kvc::allocate(ada_kv, Cuda)", bc::ada_kv_allocate_kernel),
+                                   static_cast<unsigned>(scores.batch), bc::ada_kv_threads, smem, cuda.stream, sel,
+                                   scores, table));
+    return {};
   }
 };
 

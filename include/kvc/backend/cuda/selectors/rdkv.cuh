@@ -520,8 +520,9 @@ struct Kernel<RDKVAllocator, Cuda> {
     // The hulls, by the CPU's own function (constexpr host code: nvcc does not run it on the device).
     detail::RDHull const hv = detail::rd_hull(a.eps_v, a.options), hk = detail::rd_hull(a.eps_k, a.options);
     dim3 const grid(layer ? 1u : static_cast<unsigned>(w.heads), static_cast<unsigned>(w.batch));
-    bc::rdkv_allocate_kernel<<<grid, bc::rdkv_threads, 0, cuda.stream>>>(a, hv, hk, w, cw, plan, gw, gb);
-    return bc::launch_status("kvc::allocate_bits(rdkv, Cuda): kernel launch failed");
+    KVC_RETURN_IF_ERROR(bc::launch(KVC_CUDA_KERNEL("kvc::allocate_bits(rdkv, Cuda)", bc::rdkv_allocate_kernel), grid,
+                                   bc::rdkv_threads, 0, cuda.stream, a, hv, hk, w, cw, plan, gw, gb));
+    return {};
   }
 
  private:

@@ -6,10 +6,8 @@
 #pragma once
 
 #include <kvc/backend/cuda/config.cuh>
+#include <kvc/backend/cuda/detail/block_reduce.cuh>
 #include <kvc/selectors/top_k.hpp>
-
-#include <cub/block/block_reduce.cuh>
-#include <cub/block/block_scan.cuh>
 
 #include <cstddef>
 #include <cstdint>
@@ -26,21 +24,19 @@ __device__ inline std::uint32_t order_key(float s) {
 /// Block-wide: writes the kept slots of [t0, t1) in ascending order, one tile of threads at a time: every key above
 /// `threshold`, and keys equal to it while their rank among equal keys (running[1] + rank in the tile) is below
 /// `need_eq`, so ties go to the lower index. Slot number i of the output goes to out[first + running[0] + i] (below
-/// `keep`). `running` (shared: {written, equal keys seen}) holds the counts before t0 and is advanced.
-template <class Scan>
-__device__ void take_in_order(float const* s, Index t0, Index t1, std::uint32_t threshold, Index need_eq, Index first,
-                              Index keep, Index* out, Index* running, typename Scan::TempStorage& storage) {
+/// `keep`). `running` (shared: {written, equal keys seen}) holds the counts before t0 and is advanced; `scratch` is
+/// block_exclusive_sum's (32 shared ints).
+__device__ inline void take_in_order(float const* s, Index t0, Index t1, std::uint32_t threshold, Index need_eq,
+                                     Index first, Index keep, Index* out, Index* running, int* scratch) {
   for (Index base = t0; base < t1; base += blockDim.x) {
     Index const t = base + threadIdx.x;
     bool const valid = t < t1;
     std::uint32_t const k = valid ? order_key(s[t]) : 0u;
     int const is_eq = valid && k == threshold ? 1 : 0;
-    int eq_rank = 0, eq_total = 0;
-    Scan(storage).ExclusiveSum(is_eq, eq_rank, eq_total);
-    __syncthreads();
+    int eq_total = 0, taken = 0;
+    int const eq_rank = block_exclusive_sum(is_eq, eq_total, scratch);
     int const take = valid && (k > threshold || (is_eq && running[1] + eq_rank < need_eq)) ? 1 : 0;
-    int pos = 0, taken = 0;
-    Scan(storage).ExclusiveSum(take, pos, taken);
+    int const pos = block_exclusive_sum(take, taken, scratch);
     Index const j = first + running[0] + pos;
     if (take && j < keep)
       out[j] = t;
@@ -60,8 +56,7 @@ __device__ void take_in_order(float const* s, Index t0, Index t1, std::uint32_t 
 template <class Sel>
 __global__ void __launch_bounds__(top_k_threads)
     top_k_kernel(Sel sel, ScoreSpan<DeviceSpace> scores, KeepPlan<DeviceSpace> plan) {
-  using Scan = cub::BlockScan<int, top_k_threads>;
-  __shared__ typename Scan::TempStorage scan_storage;
+  __shared__ int scan_scratch[32];
   __shared__ unsigned hist[256];
   __shared__ std::uint32_t s_prefix;
   __shared__ Index s_remaining;
@@ -119,7 +114,7 @@ __global__ void __launch_bounds__(top_k_threads)
   }
   __syncthreads();
   if (m > 0)
-    take_in_order<Scan>(s, c.sink_end, c.recent_begin, prefix, need_eq, c.sink_end, keep, out, s_running, scan_storage);
+    take_in_order(s, c.sink_end, c.recent_begin, prefix, need_eq, c.sink_end, keep, out, s_running, scan_scratch);
   Index const first_recent = c.sink_end + (m > 0 ? m : 0);
   for (Index t = c.recent_begin + threadIdx.x; t < n; t += blockDim.x)
     if (first_recent + (t - c.recent_begin) < keep)
@@ -150,8 +145,9 @@ inline Index top_k_chunks(Index tokens) noexcept {
 
 /// One block per (h, b): counts, protected slots, the state, and everything when the head is within budget.
 template <class Sel>
-__global__ void top_k_init_kernel(Sel sel, ScoreSpan<DeviceSpace> scores, KeepPlan<DeviceSpace> plan, TopKState* state,
-                                  unsigned* hist) {
+__global__ void __launch_bounds__(top_k_threads)
+    top_k_init_kernel(Sel sel, ScoreSpan<DeviceSpace> scores, KeepPlan<DeviceSpace> plan, TopKState* state,
+                      unsigned* hist) {
   Index const b = blockIdx.y, h = blockIdx.x, head = b * scores.heads + h;
   Index const n = clamp_length(scores.length(b, h), scores.tokens);
   auto const c = detail::top_k_counts(sel, b, h, n);
@@ -248,8 +244,7 @@ __global__ void top_k_digit_kernel(Index heads, State* state, unsigned* hist, in
 template <class Sel>
 __global__ void __launch_bounds__(top_k_threads)
     top_k_count_kernel(Sel sel, ScoreSpan<DeviceSpace> scores, TopKState const* state, Index chunks, Index* counts) {
-  using Reduce = cub::BlockReduce<Index, top_k_threads>;
-  __shared__ typename Reduce::TempStorage storage;
+  __shared__ Index sum_scratch[32];
   HeadChunk const k = head_chunk(sel, scores, state);
   if (k.st.m <= 0)
     return;
@@ -260,9 +255,8 @@ __global__ void __launch_bounds__(top_k_threads)
     gt += key > k.st.prefix ? 1 : 0;
     eq += key == k.st.prefix ? 1 : 0;
   }
-  gt = Reduce(storage).Sum(gt);
-  __syncthreads();
-  eq = Reduce(storage).Sum(eq);
+  gt = block_sum(gt, sum_scratch);
+  eq = block_sum(eq, sum_scratch);
   if (threadIdx.x == 0) {
     counts[(k.head * chunks + blockIdx.x) * 2] = gt;
     counts[(k.head * chunks + blockIdx.x) * 2 + 1] = eq;
@@ -298,8 +292,7 @@ template <class Sel>
 __global__ void __launch_bounds__(top_k_threads)
     top_k_write_kernel(Sel sel, ScoreSpan<DeviceSpace> scores, KeepPlan<DeviceSpace> plan, TopKState const* state,
                        Index chunks, Index const* counts) {
-  using Scan = cub::BlockScan<int, top_k_threads>;
-  __shared__ typename Scan::TempStorage scan_storage;
+  __shared__ int scan_scratch[32];
   __shared__ Index s_running[2];
   HeadChunk const k = head_chunk(sel, scores, state);
   if (k.st.m <= 0)
@@ -310,8 +303,8 @@ __global__ void __launch_bounds__(top_k_threads)
     s_running[1] = counts[(k.head * chunks + blockIdx.x) * 2 + 1];
   }
   __syncthreads();
-  take_in_order<Scan>(scores.row(k.b, k.h), k.t0, k.t1, k.st.prefix, k.st.remaining, k.c.sink_end, keep,
-                      plan.indices(k.b, k.h), s_running, scan_storage);
+  take_in_order(scores.row(k.b, k.h), k.t0, k.t1, k.st.prefix, k.st.remaining, k.c.sink_end, keep,
+                plan.indices(k.b, k.h), s_running, scan_scratch);
 }
 
 }  // namespace kvc::backend::cuda
@@ -349,8 +342,9 @@ struct Kernel<TopKSelector<B>, Cuda> {
     namespace bc = backend::cuda;
     dim3 const grid(static_cast<unsigned>(scores.heads), static_cast<unsigned>(scores.batch));
     if (scores.tokens <= bc::top_k_split_tokens) {
-      bc::top_k_kernel<<<grid, bc::top_k_threads, 0, cuda.stream>>>(sel, scores, plan);
-      return bc::launch_status("kvc::select(top_k, Cuda): kernel launch failed");
+      KVC_RETURN_IF_ERROR(bc::launch(KVC_CUDA_KERNEL("kvc::select(top_k, Cuda)", bc::top_k_kernel), grid,
+                                     bc::top_k_threads, 0, cuda.stream, sel, scores, plan));
+      return {};
     }
     Index const chunks = bc::top_k_chunks(scores.tokens), heads = scores.batch * scores.heads;
     WorkspaceCarver carve(ws);
@@ -361,17 +355,25 @@ struct Kernel<TopKSelector<B>, Cuda> {
       return {Errc::out_of_capacity, "kvc::select(Cuda): workspace smaller than select_workspace_bytes()"};
     dim3 const chunk_grid(static_cast<unsigned>(chunks), static_cast<unsigned>(scores.heads),
                           static_cast<unsigned>(scores.batch));
-    bc::top_k_init_kernel<<<grid, bc::top_k_threads, 0, cuda.stream>>>(sel, scores, plan, state, hist);
+    KVC_RETURN_IF_ERROR(bc::launch(KVC_CUDA_KERNEL("kvc::select(top_k, Cuda)", bc::top_k_init_kernel), grid,
+                                   bc::top_k_threads, 0, cuda.stream, sel, scores, plan, state, hist));
     for (int shift = 24; shift >= 0; shift -= 8) {
-      bc::top_k_hist_kernel<<<chunk_grid, 256, 0, cuda.stream>>>(sel, scores, state, hist, shift);
-      bc::top_k_digit_kernel<<<grid, 256, 0, cuda.stream>>>(scores.heads, state, hist, shift);
+      KVC_RETURN_IF_ERROR(
+          bc::launch(KVC_CUDA_KERNEL("kvc::select(top_k, Cuda)", bc::top_k_hist_kernel<TopKSelector<B>>), chunk_grid,
+                     256, 0, cuda.stream, sel, scores, state, hist, shift));
+      KVC_RETURN_IF_ERROR(bc::launch(KVC_CUDA_KERNEL("kvc::select(top_k, Cuda)", bc::top_k_digit_kernel<bc::TopKState>),
+                                     grid, 256, 0, cuda.stream, scores.heads, state, hist, shift));
     }
-    bc::top_k_count_kernel<<<chunk_grid, bc::top_k_threads, 0, cuda.stream>>>(sel, scores, state, chunks, counts);
-    bc::top_k_scan_kernel<<<dim3(static_cast<unsigned>((scores.heads + 127) / 128),
-                                 static_cast<unsigned>(scores.batch)),
-                            128, 0, cuda.stream>>>(scores.heads, chunks, state, counts);
-    bc::top_k_write_kernel<<<chunk_grid, bc::top_k_threads, 0, cuda.stream>>>(sel, scores, plan, state, chunks, counts);
-    return bc::launch_status("kvc::select(top_k, Cuda): kernel launch failed");
+    KVC_RETURN_IF_ERROR(bc::launch(KVC_CUDA_KERNEL("kvc::select(top_k, Cuda)", bc::top_k_count_kernel<TopKSelector<B>>),
+                                   chunk_grid, bc::top_k_threads, 0, cuda.stream, sel, scores, state, chunks, counts));
+    KVC_RETURN_IF_ERROR(
+        bc::launch(KVC_CUDA_KERNEL("kvc::select(top_k, Cuda)", bc::top_k_scan_kernel<bc::TopKState>),
+                   dim3(static_cast<unsigned>((scores.heads + 127) / 128), static_cast<unsigned>(scores.batch)), 128, 0,
+                   cuda.stream, scores.heads, chunks, state, counts));
+    KVC_RETURN_IF_ERROR(bc::launch(KVC_CUDA_KERNEL("kvc::select(top_k, Cuda)", bc::top_k_write_kernel<TopKSelector<B>>),
+                                   chunk_grid, bc::top_k_threads, 0, cuda.stream, sel, scores, plan, state, chunks,
+                                   counts));
+    return {};
   }
 };
 

@@ -45,10 +45,11 @@ struct Kernel<Allocation<UNCompSelector<DeviceSpace>>, Cuda> {
       return {};
     KVC_RETURN_IF_ERROR(bc::pending_status());
     Index const items = scores.batch * scores.heads;
-    bc::uncomp_allocate_kernel<<<bc::grid_dim((items + bc::uncomp_allocate_threads - 1) / bc::uncomp_allocate_threads,
-                                              2147483647),
-                                 bc::uncomp_allocate_threads, 0, cuda.stream>>>(sel, scores, table);
-    return bc::launch_status("kvc::allocate(uncomp, Cuda): kernel launch failed");
+    KVC_RETURN_IF_ERROR(
+        bc::launch(KVC_CUDA_KERNEL("kvc::allocate(uncomp, Cuda)", bc::uncomp_allocate_kernel),
+                   bc::grid_dim((items + bc::uncomp_allocate_threads - 1) / bc::uncomp_allocate_threads, 2147483647),
+                   bc::uncomp_allocate_threads, 0, cuda.stream, sel, scores, table));
+    return {};
   }
 };
 
