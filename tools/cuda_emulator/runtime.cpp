@@ -179,16 +179,19 @@ struct WarpState {
   std::uint32_t epoch = 0;  // __syncwarp releases (orders the lanes' shared-memory accesses)
 };
 
-/// The race detector's record of one access to a byte of shared memory.
+/// The race detector's record of one access to a byte of shared memory (8 bytes: the detector runs on every shared
+/// access of every emulated thread).
 struct Access {
-  std::uint32_t epoch = 0, warp_epoch = 0;
-  std::int32_t tid = -1;
-  bool atomic = false;
-  void* pc = nullptr;
+  std::uint32_t epoch = 0;       // Runtime::epoch when it happened (block start or last __syncthreads)
+  std::uint16_t warp_epoch = 0;  // its warp's __syncwarp count then (low 16 bits)
+  std::int16_t tid = -1;         // the thread (linear index in the block), -1: none
 };
+/// One byte of shared memory: its last write and last read since, and the write's program counter (for the report).
 struct Cell {
   Access write, read;
+  bool write_atomic = false, read_atomic = false;
   bool other_readers = false;  // another unordered thread read it in read.epoch too
+  void* write_pc = nullptr;
 };
 
 struct Runtime {
@@ -507,13 +510,6 @@ std::uint64_t warp_op(WarpOp op, unsigned mask, std::uint64_t value, int operand
 
 namespace {
 
-bool ordered(Access const& a, int tid) {
-  Runtime& r = rt();
-  if (a.tid < 0 || a.epoch != r.epoch || a.tid == tid)
-    return true;
-  return a.tid / 32 == tid / 32 && a.warp_epoch != r.warps[static_cast<std::size_t>(tid / 32)].epoch;
-}
-
 void access(void const* p, std::size_t bytes, bool write, bool atomic, void* pc) {
   Runtime& r = rt();
   auto const a = reinterpret_cast<std::uintptr_t>(p);
@@ -543,40 +539,47 @@ void access(void const* p, std::size_t bytes, bool write, bool atomic, void* pc)
     return;
   }
   Thread const& me = *r.current;
-  int const tid = me.linear;
-  std::uint32_t const warp_epoch = r.warps[static_cast<std::size_t>(tid / 32)].epoch;
-  for (std::size_t i = 0; i < bytes; ++i) {
-    Cell& c = r.shadow[offset + i];
+  int const tid = me.linear, warp = tid / 32;
+  std::uint32_t const epoch = r.epoch;
+  auto const warp_epoch = static_cast<std::uint16_t>(r.warps[static_cast<std::size_t>(warp)].epoch);
+  // An earlier access is ordered before this one when it is this thread's, from before the last __syncthreads,
+  // or from a lane of this warp before the last __syncwarp.
+  auto const ordered = [&](Access const& x) {
+    return x.tid < 0 || x.epoch != epoch || x.tid == tid || (x.tid / 32 == warp && x.warp_epoch != warp_epoch);
+  };
+  Access const now{epoch, warp_epoch, static_cast<std::int16_t>(tid)};
+  for (Cell *c = r.shadow.data() + offset, *end = c + bytes; c != end; ++c) {
+    char const* kind = nullptr;
     Access const* other = nullptr;
-    char const* kind = "";
-    if (!ordered(c.write, tid) && !(atomic && c.write.atomic)) {
-      other = &c.write;
+    if (!ordered(c->write) && !(atomic && c->write_atomic)) {
+      other = &c->write;
       kind = "wrote";
-    } else if (write && !ordered(c.read, tid) && !(atomic && c.read.atomic)) {
-      other = &c.read;
+    } else if (write && !ordered(c->read) && !(atomic && c->read_atomic)) {
+      other = &c->read;
       kind = "read";
-    } else if (write && !atomic && c.other_readers && c.read.epoch == r.epoch) {
-      other = &c.read;
+    } else if (write && !atomic && c->other_readers && c->read.epoch == epoch) {
+      other = &c->read;
       kind = "read (with other threads)";
     }
-    if (other) {
+    if (other) [[unlikely]] {
       Thread const& o = r.threads[static_cast<std::size_t>(other->tid)];
-      fail("shared-memory race: " + where(me) + (write ? " writes" : " reads") + " byte " +
-           std::to_string(offset + i - (space[0] == 'd' ? ss : 0)) + " of the " + space + " shared memory at " +
-           pc_text(pc) + ", which thread (" + std::to_string(o.idx.x) + ", " + std::to_string(o.idx.y) + ", " +
-           std::to_string(o.idx.z) + ") " + kind + " at " + pc_text(other->pc) + " with no barrier between them");
+      std::size_t const byte =
+          offset + static_cast<std::size_t>(c - (r.shadow.data() + offset)) - (space[0] == 'd' ? ss : 0);
+      fail("shared-memory race: " + where(me) + (write ? " writes" : " reads") + " byte " + std::to_string(byte) +
+           " of the " + space + " shared memory at " + pc_text(pc) + ", which thread (" + std::to_string(o.idx.x) +
+           ", " + std::to_string(o.idx.y) + ", " + std::to_string(o.idx.z) + ") " + kind +
+           (other == &c->write ? " at " + pc_text(c->write_pc) : std::string()) + " with no barrier between them");
     }
-    Access const now{r.epoch, warp_epoch, tid, atomic, pc};
     if (write) {
-      c.write = now;
-      c.read = Access{};
-      c.other_readers = false;
+      c->write = now;
+      c->write_atomic = atomic;
+      c->write_pc = pc;
+      c->read = Access{};
+      c->other_readers = false;
     } else {
-      if (c.read.epoch != r.epoch)
-        c.other_readers = false;
-      if (!ordered(c.read, tid))
-        c.other_readers = true;
-      c.read = now;
+      c->other_readers = (c->read.epoch == epoch && c->other_readers) || !ordered(c->read);
+      c->read = now;
+      c->read_atomic = atomic;
     }
   }
 }

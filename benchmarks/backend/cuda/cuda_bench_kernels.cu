@@ -139,6 +139,20 @@ __global__ void fill_kernel(T* x, Index n, std::uint32_t seed) {
   }
 }
 
+/// Fills x[0, n) on the device with fill_kernel (false if the launch failed).
+template <class T>
+bool fill(T* x, Index n, std::uint32_t seed) {
+  return backend::cuda::launch(KVC_CUDA_KERNEL("kvc.bench.cuda", fill_kernel<T>), 1024, 256, 0, nullptr, x, n, seed)
+      .ok();
+}
+
+/// A NeoX RoPE table on the device with rope_kernel (false if the launch failed).
+inline bool fill_rope(float* table, Index positions, Index half) {
+  return backend::cuda::launch(KVC_CUDA_KERNEL("kvc.bench.cuda", rope_kernel), 1024, 256, 0, nullptr, table, positions,
+                               half)
+      .ok();
+}
+
 /// Reads n floats (vectorised float4 loads) and reduces them: the device's achievable read bandwidth.
 __global__ void read_kernel(float4 const* x, Index n4, float* sink) {
   float acc = 0.0f;
@@ -195,9 +209,9 @@ Status run(Context& c, Op op) {
     case Op::top_k: return select(Cuda{}, TopKSelector{RatioBudget{0.5}}, span, plan, {});
     case Op::compact: return compact(Cuda{}, plan, cache);
     case Op::read:
-      read_kernel<<<1024, 256>>>(static_cast<float4 const*>(c.k),
-                                 c.e.rows() * c.e.dim * static_cast<Index>(sizeof(T)) / 16, c.sink);
-      return backend::cuda::launch_status("read_kernel");
+      return backend::cuda::launch(KVC_CUDA_KERNEL("kvc.bench.cuda", read_kernel), 1024, 256, 0, nullptr,
+                                   static_cast<float4 const*>(c.k),
+                                   c.e.rows() * c.e.dim * static_cast<Index>(sizeof(T)) / 16, c.sink);
     case Op::expected_attention: return score(Cuda{}, ExpectedAttentionScorer{}, cache, stats, span, ws);
     case Op::query_statistics:
       return query_statistics(
@@ -231,8 +245,8 @@ Status run(Context& c, Op op) {
     }
     case Op::uncomp_score: return score(Cuda{}, uncomp_scorer(c), cache, span, ws);
     case Op::fma_peak:
-      fma_kernel<<<fma_blocks, fma_threads>>>(0.999f, 1e-3f, fma_iterations, c.sink);
-      return backend::cuda::launch_status("fma_kernel");
+      return backend::cuda::launch(KVC_CUDA_KERNEL("kvc.bench.cuda", fma_kernel), fma_blocks, fma_threads, 0, nullptr,
+                                   0.999f, 1e-3f, fma_iterations, c.sink);
   }
   return {};
 }
@@ -249,9 +263,12 @@ bool prepare(Context& c, Op op) {
     if (!alloc(&c.mean, hq * d, sizeof(float)) || !alloc(&c.cov, hq * d * d, sizeof(float)) ||
         !alloc(&c.rope, c.rope_positions * d, sizeof(float)))
       return false;
-    fill_kernel<<<1024, 256>>>(c.mean, hq * d, 4u);
-    fill_kernel<<<1024, 256>>>(c.cov, hq * d * d, 5u);
-    rope_kernel<<<1024, 256>>>(c.rope, c.rope_positions, d / 2);
+    if (!fill(c.mean, hq * d, 4u))
+      return false;
+    if (!fill(c.cov, hq * d * d, 5u))
+      return false;
+    if (!fill_rope(c.rope, c.rope_positions, d / 2))
+      return false;
   }
   if (op == Op::h2o_update) {
     if (!alloc(&c.acc, c.e.rows(), sizeof(float)) || !alloc(&c.tracked, c.e.batch * c.e.heads, sizeof(Index)) ||
@@ -261,14 +278,16 @@ bool prepare(Context& c, Op op) {
   if (op == Op::observed_attention) {
     if (!alloc(&c.tile_queries, tile_extents(c.e).rows() * d, sizeof(T)))
       return false;
-    fill_kernel<<<1024, 256>>>(static_cast<T*>(c.tile_queries), tile_extents(c.e).rows() * d, 6u);
+    if (!fill(static_cast<T*>(c.tile_queries), tile_extents(c.e).rows() * d, 6u))
+      return false;
   }
   if (op == Op::query_statistics) {
     KVExtents const re = rows_extents(c.e);
     if (!alloc(&c.rows, re.rows() * d, sizeof(T)) || !alloc(&c.rows_mean, hq * d, sizeof(float)) ||
         !alloc(&c.rows_cov, hq * d * d, sizeof(float)))
       return false;
-    fill_kernel<<<1024, 256>>>(static_cast<T*>(c.rows), re.rows() * d, 7u);
+    if (!fill(static_cast<T*>(c.rows), re.rows() * d, 7u))
+      return false;
   }
   if (op == Op::ada_kv_allocate && !alloc(&c.table, c.e.batch * c.e.heads, sizeof(Index)))
     return false;
@@ -284,7 +303,8 @@ bool prepare(Context& c, Op op) {
         cudaMemcpy(c.ragged_lengths, counts.data(), counts.size() * sizeof(Index), cudaMemcpyHostToDevice) !=
             cudaSuccess)
       return false;
-    fill_kernel<<<1024, 256>>>(static_cast<T*>(c.decode_queries), hq * d, 8u);
+    if (!fill(static_cast<T*>(c.decode_queries), hq * d, 8u))
+      return false;
   }
   if (op == Op::moment_score || op == Op::moment_fold || op == Op::moment_attend) {
     Index const heads = c.e.heads;
@@ -295,10 +315,14 @@ bool prepare(Context& c, Op op) {
         !alloc(&c.attn_lse, hq, sizeof(float)) ||
         cudaMemcpy(c.moment_count, count.data(), count.size() * sizeof(Index), cudaMemcpyHostToDevice) != cudaSuccess)
       return false;
-    fill_kernel<<<1024, 256>>>(c.moment_means, 2 * heads * d, 9u);
-    fill_kernel<<<1024, 256>>>(c.comoment, heads * d * d, 10u);
-    fill_kernel<<<1024, 256>>>(c.fixed_base, c.e.rows(), 11u);
-    fill_kernel<<<1024, 256>>>(static_cast<T*>(c.decode_queries), hq * d, 12u);
+    if (!fill(c.moment_means, 2 * heads * d, 9u))
+      return false;
+    if (!fill(c.comoment, heads * d * d, 10u))
+      return false;
+    if (!fill(c.fixed_base, c.e.rows(), 11u))
+      return false;
+    if (!fill(static_cast<T*>(c.decode_queries), hq * d, 12u))
+      return false;
   }
   if (op == Op::uncomp_update || op == Op::uncomp_score) {
     std::vector<Index> const tracked(static_cast<std::size_t>(c.e.heads), c.e.tokens);  // every slot holds rows
@@ -307,8 +331,10 @@ bool prepare(Context& c, Op op) {
         cudaMemcpy(c.uncomp_tracked, tracked.data(), tracked.size() * sizeof(Index), cudaMemcpyHostToDevice) !=
             cudaSuccess)
       return false;
-    fill_kernel<<<1024, 256>>>(c.uncomp_rows, c.e.rows() * uncomp_window, 13u);
-    fill_kernel<<<1024, 256>>>(static_cast<T*>(c.decode_queries), hq * d, 14u);
+    if (!fill(c.uncomp_rows, c.e.rows() * uncomp_window, 13u))
+      return false;
+    if (!fill(static_cast<T*>(c.decode_queries), hq * d, 14u))
+      return false;
   }
   return cudaDeviceSynchronize() == cudaSuccess;
 }
@@ -400,13 +426,19 @@ ContextPtr make_context(Index tokens, Index dim, bool fp16, Op op) {
   if (!ok)
     return nullptr;
   if (fp16) {
-    fill_kernel<<<1024, 256>>>(static_cast<half*>(c->k), elems, 1u);
-    fill_kernel<<<1024, 256>>>(static_cast<half*>(c->v), elems, 2u);
-    fill_kernel<<<1024, 256>>>(static_cast<half*>(c->queries), qe.rows() * dim, 3u);
+    if (!fill(static_cast<half*>(c->k), elems, 1u))
+      return nullptr;
+    if (!fill(static_cast<half*>(c->v), elems, 2u))
+      return nullptr;
+    if (!fill(static_cast<half*>(c->queries), qe.rows() * dim, 3u))
+      return nullptr;
   } else {
-    fill_kernel<<<1024, 256>>>(static_cast<float*>(c->k), elems, 1u);
-    fill_kernel<<<1024, 256>>>(static_cast<float*>(c->v), elems, 2u);
-    fill_kernel<<<1024, 256>>>(static_cast<float*>(c->queries), qe.rows() * dim, 3u);
+    if (!fill(static_cast<float*>(c->k), elems, 1u))
+      return nullptr;
+    if (!fill(static_cast<float*>(c->v), elems, 2u))
+      return nullptr;
+    if (!fill(static_cast<float*>(c->queries), qe.rows() * dim, 3u))
+      return nullptr;
   }
   // A plan for compaction and scores for top-k: score once with KeyDiff, select half.
   if (!(c->fp16 ? run<half>(*c, Op::key_diff) : run<float>(*c, Op::key_diff)).ok() ||
@@ -528,14 +560,17 @@ PackedBenchPtr make_packed_bench(Index tokens, int bits) {
       cudaMalloc(&p->lse, static_cast<std::size_t>(packed_query_heads) * sizeof(float)) == cudaSuccess;
   if (!ok)
     return nullptr;
-  fill_kernel<<<64, 256>>>(p->q, packed_query_heads * packed_dim, 21u);
+  if (!fill(p->q, packed_query_heads * packed_dim, 21u))
+    return nullptr;
   if (bits == 16) {
     ok = cudaMalloc(&p->k, elems * sizeof(half)) == cudaSuccess &&
          cudaMalloc(&p->v, elems * sizeof(half)) == cudaSuccess;
     if (!ok)
       return nullptr;
-    fill_kernel<<<1024, 256>>>(p->k, e.rows() * packed_dim, 22u);
-    fill_kernel<<<1024, 256>>>(p->v, e.rows() * packed_dim, 23u);
+    if (!fill(p->k, e.rows() * packed_dim, 22u))
+      return nullptr;
+    if (!fill(p->v, e.rows() * packed_dim, 23u))
+      return nullptr;
     p->bytes = 2.0 * static_cast<double>(elems) * sizeof(half);
     return cudaDeviceSynchronize() == cudaSuccess ? std::move(p) : nullptr;
   }
