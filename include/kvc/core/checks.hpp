@@ -6,6 +6,7 @@
 // them for every backend; what costs O(data) (page ids, positions, buffer sizes) stays in kvc::validate.
 #pragma once
 
+#include <kvc/core/keep_plan.hpp>
 #include <kvc/core/kv_view.hpp>
 #include <kvc/core/layout.hpp>
 #include <kvc/core/status.hpp>
@@ -180,11 +181,25 @@ inline ByteRange bytes_of(Workspace const& ws) noexcept {
   return bytes_of(static_cast<std::byte const*>(ws.data), static_cast<Index>(ws.bytes < most ? ws.bytes : most));
 }
 
+/// The bytes of a plan's two arrays: `index` [batch, heads, capacity] and `count` [batch, heads].
+struct PlanBytes {
+  ByteRange index, count;
+};
+template <class Space>
+PlanBytes bytes_of(KeepPlan<Space> const& plan) noexcept {
+  return {bytes_of(plan.index, saturating_product(plan.batch, plan.heads, plan.capacity)),
+          bytes_of(plan.count, saturating_product(plan.batch, plan.heads))};
+}
+
 /// Whether `range` overlaps the keys or the values of `cache` (for a buffer an entry point writes while it reads
 /// the cache, or reads while it writes the cache: either way one would corrupt the other).
 template <KVCacheView C>
 bool overlaps_cache(ByteRange range, C const& cache) noexcept {
   return overlap(range, bytes_of(cache.keys)) || overlap(range, bytes_of(cache.values));
+}
+template <KVCacheView C>
+bool overlaps_cache(PlanBytes const& plan, C const& cache) noexcept {
+  return overlaps_cache(plan.index, cache) || overlaps_cache(plan.count, cache);
 }
 
 /// Messages of check_cache, each naming the entry point and the cache argument (string literals: a Status never
