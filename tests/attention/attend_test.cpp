@@ -217,3 +217,14 @@ TEST_CASE("attend: a NaN token in a long head changes only its own weight, acros
     }
   }
 }
+
+TEST_CASE("attend: V's extents must match K's", "[attention]") {
+  // K holds 4 tokens, V only 2: slots 2 and 3 would read V past its buffer.
+  std::vector<float> k(4 * 2, 1.0f), v(2 * 2, 2.0f), q(2, 1.0f), out(2);
+  auto const cache = kvc::make_cache(kvc::bhtd_rows(k.data(), {1, 1, 4, 2}), kvc::bhtd_rows(v.data(), {1, 1, 2, 2}));
+  auto const queries = queries_of(q, {1, 1, 1, 2});
+  kvc::test::OwnedWorkspace ws(kvc::attend_workspace_bytes(kvc::Cpu{}, kvc::Attention{}, queries, cache));
+  kvc::Status const st = kvc::attend(kvc::Cpu{}, kvc::Attention{}, queries, cache, {out.data()}, ws.get());
+  CHECK(st.code() == kvc::Errc::invalid_argument);
+  CHECK(std::string(st.message()) == "kvc::attend: the cache's values must have its keys' batch, heads and tokens");
+}
