@@ -9,6 +9,7 @@
 #include <kvc/core/keep_plan.hpp>
 #include <kvc/core/kv_view.hpp>
 #include <kvc/core/layout.hpp>
+#include <kvc/core/scores.hpp>
 #include <kvc/core/status.hpp>
 #include <kvc/core/workspace.hpp>
 
@@ -200,6 +201,17 @@ bool overlaps_cache(ByteRange range, C const& cache) noexcept {
 template <KVCacheView C>
 bool overlaps_cache(PlanBytes const& plan, C const& cache) noexcept {
   return overlaps_cache(plan.index, cache) || overlaps_cache(plan.count, cache);
+}
+
+/// Scores' extents >= 0 with batch * heads * tokens elements within Index (so size() and rows can be computed), and
+/// non-null data where they hold any.
+template <class Space>
+Status check_scores(ScoreSpan<Space> const& scores, char const* what) noexcept {
+  Index n = 0;
+  if (scores.batch < 0 || scores.heads < 0 || scores.tokens < 0 ||
+      !checked_product(n, scores.batch, scores.heads, scores.tokens) || (scores.data == nullptr && n > 0))
+    return {Errc::invalid_argument, what};
+  return {};
 }
 
 /// Messages of check_cache, each naming the entry point and the cache argument (string literals: a Status never
