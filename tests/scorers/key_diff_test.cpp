@@ -493,10 +493,12 @@ TEST_CASE("key_diff: score refuses an output buffer over the cache's keys or val
     CHECK(std::string(st.message()) == "kvc::score: `out` overlaps the cache's keys or values");
   }
   CHECK(kv == before);
-  // The workspace over K is refused as well.
-  std::vector<float> out(3);
-  CHECK(kvc::score(kvc::Cpu{}, kvc::KeyDiffScorer{}, cache, kvc::ScoreSpan<>{out.data(), 1, 1, 3},
-                   kvc::Workspace{kv.data(), kv.size() * sizeof(float)})
+  // A workspace large enough but over K is refused as well.
+  std::vector<float> out(3), big(kv.size() + ws.bytes.size() / sizeof(float) + 16);
+  std::copy(kv.begin(), kv.end(), big.begin());
+  auto const in_big = kvc::dense_cache(big.data(), big.data() + 6, e);
+  CHECK(kvc::score(kvc::Cpu{}, kvc::KeyDiffScorer{}, in_big, kvc::ScoreSpan<>{out.data(), 1, 1, 3},
+                   kvc::Workspace{big.data(), big.size() * sizeof(float)})
             .code() == kvc::Errc::invalid_argument);
   REQUIRE(kvc::score(kvc::Cpu{}, kvc::KeyDiffScorer{}, cache, kvc::ScoreSpan<>{out.data(), 1, 1, 3}, ws.get()).ok());
   CHECK_THAT(out[2], WithinAbs(-1.0, 1e-6));

@@ -86,6 +86,8 @@ Status attend(B const& backend, Attention const& op, AttendQueries<T, typename B
       return {Errc::invalid_argument, "kvc::attend: `out.out` is null"};
     if (queries.rows.data() == nullptr && q.rows() > 0)
       return {Errc::invalid_argument, "kvc::attend: the queries' data pointer is null"};
+    if (ws.bytes < Kernel<Attention, B>::workspace_bytes(backend, op, queries, cache))
+      return {Errc::out_of_capacity, "kvc::attend: workspace smaller than attend_workspace_bytes()"};
     // Outputs are written while K, V and the queries are still read (by other heads, or later tiles).
     detail::ByteRange const o = detail::bytes_of(out.out, outputs), lse = detail::bytes_of(out.lse, q.rows()),
                             read = detail::bytes_of(queries.rows), scratch = detail::bytes_of(ws);
@@ -98,8 +100,6 @@ Status attend(B const& backend, Attention const& op, AttendQueries<T, typename B
     if (detail::overlaps_cache(scratch, cache) || detail::overlap(scratch, read) || detail::overlap(scratch, o) ||
         detail::overlap(scratch, lse))
       return {Errc::invalid_argument, "kvc::attend: the workspace overlaps the cache, the queries or `out`"};
-    if (ws.bytes < Kernel<Attention, B>::workspace_bytes(backend, op, queries, cache))
-      return {Errc::out_of_capacity, "kvc::attend: workspace smaller than attend_workspace_bytes()"};
     return Kernel<Attention, B>::run(backend, op, queries, cache, out, ws);
   } else {
     return {Errc::invalid_argument, "unreachable"};

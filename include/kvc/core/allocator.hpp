@@ -52,8 +52,9 @@ Status allocate(B const& backend, Sel const& sel, ScoreSpan<typename B::memory_s
                 "kvc::allocate: the budget's table lives in a memory space this backend cannot read");
   if constexpr (HasKernel<Allocation<Sel>, B> && BudgetReadableBy<typename Sel::budget_type, B>) {
     KVC_RETURN_IF_ERROR(sel.check());
-    KVC_RETURN_IF_ERROR(detail::check_scores(
-        scores, "kvc::allocate: `scores` must have extents >= 0 whose element count fits in 64 bits, and data"));
+    if (!detail::scores_fit(scores))  // data may be null: an allocator that does not read scores (UNComp's)
+      return {Errc::invalid_argument,
+              "kvc::allocate: `scores` must have extents >= 0 whose element count fits in 64 bits"};
     if (table == nullptr && scores.batch * scores.heads > 0)
       return {Errc::invalid_argument, "kvc::allocate: `table` ([batch, heads]) must not be null"};
     if (detail::overlap(detail::bytes_of(table, scores.batch * scores.heads),

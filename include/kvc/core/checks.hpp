@@ -203,15 +203,12 @@ bool overlaps_cache(PlanBytes const& plan, C const& cache) noexcept {
   return overlaps_cache(plan.index, cache) || overlaps_cache(plan.count, cache);
 }
 
-/// Scores' extents >= 0 with batch * heads * tokens elements within Index (so size() and rows can be computed), and
-/// non-null data where they hold any.
+/// Whether scores' extents are >= 0 with batch * heads * tokens elements within Index (so size() can be computed).
 template <class Space>
-Status check_scores(ScoreSpan<Space> const& scores, char const* what) noexcept {
+constexpr bool scores_fit(ScoreSpan<Space> const& scores) noexcept {
   Index n = 0;
-  if (scores.batch < 0 || scores.heads < 0 || scores.tokens < 0 ||
-      !checked_product(n, scores.batch, scores.heads, scores.tokens) || (scores.data == nullptr && n > 0))
-    return {Errc::invalid_argument, what};
-  return {};
+  return scores.batch >= 0 && scores.heads >= 0 && scores.tokens >= 0 &&
+         checked_product(n, scores.batch, scores.heads, scores.tokens);
 }
 
 /// Messages of check_cache, each naming the entry point and the cache argument (string literals: a Status never

@@ -140,14 +140,14 @@ Status score(B const& backend, S const& scorer, C const& cache, Obs const& obs, 
       return {Errc::invalid_argument, "kvc::score: `out` must be [batch, heads, tokens] of the keys"};
     if (out.data == nullptr && out.size() > 0)
       return {Errc::invalid_argument, "kvc::score: `out.data` is null"};
+    // Checked before a kernel multiplies extents to carve it (a saturated size is never satisfied; slack aside).
+    if (ws.bytes < Kernel<S, B>::workspace_bytes(backend, scorer, e, obs))
+      return {Errc::out_of_capacity, "kvc::score: workspace smaller than score_workspace_bytes()"};
     detail::ByteRange const written = detail::bytes_of(out.data, out.size()), scratch = detail::bytes_of(ws);
     if (detail::overlaps_cache(written, cache))
       return {Errc::invalid_argument, "kvc::score: `out` overlaps the cache's keys or values"};
     if (detail::overlaps_cache(scratch, cache) || detail::overlap(scratch, written))
       return {Errc::invalid_argument, "kvc::score: the workspace overlaps `out` or the cache's keys or values"};
-    // Checked before a kernel multiplies extents to carve it (a saturated size is never satisfied; slack aside).
-    if (ws.bytes < Kernel<S, B>::workspace_bytes(backend, scorer, e, obs))
-      return {Errc::out_of_capacity, "kvc::score: workspace smaller than score_workspace_bytes()"};
     out.lengths = cache.lengths;
     return Kernel<S, B>::run(backend, scorer, cache, obs, out, ws);
   } else {

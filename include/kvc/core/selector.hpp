@@ -53,8 +53,9 @@ Status select(B const& backend, S const& selector, ScoreSpan<typename B::memory_
                 "kvc::select: the budget's table lives in a memory space this backend cannot read (use "
                 "PerHeadBudget<DeviceSpace> with kvc::Cuda)");
   if constexpr (HasKernel<S, B> && BudgetReadableBy<typename S::budget_type, B>) {
-    KVC_RETURN_IF_ERROR(detail::check_scores(
-        scores, "kvc::select: `scores` must have extents >= 0 whose element count fits in 64 bits, and data"));
+    if (!detail::scores_fit(scores) || (scores.data == nullptr && scores.size() > 0))
+      return {Errc::invalid_argument,
+              "kvc::select: `scores` must have extents >= 0 whose element count fits in 64 bits, and data"};
     if (plan.batch != scores.batch || plan.heads != scores.heads)
       return {Errc::invalid_argument, "kvc::select: `plan` must have the scores' batch and heads"};
     if ((plan.index == nullptr || plan.count == nullptr) && plan.batch * plan.heads > 0)
