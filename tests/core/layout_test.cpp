@@ -4,12 +4,15 @@
 #include <kvc/backend/cpu/scorers/key_diff.hpp>
 #include <kvc/backend/cpu/scorers/knorm.hpp>
 #include <kvc/core/layout.hpp>
+#include <kvc/core/validate.hpp>
 
 #include "common/synthetic.hpp"
 #include "support/catch.hpp"
 #include "support/helpers.hpp"
 
 #include <cstdint>
+#include <limits>
+#include <string>
 #include <vector>
 
 using kvc::Index;
@@ -71,4 +74,34 @@ TEST_CASE("layout: paged (pages out of order), BTHD and BHTD views give identica
     CHECK(a.data == c.data);
     CHECK(d.data[0] < 0.0f);
   }
+}
+
+TEST_CASE("layout: extents whose element count overflows 64 bits give a refused view, not a signed overflow",
+          "[core][layout]") {
+  // [1, 2^30, 2^30, 128] holds 2^67 elements: heads * tokens * dim, the BHTD batch stride, overflows int64.
+  Index const big = Index{1} << 30;
+  kvc::KVExtents const e{1, big, big, 128};
+  float k = 0.0f, v = 0.0f;  // never read: every check refuses the extents first
+  auto const dense = kvc::dense_cache(&k, &v, e);
+  CHECK(dense.keys.layout().stride_b == std::numeric_limits<Index>::max());  // saturated
+  kvc::Status st = kvc::validate(dense);
+  CHECK(st.code() == kvc::Errc::invalid_argument);
+  CHECK(std::string(st.message()).find("overflows 64 bits") != std::string::npos);
+  auto const bthd = kvc::make_cache(kvc::TokenRows<float, kvc::StridedLayout>(&k, kvc::bthd_layout(e)),
+                                    kvc::TokenRows<float, kvc::StridedLayout>(&v, kvc::bthd_layout(e)));
+  CHECK(kvc::validate(bthd).code() == kvc::Errc::invalid_argument);
+  // An entry point refuses them too, before its kernel multiplies anything.
+  std::vector<float> out(4);
+  st = kvc::score(kvc::Cpu{}, kvc::KnormScorer{}, dense, kvc::ScoreSpan<>{out.data(), 1, big, big}, {});
+  CHECK(st.code() == kvc::Errc::invalid_argument);
+  CHECK(std::string(st.message()).find("kvc::score: the cache has a negative extent") != std::string::npos);
+  // Paged: page_size * heads * dim (the page stride of a 2-page pool) overflows; per-head paged: max_pages *
+  // page_size (its token capacity).
+  std::int32_t table = 0;
+  auto const paged = kvc::paged_layout({1, 2, 8, 128}, Index{1} << 60, kvc::PageOrder::nhd, &table, 1, 2);
+  CHECK(kvc::validate_rows(kvc::TokenRows<float, kvc::PagedLayout>(&k, paged)).code() == kvc::Errc::invalid_argument);
+  auto const per_head = kvc::head_paged_layout(1, 2, 128, Index{1} << 40, &table, big, 1);
+  CHECK(per_head.ext.tokens == std::numeric_limits<Index>::max());
+  CHECK(kvc::validate_rows(kvc::TokenRows<float, kvc::HeadPagedLayout>(&k, per_head)).code() ==
+        kvc::Errc::invalid_argument);
 }

@@ -2,6 +2,7 @@
 // tests/core/validate_test.cpp mirrors include/kvc/core/validate.hpp (and the workspace carver).
 #include <kvc/core/validate.hpp>
 #include <kvc/core/workspace.hpp>
+#include <kvc/store/ragged.hpp>
 
 #include "common/synthetic.hpp"
 #include "support/catch.hpp"
@@ -389,6 +390,52 @@ TEST_CASE("validate: strided K and V blocks interleaved per head are disjoint", 
   CHECK(kvc::validate(kvc::make_cache(Rows(buf.data(), l), Rows(buf.data() + kv - e.dim, l))).code() ==
         Errc::invalid_argument);
   CHECK(kvc::validate(kvc::make_cache(Rows(buf.data(), l), Rows(buf.data() + kv + e.dim, l))).code() ==
+        Errc::invalid_argument);
+}
+
+TEST_CASE("validate: ragged K and V rows in the same memory overlap, packed K||V rows do not", "[core][validate]") {
+  // Two heads of 3 and 2 rows (5 rows of d = 4): K and V must not share a row, or compaction moves one over the other.
+  std::vector<Index> const offsets = {0, 3, 5};
+  kvc::RaggedShape const shape{5, 3};
+  std::vector<float> buf(2 * 5 * 4);
+  auto ragged = [&](float* k, float* v) {
+    return kvc::ragged_cache(k, v, 1, 2, 4, 4, shape, offsets.data(), kvc::Lengths{});
+  };
+  CHECK(kvc::validate(ragged(buf.data(), buf.data() + 20)).ok());  // disjoint halves of one buffer
+  CHECK(kvc::validate(ragged(buf.data(), buf.data())).message() ==
+        std::string("kvc::validate: K and V memory overlap"));
+  CHECK(kvc::validate(ragged(buf.data(), buf.data() + 16)).code() == Errc::invalid_argument);  // V's row 0 = K's row 4
+  CHECK(kvc::validate(ragged(buf.data() + 16, buf.data())).code() == Errc::invalid_argument);
+  // Packed K||V rows ([rows, 4 + 4]): V at K + 4 in every row, rows 8 apart, interleave without touching.
+  auto packed = [&](Index v_offset) {
+    kvc::RaggedLayout const l{{1, 2, 3, 4}, 8, offsets.data()};
+    using Rows = kvc::TokenRows<float, kvc::RaggedLayout>;
+    return kvc::make_cache(Rows(buf.data(), l), Rows(buf.data() + v_offset, l));
+  };
+  CHECK(kvc::validate(packed(4)).ok());
+  CHECK(kvc::validate(packed(3)).code() == Errc::invalid_argument);
+}
+
+TEST_CASE("validate: per-head paged K and V lists naming the same pages of one pool overlap", "[core][validate]") {
+  // Pool of 4 pages of 2 rows (d = 4); 2 heads with one page each.
+  Index const ps = 2, d = 4, pages = 4;
+  std::vector<float> pool(static_cast<std::size_t>(2 * pages * ps * d));
+  std::vector<std::int32_t> const k_table = {0, 1}, v_same = {0, 1}, v_other = {2, 3};
+  using Rows = kvc::TokenRows<float, kvc::HeadPagedLayout>;
+  auto cache = [&](std::vector<std::int32_t> const& v_table, float* v_pool) {
+    return kvc::make_cache(Rows(pool.data(), kvc::head_paged_layout(1, 2, d, ps, k_table.data(), 1, pages)),
+                           Rows(v_pool, kvc::head_paged_layout(1, 2, d, ps, v_table.data(), 1, pages)));
+  };
+  CHECK(kvc::validate(cache(v_same, pool.data() + pages * ps * d)).ok());  // a pool each
+  CHECK(kvc::validate(cache(v_same, pool.data())).message() == std::string("kvc::validate: K and V memory overlap"));
+  // One pool, disjoint page ids: the views still address the whole pool (any id in [0, num_pages)), so the pools
+  // overlap, as for PagedLayout.
+  CHECK(kvc::validate(cache(v_other, pool.data())).code() == Errc::invalid_argument);
+  // K and V pages interleaved in one pool (stride_page covers a K page then a V page) are disjoint.
+  auto inter = kvc::head_paged_layout(1, 2, d, ps, k_table.data(), 1, pages);
+  inter.stride_page = 2 * ps * d;
+  CHECK(kvc::validate(kvc::make_cache(Rows(pool.data(), inter), Rows(pool.data() + ps * d, inter))).ok());
+  CHECK(kvc::validate(kvc::make_cache(Rows(pool.data(), inter), Rows(pool.data() + ps * d - 1, inter))).code() ==
         Errc::invalid_argument);
 }
 

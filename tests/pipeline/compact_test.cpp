@@ -8,6 +8,7 @@
 #include "support/helpers.hpp"
 
 #include <cstdint>
+#include <string>
 #include <vector>
 
 using kvc::Index;
@@ -230,4 +231,29 @@ TEST_CASE("gather: writes dst's lengths and positions, and carried arrays", "[pi
   CHECK(kvc::gather(kvc::Cpu{}, uneven.plan, src.view(), seq.view()).code() == kvc::Errc::invalid_argument);
   CHECK(seq.k == seq_before.k);
   CHECK(seq.lengths == seq_before.lengths);
+}
+
+TEST_CASE("compact: V's extents must match K's, and the plan and extras must not overlap the cache",
+          "[pipeline][compact]") {
+  // K holds 4 tokens, V only 2 (a view cut short): moving slot 3 would read V past its buffer.
+  std::vector<float> k(4 * 2, 1.0f), v(2 * 2, 2.0f);
+  std::vector<Index> lengths{4};
+  auto const cache = kvc::make_cache(kvc::bhtd_rows(k.data(), {1, 1, 4, 2}), kvc::bhtd_rows(v.data(), {1, 1, 2, 2}),
+                                     kvc::head_lengths(lengths.data(), 1));
+  auto plan = make_plan(1, 1, 4, {{0, 3}});
+  kvc::Status const st = kvc::compact(kvc::Cpu{}, plan.plan, cache);
+  CHECK(st.code() == kvc::Errc::invalid_argument);
+  CHECK(std::string(st.message()) == "kvc::compact: the cache's values must have its keys' batch, heads and tokens");
+  CHECK(lengths == std::vector<Index>{4});
+  // A plan or an extra array living in K's memory would be overwritten while it is read.
+  std::vector<float> v4(4 * 2, 2.0f);
+  auto const whole = kvc::make_cache(kvc::bhtd_rows(k.data(), {1, 1, 4, 2}), kvc::bhtd_rows(v4.data(), {1, 1, 4, 2}),
+                                     kvc::head_lengths(lengths.data(), 1));
+  kvc::KeepPlan<> inside = plan.plan;
+  inside.count = reinterpret_cast<Index*>(k.data());
+  CHECK(kvc::compact(kvc::Cpu{}, inside, whole).code() == kvc::Errc::invalid_argument);
+  kvc::TokenArray<float> const over_v{v4.data(), 1, 1, 4};
+  CHECK(kvc::compact(kvc::Cpu{}, plan.plan, whole, over_v).code() == kvc::Errc::invalid_argument);
+  REQUIRE(kvc::compact(kvc::Cpu{}, plan.plan, whole).ok());
+  CHECK(lengths == std::vector<Index>{2});
 }

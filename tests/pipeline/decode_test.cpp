@@ -23,6 +23,7 @@
 #include "support/helpers.hpp"
 
 #include <algorithm>
+#include <string>
 #include <vector>
 
 using kvc::Index;
@@ -295,4 +296,72 @@ TEST_CASE("decode: bad schedules, buffers and workspaces are refused") {
   CHECK(kvc::decode_step(kvc::Cpu{}, kvc::KnormScorer{}, sch, work.view(), buf, counter, g.rope.table,
                          kvc::Workspace{ws.bytes.data(), 8})
             .code() == kvc::Errc::out_of_capacity);
+}
+
+namespace {
+
+/// A full 16-token cache with a per-head length table, and a query buffer holding 3 rows of which the last one is
+/// fresh: a compressing step reads rows and positions from row 2 on (the last hidden_states_buffer_size = 1 rows),
+/// and H2O's update reads them from row count - fresh = 2 on.
+struct NullBufferCase {
+  Generation g{1, 1, 2, 16, 8, 6};
+  kvc::tools::HostCache<float> work{g.src};
+  std::vector<float> q = std::vector<float>(2 * 4 * 8, 0.5f);
+  std::vector<Index> pos = {13, 14, 15, 0};
+  kvc::QueryBuffer<float> buf{q.data(), pos.data(), 1, 2, 4, 8, 3, 1};
+  kvc::DecodeSchedule sch{1, 4, 1};
+  kvc::DecodeCounter counter;
+
+  NullBufferCase() {
+    work.lengths = {16};
+    work.per_head = true;
+  }
+  kvc::Status step(kvc::TOVAScorer const& s) {
+    kvc::test::OwnedWorkspace ws(kvc::decode_workspace_bytes(kvc::Cpu{}, s, sch, work.ext, buf));
+    return kvc::decode_step(kvc::Cpu{}, s, sch, work.view(), buf, counter, g.rope.table, ws.get());
+  }
+};
+
+}  // namespace
+
+TEST_CASE("decode: a null QueryBuffer::positions is refused before any offset") {
+  NullBufferCase c;
+  c.buf.positions = nullptr;
+  kvc::Status const st = c.step(kvc::TOVAScorer{});
+  CHECK(st.code() == kvc::Errc::invalid_argument);
+  CHECK(std::string(st.message()).find("`positions`") != std::string::npos);
+  CHECK(c.work.lengths[0] == 16);  // nothing moved
+  CHECK(c.buf.fresh == 1);
+}
+
+TEST_CASE("decode: a null QueryBuffer::data is refused before any offset") {
+  NullBufferCase c;
+  c.buf.data = nullptr;
+  kvc::Status const st = c.step(kvc::TOVAScorer{});
+  CHECK(st.code() == kvc::Errc::invalid_argument);
+  CHECK(std::string(st.message()).find("`data`") != std::string::npos);
+  CHECK(c.work.lengths[0] == 16);
+  // The same buffer with its pointers compresses the head to the target.
+  NullBufferCase ok;
+  REQUIRE(ok.step(kvc::TOVAScorer{}).ok());
+  CHECK(ok.work.lengths[0] == 4);
+}
+
+TEST_CASE("decode: a cache without a per-head length table is refused before anything moves") {
+  // Without a table compaction cannot record the kept count: the cache would still claim 16 tokens, 12 of them
+  // stale copies. A per-sequence table cannot record per-head counts of several heads either.
+  NullBufferCase c;
+  c.work.lengths.clear();
+  kvc::Status const st = c.step(kvc::TOVAScorer{});
+  CHECK(st.code() == kvc::Errc::invalid_argument);
+  CHECK(std::string(st.message()).find("per-head length table") != std::string::npos);
+  CHECK(c.counter.steps == 0);
+  CHECK(c.work.k == c.g.src.k);  // no row moved
+  Generation const g2(1, 2, 2, 16, 8, 7);
+  kvc::tools::HostCache<float> two(g2.src);
+  two.lengths = {16};  // per sequence, two heads
+  kvc::DecodeCounter counter;
+  kvc::test::OwnedWorkspace ws(kvc::decode_workspace_bytes(kvc::Cpu{}, kvc::TOVAScorer{}, c.sch, two.ext, c.buf));
+  CHECK(kvc::decode_step(kvc::Cpu{}, kvc::TOVAScorer{}, c.sch, two.view(), c.buf, counter, g2.rope.table, ws.get())
+            .code() == kvc::Errc::invalid_argument);
 }

@@ -653,6 +653,15 @@ TEST_CASE(
   st = prefill(s, sel, shared.view(), q);
   CHECK(st.code() == kvc::Errc::invalid_argument);
   CHECK(std::string(st.message()).find("per-head length") != std::string::npos);
+  // One KV head without any table: compaction could not record its kept count either (it used to run, leaving the
+  // cache claiming N tokens).
+  auto one = kvc::tools::HostCache<float>::random({1, 1, N, d}, 143);
+  OwnedMoments<> m1(1, 1, d, d);
+  kvc::MomentKVScorer<> s1{m1.state};
+  s1.base.window_size = 4;
+  st = prefill(s1, sel, one.view(), random_queries({1, 1, 4, d}, 144, 1.5f));
+  CHECK(st.code() == kvc::Errc::invalid_argument);
+  CHECK(m1.count == std::vector<Index>{0});
   auto wrong = s;
   wrong.state.key_dim = 3;
   st = prefill(wrong, sel, cache.view(), q);

@@ -8,6 +8,8 @@
 #include "support/catch.hpp"
 #include "support/helpers.hpp"
 
+#include <string>
+
 using kvc::Index;
 
 TEST_CASE("press: compress equals score followed by select", "[pipeline][press]") {
@@ -31,4 +33,21 @@ TEST_CASE("press: compress equals score followed by select", "[pipeline][press]"
   CHECK(a.kept(1, 0).size() == 30);  // floor(61 * 0.5)
   CHECK(a.kept(1, 0).back() == 60);  // recent window of the valid tokens
   CHECK(kvc::compress(kvc::Cpu{}, press, c.view(), a.plan, {}).code() == kvc::Errc::out_of_capacity);
+}
+
+TEST_CASE("press: compress refuses extents whose rows overflow 64 bits before it carves", "[pipeline][press]") {
+  // [2^22, 2^22, 2^22, 1]: batch * heads * tokens = 2^66 rows. Zero strides, so no layout multiplied anything:
+  // compress itself must check before it sizes its score tensor.
+  Index const big = Index{1} << 22;
+  float k = 0.0f;
+  kvc::StridedLayout const l{{big, big, big, 1}, 0, 0, 0};
+  auto const cache = kvc::make_cache(kvc::TokenRows<float, kvc::StridedLayout>(&k, l),
+                                     kvc::TokenRows<float, kvc::StridedLayout>(&k, l));
+  kvc::test::OwnedPlan plan(1, 1, 1);
+  plan.plan.batch = big;
+  plan.plan.heads = big;
+  kvc::Press const press{kvc::KeyDiffScorer{}, kvc::TopKSelector{kvc::RatioBudget{0.5}}};
+  kvc::Status const st = kvc::compress(kvc::Cpu{}, press, cache, plan.plan, {});
+  CHECK(st.code() == kvc::Errc::invalid_argument);
+  CHECK(std::string(st.message()).find("kvc::compress: the cache has a negative extent") != std::string::npos);
 }

@@ -15,6 +15,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <numeric>
 #include <vector>
 
@@ -406,4 +407,21 @@ TEST_CASE("expected_attention: the thread count does not change the scores") {
   kvc::ThreadPool pool(3);
   CHECK(ea_scores(ExpectedAttentionScorer{}, c.cache.view(), st.view) ==
         ea_scores(ExpectedAttentionScorer{}, c.cache.view(), st.view, nullptr, pool.cpu()));
+}
+
+TEST_CASE("expected_attention: a NaN or Inf key gets probability 0, the others a softmax over the finite slots") {
+  // Mean query 0, no covariance, no sinks, no value norms: every finite key has logit 0, so probability 1/4 over the
+  // four finite slots; the bad slot (logit 0 x bad = NaN) gets 0.
+  float const nan = std::numeric_limits<float>::quiet_NaN(), inf = std::numeric_limits<float>::infinity();
+  ExpectedAttentionScorer s;
+  s.n_sink = 0;
+  s.use_covariance = false;
+  s.use_vnorm = false;
+  std::vector<float> mean(2, 0.0f), cov(4, 0.0f);
+  kvc::QueryStatistics<> const st{mean.data(), cov.data(), 1, 1, 2};
+  for (float const bad : {nan, inf}) {
+    auto c = kvc::tools::HostCache<float>::random({1, 1, 5, 2}, 17);
+    c.k[4] = bad;  // slot 2
+    CHECK(ea_scores(s, c.view(), st) == std::vector<float>{0.25f, 0.25f, 0.0f, 0.25f, 0.25f});
+  }
 }

@@ -13,6 +13,7 @@
 #include "support/catch.hpp"
 #include "support/helpers.hpp"
 
+#include <string>
 #include <vector>
 
 namespace {
@@ -166,4 +167,26 @@ TEST_CASE("h2o: processing a prompt token by token is greedy and bounded (origin
         CHECK(pos[pos.size() - static_cast<std::size_t>(recent)] == t - recent + 1);
     }
   }
+}
+
+TEST_CASE("h2o: on_evict refuses a plan of another shape than the cache (it would write past `tracked`)") {
+  // A 1 x 2 cache and its state (`tracked` holds 2 entries); a 1 x 4 plan has 4 counts.
+  kvc::tools::HostCache<float> cache(kvc::KVExtents{1, 2, 8, 2});
+  OwnedState state(1, 2, 8);
+  kvc::H2OScorer<> const s{state.view};
+  kvc::test::OwnedPlan wide(1, 4, 8);
+  std::fill(wide.count.begin(), wide.count.end(), 3);
+  kvc::Status const st = kvc::on_evict(kvc::Cpu{}, s, cache.view(), wide.plan, {});
+  CHECK(st.code() == kvc::Errc::invalid_argument);
+  CHECK(std::string(st.message()).find("`plan`") != std::string::npos);
+  // The kernel checks it too (it is the one that indexes `tracked` by the plan's heads).
+  CHECK(kvc::Kernel<kvc::H2OScorer<>, kvc::Cpu>::on_evict(kvc::Cpu{}, s, cache.view(), wide.plan, {}).code() ==
+        kvc::Errc::invalid_argument);
+  CHECK(state.tracked == std::vector<Index>{0, 0});
+  // A plan of the cache's shape is taken as it is.
+  kvc::test::OwnedPlan fit(1, 2, 8);
+  fit.count[0] = 3;
+  fit.count[1] = 5;
+  REQUIRE(kvc::on_evict(kvc::Cpu{}, s, cache.view(), fit.plan, {}).ok());
+  CHECK(state.tracked == std::vector<Index>{3, 5});
 }

@@ -11,7 +11,9 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <numeric>
+#include <string>
 #include <vector>
 
 namespace {
@@ -449,4 +451,55 @@ TEST_CASE("key_diff: bf16 keys at 1e30 match the fp64 oracle on the rounded keys
   kvc::KeyDiffScorer raw;
   raw.anchor = kvc::KeyDiffAnchor::raw_mean;
   check_against_oracle(key_diff_scores(k, dim, raw), oracle(widen(k), dim, raw), {10, 30, 50});
+}
+
+TEST_CASE("key_diff: a NaN or Inf key scores -inf and leaves the anchor to the finite keys", "[scorers][key_diff]") {
+  // Spec case 1 with a bad key inserted at slot 2: the anchor is still the mean of (1,0), (0,1), (1,1)/sqrt2, so the
+  // finite keys score -1/sqrt2, -1/sqrt2, -1 as without it (hand values), and the bad key -inf (evicted first).
+  float const nan = std::numeric_limits<float>::quiet_NaN(), inf = std::numeric_limits<float>::infinity();
+  for (float const bad : {nan, inf, -inf}) {
+    auto const s = key_diff_scores<float>({1, 0, 0, 1, bad, 0, 1, 1}, 2);
+    CHECK_THAT(s[0], WithinAbs(-1.0 / std::sqrt(2.0), 1e-6));
+    CHECK_THAT(s[1], WithinAbs(-1.0 / std::sqrt(2.0), 1e-6));
+    CHECK(s[2] == -inf);
+    CHECK_THAT(s[3], WithinAbs(-1.0, 1e-6));
+    CHECK(keep_top(s, 3) == std::vector<Index>{0, 1, 3});
+  }
+  // The raw-mean anchor too: mu = mean of (2, 0) and (0, 2) = (1, 1), so (2, 0) scores -1/sqrt2.
+  auto const raw = key_diff_scores<float>({2, 0, nan, nan, 0, 2}, 2, {kvc::KeyDiffAnchor::raw_mean});
+  CHECK_THAT(raw[0], WithinAbs(-1.0 / std::sqrt(2.0), 1e-6));
+  CHECK(raw[1] == -inf);
+  CHECK_THAT(raw[2], WithinAbs(-1.0 / std::sqrt(2.0), 1e-6));
+  // fp16 keys: an Inf element (65504 * 2 rounds to Inf) likewise.
+  auto const h = key_diff_scores<kvc::half>(
+      {kvc::half(1.0f), kvc::half(0.0f), kvc::half(inf), kvc::half(0.0f), kvc::half(0.0f), kvc::half(1.0f)}, 2);
+  CHECK_THAT(h[0], WithinAbs(-1.0 / std::sqrt(2.0), 1e-3));
+  CHECK(h[1] == -inf);
+  CHECK_THAT(h[2], WithinAbs(-1.0 / std::sqrt(2.0), 1e-3));
+}
+
+TEST_CASE("key_diff: score refuses an output buffer over the cache's keys or values", "[scorers][key_diff]") {
+  // K rows (1,0), (0,1), (1,1) in one buffer with V; scores [1, 1, 3] written over K would change the keys the
+  // second pass reads. Refused before anything is written.
+  std::vector<float> kv = {1, 0, 0, 1, 1, 1, 7, 7, 7, 7, 7, 7};
+  kvc::KVExtents const e{1, 1, 3, 2};
+  auto const cache = kvc::dense_cache(kv.data(), kv.data() + 6, e);
+  kvc::test::OwnedWorkspace ws(kvc::score_workspace_bytes(kvc::Cpu{}, kvc::KeyDiffScorer{}, e));
+  std::vector<float> const before = kv;
+  for (Index at : {Index{0}, Index{3}, Index{5}, Index{8}}) {  // over K, across K and V, over V
+    kvc::Status const st =
+        kvc::score(kvc::Cpu{}, kvc::KeyDiffScorer{}, cache, kvc::ScoreSpan<>{kv.data() + at, 1, 1, 3}, ws.get());
+    CHECK(st.code() == kvc::Errc::invalid_argument);
+    CHECK(std::string(st.message()) == "kvc::score: `out` overlaps the cache's keys or values");
+  }
+  CHECK(kv == before);
+  // A workspace large enough but over K is refused as well.
+  std::vector<float> out(3), big(kv.size() + ws.bytes.size() / sizeof(float) + 16);
+  std::copy(kv.begin(), kv.end(), big.begin());
+  auto const in_big = kvc::dense_cache(big.data(), big.data() + 6, e);
+  CHECK(kvc::score(kvc::Cpu{}, kvc::KeyDiffScorer{}, in_big, kvc::ScoreSpan<>{out.data(), 1, 1, 3},
+                   kvc::Workspace{big.data(), big.size() * sizeof(float)})
+            .code() == kvc::Errc::invalid_argument);
+  REQUIRE(kvc::score(kvc::Cpu{}, kvc::KeyDiffScorer{}, cache, kvc::ScoreSpan<>{out.data(), 1, 1, 3}, ws.get()).ok());
+  CHECK_THAT(out[2], WithinAbs(-1.0, 1e-6));
 }

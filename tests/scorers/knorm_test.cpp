@@ -182,3 +182,13 @@ TEST_CASE("knorm: subnormal keys and a zero key score exactly, a norm past FLT_M
   CHECK(s[2] == -std::numeric_limits<float>::infinity());  // 3e38 * sqrt2 > FLT_MAX: fp32 can only hold -inf
   CHECK_THAT(s[3], WithinAbs(-5e-39, 2 * tiny));
 }
+
+TEST_CASE("knorm: a NaN or Inf key scores -inf, its neighbours their norms", "[scorers][knorm]") {
+  float const nan = std::numeric_limits<float>::quiet_NaN(), inf = std::numeric_limits<float>::infinity();
+  std::vector<float> k = {3, 4, nan, 0, inf, 1, 0, 0};  // norms 5, NaN, inf, 0
+  kvc::KVExtents const e{1, 1, 4, 2};
+  kvc::test::OwnedScores out(1, 1, 4);
+  kvc::test::OwnedWorkspace ws(kvc::score_workspace_bytes(kvc::Cpu{}, kvc::KnormScorer{}, e));
+  REQUIRE(kvc::score(kvc::Cpu{}, kvc::KnormScorer{}, kvc::dense_cache(k.data(), k.data(), e), out.span, ws.get()).ok());
+  CHECK(out.data == std::vector<float>{-5.0f, -inf, -inf, 0.0f});
+}

@@ -542,3 +542,32 @@ TEST_CASE("moment_kv: bad parameters, states of another shape and short workspac
   CHECK(kvc::on_evict(kvc::Cpu{}, s, cache.view(), plan.plan, ews.get()).ok());
   CHECK(mom.count == std::vector<Index>{6, 7});
 }
+
+TEST_CASE("moment_kv: an evicted row with a NaN or Inf is dropped from the fold, a NaN residual scores -inf") {
+  // One head of 6 slots: slot 2's key is NaN, slot 3's value holds an Inf. Evicting slots 1, 2, 3 folds slot 1 only
+  // (folding the others would make the head's moments, and so all its later scores, NaN): the moments equal the
+  // brute-force moments of {1}.
+  float const nan = std::numeric_limits<float>::quiet_NaN(), inf = std::numeric_limits<float>::infinity();
+  kvc::KVExtents const e{1, 1, 6, 4};
+  auto cache = kvc::tools::HostCache<float>::random(e, 71);
+  cache.track(6);
+  std::fill_n(cache.k.begin() + 2 * 4, 4, nan);
+  cache.v[3 * 4 + 1] = inf;
+  auto const original = cache;
+  OwnedMoments<> mom(1, 1, 4, 4);
+  kvc::MomentKVScorer<> s{mom.state};
+  evict(s, cache.view(), {{0, 4, 5}}, false);
+  CHECK(mom.count[0] == 1);
+  CHECK(close(mom.get(0), brute_moments(original, 0, 0, {1}), 1e-5));
+  // Nothing finite to fold: the moments stay as they are.
+  evict(s, cache.view(), {{0, 1, 4, 5}}, false);
+  CHECK(mom.count[0] == 1);
+  CHECK(close(mom.get(0), brute_moments(original, 0, 0, {1}), 1e-5));
+  // Scores with those moments: slot 2's residual C k_2 is NaN, so it scores -inf; every other slot is finite.
+  auto base = random_base(e.rows(), 72);
+  s.fixed_base = {base.data(), 1, 1, 6};
+  auto const scores = score_of(s, cache.view(), random_queries({1, 1, 1, 4}, 73, 1.0f));
+  CHECK(scores[2] == -inf);
+  for (Index t : {0, 1, 4, 5})
+    CHECK(std::isfinite(scores[static_cast<std::size_t>(t)]));
+}

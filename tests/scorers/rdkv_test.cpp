@@ -597,3 +597,31 @@ TEST_CASE("rdkv: invalid parameters and shapes are rejected", "[scorers][rdkv]")
 }
 
 }  // namespace
+
+TEST_CASE("rdkv: a NaN or Inf key gets probability 0 (derived) and stays out of ThinK's channel means",
+          "[scorers][rdkv]") {
+  float const nan = std::numeric_limits<float>::quiet_NaN(), inf = std::numeric_limits<float>::infinity();
+  for (float const bad : {nan, inf}) {
+    // derived, kernel 1, one zero query row at the last position: the 3 finite keys get a = 1/3, so a^2 = 1/9,
+    // times d_v sigma^2 = 2 for values (1, -1); the bad slot 1 gets 0.
+    kvc::tools::HostCache<float> c({1, 1, 4, 2});
+    c.k = {1, 2, bad, 0, 3, 4, 0, 1};
+    c.v = {1, -1, 1, -1, 1, -1, 1, -1};
+    kvc::test::OwnedQueries<float> zero({1, 1, 1, 2});
+    std::fill(zero.data.begin(), zero.data.end(), 0.0f);
+    auto const got = rdkv_scores(kvc::Cpu{}, derived(1, 1), c.view(), kvc::WindowQueries<float>{zero.rows()});
+    REQUIRE(got.status.ok());
+    CHECK_THAT(got.scores[0], WithinAbs(2.0 / 9.0, 1e-6));
+    CHECK(got.scores[1] == 0.0f);
+    CHECK_THAT(got.scores[2], WithinAbs(2.0 / 9.0, 1e-6));
+    CHECK_THAT(got.scores[3], WithinAbs(2.0 / 9.0, 1e-6));
+    // ThinK: query (1, 1); mean k_c^2 over the finite keys (1, 2), (3, 4), (0, 1): (10/3, 21/3).
+    kvc::test::OwnedQueries<float> ones({1, 1, 1, 2});
+    std::fill(ones.data.begin(), ones.data.end(), 1.0f);
+    auto const channels =
+        think_scores(kvc::Cpu{}, ThinKChannelScorer{1}, c.view(), kvc::WindowQueries<float>{ones.rows()});
+    REQUIRE(channels.status.ok());
+    CHECK_THAT(channels.scores[0], WithinAbs(10.0 / 3.0, 1e-5));
+    CHECK_THAT(channels.scores[1], WithinAbs(7.0, 1e-5));
+  }
+}

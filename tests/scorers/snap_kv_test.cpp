@@ -682,3 +682,27 @@ TEST_CASE("snap_kv: the workspace query stays sane for an invalid window size", 
     CHECK(kvc::score(kvc::Cpu{}, s, p.cache.view(), obs, out.span, ws.get()).code() == kvc::Errc::invalid_argument);
   }
 }
+
+TEST_CASE("snap_kv: a NaN or Inf key gets attention 0, the others a softmax over the finite slots",
+          "[scorers][snap_kv]") {
+  // The shared window kernel (SnapKV, TOVA, H2O, ObservedAttention, UNComp, RDKV, MomentKV's base). Zero queries:
+  // every finite key has logit 0, a bad one 0 x bad = NaN. Six slots, window w = 2 at positions 4 and 5, slot 1 bad:
+  // row 4 sees slots {0, 2, 3, 4} (1/4 each), row 5 sees {0, 2, 3, 4, 5} (1/5 each). Authors' votes, kernel 1:
+  // prefix slots 0, 2, 3 score 1/4 + 1/5 = 0.45, slot 1 scores 0, the window max + 1 = 1.45.
+  float const nan = std::numeric_limits<float>::quiet_NaN(), inf = std::numeric_limits<float>::infinity();
+  for (float const bad : {nan, inf, -inf}) {
+    auto c = kvc::tools::HostCache<float>::random({1, 1, 6, 2}, 91);
+    c.k[2] = bad;  // slot 1, first element
+    kvc::test::OwnedQueries<float> q({1, 1, 2, 2});
+    std::fill(q.data.begin(), q.data.end(), 0.0f);
+    auto const got =
+        snap_scores(kvc::Cpu{}, authors(2, 1, Pooling::max), c.view(), kvc::WindowQueries<float>{q.rows()});
+    REQUIRE(got.status.ok());
+    CHECK_THAT(got.scores[0], WithinAbs(0.45, 1e-6));
+    CHECK(got.scores[1] == 0.0f);
+    CHECK_THAT(got.scores[2], WithinAbs(0.45, 1e-6));
+    CHECK_THAT(got.scores[3], WithinAbs(0.45, 1e-6));
+    CHECK_THAT(got.scores[4], WithinAbs(1.45, 1e-6));
+    CHECK_THAT(got.scores[5], WithinAbs(1.45, 1e-6));
+  }
+}

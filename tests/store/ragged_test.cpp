@@ -20,6 +20,7 @@
 #include <algorithm>
 #include <cstring>
 #include <numeric>
+#include <string>
 #include <vector>
 
 using kvc::Index;
@@ -304,4 +305,37 @@ TEST_CASE("decode driver on a ragged store with AdaKV: equal to the uniform cach
   CHECK(store.lengths[0] != store.lengths[1]);  // AdaKV gave the heads different budgets
   kvc::StoreReport const r = kvc::store_report(store.view());
   CHECK(r.held_bytes == (store.lengths[0] + store.lengths[1] + 2 * 8) * r.row_bytes);
+}
+
+TEST_CASE("ragged store: score, attend and compact check each length against its head's own segment") {
+  // Segments of 3 and 2 rows (5 rows of d = 4, exactly sized buffers); head 1 claims 3 tokens: within ext.tokens = 3
+  // but past its segment, so its third row would be read past the buffer. Every entry point refuses it.
+  std::vector<float> k(5 * 4, 0.5f), v(5 * 4, 0.25f);
+  std::vector<Index> offsets{0, 3, 5}, lengths{3, 3};
+  kvc::RaggedShape const shape{5, 3};
+  auto const cache =
+      kvc::ragged_cache(k.data(), v.data(), 1, 2, 4, 4, shape, offsets.data(), kvc::head_lengths(lengths.data(), 2));
+  std::string const message = "every valid length of the cache must be in [0, its head's capacity]";
+  kvc::test::OwnedScores scores(1, 2, 3);
+  kvc::test::OwnedWorkspace sws(kvc::score_workspace_bytes(kvc::Cpu{}, kvc::KeyDiffScorer{}, cache.keys.extents()));
+  kvc::Status st = kvc::score(kvc::Cpu{}, kvc::KeyDiffScorer{}, cache, scores.span, sws.get());
+  CHECK(st.code() == kvc::Errc::invalid_argument);
+  CHECK(std::string(st.message()).find(message) != std::string::npos);
+  std::vector<float> q(2 * 4, 1.0f), out(2 * 4);
+  kvc::AttendQueries<float> const queries{{q.data(), kvc::bhtd_layout({1, 2, 1, 4})}};
+  kvc::test::OwnedWorkspace aws(kvc::attend_workspace_bytes(kvc::Cpu{}, kvc::Attention{}, queries, cache));
+  st = kvc::attend(kvc::Cpu{}, kvc::Attention{}, queries, cache, {out.data()}, aws.get());
+  CHECK(st.code() == kvc::Errc::invalid_argument);
+  CHECK(std::string(st.message()).find(message) != std::string::npos);
+  auto const plan = kvc::test::plan_of(1, 2, 3, {{0, 2}, {0, 1}});
+  st = kvc::compact(kvc::Cpu{}, plan.plan, cache);
+  CHECK(st.code() == kvc::Errc::invalid_argument);
+  CHECK(std::string(st.message()).find(message) != std::string::npos);
+  CHECK(lengths == std::vector<Index>{3, 3});
+  // Within the segments, all three run.
+  lengths = {3, 2};
+  CHECK(kvc::score(kvc::Cpu{}, kvc::KeyDiffScorer{}, cache, scores.span, sws.get()).ok());
+  CHECK(kvc::attend(kvc::Cpu{}, kvc::Attention{}, queries, cache, {out.data()}, aws.get()).ok());
+  CHECK(kvc::compact(kvc::Cpu{}, plan.plan, cache).ok());
+  CHECK(lengths == std::vector<Index>{2, 2});
 }

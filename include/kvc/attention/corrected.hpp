@@ -13,6 +13,7 @@
 #pragma once
 
 #include <kvc/attention/attend.hpp>
+#include <kvc/core/checks.hpp>
 #include <kvc/core/moments.hpp>
 
 #include <cstddef>
@@ -65,7 +66,22 @@ Status attend_corrected(B const& backend, CorrectedAttention const& op,
   if constexpr (HasKernel<CorrectedAttention, B>) {
     KVC_RETURN_IF_ERROR(op.check());
     KVExtents const k = cache.keys.extents();
+    KVC_RETURN_IF_ERROR(detail::check_cache(cache, KVC_CACHE_MESSAGES("kvc::attend_corrected", "the cache")));
+    if (!extents_fit(queries.rows.extents()))
+      return {Errc::invalid_argument,
+              "kvc::attend_corrected: the queries' extents must be >= 0 and their element count fit in 64 bits"};
     KVC_RETURN_IF_ERROR(moments.check(k.batch, k.heads, k.dim, cache.values.extents().dim));
+    // The merge reads the moments after the attention wrote `out` (attend checks `out` against the cache).
+    Index const heads = saturating_product(k.batch, k.heads), rows = queries.rows.extents().rows();
+    detail::ByteRange const moment_ranges[] = {
+        detail::bytes_of(moments.count, heads), detail::bytes_of(moments.key_mean, saturating_product(heads, k.dim)),
+        detail::bytes_of(moments.value_mean, saturating_product(heads, moments.value_dim)),
+        detail::bytes_of(moments.comoment, saturating_product(heads, moments.value_dim, k.dim))};
+    detail::ByteRange const o = detail::bytes_of(out.out, saturating_product(rows, moments.value_dim)),
+                            l = detail::bytes_of(out.lse, rows);
+    for (detail::ByteRange const m : moment_ranges)
+      if (detail::overlap(m, o) || detail::overlap(m, l))
+        return {Errc::invalid_argument, "kvc::attend_corrected: `out` overlaps the moments"};
     if (ws.bytes < attend_corrected_workspace_bytes(backend, op, queries, cache, moments))
       return {Errc::out_of_capacity,
               "kvc::attend_corrected: workspace smaller than attend_corrected_workspace_bytes()"};

@@ -58,6 +58,9 @@ Status attend_packed(B const& backend, Attention const& op, AttendQueries<T, typ
                 "kvc::attend_packed: include <kvc/backend/cpu/attention/packed.hpp> (kvc::Cpu)");
   if constexpr (HasKernel<PackedAttention, B>) {
     KVExtents const q = queries.rows.extents();
+    if (!extents_fit(q))
+      return {Errc::invalid_argument,
+              "kvc::attend_packed: the queries' extents must be >= 0 and their element count fit in 64 bits"};
     KVC_RETURN_IF_ERROR(check_packed_view(kv,
                                           "kvc::attend_packed: malformed PackedKVView (negative sizes or null "
                                           "tables)"));
@@ -71,6 +74,11 @@ Status attend_packed(B const& backend, Attention const& op, AttendQueries<T, typ
       return {Errc::invalid_argument, "kvc::attend_packed: `out.out` is null"};
     if (queries.rows.data() == nullptr && q.rows() > 0)
       return {Errc::invalid_argument, "kvc::attend_packed: the queries' data pointer is null"};
+    // The outputs are written while the queries are still read (the packed arena's extent is in its descriptors).
+    detail::ByteRange const o = detail::bytes_of(out.out, saturating_product(q.rows(), kv.value_dim)),
+                            lse = detail::bytes_of(out.lse, q.rows()), read = detail::bytes_of(queries.rows);
+    if (detail::overlap(o, read) || detail::overlap(lse, read) || detail::overlap(o, lse))
+      return {Errc::invalid_argument, "kvc::attend_packed: `out.out`, `out.lse` and the queries must not overlap"};
     PackedAttention const pop{op};
     if (ws.bytes < Kernel<PackedAttention, B>::workspace_bytes(backend, pop, queries, kv))
       return {Errc::out_of_capacity, "kvc::attend_packed: workspace smaller than attend_packed_workspace_bytes()"};

@@ -9,6 +9,7 @@
 #pragma once
 
 #include <kvc/core/budget.hpp>
+#include <kvc/core/checks.hpp>
 #include <kvc/core/kernel.hpp>
 #include <kvc/core/scores.hpp>
 #include <kvc/core/selector.hpp>
@@ -51,8 +52,14 @@ Status allocate(B const& backend, Sel const& sel, ScoreSpan<typename B::memory_s
                 "kvc::allocate: the budget's table lives in a memory space this backend cannot read");
   if constexpr (HasKernel<Allocation<Sel>, B> && BudgetReadableBy<typename Sel::budget_type, B>) {
     KVC_RETURN_IF_ERROR(sel.check());
+    if (!detail::scores_fit(scores))  // data may be null: an allocator that does not read scores (UNComp's)
+      return {Errc::invalid_argument,
+              "kvc::allocate: `scores` must have extents >= 0 whose element count fits in 64 bits"};
     if (table == nullptr && scores.batch * scores.heads > 0)
       return {Errc::invalid_argument, "kvc::allocate: `table` ([batch, heads]) must not be null"};
+    if (detail::overlap(detail::bytes_of(table, scores.batch * scores.heads),
+                        detail::bytes_of(scores.data, scores.size())))
+      return {Errc::invalid_argument, "kvc::allocate: `table` overlaps `scores`"};
     KVC_RETURN_IF_ERROR(check_length_table(
         scores.lengths, scores.heads, "kvc::allocate: a per-head length table must be [batch, heads of the scores]"));
     if (ws.bytes < Kernel<Allocation<Sel>, B>::workspace_bytes(backend, sel, scores.batch, scores.heads, scores.tokens))

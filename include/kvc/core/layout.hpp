@@ -26,14 +26,18 @@ struct StridedLayout {
   }
 };
 
+// The constructors below multiply caller-given extents: they use saturating_product (extents.hpp), so extents whose
+// element count overflows give a saturated stride, never a signed overflow, and kvc::validate and every entry point
+// reject them (extents_fit) before an offset is computed.
+
 /// Contiguous [batch, heads, tokens, dim] (the Hugging Face cache layout).
 constexpr StridedLayout bhtd_layout(KVExtents e) noexcept {
-  return {e, e.heads * e.tokens * e.dim, e.tokens * e.dim, e.dim};
+  return {e, saturating_product(e.heads, e.tokens, e.dim), saturating_product(e.tokens, e.dim), e.dim};
 }
 
 /// Contiguous [batch, tokens, heads, dim] (flash-attn, token-major engines).
 constexpr StridedLayout bthd_layout(KVExtents e) noexcept {
-  return {e, e.tokens * e.heads * e.dim, e.dim, e.heads * e.dim};
+  return {e, saturating_product(e.tokens, e.heads, e.dim), e.dim, saturating_product(e.heads, e.dim)};
 }
 
 /// Where a token's row sits inside one page.
@@ -73,10 +77,12 @@ struct PagedLayout {
 /// A paged layout over a pool of `num_pages` [page] blocks with a padded block table [batch, max_pages].
 constexpr PagedLayout paged_layout(KVExtents e, Index page_size, PageOrder order, std::int32_t const* block_table,
                                    Index max_pages, Index num_pages) noexcept {
-  PagedLayout l{e,         page_size, page_size * e.heads * e.dim, 0, 0, block_table, max_pages, nullptr, nullptr,
+  PagedLayout l{e,         page_size, saturating_product(page_size, e.heads, e.dim),
+                0,         0,         block_table,
+                max_pages, nullptr,   nullptr,
                 num_pages, 0};
-  l.stride_h = order == PageOrder::nhd ? e.dim : page_size * e.dim;
-  l.stride_t = order == PageOrder::nhd ? e.heads * e.dim : e.dim;
+  l.stride_h = order == PageOrder::nhd ? e.dim : saturating_product(page_size, e.dim);
+  l.stride_t = order == PageOrder::nhd ? saturating_product(e.heads, e.dim) : e.dim;
   return l;
 }
 
@@ -150,8 +156,13 @@ struct HeadPagedLayout {
 constexpr HeadPagedLayout head_paged_layout(Index batch, Index heads, Index dim, Index page_size,
                                             std::int32_t const* block_table, Index max_pages,
                                             Index num_pages) noexcept {
-  return {
-      {batch, heads, max_pages * page_size, dim}, page_size, page_size * dim, dim, block_table, max_pages, num_pages};
+  return {{batch, heads, saturating_product(max_pages, page_size), dim},
+          page_size,
+          saturating_product(page_size, dim),
+          dim,
+          block_table,
+          max_pages,
+          num_pages};
 }
 
 /// Layouts whose heads own different numbers of slots (RaggedLayout).

@@ -14,6 +14,7 @@
 #pragma once
 
 #include <kvc/core/backend.hpp>
+#include <kvc/core/checks.hpp>
 #include <kvc/core/keep_plan.hpp>
 #include <kvc/core/kernel.hpp>
 #include <kvc/core/kv_view.hpp>
@@ -120,7 +121,8 @@ std::size_t score_workspace_bytes(B const& backend, S const& scorer, KVExtents c
 
 /// Scores every token of every (batch, KV head): out is [batch, heads, tokens] fp32, higher = keep; padding
 /// (t >= cache.length(b, h)) gets -inf. `obs` carries the observations the scorer's `needs` names.
-/// Errors: out's shape differs from the keys' (invalid_argument), workspace too small (out_of_capacity).
+/// Errors: the cache's checks (detail::check_cache), out's shape differs from the keys' or `out` or the workspace
+/// overlaps the cache's K or V, or each other (invalid_argument), workspace too small (out_of_capacity).
 template <Backend B, Scorer S, KVCacheView C, ObservationSet Obs>
 Status score(B const& backend, S const& scorer, C const& cache, Obs const& obs, ScoreSpan<typename B::memory_space> out,
              Workspace ws) {
@@ -133,15 +135,19 @@ Status score(B const& backend, S const& scorer, C const& cache, Obs const& obs, 
   constexpr bool complete = check_observations<S, Obs>();
   if constexpr (AccessibleFrom<C, B> && ObservationsReadableBy<Obs, B> && HasKernel<S, B> && complete) {
     KVExtents const e = cache.keys.extents();
+    KVC_RETURN_IF_ERROR(detail::check_cache(cache, KVC_CACHE_MESSAGES("kvc::score", "the cache")));
     if (out.batch != e.batch || out.heads != e.heads || out.tokens != e.tokens)
       return {Errc::invalid_argument, "kvc::score: `out` must be [batch, heads, tokens] of the keys"};
     if (out.data == nullptr && out.size() > 0)
       return {Errc::invalid_argument, "kvc::score: `out.data` is null"};
-    KVC_RETURN_IF_ERROR(check_length_table(cache.lengths, e.heads,
-                                           "kvc::score: the cache's per-head length table must be [batch, KV heads]"));
     // Checked before a kernel multiplies extents to carve it (a saturated size is never satisfied; slack aside).
     if (ws.bytes < Kernel<S, B>::workspace_bytes(backend, scorer, e, obs))
       return {Errc::out_of_capacity, "kvc::score: workspace smaller than score_workspace_bytes()"};
+    detail::ByteRange const written = detail::bytes_of(out.data, out.size()), scratch = detail::bytes_of(ws);
+    if (detail::overlaps_cache(written, cache))
+      return {Errc::invalid_argument, "kvc::score: `out` overlaps the cache's keys or values"};
+    if (detail::overlaps_cache(scratch, cache) || detail::overlap(scratch, written))
+      return {Errc::invalid_argument, "kvc::score: the workspace overlaps `out` or the cache's keys or values"};
     out.lengths = cache.lengths;
     return Kernel<S, B>::run(backend, scorer, cache, obs, out, ws);
   } else {
@@ -185,6 +191,9 @@ Status update(B const& backend, S const& scorer, C const& cache, Obs const& obs,
     static_assert(AccessibleFrom<C, B>, "kvc::update: the cache lives in a memory space this backend cannot read");
     static_assert(ObservationsReadableBy<Obs, B>,
                   "kvc::update: the observations live in a memory space this backend cannot read");
+    KVC_RETURN_IF_ERROR(detail::check_cache(cache, KVC_CACHE_MESSAGES("kvc::update", "the cache")));
+    if (detail::overlaps_cache(detail::bytes_of(ws), cache))
+      return {Errc::invalid_argument, "kvc::update: the workspace overlaps the cache's keys or values"};
     if (ws.bytes < detail::update_scratch<Kernel<S, B>>(backend, scorer, cache.keys.extents(), obs))
       return {Errc::out_of_capacity, "kvc::update: workspace smaller than update_workspace_bytes()"};
     return Kernel<S, B>::update(backend, scorer, cache, obs, ws);
@@ -214,12 +223,22 @@ std::size_t on_evict_workspace_bytes(B const& backend, S const& scorer, KVExtent
 }
 
 /// State hook: a stateful scorer sees the plan (the complement is the evicted set) before kvc::compact moves the
-/// cache (MomentKV folds the evicted rows into its moments). A no-op for stateless scorers.
+/// cache (MomentKV folds the evicted rows into its moments). A no-op for stateless scorers, after the checks every
+/// scorer's plan gets: the cache's (detail::check_cache) and the plan's shape, [batch, heads] of the cache with
+/// non-null arrays (a state sized for the cache is indexed by the plan's heads).
 template <Backend B, Scorer S, KVCacheView C>
 Status on_evict(B const& backend, S const& scorer, C const& cache, KeepPlan<typename B::memory_space> const& plan,
                 Workspace ws) {
+  KVExtents const e = cache.keys.extents();
+  KVC_RETURN_IF_ERROR(detail::check_cache(cache, KVC_CACHE_MESSAGES("kvc::on_evict", "the cache")));
+  if (plan.batch != e.batch || plan.heads != e.heads || plan.capacity < 0)
+    return {Errc::invalid_argument, "kvc::on_evict: `plan` must have the cache's batch and heads (capacity >= 0)"};
+  if ((plan.index == nullptr || plan.count == nullptr) && e.batch * e.heads > 0)
+    return {Errc::invalid_argument, "kvc::on_evict: `plan.index` and `plan.count` must not be null"};
   if constexpr (StatefulScorer<S>) {
-    if (ws.bytes < detail::on_evict_scratch<Kernel<S, B>>(backend, scorer, cache.keys.extents()))
+    if (detail::overlaps_cache(detail::bytes_of(ws), cache))
+      return {Errc::invalid_argument, "kvc::on_evict: the workspace overlaps the cache's keys or values"};
+    if (ws.bytes < detail::on_evict_scratch<Kernel<S, B>>(backend, scorer, e))
       return {Errc::out_of_capacity, "kvc::on_evict: workspace smaller than on_evict_workspace_bytes()"};
     return Kernel<S, B>::on_evict(backend, scorer, cache, plan, ws);
   } else {

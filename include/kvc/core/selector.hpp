@@ -4,6 +4,7 @@
 
 #include <kvc/core/backend.hpp>
 #include <kvc/core/budget.hpp>
+#include <kvc/core/checks.hpp>
 #include <kvc/core/keep_plan.hpp>
 #include <kvc/core/kernel.hpp>
 #include <kvc/core/scores.hpp>
@@ -52,12 +53,25 @@ Status select(B const& backend, S const& selector, ScoreSpan<typename B::memory_
                 "kvc::select: the budget's table lives in a memory space this backend cannot read (use "
                 "PerHeadBudget<DeviceSpace> with kvc::Cuda)");
   if constexpr (HasKernel<S, B> && BudgetReadableBy<typename S::budget_type, B>) {
+    if (!detail::scores_fit(scores) || (scores.data == nullptr && scores.size() > 0))
+      return {Errc::invalid_argument,
+              "kvc::select: `scores` must have extents >= 0 whose element count fits in 64 bits, and data"};
     if (plan.batch != scores.batch || plan.heads != scores.heads)
       return {Errc::invalid_argument, "kvc::select: `plan` must have the scores' batch and heads"};
     if ((plan.index == nullptr || plan.count == nullptr) && plan.batch * plan.heads > 0)
       return {Errc::invalid_argument, "kvc::select: `plan.index` and `plan.count` must not be null"};
-    if (plan.capacity < 0)
-      return {Errc::invalid_argument, "kvc::select: `plan.capacity` must be >= 0"};
+    Index cells = 0;
+    if (plan.capacity < 0 || !checked_product(cells, plan.batch, plan.heads, plan.capacity))
+      return {Errc::invalid_argument, "kvc::select: `plan.capacity` must be >= 0 and [batch, heads, capacity] fit"};
+    // The plan is written while the scores are read (and a selector's scratch is written beside both).
+    detail::PlanBytes const written = detail::bytes_of(plan);
+    detail::ByteRange const read = detail::bytes_of(scores.data, scores.size()), scratch = detail::bytes_of(ws);
+    if (detail::overlap(written.index, read) || detail::overlap(written.count, read) ||
+        detail::overlap(written.index, written.count))
+      return {Errc::invalid_argument, "kvc::select: `plan.index`, `plan.count` and `scores` must not overlap"};
+    if (detail::overlap(scratch, read) || detail::overlap(scratch, written.index) ||
+        detail::overlap(scratch, written.count))
+      return {Errc::invalid_argument, "kvc::select: the workspace overlaps `scores` or `plan`"};
     KVC_RETURN_IF_ERROR(check_length_table(
         scores.lengths, scores.heads, "kvc::select: a per-head length table must be [batch, heads of the scores]"));
     if constexpr (requires { selector.budget.heads; })

@@ -2,6 +2,7 @@
 // kvc/core/validate.hpp: opt-in checks of a cache view before it is handed to kernels.
 #pragma once
 
+#include <kvc/core/checks.hpp>
 #include <kvc/core/element.hpp>
 #include <kvc/core/kv_view.hpp>
 #include <kvc/core/layout.hpp>
@@ -10,7 +11,6 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <initializer_list>
 #include <type_traits>
 
 namespace kvc {
@@ -31,87 +31,9 @@ constexpr bool in_exact_range(double x, Index dim) noexcept {
 
 namespace detail {
 
-/// r = a * b; false when the exact product does not fit in 64 bits. With checked_add, the one overflow check of
-/// validate's size arithmetic.
-constexpr bool checked_mul(Index a, Index b, Index& r) noexcept {
-  return !__builtin_mul_overflow(a, b, &r);
-}
-
-/// r = a + b; false when the exact sum does not fit in 64 bits.
-constexpr bool checked_add(Index a, Index b, Index& r) noexcept {
-  return !__builtin_add_overflow(a, b, &r);
-}
-
-/// The rows a view can address, as (stride, extent) axes over rows of `dim` elements: a strided view's batch, head
-/// and token axes, or a paged view's pool (page, in-page head, in-page token: every page id in [0, num_pages)).
-/// Axes of extent 1 add no offset and are left out; the rest are sorted by stride. `empty`: no row at all.
-struct RowAxes {
-  struct Axis {
-    Index stride = 0, extent = 0;
-    friend constexpr bool operator==(Axis, Axis) = default;
-  };
-  Axis axis[3];
-  int count = 0;
-  Index dim = 0;
-  bool empty = false;
-
-  constexpr RowAxes(Index d, bool none, Axis a, Axis b, Axis c) noexcept : dim(d), empty(none) {
-    for (Axis const x : {a, b, c}) {
-      if (x.extent <= 1)
-        continue;
-      int i = count++;  // insertion by stride (three axes at most; std::sort here trips GCC 12's -Warray-bounds)
-      for (; i > 0 && axis[i - 1].stride > x.stride; --i)
-        axis[i] = axis[i - 1];
-      axis[i] = x;
-    }
-  }
-};
-
-inline RowAxes row_axes(StridedLayout const& l) noexcept {
-  KVExtents const e = l.ext;
-  return {e.dim,
-          e.batch == 0 || e.heads == 0 || e.tokens == 0,
-          {l.stride_b, e.batch},
-          {l.stride_h, e.heads},
-          {l.stride_t, e.tokens}};
-}
-
-inline RowAxes row_axes(PagedLayout const& l) noexcept {
-  KVExtents const e = l.ext;
-  Index const in_page = std::min(l.page_size, e.tokens);  // token slots of a page the view can address
-  return {e.dim,
-          e.batch == 0 || e.heads == 0 || in_page <= 0 || l.num_pages <= 0,
-          {l.stride_page, l.num_pages},
-          {l.stride_h, e.heads},
-          {l.stride_t, in_page}};
-}
-
-/// Layouts whose rows validate can enumerate as axes (a user-defined TokenLayout is checked for extents only).
+/// Layouts whose rows layout_status checks through their axes (the others have their own field checks).
 template <class L>
 inline constexpr bool axes_layout = std::is_same_v<L, StridedLayout> || std::is_same_v<L, PagedLayout>;
-
-enum class SpanError { none, overlap, overflow };
-
-/// Elements spanned by the rows (largest offset + dim; 0 when there is no row). Rows never overlap iff each stride
-/// covers everything inside it (the block of the smaller axes). Strides must be >= 0.
-inline SpanError axes_span(RowAxes const& a, Index& span) noexcept {
-  span = 0;
-  if (a.empty)
-    return SpanError::none;  // no row, nothing to overlap: an empty token dimension is valid whatever its strides
-  Index inner = a.dim;
-  span = a.dim;
-  for (int i = 0; i < a.count; ++i) {
-    RowAxes::Axis const x = a.axis[i];
-    Index step = 0;
-    if (x.stride < inner)
-      return SpanError::overlap;
-    if (!checked_mul(x.stride, x.extent - 1, step) || !checked_add(span, step, span))
-      return SpanError::overflow;
-    if (!checked_mul(x.stride, x.extent, inner))
-      inner = INT64_MAX;  // any larger stride is then too small: its rows overlap
-  }
-  return SpanError::none;
-}
 
 /// Elements spanned by a layout that layout_status accepted (0 for layouts without axes).
 template <class L>
@@ -129,7 +51,7 @@ Status layout_status(L const& l) noexcept {
   Index n = 0;
   if (e.batch < 0 || e.heads < 0 || e.tokens < 0 || e.dim <= 0)
     return {Errc::invalid_argument, "KVExtents: batch, heads, tokens must be >= 0 and dim > 0"};
-  if (!checked_mul(e.batch, e.heads, n) || !checked_mul(n, e.tokens, n) || !checked_mul(n, e.dim, n))
+  if (!checked_product(n, e.batch, e.heads, e.tokens, e.dim))
     return {Errc::invalid_argument, "KVExtents: batch * heads * tokens * dim overflows 64 bits"};
   if constexpr (std::is_same_v<L, StridedLayout>) {
     if (l.stride_b < 0 || l.stride_h < 0 || l.stride_t < 0)
@@ -154,11 +76,11 @@ Status layout_status(L const& l) noexcept {
     if (l.num_pages == 0 && e.rows() > 0)
       return {Errc::invalid_argument, "PagedLayout: `num_pages` (the pool's size) must be > 0"};
     if (l.page_indptr == nullptr) {
-      if (!checked_mul(l.max_pages, l.page_size, n))
+      if (!checked_product(n, l.max_pages, l.page_size))
         return {Errc::invalid_argument, "PagedLayout: max_pages * page_size overflows 64 bits"};
       if (l.block_table == nullptr || n < e.tokens)
         return {Errc::invalid_argument, "PagedLayout: need a block table with max_pages * page_size >= tokens, or CSR"};
-      if (!checked_mul(e.batch, l.max_pages, n))
+      if (!checked_product(n, e.batch, l.max_pages))
         return {Errc::invalid_argument, "PagedLayout: the block table's size batch * max_pages overflows 64 bits"};
     } else if (l.page_indices == nullptr) {
       return {Errc::invalid_argument, "PagedLayout: CSR mode needs `page_indices`"};
@@ -173,11 +95,11 @@ Status layout_status(L const& l) noexcept {
     if (l.page_size <= 0 || l.stride_t < e.dim || l.max_pages < 0 || l.num_pages < 0)
       return {Errc::invalid_argument,
               "HeadPagedLayout: `page_size` must be > 0, `stride_t` >= dim, `max_pages` and `num_pages` >= 0"};
-    if (!checked_mul(l.page_size, l.stride_t, n) || l.stride_page < n)
+    if (!checked_product(n, l.page_size, l.stride_t) || l.stride_page < n)
       return {Errc::invalid_argument, "HeadPagedLayout: `stride_page` must be >= page_size * stride_t"};
-    if (!checked_mul(l.max_pages, l.page_size, n) || n < e.tokens || (l.block_table == nullptr && e.rows() > 0))
+    if (!checked_product(n, l.max_pages, l.page_size) || n < e.tokens || (l.block_table == nullptr && e.rows() > 0))
       return {Errc::invalid_argument, "HeadPagedLayout: need a block table with max_pages * page_size >= tokens"};
-    if (!checked_mul(e.batch * e.heads, l.max_pages, n) || !checked_mul(l.num_pages, l.stride_page, n))
+    if (!checked_product(n, e.batch * e.heads, l.max_pages) || !checked_product(n, l.num_pages, l.stride_page))
       return {Errc::invalid_argument, "HeadPagedLayout: the block table or the pool overflows 64 bits"};
   }
   if constexpr (axes_layout<L>) {
@@ -242,7 +164,7 @@ inline Status ragged_status(RaggedLayout const& l) noexcept {
               "RaggedLayout: `offsets` must be non-decreasing, each segment at most ext.tokens (the largest) long"};
   }
   Index n = 0;
-  if (!checked_mul(l.offsets[heads], l.stride_t, n))
+  if (!checked_product(n, l.offsets[heads], l.stride_t))
     return {Errc::invalid_argument, "RaggedLayout: the buffer's offsets overflow 64 bits"};
   return {};
 }
@@ -295,30 +217,29 @@ constexpr bool cell_disjoint(Index delta, Index pitch, Index kbytes, Index vbyte
 /// axes lies in the gap K's leaves within that axis' stride (the pitch), or K's in V's: rows of a packed K||V
 /// buffer (pitch: the smallest stride), per-head K|V blocks, or K and V pages interleaved in one pool as
 /// FlashInfer's [num_pages, 2, page_size, heads, dim] (pitch: stride_page). Distinct cells are a pitch apart, so
-/// such views are disjoint. Other views are compared by their address ranges. Needs both layouts validated.
+/// such views are disjoint. Other views are compared by the address ranges they can touch (bytes_of: strided rows,
+/// paged and per-head paged pools, ragged buffers). A view whose rows cannot be known on the host (a device ragged
+/// view; a user-defined layout) is caught only when it starts at the other's address. Needs both views validated.
 template <class K, class V>
 bool views_overlap(K const& keys, V const& values) noexcept {
-  if constexpr (!axes_layout<typename K::layout_type> || !axes_layout<typename V::layout_type>) {
+  RowAxes ka{0, true, {}, {}, {}}, va{0, true, {}, {}, {}};
+  if (!view_axes(keys, ka) || !view_axes(values, va))
+    return keys.extents().rows() > 0 && values.extents().rows() > 0 &&
+           static_cast<void const*>(keys.data()) == static_cast<void const*>(values.data());
+  if (ka.empty || va.empty)
     return false;
-  } else {
-    RowAxes const ka = row_axes(keys.layout()), va = row_axes(values.layout());
-    if (ka.empty || va.empty)
-      return false;
-    Index const ke = sizeof(*keys.data()), ve = sizeof(*values.data());
-    auto const k0 = reinterpret_cast<std::uintptr_t>(keys.data()), v0 = reinterpret_cast<std::uintptr_t>(values.data());
-    auto const delta = static_cast<Index>(v0 - k0);  // modular: no signed overflow whatever the addresses
-    if (ke == ve && ka.count == va.count && std::equal(ka.axis, ka.axis + ka.count, va.axis)) {
-      Index low = 0;  // offsets the axes below the pitch add: K's block is low + K's dim
-      for (int i = 0; i < ka.count; ++i) {
-        if (cell_disjoint(delta, ka.axis[i].stride * ke, (low + ka.dim) * ke, (low + va.dim) * ve))
-          return false;
-        low += ka.axis[i].stride * (ka.axis[i].extent - 1);
-      }
+  Index const ke = sizeof(*keys.data()), ve = sizeof(*values.data());
+  auto const k0 = reinterpret_cast<std::uintptr_t>(keys.data()), v0 = reinterpret_cast<std::uintptr_t>(values.data());
+  auto const delta = static_cast<Index>(v0 - k0);  // modular: no signed overflow whatever the addresses
+  if (ke == ve && ka.count == va.count && std::equal(ka.axis, ka.axis + ka.count, va.axis)) {
+    Index low = 0;  // offsets the axes below the pitch add: K's block is low + K's dim
+    for (int i = 0; i < ka.count; ++i) {
+      if (cell_disjoint(delta, ka.axis[i].stride * ke, (low + ka.dim) * ke, (low + va.dim) * ve))
+        return false;
+      low += ka.axis[i].stride * (ka.axis[i].extent - 1);
     }
-    std::uintptr_t const k1 = k0 + static_cast<std::uintptr_t>(layout_span(keys.layout()) * ke),
-                         v1 = v0 + static_cast<std::uintptr_t>(layout_span(values.layout()) * ve);
-    return k0 < v1 && v0 < k1;
   }
+  return overlap(bytes_of(keys), bytes_of(values));
 }
 
 }  // namespace detail
@@ -330,7 +251,7 @@ template <TokenRowsView R>
 Status validate_rows(R const& rows, ValidateOptions opts = {}, Lengths lengths = {}) noexcept {
   KVC_RETURN_IF_ERROR(detail::layout_status(rows.layout()));
   Index bytes = 0;
-  if (!detail::checked_mul(detail::layout_span(rows.layout()), Index{sizeof(typename R::value_type)}, bytes))
+  if (!checked_product(bytes, detail::layout_span(rows.layout()), Index{sizeof(typename R::value_type)}))
     return {Errc::invalid_argument, "kvc::validate: the bytes a K or V view spans overflow 64 bits"};
   if (rows.data() == nullptr && rows.extents().rows() > 0)
     return {Errc::invalid_argument, "kvc::validate: K or V data pointer is null"};

@@ -10,6 +10,7 @@
 // scorers need the block's queries and plug into the engine's own loop (or the decode driver) instead.
 #pragma once
 
+#include <kvc/core/checks.hpp>
 #include <kvc/pipeline/compact.hpp>
 #include <kvc/pipeline/press.hpp>
 #include <kvc/selectors/top_k.hpp>
@@ -51,13 +52,15 @@ Status blockwise_compress(Bk const& backend, Press<S, TopKSelector<FixedBudget>>
                 "kvc::blockwise_compress: a stateful scorer (H2O) needs kvc::update after every block: use the decode "
                 "driver (kvc::decode_step) instead");
   KVExtents const se = src.keys.extents(), we = work.keys.extents();
+  KVC_RETURN_IF_ERROR(detail::check_cache(src, KVC_CACHE_MESSAGES("kvc::blockwise_compress", "`src`")));
+  KVC_RETURN_IF_ERROR(detail::check_cache(work, KVC_CACHE_MESSAGES("kvc::blockwise_compress", "`work`")));
   if (block_size < 1)
     return {Errc::invalid_argument, "kvc::blockwise_compress: `block_size` must be >= 1"};
   KVC_RETURN_IF_ERROR(press.selector.check());
   if (we.batch != se.batch || we.heads != se.heads || we.dim != se.dim ||
       work.values.extents().dim != src.values.extents().dim)
     return {Errc::invalid_argument, "kvc::blockwise_compress: `work` must have src's batch, heads and dims"};
-  if (we.tokens < blockwise_capacity(press.selector, block_size) || work.values.extents().tokens < we.tokens)
+  if (we.tokens < blockwise_capacity(press.selector, block_size))
     return {Errc::out_of_capacity, "kvc::blockwise_compress: `work` needs blockwise_capacity() token slots"};
   if (!work.lengths.per_head() || work.positions == nullptr)
     return {Errc::invalid_argument, "kvc::blockwise_compress: `work` needs a per-head length table and positions"};

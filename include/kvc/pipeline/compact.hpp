@@ -15,6 +15,7 @@
 #pragma once
 
 #include <kvc/core/backend.hpp>
+#include <kvc/core/checks.hpp>
 #include <kvc/core/keep_plan.hpp>
 #include <kvc/core/kernel.hpp>
 #include <kvc/core/kv_view.hpp>
@@ -54,12 +55,20 @@ inline constexpr bool is_carried_array<CarriedArray<T, S>> = true;
 namespace detail {
 template <class T, class S>
 constexpr bool extra_mismatch(TokenArray<T, S> const& a, KVExtents const& e) noexcept {
-  return a.batch != e.batch || a.heads != e.heads || a.tokens < e.tokens;
+  Index n = 0;
+  return a.batch != e.batch || a.heads != e.heads || a.tokens < e.tokens ||
+         !checked_product(n, a.batch, a.heads, a.tokens) || (a.data == nullptr && n > 0);
 }
 template <class T, class L, class S>
 constexpr bool extra_mismatch(TokenRows<T, L, S> const& a, KVExtents const& e) noexcept {
   KVExtents const x = a.extents();
-  return a.data() != nullptr && (x.batch != e.batch || x.heads != e.heads || x.tokens < e.tokens);
+  return a.data() != nullptr && (x.batch != e.batch || x.heads != e.heads || x.tokens < e.tokens || !extents_fit(x));
+}
+
+/// The bytes of a per-token array: [batch, heads, tokens] scalars, or a view's rows (none for a null view).
+template <class T, class S>
+ByteRange bytes_of(TokenArray<T, S> const& a) noexcept {
+  return bytes_of(a.data, saturating_product(a.batch, a.heads, a.tokens));
 }
 }  // namespace detail
 
@@ -81,12 +90,19 @@ Status compact(B const& backend, KeepPlan<typename B::memory_space> const& plan,
                 "kvc::compact: include <kvc/backend/cpu/pipeline/compact.hpp> (kvc::Cpu) or "
                 "<kvc/backend/cuda/pipeline/compact.cuh> (kvc::Cuda)");
   KVExtents const e = cache.keys.extents();
-  if (plan.batch != e.batch || plan.heads != e.heads)
-    return {Errc::invalid_argument, "kvc::compact: `plan` must have the cache's batch and heads"};
-  KVC_RETURN_IF_ERROR(
-      check_length_table(cache.lengths, e.heads, "kvc::compact: a per-head length table must be [batch, KV heads]"));
+  KVC_RETURN_IF_ERROR(detail::check_cache(cache, KVC_CACHE_MESSAGES("kvc::compact", "the cache")));
+  if (plan.batch != e.batch || plan.heads != e.heads || plan.capacity < 0)
+    return {Errc::invalid_argument, "kvc::compact: `plan` must have the cache's batch and heads (capacity >= 0)"};
+  if ((plan.index == nullptr || plan.count == nullptr) && e.batch * e.heads > 0)
+    return {Errc::invalid_argument, "kvc::compact: `plan.index` and `plan.count` must not be null"};
   if ((detail::extra_mismatch(extra, e) || ...))
-    return {Errc::invalid_argument, "kvc::compact: every extra array must be [batch, heads, >= tokens] of the cache"};
+    return {Errc::invalid_argument,
+            "kvc::compact: every extra array must be [batch, heads, >= tokens] of the cache, non-null"};
+  // The cache is written in place while the plan and the extras are read or written beside it.
+  if (detail::overlaps_cache(detail::bytes_of(plan), cache))
+    return {Errc::invalid_argument, "kvc::compact: `plan` overlaps the cache's keys or values"};
+  if ((detail::overlaps_cache(detail::bytes_of(extra), cache) || ...))
+    return {Errc::invalid_argument, "kvc::compact: an extra array overlaps the cache's keys or values"};
   return Kernel<CompactStep, B>::run(backend, plan, cache, extra...);
 }
 
@@ -105,19 +121,28 @@ Status gather(B const& backend, KeepPlan<typename B::memory_space> const& plan, 
                 "kvc::gather: include <kvc/backend/cpu/pipeline/compact.hpp> (kvc::Cpu) or "
                 "<kvc/backend/cuda/pipeline/compact.cuh> (kvc::Cuda)");
   KVExtents const sk = src.keys.extents(), dk = dst.keys.extents();
-  if (plan.batch != sk.batch || plan.heads != sk.heads)
+  KVC_RETURN_IF_ERROR(detail::check_cache(src, KVC_CACHE_MESSAGES("kvc::gather", "`src`")));
+  KVC_RETURN_IF_ERROR(detail::check_cache(dst, KVC_CACHE_MESSAGES("kvc::gather", "`dst`")));
+  if (plan.batch != sk.batch || plan.heads != sk.heads || plan.capacity < 0)
     return {Errc::invalid_argument, "kvc::gather: `plan` must have the source cache's batch and heads"};
+  if ((plan.index == nullptr || plan.count == nullptr) && sk.batch * sk.heads > 0)
+    return {Errc::invalid_argument, "kvc::gather: `plan.index` and `plan.count` must not be null"};
   if (dk.batch != sk.batch || dk.heads != sk.heads || dk.dim != sk.dim ||
-      dst.values.extents().dim != src.values.extents().dim || dst.values.extents().tokens != dk.tokens)
+      dst.values.extents().dim != src.values.extents().dim)
     return {Errc::invalid_argument, "kvc::gather: `dst` must have the batch, heads and dims of `src`"};
-  KVC_RETURN_IF_ERROR(check_length_table(src.lengths, sk.heads,
-                                         "kvc::gather: `src`'s per-head length table must be [batch, KV heads]"));
-  KVC_RETURN_IF_ERROR(check_length_table(dst.lengths, dk.heads,
-                                         "kvc::gather: `dst`'s per-head length table must be [batch, KV heads]"));
-  if (((carried.from.batch != sk.batch || carried.from.heads != sk.heads || carried.from.tokens < sk.tokens ||
-        carried.to.batch != sk.batch || carried.to.heads != sk.heads || carried.to.tokens < dk.tokens) ||
+  if (((detail::extra_mismatch(carried.from, sk) || detail::extra_mismatch(carried.to, dk)) || ...))
+    return {Errc::invalid_argument,
+            "kvc::gather: carried arrays must be [batch, heads, >= tokens] of their caches, non-null"};
+  // dst is written while src, the plan and the carried sources are read.
+  if (detail::overlaps_cache(detail::bytes_of(dst.keys), src) ||
+      detail::overlaps_cache(detail::bytes_of(dst.values), src))
+    return {Errc::invalid_argument, "kvc::gather: `dst` overlaps `src`'s keys or values"};
+  if (detail::overlaps_cache(detail::bytes_of(plan), dst))
+    return {Errc::invalid_argument, "kvc::gather: `plan` overlaps `dst`'s keys or values"};
+  if (((detail::overlaps_cache(detail::bytes_of(carried.to), src) ||
+        detail::overlaps_cache(detail::bytes_of(carried.to), dst)) ||
        ...))
-    return {Errc::invalid_argument, "kvc::gather: carried arrays must be [batch, heads, >= tokens] of their caches"};
+    return {Errc::invalid_argument, "kvc::gather: a carried array's `to` overlaps the keys or values of a cache"};
   return Kernel<GatherStep, B>::run(backend, plan, src, dst, carried...);
 }
 
@@ -137,17 +162,18 @@ Status append(B const& backend, Dst const& dst, Src const& src, Index begin, Ind
                 "kvc::append: include <kvc/backend/cpu/pipeline/compact.hpp> (kvc::Cpu) or "
                 "<kvc/backend/cuda/pipeline/compact.cuh> (kvc::Cuda)");
   KVExtents const se = src.keys.extents(), de = dst.keys.extents();
+  KVC_RETURN_IF_ERROR(detail::check_cache(dst, KVC_CACHE_MESSAGES("kvc::append", "`dst`")));
+  KVC_RETURN_IF_ERROR(detail::check_cache(src, KVC_CACHE_MESSAGES("kvc::append", "`src`")));
   if (de.batch != se.batch || de.heads != se.heads || de.dim != se.dim ||
-      dst.values.extents().dim != src.values.extents().dim || dst.values.extents().tokens != de.tokens)
+      dst.values.extents().dim != src.values.extents().dim)
     return {Errc::invalid_argument, "kvc::append: `dst` and `src` must agree on batch, heads and dims"};
   if (begin < 0 || count < 0)
     return {Errc::invalid_argument, "kvc::append: `begin` and `count` must be >= 0"};
   if (dst.lengths.data == nullptr)
     return {Errc::invalid_argument, "kvc::append: `dst` needs a length table (Lengths) to grow"};
-  KVC_RETURN_IF_ERROR(check_length_table(dst.lengths, de.heads,
-                                         "kvc::append: `dst`'s per-head length table must be [batch, KV heads]"));
-  KVC_RETURN_IF_ERROR(check_length_table(src.lengths, se.heads,
-                                         "kvc::append: `src`'s per-head length table must be [batch, KV heads]"));
+  if (detail::overlaps_cache(detail::bytes_of(dst.keys), src) ||
+      detail::overlaps_cache(detail::bytes_of(dst.values), src))
+    return {Errc::invalid_argument, "kvc::append: `dst` overlaps `src`'s keys or values"};
   return Kernel<AppendStep, B>::run(backend, dst, src, begin, count);
 }
 

@@ -19,6 +19,7 @@
 // that asks for it is refused before anything changes.
 #pragma once
 
+#include <kvc/core/checks.hpp>
 #include <kvc/core/observations.hpp>
 #include <kvc/pipeline/compact.hpp>
 #include <kvc/pipeline/press.hpp>
@@ -173,10 +174,26 @@ Status decode_step(Bk const& backend, S const& scorer, Sel const& selector, Deco
             "kvc::decode_step: rerotate_keys needs the backend's re-rotation kernel (include "
             "<kvc/backend/cpu/pipeline/rerotate.hpp>; the CUDA backend has none yet)"};
   KVExtents const e = cache.keys.extents();
-  if (buf.batch != e.batch || buf.dim != e.dim || buf.heads < 1 || buf.heads % e.heads != 0 || buf.count < 0 ||
+  KVC_RETURN_IF_ERROR(detail::check_cache(cache, KVC_CACHE_MESSAGES("kvc::decode_step", "the cache")));
+  KVC_RETURN_IF_ERROR(detail::check_compactable_lengths(
+      cache.lengths, e.heads,
+      "kvc::decode_step: the cache needs a per-head length table (compaction writes each head's kept count)"));
+  Index buffered = 0;  // elements of the buffer's rows
+  if (buf.batch != e.batch || buf.dim != e.dim || e.heads < 1 || buf.heads < 1 || buf.heads % e.heads != 0 ||
+      buf.capacity < 0 || !checked_product(buffered, buf.batch, buf.heads, buf.capacity, buf.dim) || buf.count < 0 ||
       buf.count > buf.capacity || buf.fresh < 0 || buf.fresh > buf.count)
     return {Errc::invalid_argument,
             "kvc::decode_step: the query buffer must be [batch, Hq, capacity, d_k] of the cache"};
+  // Rows are read at data + offsets and positions at positions + first: null pointers would be offset (undefined).
+  if (buf.data == nullptr && buffered > 0)
+    return {Errc::invalid_argument, "kvc::decode_step: the query buffer's `data` ([batch, Hq, capacity, d_k]) is null"};
+  if (buf.positions == nullptr && buf.batch * buf.capacity > 0)
+    return {Errc::invalid_argument, "kvc::decode_step: the query buffer's `positions` ([batch, capacity]) are null"};
+  if (detail::overlaps_cache(detail::bytes_of(buf.data, buffered), cache) ||
+      detail::overlaps_cache(detail::bytes_of(buf.positions, buf.batch * buf.capacity), cache))
+    return {Errc::invalid_argument, "kvc::decode_step: the query buffer overlaps the cache's keys or values"};
+  if (detail::overlaps_cache(detail::bytes_of(ws), cache))
+    return {Errc::invalid_argument, "kvc::decode_step: the workspace overlaps the cache's keys or values"};
   if (compressed)
     *compressed = false;
   WorkspaceCarver carve(ws);

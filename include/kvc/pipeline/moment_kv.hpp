@@ -14,6 +14,7 @@
 // and kvc::attend_corrected.
 #pragma once
 
+#include <kvc/core/checks.hpp>
 #include <kvc/pipeline/compact.hpp>
 #include <kvc/pipeline/press.hpp>
 #include <kvc/scorers/moment_kv.hpp>
@@ -63,12 +64,15 @@ Status moment_kv_prefill(B const& backend, MomentKVScorer<typename B::memory_spa
   using Space = typename B::memory_space;
   KVC_RETURN_IF_ERROR(scorer.check());
   KVExtents const e = cache.keys.extents();
+  KVC_RETURN_IF_ERROR(detail::check_cache(cache, KVC_CACHE_MESSAGES("kvc::moment_kv_prefill", "the cache")));
+  KVC_RETURN_IF_ERROR(detail::check_compactable_lengths(
+      cache.lengths, e.heads,
+      "kvc::moment_kv_prefill: the cache needs a per-head length table (heads may keep different counts)"));
+  if (detail::overlaps_cache(detail::bytes_of(ws), cache))
+    return {Errc::invalid_argument, "kvc::moment_kv_prefill: the workspace overlaps the cache's keys or values"};
   if (ws.bytes < moment_kv_prefill_workspace_bytes(backend, scorer, selector, e, obs))
     return {Errc::out_of_capacity,
             "kvc::moment_kv_prefill: workspace smaller than moment_kv_prefill_workspace_bytes()"};
-  if (!cache.lengths.per_head() && e.heads > 1)
-    return {Errc::invalid_argument,
-            "kvc::moment_kv_prefill: the cache needs a per-head length table (heads may keep different counts)"};
   WorkspaceCarver carve(ws);
   TokenArray<float, Space> const base{carve.take<float>(e.rows()), e.batch, e.heads, e.tokens};
   ScoreSpan<Space> const mi{carve.take<float>(e.rows()), e.batch, e.heads, e.tokens};

@@ -11,6 +11,7 @@
 #pragma once
 
 #include <kvc/core/bit_plan.hpp>
+#include <kvc/core/checks.hpp>
 #include <kvc/core/kv_view.hpp>
 #include <kvc/core/status.hpp>
 #include <kvc/quant/bitpack.hpp>
@@ -82,12 +83,11 @@ Status pack(C const& cache, BitPlan<HostSpace> const& plan, PackOptions const& o
   KVC_RETURN_IF_ERROR(opt.check());
   KVExtents const e = cache.keys.extents();
   Index const dk = e.dim, dv = cache.values.extents().dim;
+  KVC_RETURN_IF_ERROR(detail::check_cache(cache, KVC_CACHE_MESSAGES("kvc::pack", "the cache")));
   if (plan.batch != e.batch || plan.heads != e.heads || plan.tokens != cache.tokens() || plan.dim != dk)
     return {Errc::invalid_argument, "kvc::pack: the bit plan must be [batch, KV heads, tokens, d_k] of the cache"};
   if (e.batch * e.heads > 0 && ((plan.v_bits == nullptr && plan.tokens > 0) || (plan.k_bits == nullptr && dk > 0)))
     return {Errc::invalid_argument, "kvc::pack: the bit plan's `v_bits` and `k_bits` must be non-null"};
-  KVC_RETURN_IF_ERROR(
-      check_length_table(cache.lengths, e.heads, "kvc::pack: a per-head length table must be [batch, KV heads]"));
   Index const heads = e.batch * e.heads;
   std::vector<detail::PackedHeadPlan> plans(static_cast<std::size_t>(heads));
   PackedQuant const quant{opt.zero_point, opt.v_group, opt.k_group};

@@ -2,6 +2,7 @@
 // kvc/pipeline/press.hpp: a Press is a scorer plus a selector; kvc::compress runs score then select.
 #pragma once
 
+#include <kvc/core/checks.hpp>
 #include <kvc/core/scorer.hpp>
 #include <kvc/core/selector.hpp>
 #include <kvc/core/workspace.hpp>
@@ -38,6 +39,12 @@ template <Backend B, Scorer S, Selector Sel, KVCacheView C, ObservationSet Obs>
 Status compress(B const& backend, Press<S, Sel> const& press, C const& cache, Obs const& obs,
                 KeepPlan<typename B::memory_space> plan, Workspace ws) {
   KVExtents const e = cache.keys.extents();
+  // First: the carve below multiplies the extents (then score and select check the rest).
+  KVC_RETURN_IF_ERROR(detail::check_cache(cache, KVC_CACHE_MESSAGES("kvc::compress", "the cache")));
+  if (detail::overlaps_cache(detail::bytes_of(plan), cache))
+    return {Errc::invalid_argument, "kvc::compress: `plan` overlaps the cache's keys or values"};
+  if (detail::overlaps_cache(detail::bytes_of(ws), cache))
+    return {Errc::invalid_argument, "kvc::compress: the workspace overlaps the cache's keys or values"};
   WorkspaceCarver carve(ws);
   float* scores = carve.take<float>(e.rows());
   std::size_t const score_bytes = workspace_round(score_workspace_bytes(backend, press.scorer, e, obs));

@@ -10,6 +10,7 @@
 #pragma once
 
 #include <kvc/core/backend.hpp>
+#include <kvc/core/checks.hpp>
 #include <kvc/core/kernel.hpp>
 #include <kvc/core/kv_view.hpp>
 #include <kvc/core/layout.hpp>
@@ -55,8 +56,17 @@ Status query_statistics(B const& backend, TokenRows<T const, StridedLayout, Spac
                 "kvc::query_statistics: include <kvc/backend/cpu/pipeline/query_statistics.hpp> (kvc::Cpu) or "
                 "<kvc/backend/cuda/pipeline/query_statistics.cuh> (kvc::Cuda)");
   KVExtents const e = queries.extents();
+  if (!extents_fit(e))
+    return {Errc::invalid_argument,
+            "kvc::query_statistics: the queries' extents must be >= 0 and their element count fit in 64 bits"};
   if (mean == nullptr && e.batch * e.heads * e.dim > 0)
     return {Errc::invalid_argument, "kvc::query_statistics: `mean` is null"};
+  // The outputs are written while the rows are read.
+  detail::ByteRange const read = detail::bytes_of(queries),
+                          m = detail::bytes_of(mean, saturating_product(e.batch, e.heads, e.dim)),
+                          c = detail::bytes_of(covariance, saturating_product(e.batch, e.heads, e.dim, e.dim));
+  if (detail::overlap(m, read) || detail::overlap(c, read) || detail::overlap(m, c))
+    return {Errc::invalid_argument, "kvc::query_statistics: `mean`, `covariance` and the queries must not overlap"};
   if (queries.data() == nullptr && e.rows() > 0)
     return {Errc::invalid_argument, "kvc::query_statistics: `queries` data is null"};
   if (rows.n_sink < 0 || rows.skip_rows < 0 || rows.count < -1 || rows.count > e.tokens)

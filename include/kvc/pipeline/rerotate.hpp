@@ -8,6 +8,7 @@
 #pragma once
 
 #include <kvc/core/backend.hpp>
+#include <kvc/core/checks.hpp>
 #include <kvc/core/kernel.hpp>
 #include <kvc/core/kv_view.hpp>
 #include <kvc/core/rope.hpp>
@@ -28,6 +29,7 @@ Status rerotate_keys(B const& backend, RopeTable<typename B::memory_space> const
   static_assert(AccessibleFrom<C, B>, "kvc::rerotate_keys: the cache lives in a memory space this backend cannot read");
   static_assert(!std::is_const_v<typename C::keys_type::element_type>, "kvc::rerotate_keys: keys must be writable");
   static_assert(HasKernel<RerotateStep, B>, "kvc::rerotate_keys: include <kvc/backend/cpu/pipeline/rerotate.hpp>");
+  KVC_RETURN_IF_ERROR(detail::check_cache(cache, KVC_CACHE_MESSAGES("kvc::rerotate_keys", "the cache")));
   if (table.empty())
     return {Errc::invalid_argument, "kvc::rerotate_keys: `table` is empty"};
   return Kernel<RerotateStep, B>::run(backend, table, cache);

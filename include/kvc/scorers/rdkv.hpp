@@ -40,6 +40,7 @@
 #pragma once
 
 #include <kvc/core/backend.hpp>
+#include <kvc/core/checks.hpp>
 #include <kvc/core/kernel.hpp>
 #include <kvc/core/kv_view.hpp>
 #include <kvc/core/observations.hpp>
@@ -135,10 +136,15 @@ Status score_channels(B const& backend, ThinKChannelScorer const& scorer, C cons
                 HasWindowQueries<Obs>) {
     KVC_RETURN_IF_ERROR(scorer.check());
     KVExtents const e = cache.keys.extents();
+    KVC_RETURN_IF_ERROR(detail::check_cache(cache, KVC_CACHE_MESSAGES("kvc::score_channels", "the cache")));
     if (out == nullptr && e.batch * e.heads * e.dim > 0)
       return {Errc::invalid_argument, "kvc::score_channels: `out` is null"};
-    KVC_RETURN_IF_ERROR(check_length_table(
-        cache.lengths, e.heads, "kvc::score_channels: the cache's per-head length table must be [batch, KV heads]"));
+    detail::ByteRange const written = detail::bytes_of(out, e.batch * e.heads * e.dim), scratch = detail::bytes_of(ws);
+    if (detail::overlaps_cache(written, cache))
+      return {Errc::invalid_argument, "kvc::score_channels: `out` overlaps the cache's keys or values"};
+    if (detail::overlaps_cache(scratch, cache) || detail::overlap(scratch, written))
+      return {Errc::invalid_argument,
+              "kvc::score_channels: the workspace overlaps `out` or the cache's keys or values"};
     if (ws.bytes < Kernel<ThinKChannelScorer, B>::workspace_bytes(backend, scorer, e, obs))
       return {Errc::out_of_capacity, "kvc::score_channels: workspace smaller than channel_score_workspace_bytes()"};
     return Kernel<ThinKChannelScorer, B>::run(backend, scorer, cache, obs, out, ws);

@@ -385,6 +385,19 @@ inline void attend_values(float const* p, T const* const* values, Index tn, Inde
     }
 }
 
+/// o[r * dim + c] += sum_j p[r * attend_tile + j] * v_j[c] for `rows` rows, leaving out the slots of weight 0 (so a
+/// non-finite value of a skipped or masked slot does not enter): the rare path of a tile with a non-finite logit.
+/// Each column sums its slots in order, as attend_values does.
+template <class T>
+inline void attend_values_nonzero(float const* p, T const* const* values, Index tn, Index dim, float* o,
+                                  Index rows) noexcept {
+  for (Index r = 0; r < rows; ++r)
+    for (Index j = 0; j < tn; ++j)
+      if (float const w = p[r * attend_tile + j]; w != 0.0f)
+        for (Index c = 0; c < dim; ++c)
+          o[r * dim + c] += w * to_float(values[j][c]);
+}
+
 }  // namespace detail
 
 /// FlashAttention-style, one (sequence, KV head) per item. Why: decode reads each K and V byte once per call, so it
@@ -404,10 +417,12 @@ inline void attend_values(float const* p, T const* const* values, Index tn, Inde
 ///     e^(m_old - m_new) when the tile raises the max, and the tile's weights are e^(s - m_new) (exp_shifted);
 ///  5. o += weights x V (attend_values), each V chunk widened in registers once for attend_group rows.
 /// At the end o / l is written, and lse = m + ln l (scaled-logit units); a row that saw no slot gets zeros and
-/// lse = -inf. Every row's arithmetic (dot lanes, tile boundaries at multiples of attend_tile slots of its head, sum
-/// orders) is the same whatever rows share its pass and whatever the thread count or layout, so two caches holding
-/// the same tokens give bit-identical outputs. The layout only enters through cache.keys.row(b, h, t): a tile's rows
-/// need not be contiguous with each other (paged, per-head paged, ragged and strided caches alike).
+/// lse = -inf. A slot whose logit is NaN or Inf (a non-finite key) is skipped as if masked: the row's softmax runs
+/// over its finite slots, and the tile's values are summed without zero-weight slots (attend_values_nonzero). Every
+/// row's arithmetic (dot lanes, tile boundaries at multiples of attend_tile slots of its head, sum orders) is the same
+/// whatever rows share its pass and whatever the thread count or layout, so two caches holding the same tokens give
+/// bit-identical outputs. The layout only enters through cache.keys.row(b, h, t): a tile's rows need not be contiguous
+/// with each other (paged, per-head paged, ragged and strided caches alike).
 template <>
 struct Kernel<Attention, Cpu> {
   /// Query rows of one pass: g·n, capped at attend_block_rows (0 for shapes attend() will reject).
@@ -552,9 +567,19 @@ struct Kernel<Attention, Cpu> {
             detail::attend_logits<rg>(qs + r * dk, dk, key_rows[cur], tn, s + r * tile, ahead);
           for (; r < rows; ++r, ahead.n = 0)
             detail::attend_logits<1>(qs + r * dk, dk, key_rows[cur], tn, s + r * tile, ahead);
-          // 4. Online softmax: mask, pad the tile to its full width with -inf, rescale, exponentiate.
+          // 4. Online softmax: skip non-finite logits, mask, pad the tile to its full width with -inf, rescale,
+          // exponentiate. A NaN or Inf logit (a non-finite key) is skipped like a masked slot, so one bad token
+          // leaves the softmax over the others instead of turning the whole row into NaN.
+          bool skipped = false;
           for (r = 0; r < rows; ++r) {
             float* sr = s + r * tile;
+            unsigned bad = 0;
+            for (Index j = 0; j < tn; ++j) {  // |x| <= FLT_MAX is false for NaN and +-Inf; vectorises
+              bool const finite = std::abs(sr[j]) <= std::numeric_limits<float>::max();
+              bad |= finite ? 0u : 1u;
+              sr[j] = finite ? sr[j] : neg_inf;
+            }
+            skipped = skipped || bad != 0;
             if (masked)
               for (Index j = 0; j < tn; ++j)
                 sr[j] = tile_pos[j] <= q_pos[r] ? sr[j] : neg_inf;
@@ -574,11 +599,17 @@ struct Kernel<Attention, Cpu> {
             detail::exp_shifted(sr, peak);
             l[r] += detail::tile_sum(sr);
           }
-          // 5. o += weights x V, attend_group rows per read of a value chunk.
-          for (r = 0; r + rg <= rows; r += rg)
-            detail::attend_values<rg>(s + r * tile, value_rows[cur], tn, dv, o + r * dv);
-          for (; r < rows; ++r)
-            detail::attend_values<1>(s + r * tile, value_rows[cur], tn, dv, o + r * dv);
+          // 5. o += weights x V, attend_group rows per read of a value chunk. A tile with a skipped slot takes the
+          // scalar path that leaves out zero weights: the skipped token's value is usually as bad as its key, and
+          // 0 x NaN would still be NaN.
+          if (skipped) [[unlikely]] {
+            detail::attend_values_nonzero(s, value_rows[cur], tn, dv, o, rows);
+          } else {
+            for (r = 0; r + rg <= rows; r += rg)
+              detail::attend_values<rg>(s + r * tile, value_rows[cur], tn, dv, o + r * dv);
+            for (; r < rows; ++r)
+              detail::attend_values<1>(s + r * tile, value_rows[cur], tn, dv, o + r * dv);
+          }
         }
 
         for (Index r = 0; r < rows; ++r) {

@@ -9,6 +9,8 @@
 
 #include <Eigen/Core>
 
+#include <cmath>
+#include <limits>
 #include <type_traits>
 
 namespace kvc::detail {
@@ -97,6 +99,15 @@ inline DotSquares dot_squares_fp64(T const* a, float const* b, Index dim) noexce
     r.squares += x * x;
   }
   return r;
+}
+
+/// Whether every element of a row is finite (no NaN, no Inf): |x| <= FLT_MAX is false for both.
+template <class T>
+inline bool all_finite(T const* a, Index dim) noexcept {
+  bool finite = true;
+  for (Index i = 0; i < dim; ++i)
+    finite = finite && std::abs(to_float(a[i])) <= std::numeric_limits<float>::max();
+  return finite;
 }
 
 /// y += s * x.

@@ -131,7 +131,9 @@ void window_attention_columns(WindowQueries<T, HostSpace> const& wq, C const& ca
   Index const row_chunk = std::max<Index>(1, window_pack_floats / std::max<Index>(d, 1));  // query rows per product
   Index pos[window_tile];
   // logits[r, c] for slots t0 + c; returns whether some slot of the tile is masked for some row. Positions ascend,
-  // so a tile ending at or before the earliest query is visible to every row and skips the mask entirely.
+  // so a tile ending at or before the earliest query is visible to every row and skips the mask entirely. A NaN or
+  // Inf logit (a non-finite key) is masked too: the slot gets probability 0 and the row's softmax runs over its
+  // finite slots, so one bad token cannot turn every probability of the head into NaN.
   auto tile_logits = [&](Index t0, Index cols) {
     for (Index c = 0; c < cols; ++c) {  // widened copy even for fp32: measured faster than mapping rows in place
       widen(cache.keys.row(b, h, t0 + c), tile + c * d, d);
@@ -144,8 +146,16 @@ void window_attention_columns(WindowQueries<T, HostSpace> const& wq, C const& ca
                                                         Eigen::OuterStride<>(window_tile));
       lm.noalias() = qm * km.transpose();
     }
+    unsigned bad = 0;
+    for (Index r = 0; r < rows; ++r)  // |x| <= FLT_MAX is false for NaN and +-Inf; row-major: vectorises
+      for (Index c = 0; c < cols; ++c) {
+        float& x = logits[r * window_tile + c];
+        bool const finite = std::abs(x) <= std::numeric_limits<float>::max();
+        bad |= finite ? 0u : 1u;
+        x = finite ? x : neg_inf;
+      }
     if (cache.position(b, h, t0 + cols - 1) <= earliest)
-      return false;
+      return bad != 0;
     for (Index c = 0; c < cols; ++c)
       pos[c] = cache.position(b, h, t0 + c);
     for (Index r = 0; r < rows; ++r)  // row-major: the inner loop vectorises

@@ -188,11 +188,13 @@ struct Kernel<ExpectedAttentionScorer, Cpu> {
       for (Index lq = 0; lq < g; ++lq) {  // softmax over slots [from, n), then the group reduction
         float* lg = logits + lq * e.tokens;
         float peak = neg_inf;
-        for (Index j = from; j < n; ++j)
+        for (Index j = from; j < n; ++j) {  // a NaN or Inf logit (a non-finite key) gets probability 0
+          lg[j] = std::abs(lg[j]) <= std::numeric_limits<float>::max() ? lg[j] : neg_inf;
           peak = std::max(peak, lg[j]);
+        }
         float total = 0.0f;
         for (Index j = from; j < n; ++j) {
-          lg[j] = std::exp(lg[j] - peak);
+          lg[j] = lg[j] == neg_inf ? 0.0f : std::exp(lg[j] - peak);
           total += lg[j];
         }
         float const inv = total > 0.0f ? 1.0f / total : 0.0f;

@@ -147,12 +147,16 @@ struct Kernel<H2OScorer<HostSpace>, Cpu> {
   }
 
   /// Compaction keeps plan.count slots per head, and their accumulators travel with them (kvc::compact's extra
-  /// array), so exactly those stay tracked.
+  /// array), so exactly those stay tracked. `tracked` is [batch, heads] of the cache (check_state), so the plan must
+  /// be too: a larger plan would write past it.
   template <KVCacheView C>
-  static Status on_evict(Cpu const&, Scorer const& s, C const&, KeepPlan<HostSpace> const& plan, Workspace) {
-    if (s.state.tracked == nullptr)
-      return {Errc::invalid_argument, "kvc::on_evict(h2o): the state's `tracked` is null"};
-    for (Index i = 0; i < plan.batch * plan.heads; ++i)
+  static Status on_evict(Cpu const&, Scorer const& s, C const& cache, KeepPlan<HostSpace> const& plan, Workspace) {
+    KVExtents const e = cache.keys.extents();
+    KVC_RETURN_IF_ERROR(check_state(s, e));
+    if (plan.batch != e.batch || plan.heads != e.heads || (plan.count == nullptr && e.batch * e.heads > 0))
+      return {Errc::invalid_argument,
+              "kvc::on_evict(h2o): `plan` must be [batch, heads] of the cache (the state's shape) with a `count`"};
+    for (Index i = 0; i < e.batch * e.heads; ++i)
       s.state.tracked[i] = plan.count[i];
     return {};
   }

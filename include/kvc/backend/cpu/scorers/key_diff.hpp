@@ -21,6 +21,9 @@ namespace kvc {
 /// fp64 total directly with its fp64 norm, and pass 2 takes its cosine in fp64 (its stashed norm is outside
 /// detail::norm_in_range); an anchor whose squared norm leaves [2^-64, 2^64] is first scaled by a power of two.
 /// Both are rare per-row / per-head branches: the fp32 loops are unchanged, and every finite key scores right.
+/// A key with a NaN or Inf element (its sum of squares is not finite, so it takes the rare path) is left out of the
+/// anchor, which is the mean over the head's finite keys, and scores -inf: one bad token is evicted first instead
+/// of turning every score of its head into NaN (docs/api_checks.md, "Non-finite keys").
 template <>
 struct Kernel<KeyDiffScorer, Cpu> {
   static constexpr Index tile_rows = 32;
@@ -28,9 +31,13 @@ struct Kernel<KeyDiffScorer, Cpu> {
   static_assert(block_tokens % tile_rows == 0);
 
   /// Pass 1's rare path: adds the row's unit (or raw) key to the fp64 total in fp64 and returns its fp64 norm
-  /// rounded to fp32 (+inf above FLT_MAX; pass 2 recomputes it).
+  /// rounded to fp32 (+inf above FLT_MAX; pass 2 recomputes it). A row with a NaN or Inf element (the only rows
+  /// whose fp64 norm is not finite) is left out of the anchor, where it would make every element NaN or Inf and so
+  /// every score of the head; it returns NaN (never a finite row's norm) for the caller to count it out.
   static float add_row_fp64(float const* k, Index dim, KeyDiffScorer const& s, double* total) noexcept {
     double const norm = std::sqrt(detail::sum_squares_fp64(k, dim));
+    if (!std::isfinite(norm))
+      return std::numeric_limits<float>::quiet_NaN();
     double const w = s.anchor == KeyDiffAnchor::normalized_mean ? 1.0 / std::max(norm, double{s.unit_eps}) : 1.0;
     for (Index i = 0; i < dim; ++i)
       total[i] += double{k[i]} * w;
@@ -83,6 +90,7 @@ struct Kernel<KeyDiffScorer, Cpu> {
       float* anchor = carve.take<float>(e.dim);
       double* total = carve.take<double>(e.dim);
       std::fill(total, total + e.dim, 0.0);
+      Index skipped = 0;  // non-finite keys, left out of the anchor's mean
       for (Index t0 = 0; t0 < n; t0 += block_tokens) {
         std::fill(block_sum, block_sum + e.dim, 0.0f);
         for (Index tile = t0; tile < std::min(n, t0 + block_tokens); tile += tile_rows) {
@@ -98,16 +106,18 @@ struct Kernel<KeyDiffScorer, Cpu> {
               weight[r] = unit ? 1.0f / std::max(norm, s.unit_eps) : 1.0f;
             } else {
               score[tile + r] = add_row_fp64(k[r], e.dim, s, total);
-              weight[r] = 0.0f;  // already in total
+              skipped += std::isnan(score[tile + r]) ? 1 : 0;
+              weight[r] = 0.0f;  // already in total, or left out
             }
           }
           for (Index r = 0; r < rows; ++r)
-            detail::axpy(block_sum, k[r], weight[r], e.dim);
+            if (weight[r] != 0.0f)  // 0 only for rows of the rare path: 0 x NaN would still reach the anchor
+              detail::axpy(block_sum, k[r], weight[r], e.dim);
         }
         for (Index i = 0; i < e.dim; ++i)
           total[i] += block_sum[i];
       }
-      auto const count = static_cast<double>(std::max<Index>(n, 1));
+      auto const count = static_cast<double>(std::max<Index>(n - skipped, 1));
       double mu_sq = 0.0;
       for (Index i = 0; i < e.dim; ++i) {
         anchor[i] = static_cast<float>(total[i] / count);
@@ -122,7 +132,10 @@ struct Kernel<KeyDiffScorer, Cpu> {
           score[t] = -detail::dot(row, anchor, e.dim) / (mu_norm * std::max(score[t], s.cosine_eps));
         } else {
           auto const [dot, squares] = detail::dot_squares_fp64(row, anchor, e.dim);
-          score[t] = static_cast<float>(-dot / (double{mu_norm} * std::max(std::sqrt(squares), double{s.cosine_eps})));
+          score[t] =
+              std::isfinite(squares)  // a NaN or Inf key has no direction: evicted first
+                  ? static_cast<float>(-dot / (double{mu_norm} * std::max(std::sqrt(squares), double{s.cosine_eps})))
+                  : -std::numeric_limits<float>::infinity();
         }
       }
     });

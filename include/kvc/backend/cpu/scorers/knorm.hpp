@@ -8,6 +8,7 @@
 
 #include <cmath>
 #include <cstddef>
+#include <limits>
 
 namespace kvc {
 
@@ -15,7 +16,8 @@ namespace kvc {
 /// sum is out of range (detail::sum_squares_in_range, the test CUDA makes: it overflowed or underflowed) gets a
 /// positive placeholder score in that pass (one select per row, nothing per element), and a check of the n scores
 /// afterwards sums those rows again in fp64, so every finite key scores its correctly rounded norm (-inf above
-/// FLT_MAX). The fp64 path sits outside the row loop, which keeps its per-element code. No workspace.
+/// FLT_MAX). The fp64 path sits outside the row loop, which keeps its per-element code. A key with a NaN or Inf
+/// element scores -inf (evicted first; its norm is infinite or undefined): only its own slot. No workspace.
 template <>
 struct Kernel<KnormScorer, Cpu> {
   template <class Obs>
@@ -34,8 +36,10 @@ struct Kernel<KnormScorer, Cpu> {
         score[t] = detail::sum_squares_in_range(sq) ? -std::sqrt(sq) : 1.0f;  // every real score is <= 0
       }
       for (Index t = 0; t < n; ++t)
-        if (score[t] > 0.0f) [[unlikely]]
-          score[t] = -static_cast<float>(std::sqrt(detail::sum_squares_fp64(keys.row(b, h, t), dim)));
+        if (score[t] > 0.0f) [[unlikely]] {  // an Inf key's norm is +inf; a NaN key is given one too (not NaN)
+          double const sq = detail::sum_squares_fp64(keys.row(b, h, t), dim);
+          score[t] = std::isnan(sq) ? -std::numeric_limits<float>::infinity() : -static_cast<float>(std::sqrt(sq));
+        }
     });
   }
 };

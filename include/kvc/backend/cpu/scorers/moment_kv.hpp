@@ -153,7 +153,8 @@ struct Kernel<MomentKVScorer<HostSpace, T>, Cpu> {
   }
 
   /// score[j] *= ‖r_j‖ for the n valid slots of head (b, h). +inf (a base that protects) stays +inf, and a zero
-  /// base stays zero even when ‖r_j‖ is not finite, so no NaN enters the selection from the product.
+  /// base stays zero even when ‖r_j‖ is +inf, so no NaN enters the selection from the product. A NaN ‖r_j‖² (a NaN
+  /// or Inf in the slot's key or value) makes the slot score -inf unless its base protects it: that slot only.
   template <KVCacheView C>
   static void residual_head(Scorer const& s, C const& cache, Index b, Index h, Index n, float c, float* score,
                             float* ct, float* copy, float* kt, float* vt, float* ut) {
@@ -199,7 +200,10 @@ struct Kernel<MomentKVScorer<HostSpace, T>, Cpu> {
             ss += v[a] * v[a];
         }
         float& sc = score[t0 + i];
-        if (sc != 0.0f && sc != std::numeric_limits<float>::infinity())
+        constexpr float inf = std::numeric_limits<float>::infinity();
+        if (std::isnan(ss))  // a NaN (or Inf - Inf) from the slot's key or value: no residual, evicted first
+          sc = sc == inf ? inf : -inf;
+        else if (sc != 0.0f && sc != inf)
           sc *= std::sqrt(ss);
       }
     }
@@ -291,7 +295,8 @@ struct Kernel<MomentKVScorer<HostSpace, T>, Cpu> {
   }
 
   /// Folds the slots of [0, length) that `plan` does not keep into the head's moments: block mean and centred
-  /// co-moment (one Eigen product per tile), then Chan's merge.
+  /// co-moment (one Eigen product per tile), then Chan's merge. Evicted rows with a NaN or Inf element are dropped
+  /// instead (the moments describe the finite evicted rows; `count` counts them).
   template <KVCacheView C>
   static Status on_evict(Cpu const& cpu, Scorer const& s, C const& cache, KeepPlan<HostSpace> const& plan,
                          Workspace ws) {
@@ -330,15 +335,28 @@ struct Kernel<MomentKVScorer<HostSpace, T>, Cpu> {
     Index const dk = cache.keys.extents().dim, dv = cache.values.extents().dim, n = cache.length(b, h);
     Index const* keep = plan.indices(b, h);
     Index const kept = plan.kept(b, h);
-    Index m = 0;
+    Index m = 0, evicted = 0;
     for (Index t = 0, j = 0; t < n; ++t) {  // the complement of the ascending kept list
-      if (j < kept && keep[j] == t)
+      if (j < kept && keep[j] == t) {
         ++j;
-      else
-        slots[m++] = t;
+      } else {
+        ++evicted;
+        // A row with a NaN or Inf element is dropped, not folded: it would make the head's moments (and so every
+        // later score and corrected output of the head) NaN.
+        if (detail::all_finite(cache.keys.row(b, h, t), dk) && detail::all_finite(cache.values.row(b, h, t), dv))
+          slots[m++] = t;
+      }
     }
-    if (m == 0)
+    if (m == 0) {  // nothing to fold: the moments stay, and the u_j rows of the kept slots move with them
+      if (evicted > 0 && s.residuals.enabled()) {
+        Index& tracked = s.residuals.tracked[st.head(b, h)];
+        Index below = 0;  // kept slots inside the valid prefix [0, tracked): they become [0, below)
+        while (below < kept && keep[below] < tracked)
+          ++below;
+        tracked = below;
+      }
       return;
+    }
     // Block means in fp64 (a long prefill sums tens of thousands of rows), then the centred co-moment in fp32.
     auto const load_tile = [&](Index t0) {  // the evicted rows [t0, t0 + rows) into kt and vt, fp32
       Index const rows = std::min(detail::moment_tile, m - t0);

@@ -143,10 +143,13 @@ struct Kernel<RDKVTokenScorer, Cpu> {
           for (Index c = 0; c < e.dim; ++c)
             qrow[c] *= scale;
           float peak = -std::numeric_limits<float>::infinity();
-          for (Index j = 0; j < m; ++j) {
-            prob[j] = detail::dot(cache.keys.row(b, h, j), qrow, e.dim);
+          for (Index j = 0; j < m; ++j) {  // a NaN or Inf logit (a non-finite key) gets probability 0
+            float const x = detail::dot(cache.keys.row(b, h, j), qrow, e.dim);
+            prob[j] = std::abs(x) <= std::numeric_limits<float>::max() ? x : -std::numeric_limits<float>::infinity();
             peak = std::max(peak, prob[j]);
           }
+          if (peak == -std::numeric_limits<float>::infinity())
+            continue;  // no finite logit: the row contributes nothing
           float total = 0.0f;
           for (Index j = 0; j < m; ++j) {
             prob[j] = std::exp(prob[j] - peak);
@@ -225,15 +228,19 @@ struct Kernel<ThinKChannelScorer, Cpu> {
           for (Index c = 0; c < d; ++c)
             qsq[c] += static_cast<double>(qrow[c]) * static_cast<double>(qrow[c]);
         }
+      Index finite = 0;  // a key with a NaN or Inf element is left out of the mean (it would poison every channel)
       for (Index j = 0; j < n; ++j) {
         auto const* k = cache.keys.row(b, h, j);
+        if (!detail::all_finite(k, d))
+          continue;
+        ++finite;
         for (Index c = 0; c < d; ++c) {
           double const x = static_cast<double>(to_float(k[c]));
           ksq[c] += x * x;
         }
       }
       double const q_rows = static_cast<double>(g * s.window_size);
-      double const k_rows = n > 0 ? static_cast<double>(n) : 1.0;  // an empty head: mean 0
+      double const k_rows = finite > 0 ? static_cast<double>(finite) : 1.0;  // an empty head: mean 0
       float* o = out + item * d;
       for (Index c = 0; c < d; ++c)
         o[c] = static_cast<float>(qsq[c] / q_rows * (ksq[c] / k_rows));
