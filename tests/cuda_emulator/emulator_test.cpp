@@ -5,6 +5,8 @@
 // kvc's launch helper checks a launch's configuration and shared memory before it runs.
 #include <kvc/backend/cuda/config.cuh>
 #include <kvc/backend/cuda/detail/block_reduce.cuh>
+#include <kvc/backend/cuda/pipeline/compact.cuh>
+#include <kvc/pipeline/compact.hpp>
 
 #include "support/catch.hpp"
 
@@ -302,4 +304,34 @@ TEST_CASE("emulator: counters see synchronisations, allocations and the stream o
   CHECK(c.synchronizations == 1);
   CHECK(c.default_stream_ops == 1);
   REQUIRE(cudaStreamDestroy(stream) == cudaSuccess);
+}
+
+TEST_CASE("cuda compaction: a plan whose count exceeds its capacity leaves each length at the rows moved",
+          "[cuda_emulator][cuda][pipeline]") {
+  // The row and position kernels clamp count[b, h] to the plan's capacity; the length kernel once wrote it unclamped,
+  // leaving head 0 claiming 6 rows after 4 were moved.
+  kvc::KVExtents const e{1, 2, 8, 4};
+  std::vector<float> host(static_cast<std::size_t>(e.rows() * e.dim));
+  for (std::size_t i = 0; i < host.size(); ++i)
+    host[i] = static_cast<float>(i);
+  Device<float> k(host.size()), v(host.size());
+  Device<Index> lengths(2), index(8), count(2);
+  std::vector<Index> const len{8, 8}, idx{0, 2, 4, 6, 1, 3, 5, 7}, cnt{6, 3};  // head 0: 6 > capacity 4
+  REQUIRE(cudaMemcpy(k.p, host.data(), host.size() * sizeof(float), cudaMemcpyHostToDevice) == cudaSuccess);
+  REQUIRE(cudaMemcpy(v.p, host.data(), host.size() * sizeof(float), cudaMemcpyHostToDevice) == cudaSuccess);
+  REQUIRE(cudaMemcpy(lengths.p, len.data(), 2 * sizeof(Index), cudaMemcpyHostToDevice) == cudaSuccess);
+  REQUIRE(cudaMemcpy(index.p, idx.data(), 8 * sizeof(Index), cudaMemcpyHostToDevice) == cudaSuccess);
+  REQUIRE(cudaMemcpy(count.p, cnt.data(), 2 * sizeof(Index), cudaMemcpyHostToDevice) == cudaSuccess);
+  auto const cache = kvc::make_cache(kvc::bhtd_device_rows(k.p, e), kvc::bhtd_device_rows(v.p, e),
+                                     kvc::head_lengths(lengths.p, e.heads));
+  kvc::KeepPlan<kvc::DeviceSpace> const plan{index.p, count.p, e.batch, e.heads, 4};
+  REQUIRE(kvc::compact(kvc::Cuda{}, plan, cache).ok());
+  std::vector<Index> got(2);
+  std::vector<float> rows(host.size());
+  REQUIRE(cudaMemcpy(got.data(), lengths.p, 2 * sizeof(Index), cudaMemcpyDeviceToHost) == cudaSuccess);
+  REQUIRE(cudaMemcpy(rows.data(), k.p, rows.size() * sizeof(float), cudaMemcpyDeviceToHost) == cudaSuccess);
+  CHECK(got[0] == 4);  // the 4 rows the plan holds were moved, not 6
+  CHECK(got[1] == 3);
+  for (int r = 0; r < 4; ++r)  // head 0 kept tokens 0, 2, 4, 6 in order (rows of 4 floats: token t starts at 4 t)
+    CHECK(rows[static_cast<std::size_t>(4 * r)] == static_cast<float>(4 * 2 * r));
 }

@@ -48,6 +48,8 @@ extern "C" char __stop_kvc_emu_shared[] __attribute__((weak));
 // The sanitizers' symbolizer, when a sanitizer runtime is linked (names the source line of a racing access).
 extern "C" void __sanitizer_symbolize_pc(void* pc, char const* fmt, char* out, std::size_t size) __attribute__((weak));
 extern "C" void __sanitizer_set_death_callback(void (*callback)()) __attribute__((weak));
+// LeakSanitizer scans the fiber stacks too: a fiber abandoned after a violation still holds its message's strings.
+extern "C" void __lsan_register_root_region(void const* p, std::size_t size) __attribute__((weak));
 
 struct CUstream_st {
   int id;
@@ -109,10 +111,9 @@ inline void switch_context(Context* save, Context load) {
 /// A context that, when switched to, calls fn(arg) on the stack [lo, lo + size) (fn never returns).
 Context new_context(char* lo, std::size_t size, void (*fn)(void*), void* arg) {
   auto* top = reinterpret_cast<std::uint64_t*>(reinterpret_cast<std::uintptr_t>(lo + size) & ~std::uintptr_t{15});
-  std::uint64_t* sp = top - 8;              // the frame kvc_emu_switch pops: control words, r15..rbp, return address
-  sp[0] = 0x1f80u | (0x037fu << 16) << 16;  // MXCSR (defaults) in the low word, x87 control word at +4
-  sp[0] = 0x1f80ull | (0x037full << 32);
-  sp[1] = sp[2] = sp[5] = sp[6] = 0;                             // r15, r14, rbx, rbp
+  std::uint64_t* sp = top - 8;            // the frame kvc_emu_switch pops: control words, r15..rbp, return address
+  sp[0] = 0x1f80ull | (0x037full << 32);  // MXCSR and the x87 control word at their defaults
+  sp[1] = sp[2] = sp[5] = sp[6] = 0;      // r15, r14, rbx, rbp
   sp[3] = reinterpret_cast<std::uint64_t>(fn);                   // r13
   sp[4] = reinterpret_cast<std::uint64_t>(arg);                  // r12
   sp[7] = reinterpret_cast<std::uint64_t>(&kvc_emu_trampoline);  // return address; rsp = top (16-aligned) after it
@@ -126,7 +127,6 @@ struct UContext {
   ucontext_t uc;
 };
 using Context = UContext*;
-thread_local std::vector<UContext> ucontexts;  // unused placeholder: see new_context
 inline void switch_context(Context* save, Context load) {
   UContext here;
   *save = &here;
@@ -320,6 +320,15 @@ void resume(Thread& t) {
   switch_context(&r.scheduler, t.context);
 #if KVC_EMU_ASAN
   __sanitizer_finish_switch_fiber(r.scheduler_fake_stack, nullptr, nullptr);
+  if (t.state == State::exited || r.aborted) {
+    // The fiber left for good from inside thread_exit / fail, whose frames never return and so keep their redzones
+    // poisoned; the next block's fiber on this stack would trip over them. Its live frames lie above the stack
+    // pointer it saved.
+    char* const sp = static_cast<char*>(static_cast<void*>(t.context)) - 256;
+    char* const top = t.stack + stack_bytes;
+    if (sp >= t.stack && sp < top)
+      __asan_unpoison_memory_region(sp, static_cast<std::size_t>(top - sp));
+  }
 #endif
   running = false;
   r.current = nullptr;
@@ -341,12 +350,19 @@ void yield(bool final) {
   (void) final;
 }
 
-/// A violation found on a fiber: recorded, and the launch is abandoned (this fiber is never resumed).
-[[noreturn]] void fail(std::string const& what) {
-  record_violation(what);
+/// A violation found on a fiber: the launch is abandoned (this fiber is never resumed). Called once the message is
+/// recorded and every temporary of it destroyed (KVC_EMU_FAIL): the abandoned frames keep no heap memory.
+[[noreturn]] void fail_recorded() {
   yield(true);
   std::abort();  // not reached
 }
+
+/// Records the message (the expression's temporaries end with the statement), then abandons the launch.
+#define KVC_EMU_FAIL(message)  \
+  do {                         \
+    record_violation(message); \
+    fail_recorded();           \
+  } while (false)
 
 void thread_exit();
 
@@ -387,12 +403,12 @@ void thread_exit() {
   ++r.exited_since_barrier;
   r.last_exited = me.linear;
   if (r.waiting > 0)
-    fail("divergent __syncthreads: " + where(me) + " returned while other threads wait at the __syncthreads at " +
-         site_text(r.barrier_site));
+    KVC_EMU_FAIL("divergent __syncthreads: " + where(me) +
+                 " returned while other threads wait at the __syncthreads at " + site_text(r.barrier_site));
   WarpState const& w = r.warps[static_cast<std::size_t>(me.linear / 32)];
   if (w.arrived != 0 && (w.mask >> (me.linear % 32) & 1u))
-    fail("inactive lane: " + where(me) + " returned while lanes of its warp wait for it in the warp intrinsic at " +
-         site_text(w.site));
+    KVC_EMU_FAIL("inactive lane: " + where(me) +
+                 " returned while lanes of its warp wait for it in the warp intrinsic at " + site_text(w.site));
   yield(true);
 }
 
@@ -402,13 +418,13 @@ void sync_threads(Site site) {
   Runtime& r = rt();
   Thread& me = *r.current;
   if (r.exited_since_barrier > 0)
-    fail("divergent __syncthreads: " + where(me) + " waits at " + site_text(site) + " but thread " +
-         thread_name(r.last_exited) + " returned without reaching it");
+    KVC_EMU_FAIL("divergent __syncthreads: " + where(me) + " waits at " + site_text(site) + " but thread " +
+                 thread_name(r.last_exited) + " returned without reaching it");
   if (r.waiting == 0)
     r.barrier_site = site;
   else if (!same_site(site, r.barrier_site))
-    fail("divergent __syncthreads: " + where(me) + " waits at " + site_text(site) + " while other threads wait at " +
-         site_text(r.barrier_site));
+    KVC_EMU_FAIL("divergent __syncthreads: " + where(me) + " waits at " + site_text(site) +
+                 " while other threads wait at " + site_text(r.barrier_site));
   me.state = State::at_barrier;
   me.site = site;
   if (++r.waiting == r.live)
@@ -425,22 +441,22 @@ std::uint64_t warp_op(WarpOp op, unsigned mask, std::uint64_t value, int operand
   int const lane = me.linear % 32, warp = me.linear / 32;
   char const* const name = names[static_cast<int>(op)];
   if (!(mask >> lane & 1u))
-    fail(std::string(name) + " at " + site_text(site) + ": " + where(me) +
-         " calls it with a mask that excludes its own lane");
+    KVC_EMU_FAIL(std::string(name) + " at " + site_text(site) + ": " + where(me) +
+                 " calls it with a mask that excludes its own lane");
   if (width < 1 || width > 32 || (width & (width - 1)) != 0)
-    fail(std::string(name) + " at " + site_text(site) + ": width " + std::to_string(width) +
-         " is not a power of two up to 32");
+    KVC_EMU_FAIL(std::string(name) + " at " + site_text(site) + ": width " + std::to_string(width) +
+                 " is not a power of two up to 32");
   for (int l = 0; l < 32; ++l) {
     if (!(mask >> l & 1u))
       continue;
     auto const id = static_cast<std::size_t>(warp * 32 + l);
     if (id >= r.threads.size())
-      fail("inactive lane: " + std::string(name) + " at " + site_text(site) + " (" + where(me) + ") names lane " +
-           std::to_string(l) + " in its mask, which the block (" + std::to_string(r.threads.size()) +
-           " threads) does not have");
+      KVC_EMU_FAIL("inactive lane: " + std::string(name) + " at " + site_text(site) + " (" + where(me) +
+                   ") names lane " + std::to_string(l) + " in its mask, which the block (" +
+                   std::to_string(r.threads.size()) + " threads) does not have");
     if (r.threads[id].state == State::exited)
-      fail("inactive lane: " + std::string(name) + " at " + site_text(site) + " (" + where(me) + ") names lane " +
-           std::to_string(l) + " in its mask, which has returned");
+      KVC_EMU_FAIL("inactive lane: " + std::string(name) + " at " + site_text(site) + " (" + where(me) +
+                   ") names lane " + std::to_string(l) + " in its mask, which has returned");
   }
   WarpState& w = r.warps[static_cast<std::size_t>(warp)];
   if (w.arrived == 0) {
@@ -451,9 +467,9 @@ std::uint64_t warp_op(WarpOp op, unsigned mask, std::uint64_t value, int operand
     char m[2][16];
     std::snprintf(m[0], sizeof m[0], "%#x", mask);
     std::snprintf(m[1], sizeof m[1], "%#x", w.mask);
-    fail("divergent warp: " + where(me) + " calls " + name + " (mask " + m[0] + ") at " + site_text(site) +
-         " while other lanes wait in " + names[static_cast<int>(w.op)] + " (mask " + m[1] + ") at " +
-         site_text(w.site));
+    KVC_EMU_FAIL("divergent warp: " + where(me) + " calls " + name + " (mask " + m[0] + ") at " + site_text(site) +
+                 " while other lanes wait in " + names[static_cast<int>(w.op)] + " (mask " + m[1] + ") at " +
+                 site_text(w.site));
   }
   me.warp_in = value;
   me.warp_operand = operand;
@@ -487,8 +503,8 @@ std::uint64_t warp_op(WarpOp op, unsigned mask, std::uint64_t value, int operand
       src = l;  // outside the lane's segment: its own value
     if (op == WarpOp::shfl || op == WarpOp::shfl_xor || op == WarpOp::shfl_up || op == WarpOp::shfl_down) {
       if (!(mask >> src & 1u))
-        fail("inactive lane: " + std::string(name) + " at " + site_text(site) + ": lane " + std::to_string(l) + " of " +
-             where(me) + "'s warp reads lane " + std::to_string(src) + ", which is not in the mask");
+        KVC_EMU_FAIL("inactive lane: " + std::string(name) + " at " + site_text(site) + ": lane " + std::to_string(l) +
+                     " of " + where(me) + "'s warp reads lane " + std::to_string(src) + ", which is not in the mask");
       t.warp_out = r.threads[static_cast<std::size_t>(warp * 32 + src)].warp_in;
     } else if (op == WarpOp::ballot) {
       t.warp_out = votes;
@@ -521,21 +537,21 @@ void access(void const* p, std::size_t bytes, bool write, bool atomic, void* pc)
   if (a - s0 < ss) {
     offset = a - s0;
     if (offset + bytes > ss)
-      fail("shared-memory overrun: " + where(*r.current) + " accesses " + std::to_string(bytes) +
-           " bytes past the end of the static __shared__ variables at " + pc_text(pc));
+      KVC_EMU_FAIL("shared-memory overrun: " + where(*r.current) + " accesses " + std::to_string(bytes) +
+                   " bytes past the end of the static __shared__ variables at " + pc_text(pc));
   } else if (a - d0 < r.dynamic_size) {
     offset = ss + (a - d0);
     space = "dynamic";
     if (a - d0 + bytes > r.dynamic_size)
-      fail("shared-memory overrun: " + where(*r.current) + " accesses bytes " + std::to_string(a - d0) + ".." +
-           std::to_string(a - d0 + bytes - 1) + " of the dynamic shared memory, launched with " +
-           std::to_string(r.dynamic_size) + " bytes, at " + pc_text(pc));
+      KVC_EMU_FAIL("shared-memory overrun: " + where(*r.current) + " accesses bytes " + std::to_string(a - d0) + ".." +
+                   std::to_string(a - d0 + bytes - 1) + " of the dynamic shared memory, launched with " +
+                   std::to_string(r.dynamic_size) + " bytes, at " + pc_text(pc));
   } else {
     auto const region = reinterpret_cast<std::uintptr_t>(r.dynamic_region);
     if (r.dynamic_region && a - region < 2 * dynamic_guard + static_cast<std::size_t>(optin_shared_limit))
-      fail("shared-memory overrun: " + where(*r.current) + " accesses byte " +
-           std::to_string(static_cast<long long>(a - d0)) + " of the dynamic shared memory, launched with " +
-           std::to_string(r.dynamic_size) + " bytes, at " + pc_text(pc));
+      KVC_EMU_FAIL("shared-memory overrun: " + where(*r.current) + " accesses byte " +
+                   std::to_string(static_cast<long long>(a - d0)) + " of the dynamic shared memory, launched with " +
+                   std::to_string(r.dynamic_size) + " bytes, at " + pc_text(pc));
     return;
   }
   Thread const& me = *r.current;
@@ -565,10 +581,11 @@ void access(void const* p, std::size_t bytes, bool write, bool atomic, void* pc)
       Thread const& o = r.threads[static_cast<std::size_t>(other->tid)];
       std::size_t const byte =
           offset + static_cast<std::size_t>(c - (r.shadow.data() + offset)) - (space[0] == 'd' ? ss : 0);
-      fail("shared-memory race: " + where(me) + (write ? " writes" : " reads") + " byte " + std::to_string(byte) +
-           " of the " + space + " shared memory at " + pc_text(pc) + ", which thread (" + std::to_string(o.idx.x) +
-           ", " + std::to_string(o.idx.y) + ", " + std::to_string(o.idx.z) + ") " + kind +
-           (other == &c->write ? " at " + pc_text(c->write_pc) : std::string()) + " with no barrier between them");
+      KVC_EMU_FAIL("shared-memory race: " + where(me) + (write ? " writes" : " reads") + " byte " +
+                   std::to_string(byte) + " of the " + space + " shared memory at " + pc_text(pc) + ", which thread (" +
+                   std::to_string(o.idx.x) + ", " + std::to_string(o.idx.y) + ", " + std::to_string(o.idx.z) + ") " +
+                   kind + (other == &c->write ? " at " + pc_text(c->write_pc) : std::string()) +
+                   " with no barrier between them");
     }
     if (write) {
       c->write = now;
@@ -626,6 +643,8 @@ bool map_memory(Runtime& r) {
   if (s == MAP_FAILED)
     return false;
   r.stacks = static_cast<char*>(s);
+  if (__lsan_register_root_region)
+    __lsan_register_root_region(r.stacks, per * max_threads);
   for (int i = 0; i < max_threads; ++i)  // a guard page below each stack: an overflow faults instead of corrupting
     mprotect(r.stacks + static_cast<std::size_t>(i) * per, guard_bytes, PROT_NONE);
   std::size_t const region = 2 * dynamic_guard + static_cast<std::size_t>(optin_shared_limit);

@@ -56,7 +56,7 @@ static void run(benchmark::State& state, kb::Op op, bool fp16) {
 
 /// Context lengths benchmarked. Under the CUDA emulator (kvc.bench.cuda.emulated: a smoke run of every benchmarked
 /// kernel on the CPU, under its checks; its timings mean nothing) one short context: tokens:256.
-#if defined(KVC_CUDA_EMULATOR)
+#if defined(KVC_CUDA_EMULATION) && KVC_CUDA_EMULATION
 static std::vector<std::int64_t> const long_contexts{256}, contexts{256};
 #else
 static std::vector<std::int64_t> const long_contexts{4096, 32768, 131072}, contexts{4096, 32768};

@@ -1737,7 +1737,7 @@ TEST_CASE("cuda: packed attention matches the CPU (bit mixes, evictions, pruned 
         }
 }
 
-TEST_CASE("cuda: packed attention with K groups longer than a 256-token chunk (300, 384; 700 tokens, d = 128)",
+TEST_CASE("cuda: packed attention with K groups longer than a 256-token chunk (300 and 384, 700 tokens, d = 128)",
           "[cuda][attention][rdkv]") {
   // A chunk of 256 tokens that starts in one group and ends in the next (group 300: tokens 256-511) needs both
   // groups' scaled queries and biases staged (the device once staged only the first: wrong logits past it).

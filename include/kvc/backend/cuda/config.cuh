@@ -156,7 +156,10 @@ Status launch_with(KernelSite const& site, void (*kernel)(Params...), dim3 grid,
   }
   return {};
 #else
-  kernel<<<grid, block, shared_bytes, stream> > >(args...);
+  // (clang-format would split the closing >>>)
+  // clang-format off
+  kernel<<<grid, block, shared_bytes, stream>>>(args...);
+  // clang-format on
   return cudaGetLastError() == cudaSuccess ? Status{} : Status{Errc::backend_error, site.failed};
 #endif
 }

@@ -10,7 +10,8 @@
 namespace kvc::backend::cuda {
 
 /// scale * <q, key(b, h, j)> in fp32 (q: `dim` floats, already widened), or -inf when `causal` and the slot's
-/// position is past `q_pos`.
+/// position is past `q_pos`, or when the logit is not finite (a NaN or Inf key): such a slot is skipped like a masked
+/// one, as on the CPU (docs/api_checks.md), so one bad token neither erases its head nor spreads NaN.
 template <class C>
 __device__ inline float slot_logit(C const& cache, Index b, Index h, Index j, float const* q, Index q_pos, float scale,
                                    bool causal) {
@@ -20,7 +21,8 @@ __device__ inline float slot_logit(C const& cache, Index b, Index h, Index j, fl
   float dot = 0.0f;
   for (Index c = 0; c < cache.keys.extents().dim; ++c)
     dot += q[c] * to_float(k[c]);
-  return scale * dot;
+  float const logit = scale * dot;
+  return isfinite(logit) ? logit : -CUDART_INF_F;
 }
 
 /// Warp-wide (every lane gets it): log of the sum over slots [0, n) of exp(slot_logit), max-shifted; -inf when no
