@@ -191,6 +191,10 @@ struct Cell {
   Access write, read;
   bool write_atomic = false, read_atomic = false;
   bool other_readers = false;  // another unordered thread read it in read.epoch too
+  // Those other readers' warp (-1: more than one warp) and its __syncwarp count then: a __syncwarp of that warp since
+  // orders them before a write by one of its lanes.
+  std::int16_t others_warp = -1;
+  std::uint16_t others_warp_epoch = 0;
   void* write_pc = nullptr;
 };
 
@@ -573,7 +577,8 @@ void access(void const* p, std::size_t bytes, bool write, bool atomic, void* pc)
     } else if (write && !ordered(c->read) && !(atomic && c->read_atomic)) {
       other = &c->read;
       kind = "read";
-    } else if (write && !atomic && c->other_readers && c->read.epoch == epoch) {
+    } else if (write && !atomic && c->other_readers && c->read.epoch == epoch &&
+               !(c->others_warp == warp && c->others_warp_epoch != warp_epoch)) {
       other = &c->read;
       kind = "read (with other threads)";
     }
@@ -594,7 +599,15 @@ void access(void const* p, std::size_t bytes, bool write, bool atomic, void* pc)
       c->read = Access{};
       c->other_readers = false;
     } else {
-      c->other_readers = (c->read.epoch == epoch && c->other_readers) || !ordered(c->read);
+      if (c->read.epoch != epoch)
+        c->other_readers = false;
+      if (!ordered(c->read)) {  // the last reader and this one are unordered: remember the other's warp
+        int const other_warp = c->read.tid / 32;
+        c->others_warp = static_cast<std::int16_t>(
+            (!c->other_readers || c->others_warp == other_warp) && other_warp == warp ? warp : -1);
+        c->others_warp_epoch = c->read.warp_epoch;
+        c->other_readers = true;
+      }
       c->read = now;
       c->read_atomic = atomic;
     }

@@ -26,8 +26,11 @@
 
 #include "cuda_kernels.hpp"
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <optional>
+#include <type_traits>
 
 namespace kvc::test::cuda {
 
@@ -57,6 +60,14 @@ struct DeviceBuffer {
   T* get_or_null(bool present) const { return present ? ptr : nullptr; }
 };
 
+/// The stream the wrappers run their entry points on (StreamScope): nullptr, the legacy default stream, outside one.
+cudaStream_t wrapper_stream = nullptr;
+
+/// The backend every wrapper passes to the entry points.
+Cuda dev() {
+  return Cuda{wrapper_stream};
+}
+
 std::string finish(Status st) {
   if (!st.ok())
     return st.message();
@@ -82,57 +93,192 @@ std::vector<float> widen(std::vector<T> const& x) {
 
 constexpr Index page_size = 16;
 
+/// Rows per page of the per-head paged layout: the largest size <= 16 that divides `tokens` (a head's capacity is
+/// whole pages, and it must equal the case's tokens).
+Index head_page_size(Index tokens) {
+  for (Index p : {16, 15, 12, 10, 8, 6, 5, 4, 3, 2})
+    if (tokens % p == 0)
+      return p;
+  return 1;
+}
+
+/// The host tables of a case's layout (see Layout): page tables, CSR lists or ragged offsets, and the pool's size.
+struct Tables {
+  Layout layout = Layout::bhtd;
+  KVExtents e{};
+  Index page = page_size;  ///< rows per page
+  Index max_pages = 0;     ///< block table width (per sequence, or per head for head_paged)
+  Index pool = 0;          ///< pages in the pool
+  std::vector<std::int32_t> table, indptr, indices;
+  std::vector<Index> offsets;
+
+  /// The length the tables of head (b, h) are sized for.
+  static Index length(Case const& c, Index b, Index h) {
+    std::vector<Index> const& n = c.room.empty() ? c.lengths : c.room;
+    if (n.empty())
+      return c.e.tokens;
+    return n[static_cast<std::size_t>(c.per_head ? b * c.e.heads + h : b)];
+  }
+
+  explicit Tables(Case const& c) : layout(c.layout), e(c.e) {
+    Index const heads = e.batch * e.heads;
+    if (layout == Layout::paged || layout == Layout::paged_hnd) {
+      max_pages = (e.tokens + page - 1) / page;
+      pool = e.batch * max_pages;
+      table.resize(static_cast<std::size_t>(pool));
+      for (std::size_t i = 0; i < table.size(); ++i)
+        table[i] = static_cast<std::int32_t>(table.size() - 1 - i);  // reversed page ids: order in the pool differs
+    } else if (layout == Layout::paged_csr) {
+      indptr.push_back(0);
+      for (Index b = 0; b < e.batch; ++b) {
+        Index longest = 0;
+        for (Index h = 0; h < e.heads; ++h)
+          longest = std::max(longest, length(c, b, h));
+        indptr.push_back(indptr.back() + static_cast<std::int32_t>((longest + page - 1) / page));
+      }
+      pool = indptr.back();
+      for (Index i = 0; i < pool; ++i)
+        indices.push_back(static_cast<std::int32_t>(pool - 1 - i));
+    } else if (layout == Layout::head_paged) {
+      page = head_page_size(e.tokens);
+      max_pages = e.tokens / page;
+      pool = heads * max_pages;
+      table.resize(static_cast<std::size_t>(pool));
+      for (Index i = 0; i < heads; ++i)  // page p of head i is pool page p * heads + i: the heads' pages interleave
+        for (Index p = 0; p < max_pages; ++p)
+          table[static_cast<std::size_t>(i * max_pages + p)] = static_cast<std::int32_t>(p * heads + i);
+    } else if (layout == Layout::ragged) {
+      offsets.push_back(0);
+      for (Index i = 0; i < heads; ++i) {
+        Index const n = length(c, i / e.heads, i % e.heads);
+        offsets.push_back(offsets.back() + (i == 0 ? e.tokens : std::min(e.tokens, n + i % 3)));
+      }
+    }
+  }
+
+  /// Elements of a K or V buffer of head dim `dim`, and of the positions array.
+  Index elements(Index dim) const {
+    switch (layout) {
+      case Layout::paged:
+      case Layout::paged_hnd:
+      case Layout::paged_csr: return pool * page * e.heads * dim;
+      case Layout::head_paged: return pool * page * dim;
+      case Layout::ragged: return offsets.back() * dim;
+      default: return e.rows() * dim;
+    }
+  }
+  Index position_slots() const {
+    return layout == Layout::head_paged ? pool * page : layout == Layout::ragged ? offsets.back() : e.rows();
+  }
+  /// Whether slot t of head (b, h) has storage (a CSR list reaches its page; a ragged segment holds it).
+  bool addressable(Index b, Index h, Index t) const {
+    if (layout == Layout::paged_csr)
+      return t / page < indptr[static_cast<std::size_t>(b + 1)] - indptr[static_cast<std::size_t>(b)];
+    if (layout == Layout::ragged)
+      return t < offsets[static_cast<std::size_t>(b * e.heads + h + 1)] -
+                     offsets[static_cast<std::size_t>(b * e.heads + h)];
+    return true;
+  }
+
+  /// Calls fn(keys layout, values layout) over the given tables (host or device copies of these).
+  template <class Fn>
+  decltype(auto) layouts(Index dim_k, Index dim_v, std::int32_t const* tab, std::int32_t const* ptr,
+                         std::int32_t const* idx, Index const* off, Fn&& fn) const {
+    KVExtents ek = e, ev = e;
+    ek.dim = dim_k;
+    ev.dim = dim_v;
+    switch (layout) {
+      case Layout::paged:
+      case Layout::paged_hnd: {
+        PageOrder const order = layout == Layout::paged ? PageOrder::nhd : PageOrder::hnd;
+        return fn(paged_layout(ek, page, order, tab, max_pages, pool),
+                  paged_layout(ev, page, order, tab, max_pages, pool));
+      }
+      case Layout::paged_csr:
+        return fn(paged_layout_csr(ek, page, PageOrder::nhd, ptr, idx, pool, pool),
+                  paged_layout_csr(ev, page, PageOrder::nhd, ptr, idx, pool, pool));
+      case Layout::head_paged:
+        return fn(head_paged_layout(e.batch, e.heads, dim_k, page, tab, max_pages, pool),
+                  head_paged_layout(e.batch, e.heads, dim_v, page, tab, max_pages, pool));
+      case Layout::ragged:
+        return fn(ragged_layout(e.batch, e.heads, dim_k, e.tokens, off),
+                  ragged_layout(e.batch, e.heads, dim_v, e.tokens, off));
+      case Layout::bthd: return fn(bthd_layout(ek), bthd_layout(ev));
+      default: return fn(bhtd_layout(ek), bhtd_layout(ev));
+    }
+  }
+  template <class Fn>
+  decltype(auto) host_layouts(Index dim_k, Index dim_v, Fn&& fn) const {
+    return layouts(dim_k, dim_v, table.data(), indptr.data(), indices.data(), offsets.data(), fn);
+  }
+};
+
+/// Where a layout stores the position of slot t of head (b, h): the row's number for layouts that number their rows
+/// (per-head paged, ragged), else [B, H, N] (KVCache::position_slot).
+template <class L>
+Index position_slot(L const& l, Index b, Index h, Index t) {
+  if constexpr (requires { l.slot(b, h, t); })
+    return l.slot(b, h, t);
+  else
+    return (b * l.ext.heads + h) * l.ext.tokens + t;
+}
+
 /// The device mirror of a Case with element type T: K/V in the case's layout, tables, queries, RoPE table.
 template <class T>
 struct Mirror {
   Case const& c;
-  Index pages;  // per sequence
-  std::vector<std::int32_t> table_host;
+  Tables tab;
   DeviceBuffer<T> k, v, q;
-  DeviceBuffer<Index> lengths, positions, query_positions;
-  DeviceBuffer<std::int32_t> table;
+  DeviceBuffer<Index> lengths, positions, query_positions, offsets;
+  DeviceBuffer<std::int32_t> table, indptr, indices;
   DeviceBuffer<float> rope;
 
-  static std::vector<T> place(Case const& c, std::vector<float> const& bhtd, Index dim,
-                              std::vector<std::int32_t> const& table, Index pages) {
-    KVExtents const e{c.e.batch, c.e.heads, c.e.tokens, dim};
-    std::vector<T> out(c.layout == Layout::paged
-                           ? static_cast<std::size_t>(c.e.batch * pages * page_size * e.heads * dim)
-                           : bhtd.size());
-    for (Index b = 0; b < e.batch; ++b)
-      for (Index h = 0; h < e.heads; ++h)
-        for (Index t = 0; t < e.tokens; ++t)
-          for (Index i = 0; i < dim; ++i) {
-            Index at = 0;
-            if (c.layout == Layout::bhtd)
-              at = bhtd_layout(e).offset(b, h, t);
-            else if (c.layout == Layout::bthd)
-              at = bthd_layout(e).offset(b, h, t);
-            else
-              at = paged_layout(e, page_size, PageOrder::nhd, table.data(), pages, e.batch * pages).offset(b, h, t);
-            out[static_cast<std::size_t>(at + i)] =
-                from_float<T>(bhtd[static_cast<std::size_t>(((b * e.heads + h) * e.tokens + t) * dim + i)]);
-          }
+  Index dim_v() const { return c.dim_v > 0 ? c.dim_v : c.e.dim; }
+
+  /// Host rows [B, H, N, dim] placed where the layout keeps them (K when `keys`, else V).
+  std::vector<T> place(std::vector<float> const& bhtd, bool keys) const {
+    Index const dim = keys ? c.e.dim : dim_v();
+    std::vector<T> out(static_cast<std::size_t>(tab.elements(dim)));
+    tab.host_layouts(c.e.dim, dim_v(), [&](auto const& kl, auto const& vl) {
+      auto const& l = keys ? kl : vl;
+      for (Index b = 0; b < c.e.batch; ++b)
+        for (Index h = 0; h < c.e.heads; ++h)
+          for (Index t = 0; t < c.e.tokens; ++t)
+            if (tab.addressable(b, h, t))
+              for (Index i = 0; i < dim; ++i)
+                out[static_cast<std::size_t>(l.offset(b, h, t) + i)] =
+                    from_float<T>(bhtd[static_cast<std::size_t>(((b * c.e.heads + h) * c.e.tokens + t) * dim + i)]);
+    });
     return out;
   }
-  static std::vector<std::int32_t> make_table(Case const& c, Index pages) {
-    std::vector<std::int32_t> t(static_cast<std::size_t>(c.e.batch * pages));
-    for (std::size_t i = 0; i < t.size(); ++i)
-      t[i] = static_cast<std::int32_t>(t.size() - 1 - i);  // reversed page ids: order in the pool differs
-    return t;
+  std::vector<Index> place_positions() const {
+    if (c.positions.empty())
+      return {};
+    std::vector<Index> out(static_cast<std::size_t>(tab.position_slots()), 0);
+    tab.host_layouts(c.e.dim, dim_v(), [&](auto const& kl, auto const&) {
+      for (Index b = 0; b < c.e.batch; ++b)
+        for (Index h = 0; h < c.e.heads; ++h)
+          for (Index t = 0; t < c.e.tokens; ++t)
+            if (tab.addressable(b, h, t))
+              out[static_cast<std::size_t>(position_slot(kl, b, h, t))] =
+                  c.positions[static_cast<std::size_t>((b * c.e.heads + h) * c.e.tokens + t)];
+    });
+    return out;
   }
 
   explicit Mirror(Case const& cs)
       : c(cs),
-        pages((cs.e.tokens + page_size - 1) / page_size),
-        table_host(make_table(cs, pages)),
-        k(place(cs, cs.k, cs.e.dim, table_host, pages)),
-        v(place(cs, cs.v, cs.dim_v > 0 ? cs.dim_v : cs.e.dim, table_host, pages)),
+        tab(cs),
+        k(place(cs.k, true)),
+        v(place(cs.v, false)),
         q(narrow<T>(cs.queries)),
         lengths(cs.lengths),
-        positions(cs.positions),
+        positions(place_positions()),
         query_positions(cs.query_positions),
-        table(table_host),
+        offsets(tab.offsets),
+        table(tab.table),
+        indptr(tab.indptr),
+        indices(tab.indices),
         rope(host_rope(cs)) {}
 
   static std::vector<float> host_rope(Case const& cs) {
@@ -163,49 +309,47 @@ struct Mirror {
   /// Calls fn(cache) with the device cache view in the case's layout.
   template <class Fn>
   std::string with_cache(Fn&& fn) {
-    KVExtents const ek = c.e;
-    KVExtents ev = c.e;
-    ev.dim = c.dim_v > 0 ? c.dim_v : c.e.dim;
     Index* pos = positions.get_or_null(!c.positions.empty());
-    if (c.layout == Layout::paged) {
-      auto const kl = paged_layout(ek, page_size, PageOrder::nhd, table.ptr, pages, ek.batch * pages);
-      auto const vl = paged_layout(ev, page_size, PageOrder::nhd, table.ptr, pages, ek.batch * pages);
-      return fn(make_cache(TokenRows<T, PagedLayout, DeviceSpace>(k.ptr, kl),
-                           TokenRows<T, PagedLayout, DeviceSpace>(v.ptr, vl), length_table(), pos));
-    }
-    auto const kl = c.layout == Layout::bthd ? bthd_layout(ek) : bhtd_layout(ek);
-    auto const vl = c.layout == Layout::bthd ? bthd_layout(ev) : bhtd_layout(ev);
-    return fn(make_cache(TokenRows<T, StridedLayout, DeviceSpace>(k.ptr, kl),
-                         TokenRows<T, StridedLayout, DeviceSpace>(v.ptr, vl), length_table(), pos));
+    return tab.layouts(c.e.dim, dim_v(), table.ptr, indptr.ptr, indices.ptr, offsets.ptr,
+                       [&](auto const& kl, auto const& vl) -> std::string {
+                         using KL = std::remove_cvref_t<decltype(kl)>;
+                         return fn(make_cache(TokenRows<T, KL, DeviceSpace>(k.ptr, kl),
+                                              TokenRows<T, KL, DeviceSpace>(v.ptr, vl), length_table(), pos));
+                       });
   }
 
-  /// K and V back in BHTD fp32, positions and lengths back into a host case.
+  /// K and V back in BHTD fp32, positions and lengths back into a host case (slots without storage: 0).
   void read_back(Case& out) {
     std::vector<T> kd, vd;
     k.to_host(kd);
     v.to_host(vd);
     auto const kf = widen(kd), vf = widen(vd);
-    Index const dv = c.dim_v > 0 ? c.dim_v : c.e.dim;
-    auto unplace = [&](std::vector<float> const& placed, Index dim, std::vector<float>& bhtd) {
-      KVExtents const e{c.e.batch, c.e.heads, c.e.tokens, dim};
-      bhtd.assign(static_cast<std::size_t>(e.rows() * dim), 0.0f);
+    std::vector<Index> pd;
+    if (!c.positions.empty())
+      positions.to_host(pd);
+    KVExtents const e = c.e;
+    std::vector<float> ko(static_cast<std::size_t>(e.rows() * e.dim), 0.0f),
+        vo(static_cast<std::size_t>(e.rows() * dim_v()), 0.0f);
+    std::vector<Index> po(pd.empty() ? 0 : static_cast<std::size_t>(e.rows()), 0);
+    tab.host_layouts(e.dim, dim_v(), [&](auto const& kl, auto const& vl) {
       for (Index b = 0; b < e.batch; ++b)
         for (Index h = 0; h < e.heads; ++h)
-          for (Index t = 0; t < e.tokens; ++t)
-            for (Index i = 0; i < dim; ++i) {
-              Index at = c.layout == Layout::bhtd ? bhtd_layout(e).offset(b, h, t)
-                         : c.layout == Layout::bthd
-                             ? bthd_layout(e).offset(b, h, t)
-                             : paged_layout(e, page_size, PageOrder::nhd, table_host.data(), pages, e.batch * pages)
-                                   .offset(b, h, t);
-              bhtd[static_cast<std::size_t>(((b * e.heads + h) * e.tokens + t) * dim + i)] =
-                  placed[static_cast<std::size_t>(at + i)];
-            }
-    };
-    unplace(kf, c.e.dim, out.k);
-    unplace(vf, dv, out.v);
+          for (Index t = 0; t < e.tokens; ++t) {
+            if (!tab.addressable(b, h, t))
+              continue;
+            Index const row = (b * e.heads + h) * e.tokens + t;
+            for (Index i = 0; i < e.dim; ++i)
+              ko[static_cast<std::size_t>(row * e.dim + i)] = kf[static_cast<std::size_t>(kl.offset(b, h, t) + i)];
+            for (Index i = 0; i < dim_v(); ++i)
+              vo[static_cast<std::size_t>(row * dim_v() + i)] = vf[static_cast<std::size_t>(vl.offset(b, h, t) + i)];
+            if (!pd.empty())
+              po[static_cast<std::size_t>(row)] = pd[static_cast<std::size_t>(position_slot(kl, b, h, t))];
+          }
+    });
+    out.k = std::move(ko);
+    out.v = std::move(vo);
     if (!c.positions.empty())
-      positions.to_host(out.positions);
+      out.positions = std::move(po);
     if (!c.lengths.empty())
       lengths.to_host(out.lengths);
   }
@@ -228,13 +372,13 @@ std::string score_with(S scorer, Mirror<T>& m, std::vector<float>& out) {
     ScoreSpan<DeviceSpace> const span{o.ptr, c.e.batch, c.e.heads, c.e.tokens};
     if constexpr (has_need(S::needs, Needs::window_queries)) {
       auto const obs = observe(m.window());
-      std::size_t const bytes = score_workspace_bytes(Cuda{}, scorer, c.e, obs);
+      std::size_t const bytes = score_workspace_bytes(dev(), scorer, c.e, obs);
       DeviceBuffer<unsigned char> ws(bytes);
-      return finish(score(Cuda{}, scorer, cache, obs, span, Workspace{ws.ptr, bytes}));
+      return finish(score(dev(), scorer, cache, obs, span, Workspace{ws.ptr, bytes}));
     } else {
-      std::size_t const bytes = score_workspace_bytes(Cuda{}, scorer, c.e);
+      std::size_t const bytes = score_workspace_bytes(dev(), scorer, c.e);
       DeviceBuffer<unsigned char> ws(bytes);
-      return finish(score(Cuda{}, scorer, cache, NoObservations{}, span, Workspace{ws.ptr, bytes}));
+      return finish(score(dev(), scorer, cache, NoObservations{}, span, Workspace{ws.ptr, bytes}));
     }
   });
   o.to_host(out);
@@ -377,7 +521,7 @@ std::string attend(Case const& c, std::vector<float>& out, std::vector<float>& l
     std::string const err = m.with_cache([&](auto const& cache) {
       AttendQueries<T, DeviceSpace> const q{
           TokenRows<T const, StridedLayout, DeviceSpace>(m.q.ptr, bhtd_layout(c.q_ext))};
-      return finish(kvc::attend(Cuda{}, Attention{}, q, cache, AttendOutput<DeviceSpace>{o.ptr, l.ptr}, Workspace{}));
+      return finish(kvc::attend(dev(), Attention{}, q, cache, AttendOutput<DeviceSpace>{o.ptr, l.ptr}, Workspace{}));
     });
     o.to_host(out);
     l.to_host(lse);
@@ -395,9 +539,9 @@ std::string top_k(double ratio, Index fixed, Index n_sink, Index n_recent, Index
   ScoreSpan<DeviceSpace> const span{s.ptr, batch, heads, tokens, table};
   KeepPlan<DeviceSpace> const plan{idx.ptr, cnt.ptr, batch, heads, capacity};
   auto run = [&](auto const& sel) {  // the multi-block path (long heads) needs its workspace
-    std::size_t const bytes = select_workspace_bytes(Cuda{}, sel, batch, heads, tokens);
+    std::size_t const bytes = select_workspace_bytes(dev(), sel, batch, heads, tokens);
     DeviceBuffer<unsigned char> ws(bytes);
-    return finish(select(Cuda{}, sel, span, plan, Workspace{ws.ptr, bytes}));
+    return finish(select(dev(), sel, span, plan, Workspace{ws.ptr, bytes}));
   };
   std::string const err = ratio >= 0 ? run(TopKSelector{RatioBudget{ratio}, n_sink, n_recent})
                                      : run(TopKSelector{FixedBudget{fixed}, n_sink, n_recent});
@@ -412,7 +556,7 @@ std::string top_k_per_head(std::vector<Index> const& budget, Index batch, Index 
   DeviceBuffer<Index> table(budget), idx(static_cast<std::size_t>(batch * heads * tokens)),
       cnt(static_cast<std::size_t>(batch * heads));
   TopKSelector<PerHeadBudget<DeviceSpace>> const sel{PerHeadBudget<DeviceSpace>{table.ptr, heads}};
-  std::string const err = finish(select(Cuda{}, sel, ScoreSpan<DeviceSpace>{s.ptr, batch, heads, tokens},
+  std::string const err = finish(select(dev(), sel, ScoreSpan<DeviceSpace>{s.ptr, batch, heads, tokens},
                                         KeepPlan<DeviceSpace>{idx.ptr, cnt.ptr, batch, heads, tokens}, {}));
   idx.to_host(index);
   cnt.to_host(count);
@@ -429,11 +573,11 @@ std::string ada_kv(AdaKVCase const& c, std::vector<Index>& table, std::vector<In
   KeepPlan<DeviceSpace> const plan{idx.ptr, cnt.ptr, c.batch, c.heads, c.tokens};
   Reference const ref = c.kvpress ? Reference::kvpress : Reference::authors;
   auto run = [&](auto const& sel) {
-    std::size_t const bytes = select_workspace_bytes(Cuda{}, sel, c.batch, c.heads, c.tokens);
+    std::size_t const bytes = select_workspace_bytes(dev(), sel, c.batch, c.heads, c.tokens);
     DeviceBuffer<unsigned char> ws(bytes);
-    std::string err = finish(allocate(Cuda{}, sel, span, tab.ptr, Workspace{ws.ptr, bytes}));
+    std::string err = finish(allocate(dev(), sel, span, tab.ptr, Workspace{ws.ptr, bytes}));
     if (err.empty())
-      err = finish(select(Cuda{}, sel, span, plan, Workspace{ws.ptr, bytes}));
+      err = finish(select(dev(), sel, span, plan, Workspace{ws.ptr, bytes}));
     return err;
   };
   std::string const err = c.ratio >= 0 ? run(AdaKVSelector{RatioBudget{c.ratio}, c.alpha, ref, c.n_sink, c.n_recent})
@@ -467,14 +611,14 @@ std::string ragged(Case const& c, std::vector<Index> const& index, std::vector<I
     auto const store = ragged_cache<DeviceSpace>(k.ptr, v.ptr, c.e.batch, c.e.heads, c.e.dim, dv, shape, offsets.ptr,
                                                  head_lengths(lengths.ptr, c.e.heads), positions.ptr);
     KeepPlan<DeviceSpace> const plan{idx.ptr, cnt.ptr, c.e.batch, c.e.heads, capacity};
-    std::string err = m.with_cache([&](auto const& src) { return finish(kvc::gather(Cuda{}, plan, src, store)); });
+    std::string err = m.with_cache([&](auto const& src) { return finish(kvc::gather(dev(), plan, src, store)); });
     if (err.empty())
-      err = x.with_cache([&](auto const& add) { return finish(kvc::append(Cuda{}, store, add)); });
+      err = x.with_cache([&](auto const& add) { return finish(kvc::append(dev(), store, add)); });
     DeviceBuffer<float> o(static_cast<std::size_t>(c.q_ext.rows() * dv)), l(static_cast<std::size_t>(c.q_ext.rows()));
     if (err.empty()) {
       AttendQueries<T, DeviceSpace> const q{
           TokenRows<T const, StridedLayout, DeviceSpace>(m.q.ptr, bhtd_layout(c.q_ext))};
-      err = finish(kvc::attend(Cuda{}, Attention{}, q, store, AttendOutput<DeviceSpace>{o.ptr, l.ptr}, Workspace{}));
+      err = finish(kvc::attend(dev(), Attention{}, q, store, AttendOutput<DeviceSpace>{o.ptr, l.ptr}, Workspace{}));
     }
     std::vector<T> kh, vh;
     k.to_host(kh);
@@ -494,7 +638,7 @@ std::string compact(Case& c, std::vector<Index> const& index, std::vector<Index>
     Mirror<decltype(tag)> m(c);
     DeviceBuffer<Index> idx(index), cnt(count);
     KeepPlan<DeviceSpace> const plan{idx.ptr, cnt.ptr, c.e.batch, c.e.heads, capacity};
-    std::string const err = m.with_cache([&](auto const& cache) { return finish(kvc::compact(Cuda{}, plan, cache)); });
+    std::string const err = m.with_cache([&](auto const& cache) { return finish(kvc::compact(dev(), plan, cache)); });
     m.read_back(c);
     return err;
   });
@@ -519,7 +663,7 @@ std::string gather(Case const& c, std::vector<Index> const& index, std::vector<I
     DeviceBuffer<Index> idx(index), cnt(count);
     KeepPlan<DeviceSpace> const plan{idx.ptr, cnt.ptr, c.e.batch, c.e.heads, capacity};
     std::string const err = m.with_cache([&](auto const& src) {
-      return d.with_cache([&](auto const& dst) { return finish(kvc::gather(Cuda{}, plan, src, dst)); });
+      return d.with_cache([&](auto const& dst) { return finish(kvc::gather(dev(), plan, src, dst)); });
     });
     d.read_back(out);
     return err;
@@ -531,7 +675,7 @@ std::string append(Case& dst, Case const& src, Index begin, Index count) {
     using T = decltype(tag);
     Mirror<T> d(dst), s(src);
     std::string const err = d.with_cache([&](auto const& dc) {
-      return s.with_cache([&](auto const& sc) { return finish(kvc::append(Cuda{}, dc, sc, begin, count)); });
+      return s.with_cache([&](auto const& sc) { return finish(kvc::append(dev(), dc, sc, begin, count)); });
     });
     d.read_back(dst);
     return err;
@@ -549,10 +693,10 @@ std::string blockwise_key_diff(Case const& src, Index budget, Index block, std::
       pos(static_cast<std::size_t>(we.rows()));
   auto const work =
       make_cache(bhtd_device_rows(k.ptr, we), bhtd_device_rows(v.ptr, we), head_lengths(len.ptr, we.heads), pos.ptr);
-  std::size_t const bytes = blockwise_workspace_bytes(Cuda{}, press, we);
+  std::size_t const bytes = blockwise_workspace_bytes(dev(), press, we);
   DeviceBuffer<unsigned char> ws(bytes);
   std::string const err = s.with_cache([&](auto const& cache) {
-    return finish(blockwise_compress(Cuda{}, press, cache, block, work, {ws.ptr, bytes}));
+    return finish(blockwise_compress(dev(), press, cache, block, work, {ws.ptr, bytes}));
   });
   len.to_host(lengths);
   pos.to_host(positions);
@@ -576,10 +720,10 @@ std::string query_statistics(Dtype dtype, KVExtents q_ext, std::vector<float> co
     DeviceBuffer<Index> pos(positions);
     DeviceBuffer<float> mu(static_cast<std::size_t>(q_ext.batch * q_ext.heads * q_ext.dim)),
         sigma(static_cast<std::size_t>(q_ext.batch * q_ext.heads * q_ext.dim * q_ext.dim));
-    std::size_t const bytes = query_statistics_workspace_bytes(Cuda{}, q_ext);
+    std::size_t const bytes = query_statistics_workspace_bytes(dev(), q_ext);
     DeviceBuffer<unsigned char> ws(bytes);
     std::string const err = finish(kvc::query_statistics(
-        Cuda{}, TokenRows<T const, StridedLayout, DeviceSpace>(q.ptr, layout), pos.get_or_null(!positions.empty()), sel,
+        dev(), TokenRows<T const, StridedLayout, DeviceSpace>(q.ptr, layout), pos.get_or_null(!positions.empty()), sel,
         mu.ptr, covariance ? sigma.ptr : nullptr, Workspace{ws.ptr, bytes}));
     mu.to_host(mean);
     if (covariance)
@@ -610,10 +754,10 @@ std::string expected_attention(Case const& c, EAInputs const& in, std::vector<fl
     DeviceBuffer<float> o(static_cast<std::size_t>(c.e.rows()));
     std::string const err = m.with_cache([&](auto const& cache) {
       auto const obs = observe(st);
-      std::size_t const bytes = score_workspace_bytes(Cuda{}, in.scorer, c.e, obs);
+      std::size_t const bytes = score_workspace_bytes(dev(), in.scorer, c.e, obs);
       DeviceBuffer<unsigned char> ws(bytes);
-      return finish(score(Cuda{}, in.scorer, cache, obs,
-                          ScoreSpan<DeviceSpace>{o.ptr, c.e.batch, c.e.heads, c.e.tokens}, Workspace{ws.ptr, bytes}));
+      return finish(score(dev(), in.scorer, cache, obs, ScoreSpan<DeviceSpace>{o.ptr, c.e.batch, c.e.heads, c.e.tokens},
+                          Workspace{ws.ptr, bytes}));
     });
     o.to_host(out);
     return err;
@@ -634,7 +778,7 @@ std::string h2o(Case const& c, Index tile, std::vector<H2OStep> const& steps, st
         if (step.append.e.tokens > 0) {
           Mirror<T> src(step.append);
           std::string const err = src.with_cache(
-              [&](auto const& sc) { return finish(kvc::append(Cuda{}, cache, sc, 0, step.append.e.tokens)); });
+              [&](auto const& sc) { return finish(kvc::append(dev(), cache, sc, 0, step.append.e.tokens)); });
           if (!err.empty())
             return "append: " + err;
         }
@@ -642,17 +786,17 @@ std::string h2o(Case const& c, Index tile, std::vector<H2OStep> const& steps, st
         if (!step.columns.empty()) {
           DeviceBuffer<float> cols(step.columns);
           auto const obs = observe(AttentionColumnSums<DeviceSpace>{cols.ptr, e.batch, step.column_heads, e.tokens, 1});
-          std::size_t const bytes = update_workspace_bytes(Cuda{}, scorer, e, obs);
+          std::size_t const bytes = update_workspace_bytes(dev(), scorer, e, obs);
           DeviceBuffer<unsigned char> ws(bytes);
-          err = finish(update(Cuda{}, scorer, cache, obs, Workspace{ws.ptr, bytes}));
+          err = finish(update(dev(), scorer, cache, obs, Workspace{ws.ptr, bytes}));
         } else {
           DeviceBuffer<T> q(narrow<T>(step.queries));
           WindowQueries<T, DeviceSpace> const wq{
               TokenRows<T const, StridedLayout, DeviceSpace>(q.ptr, bhtd_layout(step.q_ext)), m.rope_table(), nullptr};
           auto const obs = observe(wq);
-          std::size_t const bytes = update_workspace_bytes(Cuda{}, scorer, e, obs);
+          std::size_t const bytes = update_workspace_bytes(dev(), scorer, e, obs);
           DeviceBuffer<unsigned char> ws(bytes);
-          err = finish(update(Cuda{}, scorer, cache, obs, Workspace{ws.ptr, bytes}));
+          err = finish(update(dev(), scorer, cache, obs, Workspace{ws.ptr, bytes}));
         }
         if (!err.empty())
           return "update: " + err;
@@ -660,9 +804,9 @@ std::string h2o(Case const& c, Index tile, std::vector<H2OStep> const& steps, st
         acc.to_host(r.acc);
         tracked.to_host(r.tracked);
         DeviceBuffer<float> o(static_cast<std::size_t>(e.rows()));
-        std::size_t const bytes = score_workspace_bytes(Cuda{}, scorer, e);
+        std::size_t const bytes = score_workspace_bytes(dev(), scorer, e);
         DeviceBuffer<unsigned char> ws(bytes);
-        err = finish(score(Cuda{}, scorer, cache, ScoreSpan<DeviceSpace>{o.ptr, e.batch, e.heads, e.tokens},
+        err = finish(score(dev(), scorer, cache, ScoreSpan<DeviceSpace>{o.ptr, e.batch, e.heads, e.tokens},
                            Workspace{ws.ptr, bytes}));
         if (!err.empty())
           return "score: " + err;
@@ -670,9 +814,9 @@ std::string h2o(Case const& c, Index tile, std::vector<H2OStep> const& steps, st
         if (!step.count.empty()) {
           DeviceBuffer<Index> idx(step.index), cnt(step.count);
           KeepPlan<DeviceSpace> const plan{idx.ptr, cnt.ptr, e.batch, e.heads, e.tokens};
-          err = finish(on_evict(Cuda{}, scorer, cache, plan, Workspace{}));
+          err = finish(on_evict(dev(), scorer, cache, plan, Workspace{}));
           if (err.empty())
-            err = finish(kvc::compact(Cuda{}, plan, cache, scorer.state.accumulated));
+            err = finish(kvc::compact(dev(), plan, cache, scorer.state.accumulated));
           if (!err.empty())
             return "evict: " + err;
         }
@@ -706,7 +850,7 @@ std::string uncomp(Case const& c, UNCompParams const& p, std::vector<UNCompStep>
         if (step.append.e.tokens > 0) {
           Mirror<T> src(step.append);
           std::string const err = src.with_cache(
-              [&](auto const& sc) { return finish(kvc::append(Cuda{}, cache, sc, 0, step.append.e.tokens)); });
+              [&](auto const& sc) { return finish(kvc::append(dev(), cache, sc, 0, step.append.e.tokens)); });
           if (!err.empty())
             return "append: " + err;
         }
@@ -715,9 +859,9 @@ std::string uncomp(Case const& c, UNCompParams const& p, std::vector<UNCompStep>
           WindowQueries<T, DeviceSpace> const wq{
               TokenRows<T const, StridedLayout, DeviceSpace>(q.ptr, bhtd_layout(step.q_ext)), m.rope_table(), nullptr};
           auto const obs = observe(wq);
-          std::size_t const bytes = update_workspace_bytes(Cuda{}, scorer, e, obs);
+          std::size_t const bytes = update_workspace_bytes(dev(), scorer, e, obs);
           DeviceBuffer<unsigned char> ws(bytes);
-          std::string const err = finish(update(Cuda{}, scorer, cache, obs, Workspace{ws.ptr, bytes}));
+          std::string const err = finish(update(dev(), scorer, cache, obs, Workspace{ws.ptr, bytes}));
           if (!err.empty())
             return "update: " + err;
         }
@@ -726,17 +870,17 @@ std::string uncomp(Case const& c, UNCompParams const& p, std::vector<UNCompStep>
         tracked.to_host(r.tracked);
         DeviceBuffer<float> o(static_cast<std::size_t>(e.rows()));
         {
-          std::size_t const bytes = score_workspace_bytes(Cuda{}, scorer, e);
+          std::size_t const bytes = score_workspace_bytes(dev(), scorer, e);
           DeviceBuffer<unsigned char> ws(bytes);
           std::string const err =
-              finish(score(Cuda{}, scorer, cache, ScoreSpan<DeviceSpace>{o.ptr, e.batch, e.heads, e.tokens},
+              finish(score(dev(), scorer, cache, ScoreSpan<DeviceSpace>{o.ptr, e.batch, e.heads, e.tokens},
                            Workspace{ws.ptr, bytes}));
           if (!err.empty())
             return "score: " + err;
         }
         o.to_host(r.scores);
         if (!step.count.empty()) {
-          std::size_t const bytes = select_workspace_bytes(Cuda{}, sel, e.batch, e.heads, e.tokens);
+          std::size_t const bytes = select_workspace_bytes(dev(), sel, e.batch, e.heads, e.tokens);
           DeviceBuffer<unsigned char> ws(bytes);
           DeviceBuffer<float> cpu_scores(step.cpu_scores);
           DeviceBuffer<Index> table(static_cast<std::size_t>(e.batch * e.heads)),
@@ -744,13 +888,13 @@ std::string uncomp(Case const& c, UNCompParams const& p, std::vector<UNCompStep>
               idx_cpu(static_cast<std::size_t>(e.rows())), cnt_cpu(static_cast<std::size_t>(e.batch * e.heads));
           ScoreSpan<DeviceSpace> const mine{o.ptr, e.batch, e.heads, e.tokens, cache.lengths};
           ScoreSpan<DeviceSpace> const theirs{cpu_scores.ptr, e.batch, e.heads, e.tokens, cache.lengths};
-          std::string err = finish(kvc::allocate(Cuda{}, sel, mine, table.ptr, Workspace{ws.ptr, bytes}));
+          std::string err = finish(kvc::allocate(dev(), sel, mine, table.ptr, Workspace{ws.ptr, bytes}));
           if (err.empty())
-            err = finish(kvc::select(Cuda{}, sel, mine,
+            err = finish(kvc::select(dev(), sel, mine,
                                      KeepPlan<DeviceSpace>{idx.ptr, cnt.ptr, e.batch, e.heads, e.tokens},
                                      Workspace{ws.ptr, bytes}));
           if (err.empty())
-            err = finish(kvc::select(Cuda{}, sel, theirs,
+            err = finish(kvc::select(dev(), sel, theirs,
                                      KeepPlan<DeviceSpace>{idx_cpu.ptr, cnt_cpu.ptr, e.batch, e.heads, e.tokens},
                                      Workspace{ws.ptr, bytes}));
           if (!err.empty())
@@ -762,11 +906,11 @@ std::string uncomp(Case const& c, UNCompParams const& p, std::vector<UNCompStep>
           cnt_cpu.to_host(r.count_cpu);
           DeviceBuffer<Index> plan_idx(step.index), plan_cnt(step.count);
           KeepPlan<DeviceSpace> const plan{plan_idx.ptr, plan_cnt.ptr, e.batch, e.heads, e.tokens};
-          err = finish(on_evict(Cuda{}, scorer, cache, plan, Workspace{}));
+          err = finish(on_evict(dev(), scorer, cache, plan, Workspace{}));
           if (err.empty())
             tracked.to_host(r.evicted_tracked);
           if (err.empty())
-            err = finish(kvc::compact(Cuda{}, plan, cache, scorer.state.window_rows));
+            err = finish(kvc::compact(dev(), plan, cache, scorer.state.window_rows));
           if (!err.empty())
             return "evict: " + err;
         }
@@ -787,11 +931,11 @@ std::string uncomp_select(std::vector<Index> const& budgets, Index n_recent, Ind
   ScoreSpan<DeviceSpace> const span{s.ptr, batch, heads, tokens,
                                     lengths.empty() ? Lengths{} : head_lengths(len.ptr, heads)};
   UNCompSelector<DeviceSpace> const sel{HeadBudgets<DeviceSpace>{bud.ptr, heads}, 0, n_recent};
-  std::size_t const bytes = select_workspace_bytes(Cuda{}, sel, batch, heads, tokens);
+  std::size_t const bytes = select_workspace_bytes(dev(), sel, batch, heads, tokens);
   DeviceBuffer<unsigned char> ws(bytes);
-  std::string err = finish(kvc::allocate(Cuda{}, sel, span, tab.ptr, Workspace{ws.ptr, bytes}));
+  std::string err = finish(kvc::allocate(dev(), sel, span, tab.ptr, Workspace{ws.ptr, bytes}));
   if (err.empty())
-    err = finish(kvc::select(Cuda{}, sel, span, KeepPlan<DeviceSpace>{idx.ptr, cnt.ptr, batch, heads, tokens},
+    err = finish(kvc::select(dev(), sel, span, KeepPlan<DeviceSpace>{idx.ptr, cnt.ptr, batch, heads, tokens},
                              Workspace{ws.ptr, bytes}));
   tab.to_host(table);
   idx.to_host(index);
@@ -809,7 +953,7 @@ std::string compact_rows(Case& c, std::vector<Index> const& index, std::vector<I
     TokenRows<float, StridedLayout, DeviceSpace> const extra(r.get_or_null(!rows.empty()), bhtd_layout(re));
     KeepPlan<DeviceSpace> const plan{idx.ptr, cnt.ptr, c.e.batch, c.e.heads, capacity};
     std::string const err =
-        m.with_cache([&](auto const& cache) { return finish(kvc::compact(Cuda{}, plan, cache, extra)); });
+        m.with_cache([&](auto const& cache) { return finish(kvc::compact(dev(), plan, cache, extra)); });
     m.read_back(c);
     if (!rows.empty())
       r.to_host(rows);
@@ -839,9 +983,9 @@ std::string moment_update(Case const& c, MomentKVScorer<> const& params, Moments
     DeviceResiduals const dr(c, r);
     auto const scorer = device_moment_scorer(params, dm, dr);
     std::string const err = m.with_cache([&](auto const& cache) {
-      std::size_t const bytes = update_workspace_bytes(Cuda{}, scorer, c.e, NoObservations{});
+      std::size_t const bytes = update_workspace_bytes(dev(), scorer, c.e, NoObservations{});
       DeviceBuffer<unsigned char> ws(bytes);
-      return finish(update(Cuda{}, scorer, cache, NoObservations{}, Workspace{ws.ptr, bytes}));
+      return finish(update(dev(), scorer, cache, NoObservations{}, Workspace{ws.ptr, bytes}));
     });
     dr.read_back(r);
     return err;
@@ -858,9 +1002,9 @@ std::string moment_evict(Case const& c, MomentKVScorer<> const& params, Moments&
     DeviceBuffer<Index> idx(index), cnt(count);
     KeepPlan<DeviceSpace> const plan{idx.ptr, cnt.ptr, c.e.batch, c.e.heads, capacity};
     std::string const err = m.with_cache([&](auto const& cache) {
-      std::size_t const bytes = on_evict_workspace_bytes(Cuda{}, scorer, c.e);
+      std::size_t const bytes = on_evict_workspace_bytes(dev(), scorer, c.e);
       DeviceBuffer<unsigned char> ws(bytes);
-      return finish(on_evict(Cuda{}, scorer, cache, plan, Workspace{ws.ptr, bytes}));
+      return finish(on_evict(dev(), scorer, cache, plan, Workspace{ws.ptr, bytes}));
     });
     dm.read_back(mo);
     dr.read_back(r);
@@ -879,9 +1023,9 @@ std::string attend_corrected(Case const& c, CorrectedAttention const& op, Moment
     std::string const err = m.with_cache([&](auto const& cache) {
       AttendQueries<T, DeviceSpace> const q{
           TokenRows<T const, StridedLayout, DeviceSpace>(m.q.ptr, bhtd_layout(c.q_ext))};
-      std::size_t const bytes = attend_corrected_workspace_bytes(Cuda{}, op, q, cache, dm.view());
+      std::size_t const bytes = attend_corrected_workspace_bytes(dev(), op, q, cache, dm.view());
       DeviceBuffer<unsigned char> ws(bytes);
-      return finish(kvc::attend_corrected(Cuda{}, op, q, cache, dm.view(), AttendOutput<DeviceSpace>{o.ptr, l.ptr},
+      return finish(kvc::attend_corrected(dev(), op, q, cache, dm.view(), AttendOutput<DeviceSpace>{o.ptr, l.ptr},
                                           Workspace{ws.ptr, bytes}));
     });
     o.to_host(out);
@@ -900,12 +1044,138 @@ std::string moment_kv_prefill(Case& c, MomentKVScorer<> const& params, Moments& 
     TopKSelector const sel{FixedBudget{budget}, n_sink, n_recent};
     std::string const err = m.with_cache([&](auto const& cache) {
       auto const obs = observe(m.window());
-      std::size_t const bytes = moment_kv_prefill_workspace_bytes(Cuda{}, scorer, sel, c.e, obs);
+      std::size_t const bytes = moment_kv_prefill_workspace_bytes(dev(), scorer, sel, c.e, obs);
       DeviceBuffer<unsigned char> ws(bytes);
-      return finish(kvc::moment_kv_prefill(Cuda{}, scorer, sel, cache, obs, Workspace{ws.ptr, bytes}));
+      return finish(kvc::moment_kv_prefill(dev(), scorer, sel, cache, obs, Workspace{ws.ptr, bytes}));
     });
     m.read_back(c);
     dm.read_back(mo);
+    return err;
+  });
+}
+
+StreamScope::StreamScope() : previous_(wrapper_stream) {
+  cudaStream_t s = nullptr;
+  ok_ = cudaStreamCreate(&s) == cudaSuccess;
+  if (ok_)
+    wrapper_stream = s;
+}
+
+StreamScope::~StreamScope() {
+  if (ok_) {
+    (void)cudaStreamSynchronize(wrapper_stream);
+    (void)cudaStreamDestroy(wrapper_stream);
+  }
+  wrapper_stream = static_cast<cudaStream_t>(previous_);
+}
+
+void reset_op_counts() {
+#if defined(KVC_CUDA_EMULATOR)
+  ::kvc::emu::reset_counters();
+#endif
+}
+
+OpCounts op_counts() {
+  OpCounts o;
+#if defined(KVC_CUDA_EMULATOR)
+  auto const n = ::kvc::emu::counters();
+  o.available = true;
+  o.launches = n.launches;
+  o.synchronizations = n.synchronizations;
+  o.allocations = n.allocations;
+  o.default_stream_ops = n.default_stream_ops;
+  o.other_stream_ops = n.other_stream_ops;
+#endif
+  return o;
+}
+
+std::string decode(Case const& c, DecodeRun const& run, bool on_stream, DecodeResult& out) {
+  std::optional<StreamScope> scope;
+  if (on_stream) {
+    scope.emplace();
+    if (!scope->ok())
+      return "cudaStreamCreate failed";
+  }
+  out = DecodeResult{};
+  return by_dtype(c.dtype, [&](auto tag) -> std::string {
+    using T = decltype(tag);
+    Mirror<T> m(c);
+    KVExtents const e = c.e;
+    Index const heads = e.batch * e.heads, dv = m.dim_v(), w = 4;
+    DeviceBuffer<T> qd(narrow<T>(run.queries));
+    DeviceBuffer<Index> qp(run.query_positions);
+    QueryBuffer<T, DeviceSpace> buf{qd.ptr,           qp.ptr,        run.q_ext.batch, run.q_ext.heads,
+                                    run.q_ext.tokens, run.q_ext.dim, run.buffered,    0};
+    DecodeCounter counter;
+    RopeTable<DeviceSpace> const rope = m.rope_table();
+    // Scorer state: H2O's accumulator or UNComp's window rows, tracked counts, MomentKV's (empty) moments.
+    bool const h2o = run.policy == "h2o", uncomp = run.policy == "uncomp";
+    DeviceBuffer<float> state(
+        std::vector<float>(static_cast<std::size_t>(h2o ? e.rows() : (uncomp ? e.rows() * w : 0)), 0.0f));
+    DeviceBuffer<Index> tracked(std::vector<Index>(static_cast<std::size_t>(heads), 0)), budgets(run.budgets);
+    Moments zero;
+    zero.count.assign(static_cast<std::size_t>(heads), 0);
+    zero.key_mean.assign(static_cast<std::size_t>(heads * e.dim), 0.0f);
+    zero.value_mean.assign(static_cast<std::size_t>(heads * dv), 0.0f);
+    zero.comoment.assign(static_cast<std::size_t>(heads * e.dim * dv), 0.0f);
+    DeviceMoments<float> const moments(c, zero);
+    DeviceResiduals const residuals(c, Residuals{});
+    auto steps = [&](auto const& scorer, auto const& selector) {
+      return m.with_cache([&](auto const& cache) -> std::string {
+        std::size_t const bytes =
+            decode_workspace_bytes(dev(), scorer, selector, run.schedule, cache.keys.extents(), buf);
+        DeviceBuffer<unsigned char> ws(bytes);
+        for (Index step = 0; step < run.steps; ++step) {
+          if (Status const st = buf.push(1); !st.ok())
+            return st.message();
+          bool compressed = false;
+          reset_op_counts();
+          Status const st = decode_step(dev(), scorer, selector, run.schedule, cache, buf, counter, rope,
+                                        Workspace{ws.ptr, bytes}, &compressed);
+          out.counts.push_back(op_counts());
+          if (!st.ok())
+            return "step " + std::to_string(step) + ": " + st.message();
+          out.compressed.push_back(compressed ? 1 : 0);
+        }
+        return finish(Status{});
+      });
+    };
+    std::string err;
+    auto const top_k = run.schedule.selector();
+    if (run.policy == "knorm")
+      err = steps(KnormScorer{}, top_k);
+    else if (run.policy == "snap_kv")
+      err = steps(SnapKVScorer{.window_size = w, .kernel_size = 3}, top_k);
+    else if (run.policy == "tova")
+      err = steps(TOVAScorer{}, top_k);
+    else if (run.policy == "expected_attention")
+      err = steps(ExpectedAttentionScorer{}, top_k);
+    else if (h2o)
+      err = steps(H2OScorer<DeviceSpace>{{{state.ptr, e.batch, e.heads, e.tokens}, tracked.ptr}, 5}, top_k);
+    else if (run.policy == "moment_kv")
+      err = steps(device_moment_scorer(MomentKVScorer<>{}, moments, residuals).decode(), top_k);
+    else if (uncomp)
+      err = steps(
+          UNCompScorer<DeviceSpace>{
+              {TokenRows<float, StridedLayout, DeviceSpace>(state.ptr, uncomp_window_layout(e, w)), tracked.ptr},
+              w,
+              3,
+              Pooling::max},
+          UNCompSelector<DeviceSpace>{HeadBudgets<DeviceSpace>{budgets.ptr, e.heads}, 0, w});
+    else
+      return "unknown policy " + run.policy;
+    out.cache = c;
+    m.read_back(out.cache);
+    if (h2o || uncomp) {
+      state.to_host(out.state);
+      tracked.to_host(out.tracked);
+    }
+    if (run.policy == "moment_kv") {
+      Moments got;
+      moments.read_back(got);
+      out.tracked = got.count;
+      out.key_mean = got.key_mean;
+    }
     return err;
   });
 }
@@ -948,7 +1218,7 @@ std::string attend_packed(PackedKV const& kv, Dtype dtype, KVExtents q_ext, std:
   DeviceBuffer<float> o(static_cast<std::size_t>(q_ext.rows() * kv.value_dim())),
       l(static_cast<std::size_t>(q_ext.rows()));
   PackedKVView<DeviceSpace> view;
-  if (Status const st = to_device(Cuda{}, kv, arena.ptr, arena.n, table.ptr, heads, view); !st.ok())
+  if (Status const st = to_device(dev(), kv, arena.ptr, arena.n, table.ptr, heads, view); !st.ok())
     return st.message();
   std::string const err = by_dtype(dtype, [&](auto tag) {
     using T = decltype(tag);
@@ -957,7 +1227,7 @@ std::string attend_packed(PackedKV const& kv, Dtype dtype, KVExtents q_ext, std:
                                            positions.empty() ? nullptr : pos.ptr};
     Attention op;
     op.causal = causal;
-    return finish(kvc::attend_packed(Cuda{}, op, aq, view, AttendOutput<DeviceSpace>{o.ptr, l.ptr}, Workspace{}));
+    return finish(kvc::attend_packed(dev(), op, aq, view, AttendOutput<DeviceSpace>{o.ptr, l.ptr}, Workspace{}));
   });
   o.to_host(out);
   l.to_host(lse);
@@ -976,9 +1246,9 @@ std::string allocate_bits(RDKVAllocator const& a, KVExtents e, std::vector<float
   ScoreSpan<DeviceSpace> const span{w.ptr, e.batch, e.heads, e.tokens,
                                     lengths.empty() ? Lengths{} : head_lengths(len.ptr, e.heads)};
   BitPlan<DeviceSpace> const plan{v.ptr, k.ptr, e.batch, e.heads, e.tokens, e.dim};
-  std::size_t const bytes = allocate_bits_workspace_bytes(Cuda{}, a, e.batch, e.heads, e.tokens, e.dim);
+  std::size_t const bytes = allocate_bits_workspace_bytes(dev(), a, e.batch, e.heads, e.tokens, e.dim);
   DeviceBuffer<unsigned char> ws(bytes);
-  std::string const err = finish(kvc::allocate_bits(Cuda{}, a, span, cw.ptr, plan, Workspace{ws.ptr, bytes}));
+  std::string const err = finish(kvc::allocate_bits(dev(), a, span, cw.ptr, plan, Workspace{ws.ptr, bytes}));
   v.to_host(v_bits);
   k.to_host(k_bits);
   return err;
@@ -1003,9 +1273,9 @@ std::string think_scores(Case const& c, std::vector<float>& out) {
     ThinKChannelScorer const s{c.q_ext.tokens};
     std::string const err = m.with_cache([&](auto const& cache) {
       auto const obs = observe(m.window());
-      std::size_t const bytes = channel_score_workspace_bytes(Cuda{}, s, c.e, obs);
+      std::size_t const bytes = channel_score_workspace_bytes(dev(), s, c.e, obs);
       DeviceBuffer<unsigned char> ws(bytes);
-      return finish(score_channels(Cuda{}, s, cache, obs, o.ptr, Workspace{ws.ptr, bytes}));
+      return finish(score_channels(dev(), s, cache, obs, o.ptr, Workspace{ws.ptr, bytes}));
     });
     o.to_host(out);
     return err;

@@ -10,6 +10,7 @@
 #include <kvc/core/extents.hpp>
 #include <kvc/core/rope.hpp>
 #include <kvc/core/workspace.hpp>
+#include <kvc/pipeline/decode.hpp>
 #include <kvc/pipeline/query_statistics.hpp>
 #include <kvc/scorers/expected_attention.hpp>
 #include <kvc/scorers/moment_kv.hpp>
@@ -23,7 +24,13 @@
 namespace kvc::test::cuda {
 
 enum class Dtype { f32, f16, bf16 };
-enum class Layout { bhtd, bthd, paged };
+/// Where the device copy of a case's K and V rows lives: dense BHTD or BTHD; paged (pages of 16 rows, NHD, a padded
+/// block table of reversed page ids); paged_hnd (the same table, pages [heads, 16, d]); paged_csr (NHD pages found
+/// through CSR lists, each sequence listing only the pages its longest head's length reaches, in reversed order);
+/// head_paged (HeadPagedLayout: one list per head, pages of the largest size <= 16 that divides the tokens, the
+/// heads' pages interleaved in the pool); ragged (RaggedLayout: head i's segment holds its length plus i % 3 slots,
+/// head 0's all the tokens). Positions of the per-head paged and ragged layouts are stored per row (their slots).
+enum class Layout { bhtd, bthd, paged, paged_hnd, paged_csr, head_paged, ragged };
 
 /// A cache (and window queries) described on the host in fp32; the device side narrows K, V and queries to `dtype`
 /// with the library's round-to-nearest-even, exactly as a host HostCache<T> built from the same floats.
@@ -41,6 +48,8 @@ struct Case {
   bool pre_rope = false;  ///< rotate queries with a table (theta 10000, `rope_style`) covering 4096 positions
   RopeStyle rope_style = RopeStyle::neox;
   std::vector<Index> query_positions;  ///< empty, or the window queries' positions [B, w]
+  std::vector<Index> room;             ///< paged_csr and ragged: the lengths (shaped as `lengths`) their tables are
+                                       ///< sized for, when not `lengths` (empty)
 };
 
 /// The RoPE spec of the parity tests' tables (theta 10000, 4096 positions; `rotary_dim` 0 = the whole head dim).
@@ -245,6 +254,66 @@ std::string attend_corrected(Case const& c, CorrectedAttention const& op, Moment
 /// the window queries; the case (K, V, positions, per-head lengths) and the moments come back.
 std::string moment_kv_prefill(Case& c, MomentKVScorer<> const& params, Moments& m, Index budget, Index n_sink,
                               Index n_recent);
+
+/// While alive, every wrapper above runs its entry points with kvc::Cuda{stream} on a stream of its own (made with
+/// cudaStreamCreate, destroyed with the scope) instead of the legacy default stream. The wrappers' own copies stay
+/// synchronous (cudaMemcpy) and finish() synchronises the device, so results are read as before. Scopes nest.
+class StreamScope {
+ public:
+  StreamScope();
+  ~StreamScope();
+  StreamScope(StreamScope const&) = delete;
+  StreamScope& operator=(StreamScope const&) = delete;
+  bool ok() const { return ok_; }  ///< the stream was created
+
+ private:
+  void* previous_ = nullptr;
+  bool ok_ = false;
+};
+
+/// Host-side operations the CUDA emulator counted (kvc::emu::counters(), see tools/cuda_emulator/include/
+/// cuda_runtime.h) since reset_op_counts(). `available` is false outside the emulator: a real GPU has no such
+/// counters, and the tests skip the assertions that read them.
+struct OpCounts {
+  bool available = false;
+  long launches = 0;
+  long synchronizations = 0;
+  long allocations = 0;
+  long default_stream_ops = 0;
+  long other_stream_ops = 0;
+};
+void reset_op_counts();
+OpCounts op_counts();
+
+/// A run of kvc::decode_step on the device (see decode()): the buffer's pre-RoPE query rows, and the scorer.
+struct DecodeRun {
+  /// knorm, snap_kv (window 4, kernel 3), tova, expected_attention, h2o (query tile 5), moment_kv
+  /// (MomentKVScorer::decode(), no u_j cache), uncomp (UNCompSelector over `budgets`, window 4, kernel 3)
+  std::string policy;
+  DecodeSchedule schedule{};
+  KVExtents q_ext{};                   ///< the buffer [B, Hq, capacity, d]
+  std::vector<float> queries;          ///< [B, Hq, capacity, d] pre-RoPE (rotated with the case's RoPE table)
+  std::vector<Index> query_positions;  ///< [B, capacity]
+  Index buffered = 0;                  ///< rows in the buffer before the first step (count; none fresh)
+  Index steps = 0;                     ///< decode steps; each pushes the next row first
+  std::vector<Index> budgets;          ///< UNComp's per-head budgets [Hkv]
+};
+
+/// What a decode run leaves: per step, whether it compressed and what the emulator counted during the
+/// kvc::decode_step call alone (reset right before it, read right after, before any copy back); then the cache
+/// (BHTD K and V, positions, lengths) and the scorer's state.
+struct DecodeResult {
+  std::vector<int> compressed;
+  std::vector<OpCounts> counts;
+  Case cache;
+  std::vector<float> state;     ///< H2O's accumulator [B, H, N] or UNComp's window rows [B, H, N, 4] (else empty)
+  std::vector<Index> tracked;   ///< H2O's or UNComp's tracked counts [B, H], or MomentKV's moment counts
+  std::vector<float> key_mean;  ///< MomentKV's key means [B, H, d]
+};
+
+/// Runs `run.steps` decode steps of the case's cache (per-head lengths, positions, Case::pre_rope for the RoPE
+/// table) on the device, inside a StreamScope when `on_stream`; no appends (the engine's, outside decode_step).
+std::string decode(Case const& c, DecodeRun const& run, bool on_stream, DecodeResult& out);
 
 /// Instantiates kvc::decode_step on the CUDA backend for every scorer with CUDA kernels (a compile-time check; not
 /// meant to be called with real data).

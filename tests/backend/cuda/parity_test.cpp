@@ -4,9 +4,12 @@
 // fixed and device per-head budgets), compaction, gather, append, attention, query statistics, ExpectedAttention,
 // H2O (update / evict / compact over several steps), ObservedAttention, AdaKV (allocation and selection, both
 // behaviours), UNComp (prefill and decode updates, scores, on_evict, allocation and selection), the ragged store
-// (gather, append, attention) and MomentKV (fold, MI scores, u_j cache, corrected attention, prefill driver).
-// Tolerances are in docs/numerics.md and beside each case. Without a CUDA device every case prints "SKIPPED: no CUDA
-// device" and ctest reports it skipped.
+// (gather, append, attention) and MomentKV (fold, MI scores, u_j cache, corrected attention, prefill driver); then
+// (issue 22) every scorer, attention and compaction on the HND and CSR paged, per-head paged and ragged layouts at
+// d = 128 and batch 3, heads long enough for second grid-stride passes, every entry point on a stream of its own,
+// and whole decode steps that neither synchronise nor allocate (counted by the CUDA emulator). Tolerances are in
+// docs/numerics.md and beside each case. Without a CUDA device every case prints "SKIPPED: no CUDA device" and ctest
+// reports it skipped.
 #include <kvc/backend/cpu/attention/attend.hpp>
 #include <kvc/backend/cpu/attention/corrected.hpp>
 #include <kvc/backend/cpu/attention/packed.hpp>
@@ -38,9 +41,12 @@
 
 #include <algorithm>
 #include <cmath>
+#include <functional>
 #include <iterator>
 #include <limits>
+#include <memory>
 #include <string>
+#include <tuple>
 #include <vector>
 
 using kvc::Index;
@@ -1900,4 +1906,978 @@ TEST_CASE("cuda: RDKV token weights (attn_linear) and ThinK channel weights matc
           REQUIRE(kc::think_scores(c, gpu) == "");
           require_close(gpu, cpu(true), rel, rel);
         }
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Issue 22, section 4: d = 128 and batch 3 in every family; the HND and CSR paged, per-head paged and ragged layouts
+// in every scorer; heads long enough that the capped grids' grid-stride loops take a second pass; a stream of the
+// caller's own; a whole decode step that neither synchronises nor allocates.
+
+namespace {
+
+/// The layouts the first parity cases did not score on (cuda_kernels.hpp, Layout).
+constexpr kc::Layout more_layouts[] = {kc::Layout::paged_hnd, kc::Layout::paged_csr, kc::Layout::head_paged,
+                                       kc::Layout::ragged};
+
+/// A [3, 2, 120, d] case for the layout cases: lengths whose CSR lists hold 8, 7 and 4 pages of 16 rows (of 8 a
+/// padded table would hold), ragged segments of length + i % 3 rows (head 0: all 120), per-head pages of 15 rows.
+kc::Case layout_case(Index d, Index query_heads, Index window, bool per_head, std::uint64_t seed, kc::Layout layout,
+                     kc::Dtype dtype) {
+  auto c = random_case({3, 2, 120, d}, query_heads, window, per_head, seed);
+  c.lengths = per_head ? std::vector<Index>{120, 113, 90, 97, 41, 60} : std::vector<Index>{120, 97, 60};
+  c.layout = layout;
+  c.dtype = dtype;
+  return c;
+}
+
+/// One dtype per layout, so that the four layouts see the three dtypes.
+kc::Dtype layout_dtype(std::size_t i) {
+  return i % 3 == 0 ? kc::Dtype::f32 : (i % 3 == 1 ? kc::Dtype::f16 : kc::Dtype::bf16);
+}
+
+template <class Fn>
+auto by_dtype_value(kc::Dtype d, Fn&& fn) {
+  if (d == kc::Dtype::f32)
+    return fn(float{});
+  if (d == kc::Dtype::f16)
+    return fn(kvc::half{});
+  return fn(kvc::bfloat16{});
+}
+
+}  // namespace
+
+TEST_CASE(
+    "cuda: every scorer matches the CPU on the HND and CSR paged, per-head paged and ragged layouts (d = 128, batch "
+    "3, fp32/fp16/bf16, 1e-5 / 1e-4 relative)",
+    "[cuda][scorers][layouts]") {
+  KVC_REQUIRE_DEVICE();
+  // The CPU scores the same rows in BHTD: a layout only changes where the device reads them. ObservedAttention at
+  // its own tolerance (1e-5 of the head's scale, as its case above).
+  for (std::size_t li = 0; li < std::size(more_layouts); ++li) {
+    kc::Layout const layout = more_layouts[li];
+    kc::Dtype const dtype = layout_dtype(li);
+    float const rel = dtype == kc::Dtype::f32 ? 1e-5f : 1e-4f;
+    for (char const* policy :
+         {"key_diff", "key_diff_raw", "knorm", "streaming_llm", "random", "snap_kv", "snap_kv_kvpress", "snap_kv_chunk",
+          "snap_kv_chunk_kvpress", "tova", "tova_kvpress", "observed_attention"}) {
+      bool const tova = std::string(policy).rfind("tova", 0) == 0;  // TOVA needs equal lengths within a sequence
+      auto c = layout_case(128, 4, 8, !tova, 17, layout, dtype);
+      c.pre_rope = std::string(policy) == "snap_kv";
+      INFO(policy << " layout " << static_cast<int>(layout) << " dtype " << static_cast<int>(dtype));
+      std::vector<float> gpu;
+      REQUIRE(kc::scores(policy, c, gpu) == "");
+      auto const cpu = by_dtype_value(dtype, [&](auto tag) { return cpu_scores<decltype(tag)>(policy, c); });
+      if (std::string(policy) == "observed_attention")
+        require_close_in_head(gpu, cpu, c.e.tokens, 1e-5f, 1e-2f);
+      else
+        require_close(gpu, cpu, rel, rel);
+    }
+    // RDKV's token weights and ThinK's channel weights.
+    auto c = layout_case(128, 4, 8, true, 31, layout, dtype);
+    c.pre_rope = true;
+    INFO("rdkv / think layout " << static_cast<int>(layout) << " dtype " << static_cast<int>(dtype));
+    std::vector<float> gpu;
+    REQUIRE(kc::rdkv_scores(c, 5, gpu) == "");
+    require_close(gpu, by_dtype_value(dtype, [&](auto tag) { return cpu_rdkv_scores<decltype(tag)>(c, 5, false); }),
+                  rel, rel);
+    REQUIRE(kc::think_scores(c, gpu) == "");
+    require_close(gpu, by_dtype_value(dtype, [&](auto tag) { return cpu_rdkv_scores<decltype(tag)>(c, 5, true); }), rel,
+                  rel);
+  }
+}
+
+TEST_CASE(
+    "cuda: ExpectedAttention and MomentKV's MI scores match the CPU on the HND and CSR paged, per-head paged and "
+    "ragged layouts (d = 128, batch 3)",
+    "[cuda][scorers][layouts][expected_attention][moment_kv]") {
+  KVC_REQUIRE_DEVICE();
+  // Tolerances as in their cases above: ExpectedAttention 1e-4 of max(|cpu|, 1e-2 * the head's largest), kept sets
+  // equal but near-ties; MI scores 1e-5 (fp32) / 1e-4 (16-bit) of max(|cpu|, 1e-3 * the head's largest).
+  for (std::size_t li = 0; li < std::size(more_layouts); ++li) {
+    kc::Layout const layout = more_layouts[li];
+    kc::Dtype const dtype = li % 2 == 0 ? kc::Dtype::f32 : kc::Dtype::f16;
+    INFO("layout " << static_cast<int>(layout) << " dtype " << static_cast<int>(dtype));
+    {
+      auto const c = layout_case(128, 4, 8, true, 37, layout, dtype);
+      kc::EAInputs in;
+      in.query_heads = 4;
+      auto const rows = query_rows({3, 4, 64, 128}, 0.0f, 2.5f, 79);
+      cpu_statistics<float>({3, 4, 64, 128}, rows, {}, {.n_sink = 4}, in.mean, in.cov);
+      std::vector<float> gpu;
+      REQUIRE(kc::expected_attention(c, in, gpu) == "");
+      auto const cpu = by_dtype_value(dtype, [&](auto tag) { return cpu_expected_attention<decltype(tag)>(c, in); });
+      require_close_in_head(gpu, cpu, c.e.tokens, 1e-4f, 1e-2f);
+      require_same_kept(kvc::TopKSelector{kvc::RatioBudget{0.5}}, gpu, cpu, c.e, c.lengths, c.per_head, 1e-4f, 1e-2f);
+    }
+    {
+      auto c = layout_case(128, 4, 8, true, 43, layout, dtype);
+      c.dim_v = 96;  // d_v != d_k
+      c.v = kvc::tools::HostCache<float>::random({3, 2, 120, 96}, 50).k;
+      kvc::MomentKVScorer<> params{};
+      params.base.window_size = 8;
+      kc::Residuals none;
+      kc::Moments const m = cpu_evict(c, params, zero_moments(c, kc::Dtype::f32), none, moment_plan(c, 9, 2, 2));
+      std::vector<float> gpu;
+      REQUIRE(kc::moment_scores(c, params, m, none, {}, gpu) == "");
+      require_close_in_head(gpu, cpu_moment_scores(c, params, m, none, {}), c.e.tokens,
+                            dtype == kc::Dtype::f32 ? 1e-5f : 1e-4f, 1e-3f);
+    }
+  }
+}
+
+TEST_CASE(
+    "cuda: H2O and UNComp follow the CPU through updates, evictions and compactions on the HND and CSR paged, "
+    "per-head paged and ragged layouts (d = 128, batch 3, 1e-5 relative)",
+    "[cuda][layouts][h2o][uncomp]") {
+  KVC_REQUIRE_DEVICE();
+  // Two steps each, no appends (a CSR list or a ragged segment holds only the case's lengths): H2O a 6-row window
+  // update then an eviction of every third slot, then the engine's column sums; UNComp a 4-row window update, its
+  // own selection (allocation and plan) and eviction, then a 1-row update. Tolerances as in their cases above.
+  Index const batch = 3, hkv = 2, hq = 4, n_cap = 120, d = 128;
+  for (std::size_t li = 0; li < std::size(more_layouts); ++li) {
+    kc::Layout const layout = more_layouts[li];
+    kc::Dtype const dtype = li % 2 == 0 ? kc::Dtype::f32 : kc::Dtype::f16;
+    INFO("layout " << static_cast<int>(layout) << " dtype " << static_cast<int>(dtype));
+    auto c = layout_case(d, hq, 1, true, 47, layout, dtype);
+    c.pre_rope = li % 2 == 1;
+    c.positions.resize(static_cast<std::size_t>(c.e.rows()));
+    for (std::size_t i = 0; i < c.positions.size(); ++i)
+      c.positions[i] = static_cast<Index>(i) % n_cap;
+    kvc::test::OwnedRope const rope(kc::test_rope_spec(c.rope_style), d, kc::test_rope_positions);
+    auto window = [&](kvc::KVExtents qe, std::vector<float> const& queries, auto tag) {
+      using T = decltype(tag);
+      auto q = std::make_shared<std::vector<T>>(queries.size());
+      for (std::size_t i = 0; i < q->size(); ++i)
+        (*q)[i] = kvc::from_float<T>(queries[i]);
+      kvc::WindowQueries<T> wq{kvc::TokenRows<T const, kvc::StridedLayout>(q->data(), kvc::bhtd_layout(qe))};
+      if (c.pre_rope)
+        wq.rope = rope.table;
+      return std::make_pair(q, wq);
+    };
+    {  // H2O
+      std::vector<kc::H2OStep> steps(2);
+      std::vector<kc::H2OResult> want;
+      by_host_dtype(dtype, [&](auto tag) {
+        auto host = host_cache<decltype(tag)>(c);
+        std::vector<float> acc(static_cast<std::size_t>(c.e.rows()), -5.0f);
+        std::vector<Index> tracked(static_cast<std::size_t>(batch * hkv), 0);
+        kvc::H2OScorer<> const s{{{acc.data(), batch, hkv, n_cap}, tracked.data()}, 5};
+        for (std::size_t k = 0; k < steps.size(); ++k) {
+          kc::H2OStep& step = steps[k];
+          if (k == 0) {
+            step.q_ext = {batch, hq, 6, d};
+            step.queries = kvc::tools::random_values<float>(step.q_ext.rows() * d, 301, 1.5f);
+            auto const [q, wq] = window(step.q_ext, step.queries, tag);
+            auto const obs = kvc::observe(wq);
+            kvc::test::OwnedWorkspace ws(kvc::update_workspace_bytes(kvc::Cpu{}, s, host.ext, obs));
+            REQUIRE(kvc::update(kvc::Cpu{}, s, host.view(), obs, ws.get()).ok());
+          } else {
+            step.columns = kvc::tools::random_values<float>(batch * hq * n_cap, 302);
+            for (float& x : step.columns)
+              x = std::abs(x);
+            step.column_heads = hq;
+            auto const obs = kvc::observe(kvc::AttentionColumnSums<>{step.columns.data(), batch, hq, n_cap, 1});
+            REQUIRE(kvc::update(kvc::Cpu{}, s, host.view(), obs, {}).ok());
+          }
+          kc::H2OResult r;
+          r.acc = acc;
+          r.tracked = tracked;
+          kvc::test::OwnedScores out(batch, hkv, n_cap);
+          REQUIRE(kvc::score(kvc::Cpu{}, s, host.view(), out.span, {}).ok());
+          r.scores = out.data;
+          if (k == 0) {
+            step.index.assign(static_cast<std::size_t>(batch * hkv * n_cap), -1);
+            step.count.assign(static_cast<std::size_t>(batch * hkv), 0);
+            for (Index bh = 0; bh < batch * hkv; ++bh) {
+              Index kept = 0;
+              for (Index j = 0; j < host.lengths[static_cast<std::size_t>(bh)]; ++j)
+                if ((j + bh) % 3 != 0)
+                  step.index[static_cast<std::size_t>(bh * n_cap + kept++)] = j;
+              step.count[static_cast<std::size_t>(bh)] = kept;
+            }
+            kvc::KeepPlan<> const plan{step.index.data(), step.count.data(), batch, hkv, n_cap};
+            REQUIRE(kvc::on_evict(kvc::Cpu{}, s, host.view(), plan, {}).ok());
+            REQUIRE(kvc::compact(kvc::Cpu{}, plan, host.view(), s.state.accumulated).ok());
+          }
+          r.lengths = host.lengths;
+          want.push_back(r);
+        }
+      });
+      std::vector<kc::H2OResult> got;
+      REQUIRE(kc::h2o(c, 5, steps, got) == "");
+      REQUIRE(got.size() == want.size());
+      for (std::size_t k = 0; k < want.size(); ++k) {
+        INFO("h2o step " << k);
+        CHECK(got[k].tracked == want[k].tracked);
+        CHECK(got[k].lengths == want[k].lengths);
+        auto valid = [&](std::vector<float> a) {  // slots past a head's length hold stale values: masked
+          for (Index bh = 0; bh < batch * hkv; ++bh)
+            for (Index j = want[k].tracked[static_cast<std::size_t>(bh)]; j < n_cap; ++j)
+              a[static_cast<std::size_t>(bh * n_cap + j)] = -std::numeric_limits<float>::infinity();
+          return a;
+        };
+        require_close_in_head(valid(got[k].acc), valid(want[k].acc), n_cap, 1e-5f, 1e-2f);
+        require_close_in_head(got[k].scores, want[k].scores, n_cap, 1e-5f, 1e-2f);
+      }
+    }
+    {  // UNComp
+      Index const w = 4;
+      std::vector<Index> const budgets = {50, 30};
+      kc::UNCompParams const params{w, 3, kvc::Pooling::max, budgets};
+      std::vector<kc::UNCompStep> steps(2);
+      std::vector<kc::UNCompResult> want;
+      by_host_dtype(dtype, [&](auto tag) {
+        auto host = host_cache<decltype(tag)>(c);
+        std::vector<float> rows(static_cast<std::size_t>(c.e.rows() * w), 9.0f);
+        std::vector<Index> tracked(static_cast<std::size_t>(batch * hkv), 0);
+        kvc::UNCompScorer<> const s{{{rows.data(), kvc::uncomp_window_layout(c.e, w)}, tracked.data()}, w, 3};
+        kvc::UNCompSelector const sel{kvc::HeadBudgets{budgets.data(), hkv}, 0, w};
+        for (std::size_t k = 0; k < steps.size(); ++k) {
+          kc::UNCompStep& step = steps[k];
+          step.q_ext = {batch, hq, k == 0 ? w : 1, d};
+          step.queries = kvc::tools::random_values<float>(step.q_ext.rows() * d, 501 + k, 1.5f);
+          auto const [q, wq] = window(step.q_ext, step.queries, tag);
+          auto const obs = kvc::observe(wq);
+          kvc::test::OwnedWorkspace uws(kvc::update_workspace_bytes(kvc::Cpu{}, s, host.ext, obs));
+          REQUIRE(kvc::update(kvc::Cpu{}, s, host.view(), obs, uws.get()).ok());
+          kc::UNCompResult r;
+          r.rows = rows;
+          r.tracked = tracked;
+          kvc::test::OwnedScores out(batch, hkv, n_cap);
+          kvc::test::OwnedWorkspace sws(kvc::score_workspace_bytes(kvc::Cpu{}, s, c.e, kvc::NoObservations{}));
+          REQUIRE(kvc::score(kvc::Cpu{}, s, host.view(), out.span, sws.get()).ok());
+          r.scores = out.data;
+          step.cpu_scores = out.data;
+          if (k == 0) {
+            std::vector<Index> lengths = host.lengths;
+            kvc::ScoreSpan<> const span{out.data.data(), batch, hkv, n_cap, kvc::head_lengths(lengths.data(), hkv)};
+            r.table.resize(static_cast<std::size_t>(batch * hkv));
+            kvc::test::OwnedWorkspace ws(kvc::select_workspace_bytes(kvc::Cpu{}, sel, batch, hkv, n_cap));
+            REQUIRE(kvc::allocate(kvc::Cpu{}, sel, span, r.table.data(), ws.get()).ok());
+            kvc::test::OwnedPlan plan(batch, hkv, n_cap);
+            REQUIRE(kvc::select(kvc::Cpu{}, sel, span, plan.plan, ws.get()).ok());
+            step.index = r.index = plan.index;
+            step.count = r.count = plan.count;
+            REQUIRE(kvc::on_evict(kvc::Cpu{}, s, host.view(), plan.plan, {}).ok());
+            r.evicted_tracked = tracked;
+            REQUIRE(kvc::compact(kvc::Cpu{}, plan.plan, host.view(), s.state.window_rows).ok());
+          }
+          r.lengths = host.lengths;
+          want.push_back(r);
+        }
+      });
+      std::vector<kc::UNCompResult> got;
+      REQUIRE(kc::uncomp(c, params, steps, got) == "");
+      REQUIRE(got.size() == want.size());
+      for (std::size_t k = 0; k < want.size(); ++k) {
+        INFO("uncomp step " << k);
+        CHECK(got[k].tracked == want[k].tracked);
+        CHECK(got[k].lengths == want[k].lengths);
+        auto valid = [&](std::vector<float> a) {  // rows of untracked slots are stale: masked
+          for (Index bh = 0; bh < batch * hkv; ++bh)
+            for (Index j = want[k].tracked[static_cast<std::size_t>(bh)] * w; j < n_cap * w; ++j)
+              a[static_cast<std::size_t>(bh * n_cap * w + j)] = -std::numeric_limits<float>::infinity();
+          return a;
+        };
+        require_close_in_head(valid(got[k].rows), valid(want[k].rows), n_cap * w, 1e-5f, 1e-2f);
+        require_close_in_head(got[k].scores, want[k].scores, n_cap, 1e-5f, 1e-2f);
+        if (k == 0) {
+          CHECK(got[k].table == want[k].table);
+          CHECK(got[k].evicted_tracked == want[k].evicted_tracked);
+          require_same_plan(got[k].index_cpu, got[k].count_cpu, want[k].index, want[k].count, n_cap);
+        }
+      }
+    }
+  }
+}
+
+TEST_CASE(
+    "cuda: attention and MomentKV's corrected attention match the CPU at d = 128 with batch 3, on every layout "
+    "(1e-4 / 1e-5 relative)",
+    "[cuda][attention][layouts]") {
+  KVC_REQUIRE_DEVICE();
+  // Tolerances as in the attention cases above: outputs 1e-4 (1e-5 absolute), LSEs 1e-5; corrected 1e-5.
+  kc::Layout const layouts[] = {kc::Layout::bhtd,      kc::Layout::bthd,       kc::Layout::paged, kc::Layout::paged_hnd,
+                                kc::Layout::paged_csr, kc::Layout::head_paged, kc::Layout::ragged};
+  for (std::size_t li = 0; li < std::size(layouts); ++li) {
+    kc::Dtype const dtype = layout_dtype(li);
+    INFO("layout " << static_cast<int>(layouts[li]) << " dtype " << static_cast<int>(dtype));
+    auto c = layout_case(128, 4, 5, true, 53, layouts[li], dtype);
+    c.positions.resize(static_cast<std::size_t>(c.e.rows()));
+    for (std::size_t i = 0; i < c.positions.size(); ++i)  // a context that started before the cache
+      c.positions[i] = static_cast<Index>(i) % c.e.tokens + 3;
+    std::vector<float> out, lse;
+    REQUIRE(kc::attend(c, out, lse) == "");
+    by_host_dtype(dtype, [&](auto tag) {
+      using T = decltype(tag);
+      auto const h = host_cache<T>(c);
+      std::vector<T> q(c.queries.size());
+      for (std::size_t i = 0; i < q.size(); ++i)
+        q[i] = kvc::from_float<T>(c.queries[i]);
+      kvc::AttendQueries<T> const aq{kvc::TokenRows<T const, kvc::StridedLayout>(q.data(), kvc::bhtd_layout(c.q_ext))};
+      std::vector<float> o(out.size()), l(lse.size());
+      kvc::test::OwnedWorkspace ws(kvc::attend_workspace_bytes(kvc::Cpu{}, kvc::Attention{}, aq, h.view()));
+      REQUIRE(kvc::attend(kvc::Cpu{}, kvc::Attention{}, aq, h.view(), {o.data(), l.data()}, ws.get()).ok());
+      require_close(out, o, 1e-4f, 1e-5f);
+      require_close(lse, l, 1e-5f, 1e-5f);
+    });
+  }
+  for (auto layout : {kc::Layout::bhtd, kc::Layout::ragged}) {
+    INFO("corrected, layout " << static_cast<int>(layout));
+    auto c = layout_case(128, 4, 5, true, 59, layout, kc::Dtype::f32);
+    kc::Residuals none;
+    kc::Moments const m =
+        cpu_evict(c, kvc::MomentKVScorer<>{}, zero_moments(c, kc::Dtype::f32), none, moment_plan(c, 19, 2, 1));
+    kvc::CorrectedAttention const op{};
+    std::vector<float> out, lse;
+    REQUIRE(kc::attend_corrected(c, op, m, out, lse) == "");
+    auto const h = host_cache<float>(c);
+    HostMoments<float> hm(c, m);
+    kvc::AttendQueries<float> const aq{
+        kvc::TokenRows<float const, kvc::StridedLayout>(c.queries.data(), kvc::bhtd_layout(c.q_ext))};
+    std::vector<float> o(out.size()), l(lse.size());
+    kvc::test::OwnedWorkspace ws(kvc::attend_corrected_workspace_bytes(kvc::Cpu{}, op, aq, h.view(), hm.view()));
+    REQUIRE(kvc::attend_corrected(kvc::Cpu{}, op, aq, h.view(), hm.view(), {o.data(), l.data()}, ws.get()).ok());
+    require_close(out, o, 1e-5f, 1e-5f);
+    require_close(lse, l, 1e-5f, 1e-5f);
+  }
+}
+
+TEST_CASE(
+    "cuda: compaction, gather and append produce the CPU's bytes, positions and lengths on every layout with batch 3",
+    "[cuda][pipeline][layouts]") {
+  KVC_REQUIRE_DEVICE();
+  // Exact: every row moves without arithmetic. A CSR list or a ragged segment holds the case's lengths only: the
+  // appended 5 tokens land after compacted lengths (about a third of them).
+  kc::Layout const layouts[] = {kc::Layout::bhtd,      kc::Layout::bthd,       kc::Layout::paged, kc::Layout::paged_hnd,
+                                kc::Layout::paged_csr, kc::Layout::head_paged, kc::Layout::ragged};
+  Index const batch = 3, heads = 2, n = 120, d = 32;
+  for (std::size_t li = 0; li < std::size(layouts); ++li) {
+    kc::Dtype const dtype = layout_dtype(li);
+    INFO("layout " << static_cast<int>(layouts[li]) << " dtype " << static_cast<int>(dtype));
+    auto c = layout_case(d, 2, 4, true, 3, layouts[li], dtype);
+    c.positions.resize(static_cast<std::size_t>(c.e.rows()));
+    for (std::size_t i = 0; i < c.positions.size(); ++i)
+      c.positions[i] = 3 * (static_cast<Index>(i) % n) + 1;
+    kvc::tools::Rng rng(4);
+    kvc::test::OwnedPlan plan(batch, heads, n);
+    for (Index bh = 0; bh < batch * heads; ++bh) {
+      Index j = 0;
+      for (Index t = 0; t < c.lengths[static_cast<std::size_t>(bh)]; ++t)
+        if (rng.next() % 3 == 0)
+          plan.index[static_cast<std::size_t>(bh * n + j++)] = t;
+      plan.count[static_cast<std::size_t>(bh)] = j;
+    }
+    auto valid_equal = [&](kc::Case const& gpu, auto const& host) {
+      for (Index bh = 0; bh < batch * heads; ++bh)
+        for (Index j = 0; j < host.lengths[static_cast<std::size_t>(bh)]; ++j) {
+          auto const at = static_cast<std::size_t>(bh * n + j);
+          INFO("head " << bh << " slot " << j);
+          REQUIRE(gpu.positions[at] == host.positions[at]);
+          for (Index i = 0; i < d; ++i) {
+            REQUIRE(gpu.k[at * d + static_cast<std::size_t>(i)] ==
+                    kvc::to_float(host.k[at * d + static_cast<std::size_t>(i)]));
+            REQUIRE(gpu.v[at * d + static_cast<std::size_t>(i)] ==
+                    kvc::to_float(host.v[at * d + static_cast<std::size_t>(i)]));
+          }
+        }
+    };
+    by_host_dtype(dtype, [&](auto tag) {
+      using T = decltype(tag);
+      auto src = host_cache<T>(c);  // gather (from the uncompacted cache), then compaction in place, then append
+      kvc::tools::HostCache<T> dst({batch, heads, n, d});
+      dst.track(0);
+      REQUIRE(kvc::gather(kvc::Cpu{}, plan.plan, src.view(), dst.view()).ok());
+      kc::Case gathered;
+      REQUIRE(kc::gather(c, plan.index, plan.count, n, gathered) == "");
+      CHECK(gathered.lengths == dst.lengths);
+      valid_equal(gathered, dst);
+      auto host = host_cache<T>(c);
+      REQUIRE(kvc::compact(kvc::Cpu{}, plan.plan, host.view()).ok());
+      kc::Case gpu = c;
+      REQUIRE(kc::compact(gpu, plan.index, plan.count, n) == "");
+      CHECK(gpu.lengths == host.lengths);
+      valid_equal(gpu, host);
+      auto const fresh = random_case({batch, heads, 5, d}, 2, 1, false, 8);
+      auto host_src = host_cache<T>(fresh);
+      host_src.lengths.clear();
+      REQUIRE(kvc::append(kvc::Cpu{}, host.view(), host_src.view()).ok());
+      kc::Case fresh_gpu = fresh;
+      fresh_gpu.lengths.clear();
+      fresh_gpu.dtype = dtype;
+      gpu.room = c.lengths;  // the tables the compaction ran on
+      REQUIRE(kc::append(gpu, fresh_gpu, 0, 5) == "");
+      CHECK(gpu.lengths == host.lengths);
+      valid_equal(gpu, host);
+    });
+  }
+}
+
+TEST_CASE("cuda: top-k, AdaKV and UNComp select exactly the CPU's slots with batch 3 to 5 (one- and multi-block top-k)",
+          "[cuda][selectors]") {
+  KVC_REQUIRE_DEVICE();
+  kvc::tools::Rng rng(12);
+  // Top-k: batch 5 on the one-block path, batch 3 on the multi-block path (> 16384 slots per head).
+  for (auto [batch, heads, tokens] : {std::tuple<Index, Index, Index>{5, 2, 700}, {3, 1, 16500}}) {
+    INFO("top-k batch " << batch << " tokens " << tokens);
+    std::vector<float> scores(static_cast<std::size_t>(batch * heads * tokens));
+    for (float& x : scores)
+      x = static_cast<float>(rng.next() % 200);  // ties
+    std::vector<Index> lengths;
+    for (Index i = 0; i < batch * heads; ++i)
+      lengths.push_back(tokens - static_cast<Index>(rng.next() % 300));
+    kvc::TopKSelector const sel{kvc::FixedBudget{tokens / 3}, 2, 5};
+    kvc::ScoreSpan<> const span{scores.data(), batch, heads, tokens, kvc::head_lengths(lengths.data(), heads)};
+    kvc::test::OwnedPlan cpu(batch, heads, tokens);
+    kvc::test::OwnedWorkspace ws(kvc::select_workspace_bytes(kvc::Cpu{}, sel, batch, heads, tokens));
+    REQUIRE(kvc::select(kvc::Cpu{}, sel, span, cpu.plan, ws.get()).ok());
+    std::vector<Index> index, count;
+    REQUIRE(kc::top_k(-1, tokens / 3, 2, 5, batch, heads, tokens, scores, lengths, true, tokens, index, count) == "");
+    require_same_plan(index, count, cpu.index, cpu.count, tokens);
+  }
+  {  // AdaKV, batch 3
+    kc::AdaKVCase c;
+    c.batch = 3;
+    c.heads = 2;
+    c.tokens = 500;
+    c.fixed = 120;
+    c.n_sink = 2;
+    c.n_recent = 3;
+    for (float x : kvc::tools::random_values<float>(c.batch * c.heads * c.tokens, 19, 1.0f))
+      c.scores.push_back(std::round(std::abs(x) * 8.0f) / 8.0f);
+    for (Index i = 0; i < c.batch * c.heads; ++i)
+      c.lengths.push_back(c.tokens - 37 * i);
+    std::vector<Index> table, index, count;
+    REQUIRE(kc::ada_kv(c, table, index, count) == "");
+    kvc::AdaKVSelector const sel{kvc::FixedBudget{c.fixed}, c.alpha, kvc::Reference::authors, c.n_sink, c.n_recent};
+    std::vector<Index> lengths = c.lengths;
+    kvc::ScoreSpan<> const span{c.scores.data(), c.batch, c.heads, c.tokens,
+                                kvc::head_lengths(lengths.data(), c.heads)};
+    std::vector<Index> cpu_table(static_cast<std::size_t>(c.batch * c.heads));
+    kvc::test::OwnedWorkspace ws(kvc::select_workspace_bytes(kvc::Cpu{}, sel, c.batch, c.heads, c.tokens));
+    REQUIRE(kvc::allocate(kvc::Cpu{}, sel, span, cpu_table.data(), ws.get()).ok());
+    kvc::test::OwnedPlan plan(c.batch, c.heads, c.tokens);
+    REQUIRE(kvc::select(kvc::Cpu{}, sel, span, plan.plan, ws.get()).ok());
+    INFO("AdaKV");
+    CHECK(table == cpu_table);
+    require_same_plan(index, count, plan.index, plan.count, c.tokens);
+  }
+  {  // UNComp, batch 4
+    Index const batch = 4, heads = 2, tokens = 300;
+    std::vector<Index> const budgets = {70, 9};
+    std::vector<float> scores;
+    for (float x : kvc::tools::random_values<float>(batch * heads * tokens, 23, 1.0f))
+      scores.push_back(std::round(std::abs(x) * 8.0f) / 8.0f);
+    std::vector<Index> lengths;
+    for (Index i = 0; i < batch * heads; ++i)
+      lengths.push_back(tokens - 29 * i);
+    std::vector<Index> table, index, count;
+    REQUIRE(kc::uncomp_select(budgets, 8, batch, heads, tokens, scores, lengths, table, index, count) == "");
+    kvc::UNCompSelector const sel{kvc::HeadBudgets{budgets.data(), heads}, 0, 8};
+    std::vector<Index> host_lengths = lengths;
+    kvc::ScoreSpan<> const span{scores.data(), batch, heads, tokens, kvc::head_lengths(host_lengths.data(), heads)};
+    std::vector<Index> cpu_table(static_cast<std::size_t>(batch * heads));
+    kvc::test::OwnedWorkspace ws(kvc::select_workspace_bytes(kvc::Cpu{}, sel, batch, heads, tokens));
+    REQUIRE(kvc::allocate(kvc::Cpu{}, sel, span, cpu_table.data(), ws.get()).ok());
+    kvc::test::OwnedPlan plan(batch, heads, tokens);
+    REQUIRE(kvc::select(kvc::Cpu{}, sel, span, plan.plan, ws.get()).ok());
+    INFO("UNComp");
+    CHECK(table == cpu_table);
+    require_same_plan(index, count, plan.index, plan.count, tokens);
+  }
+}
+
+TEST_CASE("cuda: Knorm past 32,768 tokens takes a second pass of its capped grid-stride loop (1e-5 relative)",
+          "[cuda][scorers][long]") {
+  KVC_REQUIRE_DEVICE();
+  // knorm_kernel: grid x = min(ceil(N / 8), 4096) blocks of 8 warps, one row per warp: a stride of 32,768 rows,
+  // so blocks 0-28 score rows 32,768-32,999 on a second pass.
+  auto const c = random_case({1, 2, 33000, 16}, 2, 1, true, 91);  // lengths 33000 and 32993
+  std::vector<float> gpu;
+  REQUIRE(kc::scores("knorm", c, gpu) == "");
+  require_close(gpu, cpu_scores<float>("knorm", c), 1e-5f, 1e-5f);
+}
+
+TEST_CASE(
+    "cuda: ExpectedAttention past 8,192 tokens matches the CPU (every score warp and the softmax block loop many "
+    "times, 1e-4 relative, kept sets equal but near-ties)",
+    "[cuda][expected_attention][long]") {
+  KVC_REQUIRE_DEVICE();
+  // ea_score_kernel: grid x = min(ceil(N / 256), 1024) = 34 blocks of 8 warps, so every warp takes about 31 slots
+  // (its 1024-block cap binds only past 262,144 tokens); ea_softmax_kernel: 1024 threads stride 9 times over the
+  // head; ea_logits_kernel's grid is not capped (one 64-key tile per block, no second pass).
+  auto const c = random_case({1, 1, 8500, 64}, 2, 8, true, 95);
+  kc::EAInputs in;
+  in.query_heads = 2;
+  in.next_position = {2000};  // t0 inside the 4096-row RoPE table (the context's end, 8500, is past it)
+  auto const rows = query_rows({1, 2, 128, 64}, 0.0f, 2.5f, 97);
+  cpu_statistics<float>({1, 2, 128, 64}, rows, {}, {.n_sink = 4}, in.mean, in.cov);
+  std::vector<float> gpu;
+  REQUIRE(kc::expected_attention(c, in, gpu) == "");
+  auto const cpu = cpu_expected_attention<float>(c, in);
+  require_close_in_head(gpu, cpu, c.e.tokens, 1e-4f, 1e-2f);
+  require_same_kept(kvc::TopKSelector{kvc::RatioBudget{0.5}}, gpu, cpu, c.e, c.lengths, c.per_head, 1e-4f, 1e-2f);
+}
+
+namespace {
+
+/// Appends a wrapper's outputs to a digest (every value a double: exact for fp32, indices and bit widths).
+template <class T>
+void digest(std::vector<double>& d, std::vector<T> const& x) {
+  d.push_back(static_cast<double>(x.size()));
+  for (T const& v : x)
+    d.push_back(static_cast<double>(v));
+}
+
+}  // namespace
+
+TEST_CASE(
+    "cuda: every entry point runs on a stream of the caller's own (kvc::Cuda{stream}), queues nothing on the default "
+    "stream and gives the default stream's results",
+    "[cuda][stream]") {
+  KVC_REQUIRE_DEVICE();
+  // Each job runs one or more wrappers and digests their outputs; the kernels are deterministic (integer atomics
+  // only), so a job on the stream must give exactly its default-stream digest. Under the emulator, the operations
+  // each job queued (launches, async copies and sets) are counted: none may reach the legacy default stream.
+  using Job = std::pair<char const*, std::function<std::vector<double>()>>;
+  auto base = random_case({2, 2, 64, 32}, 4, 6, true, 81);
+  base.dtype = kc::Dtype::f16;
+  base.positions.resize(static_cast<std::size_t>(base.e.rows()));
+  for (std::size_t i = 0; i < base.positions.size(); ++i)
+    base.positions[i] = static_cast<Index>(i) % 64;
+  kc::Case paged = base;
+  paged.layout = kc::Layout::paged_hnd;
+  kc::Case ragged = base;
+  ragged.layout = kc::Layout::ragged;
+  kc::Case pre = base;
+  pre.pre_rope = true;
+  auto const plan = moment_plan(base, 7, 2);
+  auto moment = moment_case({2, 2, 64, 32}, 24, 4, 6, 83);
+  kvc::MomentKVScorer<> params{};
+  params.base.window_size = 6;
+  kc::Residuals none;
+  kc::Moments const m =
+      cpu_evict(moment, params, zero_moments(moment, kc::Dtype::f32), none, moment_plan(moment, 9, 2));
+  std::vector<float> scores(2 * 2 * 20000);
+  for (std::size_t i = 0; i < scores.size(); ++i)
+    scores[i] = static_cast<float>((i * 7919) % 1009);
+  std::vector<Index> const long_lengths = {20000, 19000, 18000, 17000};
+  std::vector<Job> jobs;
+  for (char const* policy :
+       {"key_diff", "knorm", "streaming_llm", "random", "snap_kv_chunk", "tova", "observed_attention"})
+    jobs.emplace_back(policy, [&, policy] {
+      std::vector<float> out;
+      REQUIRE(kc::scores(policy, std::string(policy) == "tova" ? base : paged, out) == "");
+      std::vector<double> d;
+      digest(d, out);
+      return d;
+    });
+  jobs.emplace_back("snap_kv (pre-RoPE)", [&] {
+    std::vector<float> out;
+    REQUIRE(kc::scores("snap_kv", pre, out) == "");
+    std::vector<double> d;
+    digest(d, out);
+    return d;
+  });
+  jobs.emplace_back("expected_attention", [&] {
+    kc::EAInputs in;
+    in.query_heads = 4;
+    cpu_statistics<float>({2, 4, 32, 32}, query_rows({2, 4, 32, 32}, 0.0f, 2.5f, 5), {}, {.n_sink = 4}, in.mean,
+                          in.cov);
+    std::vector<float> out;
+    REQUIRE(kc::expected_attention(ragged, in, out) == "");
+    std::vector<double> d;
+    digest(d, out);
+    return d;
+  });
+  jobs.emplace_back("attend", [&] {
+    std::vector<float> out, lse;
+    REQUIRE(kc::attend(ragged, out, lse) == "");
+    std::vector<double> d;
+    digest(d, out);
+    digest(d, lse);
+    return d;
+  });
+  jobs.emplace_back("top_k (one- and multi-block), per-head budgets", [&] {
+    std::vector<Index> index, count;
+    std::vector<double> d;
+    REQUIRE(kc::top_k(-1, 5000, 2, 3, 2, 2, 20000, scores, long_lengths, true, 20000, index, count) == "");
+    digest(d, index);
+    digest(d, count);
+    std::vector<float> const few(scores.begin(), scores.begin() + 2 * 2 * 300);
+    REQUIRE(kc::top_k(0.3, 0, 1, 1, 2, 2, 300, few, {}, false, 300, index, count) == "");
+    digest(d, index);
+    digest(d, count);
+    REQUIRE(kc::top_k_per_head({5, 0, 100, 17}, 2, 2, 300, few, index, count) == "");
+    digest(d, index);
+    digest(d, count);
+    return d;
+  });
+  jobs.emplace_back("ada_kv, uncomp selection", [&] {
+    kc::AdaKVCase c;
+    c.batch = 2;
+    c.heads = 2;
+    c.tokens = 300;
+    c.fixed = 60;
+    c.scores.assign(scores.begin(), scores.begin() + 2 * 2 * 300);
+    std::vector<Index> table, index, count;
+    REQUIRE(kc::ada_kv(c, table, index, count) == "");
+    std::vector<double> d;
+    digest(d, table);
+    digest(d, index);
+    REQUIRE(kc::uncomp_select({40, 7}, 4, 2, 2, 300, c.scores, {300, 250, 200, 150}, table, index, count) == "");
+    digest(d, table);
+    digest(d, index);
+    return d;
+  });
+  jobs.emplace_back("compact, gather, append, ragged store", [&] {
+    std::vector<double> d;
+    kc::Case gathered, compacted = paged;
+    REQUIRE(kc::gather(paged, plan.index, plan.count, 64, gathered) == "");
+    digest(d, gathered.k);
+    digest(d, gathered.positions);
+    REQUIRE(kc::compact(compacted, plan.index, plan.count, 64) == "");
+    digest(d, compacted.v);
+    auto fresh = random_case({2, 2, 3, 32}, 4, 1, false, 85);
+    fresh.lengths.clear();
+    fresh.dtype = kc::Dtype::f16;
+    REQUIRE(kc::append(compacted, fresh, 0, 3) == "");
+    digest(d, compacted.k);
+    digest(d, compacted.lengths);
+    kc::Case extra = random_case({2, 2, 1, 32}, 4, 3, true, 6);
+    extra.dtype = kc::Dtype::f16;
+    extra.lengths = {1, 1, 1, 1};
+    extra.positions = {64, 64, 64, 64};
+    kc::RaggedResult r;
+    REQUIRE(kc::ragged(base, plan.index, plan.count, 64, 2, extra, r) == "");
+    digest(d, r.k);
+    digest(d, r.out);
+    return d;
+  });
+  jobs.emplace_back("blockwise, query statistics", [&] {
+    std::vector<Index> lengths, positions;
+    kc::Case c = base;
+    c.dtype = kc::Dtype::f32;
+    c.lengths = {64, 50};
+    c.per_head = false;
+    REQUIRE(kc::blockwise_key_diff(c, 20, 16, lengths, positions) == "");
+    std::vector<double> d;
+    digest(d, positions);
+    std::vector<float> mean, cov;
+    REQUIRE(kc::query_statistics(kc::Dtype::f16, {2, 4, 40, 32}, query_rows({2, 4, 40, 32}, 0.0f, 1.0f, 3), true, {},
+                                 {.n_sink = 4}, true, mean, cov) == "");
+    digest(d, mean);
+    digest(d, cov);
+    return d;
+  });
+  jobs.emplace_back("h2o, uncomp", [&] {
+    std::vector<kc::H2OStep> steps(1);
+    steps[0].q_ext = {2, 4, 5, 32};
+    steps[0].queries = kvc::tools::random_values<float>(steps[0].q_ext.rows() * 32, 87, 1.5f);
+    steps[0].index = plan.index;
+    steps[0].count = plan.count;
+    std::vector<kc::H2OResult> got;
+    REQUIRE(kc::h2o(base, 7, steps, got) == "");
+    std::vector<double> d;
+    digest(d, got[0].acc);
+    digest(d, got[0].lengths);
+    std::vector<kc::UNCompStep> usteps(1);
+    usteps[0].q_ext = {2, 4, 4, 32};
+    usteps[0].queries = steps[0].queries;
+    usteps[0].queries.resize(static_cast<std::size_t>(usteps[0].q_ext.rows() * 32));
+    usteps[0].cpu_scores.assign(static_cast<std::size_t>(base.e.rows()), 1.0f);
+    usteps[0].index = plan.index;
+    usteps[0].count = plan.count;
+    std::vector<kc::UNCompResult> ugot;
+    REQUIRE(kc::uncomp(base, {4, 3, kvc::Pooling::max, {40, 30}}, usteps, ugot) == "");
+    digest(d, ugot[0].rows);
+    digest(d, ugot[0].scores);
+    digest(d, ugot[0].index);
+    return d;
+  });
+  jobs.emplace_back("moment_kv (scores, update, on_evict, corrected attention, prefill)", [&] {
+    std::vector<double> d;
+    std::vector<float> out, lse;
+    REQUIRE(kc::moment_scores(moment, params, m, none, {}, out) == "");
+    digest(d, out);
+    kc::Residuals r;
+    r.rows.assign(static_cast<std::size_t>(moment.e.rows() * 24), 0.0f);
+    r.tracked = {0, 0, 0, 0};
+    r.age = {0, 0, 0, 0};
+    REQUIRE(kc::moment_update(moment, params, m, r) == "");
+    digest(d, r.rows);
+    kc::Moments mm = m;
+    auto const evict = evict_run(moment, 3, 1);
+    REQUIRE(kc::moment_evict(moment, params, mm, r, evict.index, evict.count, 64) == "");
+    digest(d, mm.comoment);
+    digest(d, r.rows);
+    REQUIRE(kc::attend_corrected(moment, kvc::CorrectedAttention{}, m, out, lse) == "");
+    digest(d, out);
+    kc::Case c = moment;
+    kc::Moments pm = zero_moments(moment, kc::Dtype::f32);
+    c.positions.resize(static_cast<std::size_t>(c.e.rows()));
+    for (std::size_t i = 0; i < c.positions.size(); ++i)
+      c.positions[i] = static_cast<Index>(i) % 64;
+    REQUIRE(kc::moment_kv_prefill(c, params, pm, 24, 1, 6) == "");
+    digest(d, c.positions);
+    digest(d, pm.key_mean);
+    return d;
+  });
+  jobs.emplace_back("rdkv (packed attention, bit allocation, token and channel weights)", [&] {
+    std::vector<double> d;
+    kvc::KVExtents const e{2, 2, 64, 32};
+    auto cache = kvc::tools::HostCache<float>::random(e, 89);
+    cache.per_head = true;
+    cache.lengths = {64, 50, 40, 64};
+    PackedPlan const bits(e, cache.lengths, 0);
+    kvc::PackedKV kv;
+    REQUIRE(kvc::pack(cache.view(), bits.plan, kvc::PackOptions{}, kv).ok());
+    std::vector<float> out, lse;
+    REQUIRE(kc::attend_packed(kv, kc::Dtype::f32, {2, 4, 3, 32}, kvc::tools::random_values<float>(2 * 4 * 3 * 32, 90),
+                              {}, true, out, lse) == "");
+    digest(d, out);
+    digest(d, lse);
+    kvc::RDKVAllocator a;
+    a.budget_tokens = 20;
+    std::vector<std::int8_t> v_bits, k_bits;
+    REQUIRE(kc::allocate_bits(a, e, rdkv_weights(4, 64, {64, 50, 40, 64}, 91), {64, 50, 40, 64},
+                              rdkv_weights(4, 32, {}, 92), v_bits, k_bits) == "");
+    digest(d, v_bits);
+    digest(d, k_bits);
+    REQUIRE(kc::rdkv_scores(paged, 5, out) == "");
+    digest(d, out);
+    REQUIRE(kc::think_scores(paged, out) == "");
+    digest(d, out);
+    return d;
+  });
+  std::vector<std::vector<double>> plain;
+  for (auto const& [name, job] : jobs) {
+    INFO(name << " (default stream)");
+    plain.push_back(job());
+  }
+  kc::StreamScope const scope;
+  REQUIRE(scope.ok());
+  for (std::size_t i = 0; i < jobs.size(); ++i) {
+    INFO(jobs[i].first << " (own stream)");
+    kc::reset_op_counts();
+    auto const got = jobs[i].second();
+    auto const n = kc::op_counts();
+    CHECK(got == plain[i]);
+    if (!n.available)
+      continue;  // a real GPU: no counters (the results above are checked)
+    INFO("launches " << n.launches << ", default-stream ops " << n.default_stream_ops << ", other-stream ops "
+                     << n.other_stream_ops);
+    CHECK(n.launches > 0);
+    CHECK(n.default_stream_ops == 0);
+    CHECK(n.other_stream_ops >= n.launches);
+  }
+}
+
+namespace {
+
+/// The CPU's run of kc::decode (same scorers and selection, same buffer, a BHTD host cache of element type T).
+template <class T>
+kc::DecodeResult cpu_decode(kc::Case const& c, kc::DecodeRun const& run) {
+  kc::DecodeResult out;
+  auto h = host_cache<T>(c);
+  kvc::KVExtents const e = c.e;
+  Index const heads = e.batch * e.heads, w = 4;
+  std::vector<T> q(run.queries.size());
+  for (std::size_t i = 0; i < q.size(); ++i)
+    q[i] = kvc::from_float<T>(run.queries[i]);
+  std::vector<Index> qpos = run.query_positions;
+  kvc::QueryBuffer<T> buf{q.data(),         qpos.data(),   run.q_ext.batch, run.q_ext.heads,
+                          run.q_ext.tokens, run.q_ext.dim, run.buffered,    0};
+  kvc::DecodeCounter counter;
+  kvc::test::OwnedRope const rope(kc::test_rope_spec(c.rope_style), e.dim, kc::test_rope_positions);
+  bool const h2o = run.policy == "h2o", uncomp = run.policy == "uncomp";
+  std::vector<float> state(static_cast<std::size_t>(h2o ? e.rows() : (uncomp ? e.rows() * w : 0)), 0.0f);
+  std::vector<Index> tracked(static_cast<std::size_t>(heads), 0);
+  HostMoments<float> hm(c, zero_moments(c, kc::Dtype::f32));
+  auto steps = [&](auto const& scorer, auto const& selector) {
+    kvc::test::OwnedWorkspace ws(kvc::decode_workspace_bytes(kvc::Cpu{}, scorer, selector, run.schedule, e, buf));
+    for (Index step = 0; step < run.steps; ++step) {
+      REQUIRE(buf.push(1).ok());
+      bool compressed = false;
+      auto const st = kvc::decode_step(kvc::Cpu{}, scorer, selector, run.schedule, h.view(), buf, counter, rope.table,
+                                       ws.get(), &compressed);
+      INFO(st.message());
+      REQUIRE(st.ok());
+      out.compressed.push_back(compressed ? 1 : 0);
+    }
+  };
+  auto const top_k = run.schedule.selector();
+  if (run.policy == "knorm")
+    steps(kvc::KnormScorer{}, top_k);
+  else if (run.policy == "snap_kv")
+    steps(kvc::SnapKVScorer{.window_size = w, .kernel_size = 3}, top_k);
+  else if (run.policy == "tova")
+    steps(kvc::TOVAScorer{}, top_k);
+  else if (run.policy == "expected_attention")
+    steps(kvc::ExpectedAttentionScorer{}, top_k);
+  else if (h2o)
+    steps(kvc::H2OScorer<>{{{state.data(), e.batch, e.heads, e.tokens}, tracked.data()}, 5}, top_k);
+  else if (run.policy == "moment_kv")
+    steps(host_moment_scorer(kvc::MomentKVScorer<>{}, hm, {}).decode(), top_k);
+  else if (uncomp)
+    steps(kvc::UNCompScorer<>{{{state.data(), kvc::uncomp_window_layout(e, w)}, tracked.data()}, w, 3},
+          kvc::UNCompSelector{kvc::HeadBudgets{run.budgets.data(), e.heads}, 0, w});
+  else
+    FAIL("unknown policy " << run.policy);
+  out.cache = c;
+  out.cache.k.assign(h.k.size(), 0.0f);
+  for (std::size_t i = 0; i < h.k.size(); ++i)
+    out.cache.k[i] = kvc::to_float(h.k[i]);
+  out.cache.lengths = h.lengths;
+  out.cache.positions = h.positions;
+  if (h2o || uncomp) {
+    out.state = state;
+    out.tracked = tracked;
+  }
+  if (run.policy == "moment_kv") {
+    out.tracked = hm.count;
+    out.key_mean = hm.get(kc::Dtype::f32).key_mean;
+  }
+  return out;
+}
+
+}  // namespace
+
+TEST_CASE(
+    "cuda: a whole decode step neither synchronises with the host nor allocates, queues nothing on the default "
+    "stream, and leaves the CPU's cache and scorer state (Knorm, SnapKV, TOVA, ExpectedAttention, H2O, MomentKV, "
+    "UNComp; batch 3, several layouts)",
+    "[cuda][decode][stream]") {
+  KVC_REQUIRE_DEVICE();
+  // What an engine needs to capture a decode step into a CUDA graph. Per scorer, 3 steps of kvc::decode_step on a
+  // stream of their own (interval 2: the second compresses to 40 tokens per head, or UNComp's budgets 40 and 30),
+  // each with one fresh buffered query row (H2O and UNComp fold it in every step); the emulator's counters are reset
+  // right before each kvc::decode_step call and read right after it. Then the device's cache equals the CPU's run
+  // exactly (lengths, kept positions and keys: the same selection of near-identical scores, as the prefill driver
+  // case above) and the scorer state within 1e-5 (H2O's accumulator, UNComp's rows: as their cases above; MomentKV's
+  // key means: as its fold).
+  struct Policy {
+    char const* name;
+    kc::Layout layout;
+  };
+  Policy const policies[] = {{"knorm", kc::Layout::paged_hnd}, {"snap_kv", kc::Layout::paged_csr},
+                             {"tova", kc::Layout::bthd},       {"expected_attention", kc::Layout::bhtd},
+                             {"h2o", kc::Layout::head_paged},  {"moment_kv", kc::Layout::paged},
+                             {"uncomp", kc::Layout::ragged}};
+  Index const batch = 3, hkv = 2, hq = 4, n = 64, d = 32, rows = 8;
+  for (auto const& [name, layout] : policies) {
+    std::string const policy = name;
+    INFO(policy << " layout " << static_cast<int>(layout));
+    auto c = random_case({batch, hkv, n, d}, hq, 1, true, 71);
+    c.lengths =
+        policy == "tova" ? std::vector<Index>{64, 64, 57, 57, 60, 60} : std::vector<Index>{64, 57, 60, 50, 62, 55};
+    c.positions.resize(static_cast<std::size_t>(c.e.rows()));
+    for (std::size_t i = 0; i < c.positions.size(); ++i)
+      c.positions[i] = static_cast<Index>(i) % n;
+    c.pre_rope = true;  // the RoPE table the driver rotates the buffered queries with
+    c.layout = layout;
+    kc::DecodeRun run;
+    run.policy = policy;
+    run.schedule.compression_interval = 2;
+    run.schedule.target_size = 40;
+    run.schedule.hidden_states_buffer_size = 4;
+    run.schedule.n_sink = 2;
+    run.schedule.n_recent = 3;
+    run.q_ext = {batch, hq, rows, d};
+    run.queries = kvc::tools::random_values<float>(run.q_ext.rows() * d, 73, 1.5f);
+    for (Index b = 0; b < batch; ++b)
+      for (Index i = 0; i < rows; ++i)
+        run.query_positions.push_back(n + i);
+    run.buffered = 5;
+    run.steps = 3;
+    run.budgets = {40, 30};
+    kc::DecodeResult got;
+    REQUIRE(kc::decode(c, run, true, got) == "");
+    auto const want = cpu_decode<float>(c, run);
+    CHECK(got.compressed == std::vector<int>{0, 1, 0});
+    CHECK(want.compressed == got.compressed);
+    REQUIRE(got.counts.size() == 3);
+    for (std::size_t s = 0; s < got.counts.size(); ++s) {
+      kc::OpCounts const& k = got.counts[s];
+      if (!k.available)
+        break;  // a real GPU: no counters
+      INFO("step " << s << ": launches " << k.launches << ", synchronizations " << k.synchronizations
+                   << ", allocations " << k.allocations << ", default-stream ops " << k.default_stream_ops);
+      CHECK(k.synchronizations == 0);
+      CHECK(k.allocations == 0);
+      CHECK(k.default_stream_ops == 0);
+      if (got.compressed[s] != 0)
+        CHECK(k.launches > 0);
+    }
+    CHECK(got.cache.lengths == want.cache.lengths);
+    for (Index bh = 0; bh < batch * hkv; ++bh)
+      for (Index j = 0; j < want.cache.lengths[static_cast<std::size_t>(bh)]; ++j) {
+        auto const at = static_cast<std::size_t>(bh * n + j);
+        INFO("head " << bh << " slot " << j);
+        REQUIRE(got.cache.positions[at] == want.cache.positions[at]);
+        for (std::size_t i = 0; i < static_cast<std::size_t>(d); ++i)
+          REQUIRE(got.cache.k[at * static_cast<std::size_t>(d) + i] ==
+                  want.cache.k[at * static_cast<std::size_t>(d) + i]);
+      }
+    CHECK(got.tracked == want.tracked);
+    if (policy == "h2o" || policy == "uncomp") {
+      Index const width = policy == "h2o" ? 1 : 4;
+      auto valid = [&](std::vector<float> a) {  // slots past a head's tracked count hold stale values: masked
+        for (Index bh = 0; bh < batch * hkv; ++bh)
+          for (Index j = want.tracked[static_cast<std::size_t>(bh)] * width; j < n * width; ++j)
+            a[static_cast<std::size_t>(bh * n * width + j)] = -std::numeric_limits<float>::infinity();
+        return a;
+      };
+      require_close_in_head(valid(got.state), valid(want.state), n * width, 1e-5f, 1e-2f);
+    }
+    if (policy == "moment_kv")
+      require_close_in_head(got.key_mean, want.key_mean, d, 1e-5f, 1e-1f);
+  }
+}
+
+TEST_CASE(
+    "cuda: MomentKV past 8,192 tokens takes a second pass of its capped slot grid (scores from C k_j and from the "
+    "cached rows, u_j rows, rank-1 row updates; 1e-5 relative)",
+    "[cuda][moment_kv][long]") {
+  // Last in the file: under the emulator, a violation leaves a sticky error that fails every later launch of the
+  // process (ctest runs each case on its own).
+  KVC_REQUIRE_DEVICE();
+  // moment_slot_grid: grid x = min(ceil(N / 8), 1024) blocks of 8 warps, one slot per warp: a stride of 8,192
+  // slots, so blocks 0-38 take slots 8,192-8,499 on a second pass, in moment_residual_kernel (scores, from C k_j
+  // and from the cached rows), moment_fill_kernel (kvc::update) and moment_rows_kernel (kvc::on_evict: 8,499
+  // kept slots get the rank-1 update).
+  auto c = moment_case({1, 1, 8500, 32}, 24, 2, 8, 93);  // length 8500
+  kvc::MomentKVScorer<> params{};
+  params.base.window_size = 8;
+  params.clamp_tau = 0.0f;  // cached rows are not clamped: compare like with like
+  kc::Residuals none;
+  kc::Moments m = cpu_evict(c, params, zero_moments(c, kc::Dtype::f32), none, moment_plan(c, 5, 3));
+  std::vector<float> gpu;
+  REQUIRE(kc::moment_scores(c, params, m, none, {}, gpu) == "");
+  require_close_in_head(gpu, cpu_moment_scores(c, params, m, none, {}), c.e.tokens, 1e-5f, 1e-3f);
+  kc::Residuals r;
+  r.rows.assign(static_cast<std::size_t>(c.e.rows() * 24), 0.0f);
+  r.tracked = {0};
+  r.age = {0};
+  kc::Residuals gr = r, cr = r;
+  REQUIRE(kc::moment_update(c, params, m, gr) == "");
+  with_dtypes(c.dtype, m.dtype, [&](auto tag, auto mtag) {
+    auto const h = host_cache<decltype(tag)>(c);
+    HostMoments<decltype(mtag)> hm(c, m);
+    auto const s = host_moment_scorer(params, hm, host_residuals(c, cr));
+    kvc::test::OwnedWorkspace ws(kvc::update_workspace_bytes(kvc::Cpu{}, s, c.e, kvc::NoObservations{}));
+    REQUIRE(kvc::update(kvc::Cpu{}, s, h.view(), kvc::NoObservations{}, ws.get()).ok());
+  });
+  CHECK(gr.tracked == cr.tracked);
+  require_close_in_head(gr.rows, cr.rows, c.e.tokens * 24, 1e-5f, 1e-1f);
+  REQUIRE(kc::moment_scores(c, params, m, cr, {}, gpu) == "");  // every row tracked: the cached path
+  require_close_in_head(gpu, cpu_moment_scores(c, params, m, cr, {}), c.e.tokens, 1e-5f, 1e-3f);
+  auto const plan = evict_run(c, 4000, 1);  // one slot: the rank-1 row update of the 8,499 kept
+  kc::Moments gm = m;
+  kc::Residuals grr = cr, crr = cr;
+  REQUIRE(kc::moment_evict(c, params, gm, grr, plan.index, plan.count, c.e.tokens) == "");
+  kc::Moments const cm = cpu_evict(c, params, m, crr, plan);
+  require_moments_close(gm, cm, c, 1e-5f);
+  CHECK(grr.age == crr.age);
+  require_close_in_head(grr.rows, crr.rows, c.e.tokens * 24, 1e-5f, 1e-1f);
 }
