@@ -933,41 +933,39 @@ cudaError_t cudaFree(void* p) {
   std::free(p);
   return cudaSuccess;
 }
-cudaError_t cudaMemcpy(void* dst, void const* src, std::size_t bytes, cudaMemcpyKind) {
-  if (cudaError_t const e = synchronisation(); e != cudaSuccess)
-    return e;
+namespace {
+/// A copy or set, synchronous or not, once `gate` (its counting, and the sticky error) let it through.
+cudaError_t copy(cudaError_t gate, void* dst, void const* src, std::size_t bytes) {
+  if (gate != cudaSuccess)
+    return gate;
   if (bytes && (!dst || !src))
     return kvc::emu::set_error(cudaErrorInvalidValue);
   if (bytes)
     std::memmove(dst, src, bytes);
   return cudaSuccess;
+}
+cudaError_t set(cudaError_t gate, void* p, int value, std::size_t bytes) {
+  if (gate != cudaSuccess)
+    return gate;
+  if (bytes && !p)
+    return kvc::emu::set_error(cudaErrorInvalidValue);
+  if (bytes)
+    std::memset(p, value, bytes);
+  return cudaSuccess;
+}
+}  // namespace
+
+cudaError_t cudaMemcpy(void* dst, void const* src, std::size_t bytes, cudaMemcpyKind) {
+  return copy(synchronisation(), dst, src, bytes);
 }
 cudaError_t cudaMemcpyAsync(void* dst, void const* src, std::size_t bytes, cudaMemcpyKind, cudaStream_t s) {
-  if (cudaError_t const e = stream_op(s); e != cudaSuccess)
-    return e;
-  if (bytes && (!dst || !src))
-    return kvc::emu::set_error(cudaErrorInvalidValue);
-  if (bytes)
-    std::memmove(dst, src, bytes);
-  return cudaSuccess;
+  return copy(stream_op(s), dst, src, bytes);
 }
 cudaError_t cudaMemset(void* p, int value, std::size_t bytes) {
-  if (cudaError_t const e = synchronisation(); e != cudaSuccess)
-    return e;
-  if (bytes && !p)
-    return kvc::emu::set_error(cudaErrorInvalidValue);
-  if (bytes)
-    std::memset(p, value, bytes);
-  return cudaSuccess;
+  return set(synchronisation(), p, value, bytes);
 }
 cudaError_t cudaMemsetAsync(void* p, int value, std::size_t bytes, cudaStream_t s) {
-  if (cudaError_t const e = stream_op(s); e != cudaSuccess)
-    return e;
-  if (bytes && !p)
-    return kvc::emu::set_error(cudaErrorInvalidValue);
-  if (bytes)
-    std::memset(p, value, bytes);
-  return cudaSuccess;
+  return set(stream_op(s), p, value, bytes);
 }
 
 cudaError_t cudaStreamCreate(cudaStream_t* s) {
