@@ -21,10 +21,12 @@
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <dlfcn.h>
 #include <mutex>
 #include <string>
 #include <sys/mman.h>
+#include <type_traits>
 #include <unordered_map>
 #include <vector>
 
@@ -40,6 +42,9 @@
 #  include <sanitizer/asan_interface.h>
 #  include <sanitizer/common_interface_defs.h>
 #endif
+// The race detector's own bookkeeping (shadow cells indexed after the overrun checks) runs on every shared access of
+// every emulated thread: left uninstrumented, it is several times faster under the sanitizers.
+#define KVC_EMU_UNSANITIZED __attribute__((no_sanitize("address", "undefined")))
 
 // The static __shared__ variables of every emulated translation unit (the linker defines these for a section whose
 // name is an identifier); weak, so a program without any still links.
@@ -187,16 +192,19 @@ struct Access {
   std::int16_t tid = -1;         // the thread (linear index in the block), -1: none
 };
 /// One byte of shared memory: its last write and last read since, and the write's program counter (for the report).
+/// 32 bytes without padding, so that two cells compare as memory.
 struct Cell {
   Access write, read;
-  bool write_atomic = false, read_atomic = false;
-  bool other_readers = false;  // another unordered thread read it in read.epoch too
   // Those other readers' warp (-1: more than one warp) and its __syncwarp count then: a __syncwarp of that warp since
   // orders them before a write by one of its lanes.
   std::int16_t others_warp = -1;
   std::uint16_t others_warp_epoch = 0;
+  bool write_atomic = false, read_atomic = false;
+  bool other_readers = false;  // another unordered thread read it in read.epoch too
+  bool unused = false;
   void* write_pc = nullptr;
 };
+static_assert(sizeof(Cell) == 32 && std::has_unique_object_representations_v<Cell>);
 
 struct Runtime {
   std::mutex mutex;
@@ -450,20 +458,22 @@ std::uint64_t warp_op(WarpOp op, unsigned mask, std::uint64_t value, int operand
   if (width < 1 || width > 32 || (width & (width - 1)) != 0)
     KVC_EMU_FAIL(std::string(name) + " at " + site_text(site) + ": width " + std::to_string(width) +
                  " is not a power of two up to 32");
-  for (int l = 0; l < 32; ++l) {
-    if (!(mask >> l & 1u))
-      continue;
-    auto const id = static_cast<std::size_t>(warp * 32 + l);
-    if (id >= r.threads.size())
-      KVC_EMU_FAIL("inactive lane: " + std::string(name) + " at " + site_text(site) + " (" + where(me) +
-                   ") names lane " + std::to_string(l) + " in its mask, which the block (" +
-                   std::to_string(r.threads.size()) + " threads) does not have");
-    if (r.threads[id].state == State::exited)
-      KVC_EMU_FAIL("inactive lane: " + std::string(name) + " at " + site_text(site) + " (" + where(me) +
-                   ") names lane " + std::to_string(l) + " in its mask, which has returned");
-  }
   WarpState& w = r.warps[static_cast<std::size_t>(warp)];
   if (w.arrived == 0) {
+    // The first lane to arrive checks the mask's lanes (one that returns later while others wait fails in
+    // thread_exit); the others only need to match it.
+    for (int l = 0; l < 32; ++l) {
+      if (!(mask >> l & 1u))
+        continue;
+      auto const id = static_cast<std::size_t>(warp * 32 + l);
+      if (id >= r.threads.size())
+        KVC_EMU_FAIL("inactive lane: " + std::string(name) + " at " + site_text(site) + " (" + where(me) +
+                     ") names lane " + std::to_string(l) + " in its mask, which the block (" +
+                     std::to_string(r.threads.size()) + " threads) does not have");
+      if (r.threads[id].state == State::exited)
+        KVC_EMU_FAIL("inactive lane: " + std::string(name) + " at " + site_text(site) + " (" + where(me) +
+                     ") names lane " + std::to_string(l) + " in its mask, which has returned");
+    }
     w.op = op;
     w.mask = mask;
     w.site = site;
@@ -530,7 +540,52 @@ std::uint64_t warp_op(WarpOp op, unsigned mask, std::uint64_t value, int operand
 
 namespace {
 
-void access(void const* p, std::size_t bytes, bool write, bool atomic, void* pc) {
+/// An earlier access that races with a new one, and what it did.
+struct Race {
+  Access const* other = nullptr;  // null: no race
+  char const* kind = nullptr;
+};
+
+/// An earlier access x is ordered before one by thread now.tid of warp `warp` when it is that thread's, from before the
+/// last __syncthreads, or from a lane of that warp before its last __syncwarp.
+KVC_EMU_UNSANITIZED inline bool ordered(Access const& x, Access const& now, int warp) {
+  return x.tid < 0 || x.epoch != now.epoch || x.tid == now.tid ||
+         (x.tid / 32 == warp && x.warp_epoch != now.warp_epoch);
+}
+
+/// Checks one byte's history against an access by thread now.tid of warp `warp` and records the access. Returns the
+/// earlier access it races with (the cell is then left as it was), if any.
+KVC_EMU_UNSANITIZED inline Race record(Cell& c, Access const& now, int warp, bool write, bool atomic, void* pc) {
+  if (!ordered(c.write, now, warp) && !(atomic && c.write_atomic))
+    return {&c.write, "wrote"};
+  if (write && !ordered(c.read, now, warp) && !(atomic && c.read_atomic))
+    return {&c.read, "read"};
+  if (write && !atomic && c.other_readers && c.read.epoch == now.epoch &&
+      !(c.others_warp == warp && c.others_warp_epoch != now.warp_epoch))
+    return {&c.read, "read (with other threads)"};
+  if (write) {
+    c.write = now;
+    c.write_atomic = atomic;
+    c.write_pc = pc;
+    c.read = Access{};
+    c.other_readers = false;
+  } else {
+    if (c.read.epoch != now.epoch)
+      c.other_readers = false;
+    if (!ordered(c.read, now, warp)) {  // the last reader and this one are unordered: remember the other's warp
+      int const other_warp = c.read.tid / 32;
+      c.others_warp = static_cast<std::int16_t>(
+          (!c.other_readers || c.others_warp == other_warp) && other_warp == warp ? warp : -1);
+      c.others_warp_epoch = c.read.warp_epoch;
+      c.other_readers = true;
+    }
+    c.read = now;
+    c.read_atomic = atomic;
+  }
+  return {};
+}
+
+KVC_EMU_UNSANITIZED void access(void const* p, std::size_t bytes, bool write, bool atomic, void* pc) {
   Runtime& r = rt();
   auto const a = reinterpret_cast<std::uintptr_t>(p);
   auto const s0 = reinterpret_cast<std::uintptr_t>(static_shared_begin());
@@ -561,60 +616,30 @@ void access(void const* p, std::size_t bytes, bool write, bool atomic, void* pc)
   Thread const& me = *r.current;
   int const tid = me.linear, warp = tid / 32;
   std::uint32_t const epoch = r.epoch;
-  auto const warp_epoch = static_cast<std::uint16_t>(r.warps[static_cast<std::size_t>(warp)].epoch);
-  // An earlier access is ordered before this one when it is this thread's, from before the last __syncthreads,
-  // or from a lane of this warp before the last __syncwarp.
-  auto const ordered = [&](Access const& x) {
-    return x.tid < 0 || x.epoch != epoch || x.tid == tid || (x.tid / 32 == warp && x.warp_epoch != warp_epoch);
-  };
+  auto const warp_epoch = static_cast<std::uint16_t>(r.warps.data()[warp].epoch);
   Access const now{epoch, warp_epoch, static_cast<std::int16_t>(tid)};
-  for (Cell *c = r.shadow.data() + offset, *end = c + bytes; c != end; ++c) {
-    char const* kind = nullptr;
-    Access const* other = nullptr;
-    if (!ordered(c->write) && !(atomic && c->write_atomic)) {
-      other = &c->write;
-      kind = "wrote";
-    } else if (write && !ordered(c->read) && !(atomic && c->read_atomic)) {
-      other = &c->read;
-      kind = "read";
-    } else if (write && !atomic && c->other_readers && c->read.epoch == epoch &&
-               !(c->others_warp == warp && c->others_warp_epoch != warp_epoch)) {
-      other = &c->read;
-      kind = "read (with other threads)";
+  Cell* const first = r.shadow.data() + offset;
+  // The bytes of one access almost always share their history (the same earlier accesses covered all of them): the
+  // check and the update of such a byte are those of the first, so only bytes that differ from it are checked again.
+  Cell const before = *first;
+  for (Cell *c = first, *end = first + bytes; c != end; ++c) {
+    if (c != first && std::memcmp(c, &before, sizeof(Cell)) == 0) {
+      *c = *first;
+      continue;
     }
-    if (other) [[unlikely]] {
-      Thread const& o = r.threads[static_cast<std::size_t>(other->tid)];
-      std::size_t const byte =
-          offset + static_cast<std::size_t>(c - (r.shadow.data() + offset)) - (space[0] == 'd' ? ss : 0);
+    if (Race const race = record(*c, now, warp, write, atomic, pc); race.other) [[unlikely]] {
+      Thread const& o = r.threads[static_cast<std::size_t>(race.other->tid)];
+      std::size_t const byte = offset + static_cast<std::size_t>(c - first) - (space[0] == 'd' ? ss : 0);
       KVC_EMU_FAIL("shared-memory race: " + where(me) + (write ? " writes" : " reads") + " byte " +
                    std::to_string(byte) + " of the " + space + " shared memory at " + pc_text(pc) + ", which thread (" +
                    std::to_string(o.idx.x) + ", " + std::to_string(o.idx.y) + ", " + std::to_string(o.idx.z) + ") " +
-                   kind + (other == &c->write ? " at " + pc_text(c->write_pc) : std::string()) +
+                   race.kind + (race.other == &c->write ? " at " + pc_text(c->write_pc) : std::string()) +
                    " with no barrier between them");
-    }
-    if (write) {
-      c->write = now;
-      c->write_atomic = atomic;
-      c->write_pc = pc;
-      c->read = Access{};
-      c->other_readers = false;
-    } else {
-      if (c->read.epoch != epoch)
-        c->other_readers = false;
-      if (!ordered(c->read)) {  // the last reader and this one are unordered: remember the other's warp
-        int const other_warp = c->read.tid / 32;
-        c->others_warp = static_cast<std::int16_t>(
-            (!c->other_readers || c->others_warp == other_warp) && other_warp == warp ? warp : -1);
-        c->others_warp_epoch = c->read.warp_epoch;
-        c->other_readers = true;
-      }
-      c->read = now;
-      c->read_atomic = atomic;
     }
   }
 }
 
-inline void trace(void const* p, std::size_t bytes, bool write, void* pc) {
+KVC_EMU_UNSANITIZED inline void trace(void const* p, std::size_t bytes, bool write, void* pc) {
   auto const a = reinterpret_cast<std::uintptr_t>(p);
   if (running && (a - watch_lo[0] < watch_size[0] || a - watch_lo[1] < watch_size[1])) [[unlikely]]
     access(p, bytes, write, false, pc);
@@ -817,10 +842,10 @@ void print_running_thread() {
 // ---- Memory hooks (Clang's -fsanitize-coverage=trace-loads,trace-stores) -------------------------------------------
 extern "C" {
 #define KVC_EMU_HOOK(bytes, type)                                  \
-  void __sanitizer_cov_load##bytes(type* p) {                      \
+  KVC_EMU_UNSANITIZED void __sanitizer_cov_load##bytes(type* p) {  \
     kvc::emu::trace(p, bytes, false, __builtin_return_address(0)); \
   }                                                                \
-  void __sanitizer_cov_store##bytes(type* p) {                     \
+  KVC_EMU_UNSANITIZED void __sanitizer_cov_store##bytes(type* p) { \
     kvc::emu::trace(p, bytes, true, __builtin_return_address(0));  \
   }
 KVC_EMU_HOOK(1, std::uint8_t)

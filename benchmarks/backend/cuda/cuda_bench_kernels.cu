@@ -179,8 +179,9 @@ UNCompScorer<DeviceSpace> uncomp_scorer(Context const& c) {
 /// MomentKV's scorer over the context's moments and fixed base.
 MomentKVScorer<DeviceSpace, float> moment_scorer(Context const& c) {
   MomentKVScorer<DeviceSpace, float> s;
-  s.state = {c.moment_count, c.moment_means, c.moment_means + c.e.heads * c.e.dim, c.comoment, 1, c.e.heads,
-             c.e.dim,        c.e.dim};
+  // Before the buffers exist (sizing the workspace) the means are null: no offset from a null pointer.
+  float* const v_means = c.moment_means ? c.moment_means + c.e.heads * c.e.dim : nullptr;
+  s.state = {c.moment_count, c.moment_means, v_means, c.comoment, 1, c.e.heads, c.e.dim, c.e.dim};
   s.fixed_base = {c.fixed_base, 1, c.e.heads, c.e.tokens};
   return s;
 }

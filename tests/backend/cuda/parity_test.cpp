@@ -37,6 +37,7 @@
 #include "common/ragged_store.hpp"
 #include "common/synthetic.hpp"
 #include "support/catch.hpp"
+#include "support/combinations.hpp"
 #include "support/helpers.hpp"
 
 #include <algorithm>
@@ -613,42 +614,44 @@ TEST_CASE(
                                    {{.skip_rows = 3, .count = 8000}, false},
                                    {{.n_sink = 2, .skip_rows = 1, .count = 40}, true},
                                    {{.count = 0}, false}};
-  for (kvc::KVExtents const qe : {kvc::KVExtents{2, 4, 9000, 64}, kvc::KVExtents{1, 3, 9000, 80}})
-    for (auto dtype : {kc::Dtype::f32, kc::Dtype::f16})
-      for (float offset : {0.0f, 100.0f})
-        for (bool token_major : {false, true})
-          for (std::size_t k = 0; k < rules.size(); ++k) {
-            std::vector<Index> ring(static_cast<std::size_t>(qe.batch * qe.tokens));
-            for (Index b = 0; b < qe.batch; ++b)
-              for (Index i = 0; i < qe.tokens; ++i)  // gcd(7, 9000) = 1: a permutation of the positions
-                ring[static_cast<std::size_t>(b * qe.tokens + i)] = (i * 7 + 11 * b) % qe.tokens;
-            INFO("dim " << qe.dim << " dtype " << static_cast<int>(dtype) << " offset " << offset << " token_major "
-                        << token_major << " rule " << k);
-            auto const rows = query_rows(qe, offset, 1.0f, 5 + k);
-            std::vector<Index> const positions = rules[k].positions ? ring : std::vector<Index>{};
-            std::vector<float> cpu_mean, cpu_cov, gpu_mean, gpu_cov;
-            by_host_dtype(dtype, [&](auto tag) {
-              cpu_statistics<decltype(tag)>(qe, rows, positions, rules[k].sel, cpu_mean, cpu_cov);
-            });
-            REQUIRE(kc::query_statistics(dtype, qe, rows, token_major, positions, rules[k].sel, true, gpu_mean,
-                                         gpu_cov) == "");
-            Index const d = qe.dim;
-            for (Index item = 0; item < qe.batch * qe.heads; ++item)
-              for (Index i = 0; i < d; ++i) {
-                auto const at = static_cast<std::size_t>(item * d + i);
-                float const var_i = cpu_cov[static_cast<std::size_t>((item * d + i) * d + i)];
-                INFO("head " << item << " channel " << i << ": mean gpu " << gpu_mean[at] << " cpu " << cpu_mean[at]);
-                REQUIRE(std::abs(gpu_mean[at] - cpu_mean[at]) <=
-                        1e-5f * std::max(std::abs(cpu_mean[at]), std::sqrt(std::max(var_i, 0.0f))));
-                for (Index j = 0; j < d; ++j) {
-                  auto const ij = static_cast<std::size_t>((item * d + i) * d + j);
-                  float const var_j = cpu_cov[static_cast<std::size_t>((item * d + j) * d + j)];
-                  INFO("cov (" << i << ", " << j << "): gpu " << gpu_cov[ij] << " cpu " << cpu_cov[ij]);
-                  REQUIRE(std::abs(gpu_cov[ij] - cpu_cov[ij]) <=
-                          1e-5f * std::max(std::abs(cpu_cov[ij]), std::sqrt(std::max(var_i * var_j, 0.0f))));
-                }
-              }
-          }
+  kvc::KVExtents const shapes[] = {{2, 4, 9000, 64}, {1, 3, 9000, 80}};
+  kc::Dtype const dtypes[] = {kc::Dtype::f32, kc::Dtype::f16};
+  float const offsets[] = {0.0f, 100.0f};
+  for (auto const& pick : kvc::test::parity_combinations({2, 2, 2, 2, rules.size()})) {
+    kvc::KVExtents const qe = shapes[pick[0]];
+    kc::Dtype const dtype = dtypes[pick[1]];
+    float const offset = offsets[pick[2]];
+    bool const token_major = pick[3] == 1;
+    std::size_t const k = pick[4];
+    std::vector<Index> ring(static_cast<std::size_t>(qe.batch * qe.tokens));
+    for (Index b = 0; b < qe.batch; ++b)
+      for (Index i = 0; i < qe.tokens; ++i)  // gcd(7, 9000) = 1: a permutation of the positions
+        ring[static_cast<std::size_t>(b * qe.tokens + i)] = (i * 7 + 11 * b) % qe.tokens;
+    INFO("dim " << qe.dim << " dtype " << static_cast<int>(dtype) << " offset " << offset << " token_major "
+                << token_major << " rule " << k);
+    auto const rows = query_rows(qe, offset, 1.0f, 5 + k);
+    std::vector<Index> const positions = rules[k].positions ? ring : std::vector<Index>{};
+    std::vector<float> cpu_mean, cpu_cov, gpu_mean, gpu_cov;
+    by_host_dtype(
+        dtype, [&](auto tag) { cpu_statistics<decltype(tag)>(qe, rows, positions, rules[k].sel, cpu_mean, cpu_cov); });
+    REQUIRE(kc::query_statistics(dtype, qe, rows, token_major, positions, rules[k].sel, true, gpu_mean, gpu_cov) == "");
+    Index const d = qe.dim;
+    for (Index item = 0; item < qe.batch * qe.heads; ++item)
+      for (Index i = 0; i < d; ++i) {
+        auto const at = static_cast<std::size_t>(item * d + i);
+        float const var_i = cpu_cov[static_cast<std::size_t>((item * d + i) * d + i)];
+        INFO("head " << item << " channel " << i << ": mean gpu " << gpu_mean[at] << " cpu " << cpu_mean[at]);
+        REQUIRE(std::abs(gpu_mean[at] - cpu_mean[at]) <=
+                1e-5f * std::max(std::abs(cpu_mean[at]), std::sqrt(std::max(var_i, 0.0f))));
+        for (Index j = 0; j < d; ++j) {
+          auto const ij = static_cast<std::size_t>((item * d + i) * d + j);
+          float const var_j = cpu_cov[static_cast<std::size_t>((item * d + j) * d + j)];
+          INFO("cov (" << i << ", " << j << "): gpu " << gpu_cov[ij] << " cpu " << cpu_cov[ij]);
+          REQUIRE(std::abs(gpu_cov[ij] - cpu_cov[ij]) <=
+                  1e-5f * std::max(std::abs(cpu_cov[ij]), std::sqrt(std::max(var_i * var_j, 0.0f))));
+        }
+      }
+  }
   // The mean alone (covariance null) is the same mean.
   kvc::KVExtents const qe{2, 4, 9000, 64};
   auto const rows = query_rows(qe, 0.0f, 1.0f, 3);
@@ -706,30 +709,30 @@ TEST_CASE(
   };
   // d = 64 is one 64-column pass of the logit kernel; d = 96 two (one partial) and three staged blocks of Σ̄;
   // d = 256 needs 76 KiB of shared memory for the key tile (the kernel opts in past 48 KiB).
-  for (auto dtype : {kc::Dtype::f32, kc::Dtype::f16})
-    for (auto style : {kvc::RopeStyle::neox, kvc::RopeStyle::interleaved})
-      for (auto [group, d] : {std::pair<Index, Index>{2, 64}, {4, 64}, {4, 96}, {2, 256}}) {
-        auto c = random_case({2, 2, 300, d}, 2 * group, 8, true, 31 + static_cast<std::uint64_t>(group));
-        c.dtype = dtype;
-        kc::EAInputs base;
-        base.query_heads = 2 * group;
-        base.style = style;
-        // Statistics from structured pre-RoPE rows (spread 2.5: peaked attention).
-        auto const rows = query_rows({2, 2 * group, 256, d}, 0.0f, 2.5f, 77);
-        cpu_statistics<float>({2, 2 * group, 256, d}, rows, {}, {.n_sink = 4}, base.mean, base.cov);
-        for (auto const& [name, set] : variants) {
-          kc::EAInputs in = base;
-          set(in);
-          INFO(name << " dtype " << static_cast<int>(dtype) << " style " << static_cast<int>(style) << " group "
-                    << group << " dim " << d);
-          std::vector<float> gpu, cpu;
-          REQUIRE(kc::expected_attention(c, in, gpu) == "");
-          by_host_dtype(dtype, [&](auto tag) { cpu = cpu_expected_attention<decltype(tag)>(c, in); });
-          require_close_in_head(gpu, cpu, c.e.tokens, 1e-4f, 1e-2f);
-          require_same_kept(kvc::TopKSelector{kvc::RatioBudget{0.5}}, gpu, cpu, c.e, c.lengths, c.per_head, 1e-4f,
-                            1e-2f);
-        }
-      }
+  kc::Dtype const dtypes[] = {kc::Dtype::f32, kc::Dtype::f16};
+  kvc::RopeStyle const styles[] = {kvc::RopeStyle::neox, kvc::RopeStyle::interleaved};
+  std::pair<Index, Index> const shapes[] = {{2, 64}, {4, 64}, {4, 96}, {2, 256}};  // (GQA group, d)
+  for (auto const& pick : kvc::test::parity_combinations({2, 2, 4, variants.size()})) {
+    kc::Dtype const dtype = dtypes[pick[0]];
+    auto const [group, d] = shapes[pick[2]];
+    auto const& [name, set] = variants[pick[3]];
+    auto c = random_case({2, 2, 300, d}, 2 * group, 8, true, 31 + static_cast<std::uint64_t>(group));
+    c.dtype = dtype;
+    kc::EAInputs in;
+    in.query_heads = 2 * group;
+    in.style = styles[pick[1]];
+    // Statistics from structured pre-RoPE rows (spread 2.5: peaked attention).
+    auto const rows = query_rows({2, 2 * group, 256, d}, 0.0f, 2.5f, 77);
+    cpu_statistics<float>({2, 2 * group, 256, d}, rows, {}, {.n_sink = 4}, in.mean, in.cov);
+    set(in);
+    INFO(name << " dtype " << static_cast<int>(dtype) << " style " << static_cast<int>(in.style) << " group " << group
+              << " dim " << d);
+    std::vector<float> gpu, cpu;
+    REQUIRE(kc::expected_attention(c, in, gpu) == "");
+    by_host_dtype(dtype, [&](auto tag) { cpu = cpu_expected_attention<decltype(tag)>(c, in); });
+    require_close_in_head(gpu, cpu, c.e.tokens, 1e-4f, 1e-2f);
+    require_same_kept(kvc::TopKSelector{kvc::RatioBudget{0.5}}, gpu, cpu, c.e, c.lengths, c.per_head, 1e-4f, 1e-2f);
+  }
 }
 
 TEST_CASE(
