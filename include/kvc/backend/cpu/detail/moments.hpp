@@ -5,6 +5,7 @@
 
 #include <kvc/backend/cpu/detail/rows.hpp>
 #include <kvc/backend/cpu/detail/widen.hpp>
+#include <kvc/backend/cpu/detail/window_attention.hpp>  // window_pack_floats
 #include <kvc/scorers/moments.hpp>
 
 #include <algorithm>
