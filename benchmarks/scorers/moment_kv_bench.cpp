@@ -16,7 +16,7 @@
 // Serial kvc::Cpu{} throughout (CPU time).
 #include <kvc/backend/cpu/attention/corrected.hpp>
 #include <kvc/backend/cpu/scorers/moment_kv.hpp>
-#include <kvc/core/moments.hpp>
+#include <kvc/scorers/moments.hpp>
 
 #include "bench_support.hpp"
 #include "common/moment_kv.hpp"

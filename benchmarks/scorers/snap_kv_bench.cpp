@@ -10,6 +10,7 @@
 // 2 * Hq * R * N * d FLOPs), tiled over N in the kernel's 128-column blocks and untiled: the project's goal is the
 // kernel's FLOP/s at >= half of the tiled product's on one thread (docs/benchmarks.md).
 #include <kvc/backend/cpu/scorers/snap_kv.hpp>
+#include <kvc/backend/cpu/scorers/tova.hpp>
 #include <kvc/backend/cpu/thread_pool.hpp>
 
 #include "bench_support.hpp"

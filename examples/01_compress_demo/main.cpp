@@ -14,6 +14,7 @@
 #include <kvc/backend/cpu/scorers/random.hpp>
 #include <kvc/backend/cpu/scorers/snap_kv.hpp>
 #include <kvc/backend/cpu/scorers/streaming_llm.hpp>
+#include <kvc/backend/cpu/scorers/tova.hpp>
 #include <kvc/backend/cpu/selectors/top_k.hpp>
 #include <kvc/core/validate.hpp>
 #include <kvc/io/npy.hpp>

@@ -7,7 +7,7 @@
 #pragma once
 
 #include <kvc/core/element.hpp>
-#include <kvc/core/moments.hpp>
+#include <kvc/scorers/moments.hpp>
 
 #include "common/synthetic.hpp"
 #include "support/helpers.hpp"

@@ -4,7 +4,7 @@
 #pragma once
 
 #include <kvc/attention/corrected.hpp>
-#include <kvc/core/moments.hpp>
+#include <kvc/scorers/moments.hpp>
 #include <kvc/scorers/moment_kv.hpp>
 
 #include "policies.hpp"

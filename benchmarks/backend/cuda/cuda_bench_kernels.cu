@@ -11,6 +11,7 @@
 #include <kvc/backend/cuda/scorers/knorm.cuh>
 #include <kvc/backend/cuda/scorers/moment_kv.cuh>
 #include <kvc/backend/cuda/scorers/snap_kv.cuh>
+#include <kvc/backend/cuda/scorers/tova.cuh>
 #include <kvc/backend/cuda/scorers/uncomp.cuh>
 #include <kvc/backend/cuda/selectors/ada_kv.cuh>
 #include <kvc/backend/cuda/selectors/top_k.cuh>

@@ -14,7 +14,7 @@
 
 #include <kvc/attention/attend.hpp>
 #include <kvc/core/checks.hpp>
-#include <kvc/core/moments.hpp>
+#include <kvc/scorers/moments.hpp>
 
 #include <cstddef>
 

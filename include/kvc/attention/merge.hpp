@@ -6,12 +6,12 @@
 // For a row with (o_a, lse_a) over set A and (o_b, lse_b) over set B, attention over A ∪ B is
 //   lse = logaddexp(lse_a, lse_b);  o = e^{lse_a − lse} o_a + e^{lse_b − lse} o_b
 // exactly (both lse in the same scaled-logit units, i.e. the same Attention::scale). It is MomentKV's merge of the
-// retained and evicted states (core/moments.hpp, detail::merge_evicted: the weights from one e^{−|lse_a − lse_b|},
+// retained and evicted states (scorers/moments.hpp, detail::merge_evicted: the weights from one e^{−|lse_a − lse_b|},
 // stable for any magnitude), reused here as it is. An empty side (lse = -inf: no token visible) leaves the other.
 #pragma once
 
 #include <kvc/core/extents.hpp>
-#include <kvc/core/moments.hpp>
+#include <kvc/scorers/moments.hpp>
 #include <kvc/core/status.hpp>
 
 namespace kvc {

@@ -5,7 +5,8 @@
 // table [batch, heads] of tokens each head keeps, in the backend's memory space (a device table for CUDA), which
 // feeds the existing TopKSelector unchanged through PerHeadBudget. Its kernel is Kernel<Allocation<Sel>, B>;
 // kvc::allocate is the entry point, and an adaptive selector (AdaKVSelector) runs allocate then top-k in one
-// kvc::select, so every driver (compress, blockwise, decode_step) takes it as it takes TopKSelector.
+// kvc::select (selectors/allocated_top_k.hpp), so every driver (compress, blockwise, decode_step) takes it as it
+// takes TopKSelector.
 #pragma once
 
 #include <kvc/core/budget.hpp>
@@ -14,7 +15,6 @@
 #include <kvc/core/scores.hpp>
 #include <kvc/core/selector.hpp>
 #include <kvc/core/workspace.hpp>
-#include <kvc/selectors/top_k.hpp>
 
 #include <cstddef>
 #include <cstdint>
@@ -79,34 +79,6 @@ KVC_HOST_DEVICE constexpr Index round_half_even(double x) noexcept {
   double const r = x - static_cast<double>(f);
   return r > 0.5 ? f + 1 : (r < 0.5 ? f : f + (f & 1));
 }
-
-/// Selection of an adaptive selector on any backend: allocate into a [batch, heads] table carved from the
-/// workspace, then the backend's TopKSelector over PerHeadBudget with the selector's protected windows.
-template <class Sel, Backend B>
-struct AllocatedTopK {
-  using Space = typename B::memory_space;
-  using TopK = TopKSelector<PerHeadBudget<Space>>;
-
-  static TopK top_k(Sel const& sel, Index const* table, Index heads) noexcept {
-    return {{table, heads}, sel.n_sink, sel.n_recent};
-  }
-  static std::size_t workspace_bytes(B const& backend, Sel const& sel, Index batch, Index heads, Index tokens) {
-    std::size_t const alloc = Kernel<Allocation<Sel>, B>::workspace_bytes(backend, sel, batch, heads, tokens);
-    std::size_t const select =
-        Kernel<TopK, B>::workspace_bytes(backend, top_k(sel, nullptr, heads), batch, heads, tokens);
-    return bytes_sum(workspace_round(bytes_product(batch, heads, sizeof(Index))),
-                     workspace_round(alloc > select ? alloc : select), workspace_slack);
-  }
-  static Status run(B const& backend, Sel const& sel, ScoreSpan<Space> scores, KeepPlan<Space> plan, Workspace ws) {
-    WorkspaceCarver carve(ws);
-    Index* table = carve.take<Index>(scores.batch * scores.heads);
-    Workspace const rest = carve.rest();
-    if (table == nullptr && scores.batch * scores.heads > 0)
-      return {Errc::out_of_capacity, "kvc::select: workspace smaller than select_workspace_bytes()"};
-    KVC_RETURN_IF_ERROR(allocate(backend, sel, scores, table, rest));
-    return Kernel<TopK, B>::run(backend, top_k(sel, table, scores.heads), scores, plan, rest);
-  }
-};
 
 }  // namespace detail
 }  // namespace kvc

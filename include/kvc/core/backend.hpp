@@ -57,10 +57,4 @@ concept Backend = std::is_trivially_copyable_v<B> && requires {
 template <class T, class B>
 concept ReadableBy = Backend<B> && std::same_as<typename T::memory_space, typename B::memory_space>;
 
-#if KVC_ENABLE_CUDA && defined(__CUDACC__)
-using DefaultBackend = Cuda;  ///< for examples only: library entry points always take the backend explicitly
-#else
-using DefaultBackend = Cpu;
-#endif
-
 }  // namespace kvc

@@ -77,26 +77,14 @@ struct AttentionColumnSums {
   Index queries = 0;
 };
 
-/// Log-sum-exp of attention rows (natural log of the softmax denominator, scaled-logit units): [batch, Hq, w] fp32.
-template <class Space = HostSpace>
-struct LogSumExp {
-  using memory_space = Space;
-
-  float const* data = nullptr;
-  Index batch = 0;
-  Index heads = 0;
-  Index queries = 0;
-};
-
 /// The bundle. Parts default to Absent; build one with kvc::observe or aggregate initialisation.
-template <class Space, class WQ = Absent, class QS = Absent, class AT = Absent, class LS = Absent>
+template <class Space, class WQ = Absent, class QS = Absent, class AT = Absent>
 struct Observations {
   using memory_space = Space;
 
   [[no_unique_address]] WQ window_queries{};
   [[no_unique_address]] QS query_statistics{};
   [[no_unique_address]] AT attention{};
-  [[no_unique_address]] LS lse{};
 };
 
 /// A bundle holding window queries only (SnapKV, TOVA).
@@ -141,11 +129,6 @@ concept HasAttention = requires(O const& o) {
   o.attention;
 }
 &&detail::present<decltype(O::attention)>;
-template <class O>
-concept HasLse = requires(O const& o) {
-  o.lse;
-}
-&&detail::present<decltype(O::lse)>;
 
 /// Hq of a bundle's window queries, or `fallback` when it has none (scratch sizes of window scorers).
 template <class O>

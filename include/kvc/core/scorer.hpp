@@ -25,18 +25,10 @@
 
 #include <concepts>
 #include <cstddef>
-#include <cstdint>
 #include <string_view>
 #include <type_traits>
 
 namespace kvc {
-
-/// Which implementation's behaviour a policy reproduces where the paper's authors and kvpress differ (the CLI's
-/// `--param reference=authors|kvpress`).
-enum class Reference : std::uint8_t {
-  authors,  ///< the paper and its authors' code (the default)
-  kvpress,  ///< NVIDIA kvpress
-};
 
 /// Inputs a scorer reads, as bit flags. The pipeline builds only what a scorer asks for, and an engine can
 /// check at compile time whether it can feed a policy (e.g. fused attention never exposes `attention`).
@@ -47,7 +39,6 @@ enum class Needs : unsigned {
   window_queries = 1u << 2,    ///< the last-w queries (SnapKV, TOVA): Observations::window_queries
   query_statistics = 1u << 3,  ///< mean/covariance of pre-RoPE queries (ExpectedAttention)
   attention = 1u << 4,         ///< attention column sums from the engine (H2O)
-  lse = 1u << 5,               ///< log-sum-exp of attention rows
 };
 
 constexpr Needs operator|(Needs a, Needs b) noexcept {
@@ -97,13 +88,9 @@ constexpr bool check_observations() {
   static_assert(!has_need(S::needs, Needs::attention) || HasAttention<Obs>,
                 "kvc::score: this scorer needs attention column sums (Needs::attention), but the observations have "
                 "none: set Observations::attention");
-  static_assert(!has_need(S::needs, Needs::lse) || HasLse<Obs>,
-                "kvc::score: this scorer needs log-sum-exp rows (Needs::lse), but the observations have none: set "
-                "Observations::lse");
   return (!has_need(S::needs, Needs::window_queries) || HasWindowQueries<Obs>)&&(
       !has_need(S::needs, Needs::query_statistics) ||
-      HasQueryStatistics<Obs>)&&(!has_need(S::needs, Needs::attention) ||
-                                 HasAttention<Obs>)&&(!has_need(S::needs, Needs::lse) || HasLse<Obs>);
+      HasQueryStatistics<Obs>)&&(!has_need(S::needs, Needs::attention) || HasAttention<Obs>);
 }
 
 /// Bytes of workspace kvc::score needs for `scorer` on a cache whose keys have extents `keys`, with observations

@@ -25,6 +25,7 @@
 #include <kvc/pipeline/press.hpp>
 #include <kvc/pipeline/query_statistics.hpp>
 #include <kvc/pipeline/rerotate.hpp>
+#include <kvc/scorers/reference.hpp>
 #include <kvc/selectors/top_k.hpp>
 
 #include <cstddef>

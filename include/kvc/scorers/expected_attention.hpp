@@ -24,6 +24,7 @@
 
 #include <kvc/core/scorer.hpp>
 #include <kvc/core/status.hpp>
+#include <kvc/scorers/reference.hpp>
 #include <kvc/scorers/snap_kv.hpp>  // GqaReduce
 
 #include <cmath>

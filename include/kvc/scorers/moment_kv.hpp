@@ -3,7 +3,7 @@
 // Directional Gap in KV Cache Eviction for Long-Context Inference", arXiv 2606.01563; shared/specs/moment_kv.md
 // §2.7, §4, §9).
 //
-// For retained slot j of KV head (b, h), with the moments (n, k̄, v̄, C) of the head's evicted set (core/moments.hpp)
+// For retained slot j of KV head (b, h), with the moments (n, k̄, v̄, C) of the head's evicted set (scorers/moments.hpp)
 // and the logit scale c:
 //   r_j     = v_j − v̄ − (c / n) C̃ k_j          (the evicted-output model f̂_E evaluated at the token's own key;
 //                                              n = 0: r_j = v_j; C̃ = C with entries |x| < clamp_tau zeroed)
@@ -25,9 +25,10 @@
 
 #include <kvc/core/budget.hpp>
 #include <kvc/core/kv_view.hpp>
-#include <kvc/core/moments.hpp>
 #include <kvc/core/scorer.hpp>
 #include <kvc/core/status.hpp>
+#include <kvc/scorers/moments.hpp>
+#include <kvc/scorers/reference.hpp>
 #include <kvc/scorers/snap_kv.hpp>
 
 #include <string_view>

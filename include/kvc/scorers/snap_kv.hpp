@@ -18,6 +18,7 @@
 
 #include <kvc/core/scorer.hpp>
 #include <kvc/core/status.hpp>
+#include <kvc/scorers/reference.hpp>
 
 #include <cstdint>
 #include <string_view>

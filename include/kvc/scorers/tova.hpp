@@ -13,6 +13,7 @@
 #pragma once
 
 #include <kvc/core/scorer.hpp>
+#include <kvc/scorers/reference.hpp>
 #include <kvc/scorers/snap_kv.hpp>
 
 #include <string_view>

@@ -22,6 +22,8 @@
 #include <kvc/core/allocator.hpp>
 #include <kvc/core/budget.hpp>
 #include <kvc/core/scorer.hpp>
+#include <kvc/scorers/reference.hpp>
+#include <kvc/selectors/allocated_top_k.hpp>
 #include <kvc/selectors/top_k.hpp>
 
 #include <cstdint>

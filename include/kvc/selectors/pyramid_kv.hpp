@@ -7,6 +7,7 @@
 #include <kvc/core/allocator.hpp>
 #include <kvc/core/budget.hpp>
 #include <kvc/core/scorer.hpp>
+#include <kvc/scorers/reference.hpp>
 
 namespace kvc {
 

@@ -31,13 +31,13 @@
 #pragma once
 
 #include <kvc/core/backend.hpp>
-#include <kvc/core/bit_plan.hpp>
 #include <kvc/core/kernel.hpp>
 #include <kvc/core/kv_view.hpp>
 #include <kvc/core/scorer.hpp>
 #include <kvc/core/scores.hpp>
 #include <kvc/core/status.hpp>
 #include <kvc/core/workspace.hpp>
+#include <kvc/rate_distortion/bit_plan.hpp>
 #include <kvc/rate_distortion/epsilon.hpp>
 #include <kvc/rate_distortion/knapsack.hpp>
 

@@ -15,6 +15,7 @@
 #include <kvc/core/allocator.hpp>
 #include <kvc/core/budget.hpp>
 #include <kvc/core/status.hpp>
+#include <kvc/selectors/allocated_top_k.hpp>
 
 namespace kvc {
 

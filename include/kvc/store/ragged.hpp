@@ -17,7 +17,7 @@
 #include <kvc/core/kv_view.hpp>
 #include <kvc/core/layout.hpp>
 #include <kvc/core/status.hpp>
-#include <kvc/pipeline/compact.hpp>
+#include <kvc/store/pages.hpp>
 
 #include <type_traits>
 
@@ -97,30 +97,6 @@ StoreReport store_report(C const& cache) noexcept {
   }
   r.held_bytes = held * r.row_bytes;
   r.used_bytes = used * r.row_bytes;
-  return r;
-}
-
-/// Page accounting for compacting a per-head paged cache in place: head (b, h) needs ceil(kept / page_size) pages
-/// afterwards, so its tail pages (in its page list) from that number on can go back to the engine's allocator.
-/// Call it before compaction (it reads the lengths the plan was selected on); `pages_in_use` ([batch, heads],
-/// optional) receives each head's new page count.
-template <KVCacheView C>
-PageReport head_page_report(KeepPlan<HostSpace> const& plan, C const& cache, Index* pages_in_use = nullptr) noexcept {
-  static_assert(std::is_same_v<typename C::keys_type::layout_type, HeadPagedLayout>,
-                "kvc::head_page_report: the cache must have a HeadPagedLayout");
-  Index const ps = cache.keys.layout().page_size;
-  KVExtents const e = cache.keys.extents();
-  PageReport r;
-  if (ps <= 0 || plan.batch != e.batch || plan.heads != e.heads)
-    return r;
-  for (Index b = 0; b < e.batch; ++b)
-    for (Index h = 0; h < e.heads; ++h) {
-      Index const after = (plan.kept(b, h) + ps - 1) / ps;
-      r.pages_before += (cache.length(b, h) + ps - 1) / ps;
-      r.pages_after += after;
-      if (pages_in_use)
-        pages_in_use[b * e.heads + h] = after;
-    }
   return r;
 }
 

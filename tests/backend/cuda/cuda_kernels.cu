@@ -14,6 +14,7 @@
 #include <kvc/backend/cuda/scorers/rdkv.cuh>
 #include <kvc/backend/cuda/scorers/snap_kv.cuh>
 #include <kvc/backend/cuda/scorers/streaming_llm.cuh>
+#include <kvc/backend/cuda/scorers/tova.cuh>
 #include <kvc/backend/cuda/scorers/uncomp.cuh>
 #include <kvc/backend/cuda/selectors/ada_kv.cuh>
 #include <kvc/backend/cuda/selectors/rdkv.cuh>

@@ -24,6 +24,7 @@
 #include <kvc/backend/cpu/scorers/rdkv.hpp>
 #include <kvc/backend/cpu/scorers/snap_kv.hpp>
 #include <kvc/backend/cpu/scorers/streaming_llm.hpp>
+#include <kvc/backend/cpu/scorers/tova.hpp>
 #include <kvc/backend/cpu/scorers/uncomp.hpp>
 #include <kvc/backend/cpu/selectors/ada_kv.hpp>
 #include <kvc/backend/cpu/selectors/rdkv.hpp>

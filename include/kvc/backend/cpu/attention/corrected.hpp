@@ -1,14 +1,14 @@
 // SPDX-License-Identifier: Apache-2.0
 // kvc/backend/cpu/attention/corrected.hpp: the CPU epilogue of MomentKV's corrected attention: per KV head, the
 // query rows of its G query heads in tiles, T = Q C̃ᵀ as one Eigen product (C̃ is read once per tile, not once per
-// query head), then the log-domain merge of each row with its retained state (core/moments.hpp).
+// query head), then the log-domain merge of each row with its retained state (scorers/moments.hpp).
 #pragma once
 
 #include <kvc/attention/corrected.hpp>
-#include <kvc/backend/cpu/attention/attend.hpp>
+#include <kvc/backend/cpu/detail/attend.hpp>
 #include <kvc/backend/cpu/detail/for_each_head.hpp>
+#include <kvc/backend/cpu/detail/moments.hpp>
 #include <kvc/backend/cpu/detail/rows.hpp>
-#include <kvc/backend/cpu/scorers/moment_kv.hpp>
 
 #include <Eigen/Core>
 

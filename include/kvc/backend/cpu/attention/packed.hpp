@@ -26,7 +26,7 @@
 #pragma once
 
 #include <kvc/attention/packed.hpp>
-#include <kvc/backend/cpu/attention/attend.hpp>
+#include <kvc/backend/cpu/detail/attend.hpp>
 #include <kvc/backend/cpu/detail/for_each_head.hpp>
 #include <kvc/store/packed.hpp>
 

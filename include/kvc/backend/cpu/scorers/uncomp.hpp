@@ -5,7 +5,6 @@
 
 #include <kvc/backend/cpu/detail/for_each_head.hpp>
 #include <kvc/backend/cpu/detail/window_attention.hpp>
-#include <kvc/backend/cpu/scorers/snap_kv.hpp>
 #include <kvc/scorers/uncomp.hpp>
 
 #include <algorithm>

@@ -3,7 +3,7 @@
 #pragma once
 
 #include <kvc/backend/cpu/detail/for_each_head.hpp>
-#include <kvc/backend/cpu/selectors/top_k.hpp>
+#include <kvc/backend/cpu/detail/top_k.hpp>
 #include <kvc/selectors/uncomp.hpp>
 
 namespace kvc {

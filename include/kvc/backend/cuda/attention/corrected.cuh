@@ -7,9 +7,9 @@
 #pragma once
 
 #include <kvc/attention/corrected.hpp>
-#include <kvc/backend/cuda/attention/attend.cuh>
 #include <kvc/backend/cuda/config.cuh>
-#include <kvc/core/moments.hpp>
+#include <kvc/backend/cuda/detail/attend.cuh>
+#include <kvc/scorers/moments.hpp>
 
 #include <cmath>
 #include <cstddef>

@@ -26,6 +26,9 @@
 
 namespace kvc::backend::cuda {
 
+/// Threads of the window scorers' finish kernels (one block per head or per sequence).
+inline constexpr int finish_threads = 1024;
+
 inline constexpr int window_threads = 256;
 inline constexpr int window_lse_warps = 8;
 

@@ -3,8 +3,8 @@
 #pragma once
 
 #include <kvc/backend/cuda/config.cuh>
-#include <kvc/backend/cuda/scorers/knorm.cuh>  // warp_sum_squares_fp64: the fp64 rare path, shared with Knorm
-#include <kvc/core/norm_range.hpp>             // the norms' range guard, shared with Knorm and the CPU
+#include <kvc/backend/cuda/detail/norms.cuh>  // warp_sum_squares_fp64: the fp64 rare path, shared with Knorm
+#include <kvc/core/norm_range.hpp>            // the norms' range guard, shared with Knorm and the CPU
 #include <kvc/scorers/key_diff.hpp>
 
 #include <climits>

@@ -3,7 +3,7 @@
 #pragma once
 
 #include <kvc/backend/cuda/config.cuh>
-#include <kvc/backend/cuda/selectors/top_k.cuh>
+#include <kvc/backend/cuda/detail/top_k.cuh>
 #include <kvc/selectors/ada_kv.hpp>
 
 #include <cstddef>

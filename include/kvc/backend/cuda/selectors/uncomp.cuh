@@ -4,7 +4,7 @@
 #pragma once
 
 #include <kvc/backend/cuda/config.cuh>
-#include <kvc/backend/cuda/selectors/top_k.cuh>
+#include <kvc/backend/cuda/detail/top_k.cuh>
 #include <kvc/core/allocator.hpp>
 #include <kvc/selectors/uncomp.hpp>
 

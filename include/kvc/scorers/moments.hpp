@@ -1,5 +1,5 @@
 // SPDX-License-Identifier: Apache-2.0
-// kvc/core/moments.hpp: the moments of an evicted set (MomentKV, shared/specs/moment_kv.md §2.2–2.6), their storage,
+// kvc/scorers/moments.hpp: the moments of an evicted set (MomentKV, shared/specs/moment_kv.md §2.2–2.6), their storage,
 // their memory, and the scalar algebra every backend shares.
 //
 // For the evicted set E of one (sequence, KV head), kvc stores the numerically stable Welford form (spec §2.3):

@@ -1,5 +1,5 @@
 // SPDX-License-Identifier: Apache-2.0
-// tests/core/moments_test.cpp mirrors include/kvc/core/moments.hpp: MomentKV's evicted-set moments, their memory
+// tests/scorers/moments_test.cpp mirrors include/kvc/scorers/moments.hpp: MomentKV's evicted-set moments, their memory
 // and the scalar algebra every backend shares (shared/specs/moment_kv.md §2.2–2.6, §8, §10).
 // The library's templated algebra (merge_moments, merge_evicted, log_add_exp, clamp_small) runs in double here and
 // is compared with brute-force double formulas written from the spec's definitions (sums over the raw tokens,
@@ -9,7 +9,7 @@
 #include "support/moments.hpp"
 
 #include <kvc/core/element.hpp>
-#include <kvc/core/moments.hpp>
+#include <kvc/scorers/moments.hpp>
 
 #include "common/synthetic.hpp"
 #include "support/catch.hpp"
