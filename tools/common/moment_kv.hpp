@@ -4,8 +4,8 @@
 #pragma once
 
 #include <kvc/attention/corrected.hpp>
-#include <kvc/scorers/moments.hpp>
 #include <kvc/scorers/moment_kv.hpp>
+#include <kvc/scorers/moments.hpp>
 
 #include "policies.hpp"
 

@@ -11,8 +11,8 @@
 #pragma once
 
 #include <kvc/core/extents.hpp>
-#include <kvc/scorers/moments.hpp>
 #include <kvc/core/status.hpp>
+#include <kvc/scorers/moments.hpp>
 
 namespace kvc {
 

@@ -10,12 +10,12 @@
 // 16 bits are stored as FP16 (exact for an fp16 cache; rounded once for fp32, the cache's precision is not kept).
 #pragma once
 
-#include <kvc/rate_distortion/bit_plan.hpp>
 #include <kvc/core/checks.hpp>
 #include <kvc/core/kv_view.hpp>
 #include <kvc/core/status.hpp>
 #include <kvc/quant/bitpack.hpp>
 #include <kvc/quant/minmax.hpp>
+#include <kvc/rate_distortion/bit_plan.hpp>
 #include <kvc/store/packed.hpp>
 #include <kvc/store/packed_kv.hpp>
 

@@ -8,9 +8,9 @@
 #include <kvc/backend/cpu/detail/moments.hpp>
 #include <kvc/backend/cpu/detail/widen.hpp>
 #include <kvc/backend/cpu/scorers/snap_kv.hpp>
-#include <kvc/scorers/moments.hpp>
 #include <kvc/pipeline/compact.hpp>  // validate_plan
 #include <kvc/scorers/moment_kv.hpp>
+#include <kvc/scorers/moments.hpp>
 
 #include <Eigen/Core>
 

@@ -18,9 +18,9 @@
 
 #include <kvc/backend/cuda/scorers/snap_kv.cuh>
 #include <kvc/core/keep_plan.hpp>
-#include <kvc/scorers/moments.hpp>
 #include <kvc/core/scores.hpp>
 #include <kvc/scorers/moment_kv.hpp>
+#include <kvc/scorers/moments.hpp>
 
 #include <cmath>
 #include <cstddef>
