@@ -10,6 +10,7 @@ A header may include its own layer and the layers below it, never one above:
     store     store/                                  ragged, paged and packed stores
     pipeline  pipeline/                               the drivers (compress, blockwise, decode, packing)
     attention attention/                              attention front ends
+    engine    engine/                                 the per-layer compressor: every policy behind one path
     backends  backend/cpu/, backend/cuda/             the kernels
     entry     calibration/, kvc.hpp, cuda.cuh         host-side tools over a backend, umbrella headers
 
@@ -32,6 +33,7 @@ LAYERS = [
     ("store", ["store/"]),
     ("pipeline", ["pipeline/"]),
     ("attention", ["attention/"]),
+    ("engine", ["engine/"]),
     ("backends", ["backend/cpu/", "backend/cuda/"]),
     ("entry", ["calibration/", "kvc.hpp", "cuda.cuh"]),
 ]

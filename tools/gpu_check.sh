@@ -84,10 +84,11 @@ fi
 arch=${cc:-90}
 section "Build (sm_$arch, Release)"
 step "configure" 300 cmake -S . -B "$build" -DCMAKE_BUILD_TYPE=Release -DKVC_ENABLE_CUDA=ON \
-  -DCMAKE_CUDA_COMPILER="$nvcc" -DCMAKE_CUDA_ARCHITECTURES="$arch" -DKVC_BUILD_EXAMPLES=OFF -DKVC_BUILD_TOOLS=OFF ||
+  -DCMAKE_CUDA_COMPILER="$nvcc" -DCMAKE_CUDA_ARCHITECTURES="$arch" -DKVC_BUILD_EXAMPLES=ON -DKVC_BUILD_TOOLS=OFF ||
   { cat "$report"; exit 1; }
-step "build kvc.backend.cuda.parity and kvc.bench.cuda" 1500 \
-  cmake --build "$build" -j "$jobs" --target kvc.backend.cuda.parity kvc.bench.cuda || { cat "$report"; exit 1; }
+step "build kvc.backend.cuda.parity, kvc.bench.cuda and the CUDA engine example" 1500 \
+  cmake --build "$build" -j "$jobs" --target kvc.backend.cuda.parity kvc.bench.cuda kvc_example_cuda ||
+  { cat "$report"; exit 1; }
 
 if [[ -z "$gpu" ]]; then
   say "no GPU found (nvidia-smi lists none): built the CUDA targets, ran nothing"
@@ -104,6 +105,8 @@ subset='cuda: attention matches the CPU*,cuda: top-k keeps exactly*,cuda: compac
 section "Parity suite (CPU ≡ CUDA)"
 step "kvc.backend.cuda.parity" 600 "$parity" --reporter compact
 grep -E '^(All tests passed|test cases:)' "$build/step.out" | sed 's/^/  /' >>"$report"
+step "examples/03_cuda_engine (the engine loop of docs/integration.md)" 120 "$build/examples/kvc_example_cuda"
+grep -E '^ok:' "$build/step.out" | sed 's/^/  /' >>"$report"
 
 section "compute-sanitizer"
 if [[ -z "$sanitizer" ]]; then

@@ -8,6 +8,7 @@
 #include <kvc/backend/cuda/config.cuh>
 #include <kvc/backend/cuda/pipeline/compact.cuh>
 #include <kvc/backend/cuda/pipeline/query_statistics.cuh>
+#include <kvc/backend/cuda/pipeline/state.cuh>
 #include <kvc/backend/cuda/scorers/expected_attention.cuh>
 #include <kvc/backend/cuda/scorers/h2o.cuh>
 #include <kvc/backend/cuda/scorers/key_diff.cuh>
@@ -24,4 +25,5 @@
 #include <kvc/backend/cuda/selectors/top_k.cuh>
 #include <kvc/backend/cuda/selectors/uncomp.cuh>
 #include <kvc/backend/cuda/store/packed.cuh>
+#include <kvc/engine/layer_compressor.hpp>
 #include <kvc/pipeline/press.hpp>

@@ -13,6 +13,7 @@
 #include <kvc/backend/cpu/pipeline/compact.hpp>
 #include <kvc/backend/cpu/pipeline/query_statistics.hpp>
 #include <kvc/backend/cpu/pipeline/rerotate.hpp>
+#include <kvc/backend/cpu/pipeline/state.hpp>
 #include <kvc/backend/cpu/scorers/expected_attention.hpp>
 #include <kvc/backend/cpu/scorers/h2o.hpp>
 #include <kvc/backend/cpu/scorers/key_diff.hpp>
@@ -33,6 +34,7 @@
 #include <kvc/calibration/head_groups.hpp>
 #include <kvc/calibration/matrix_entropy.hpp>
 #include <kvc/core/validate.hpp>
+#include <kvc/engine/layer_compressor.hpp>
 #include <kvc/io/npy.hpp>
 #include <kvc/pipeline/blockwise.hpp>
 #include <kvc/pipeline/decode.hpp>

@@ -13,8 +13,9 @@
 // sequences of different lengths (the budget is per head). Written against the entry points only (update,
 // query_statistics, compress, on_evict, compact, rerotate_keys), so it runs on every backend that has their kernels.
 //
-// The engine's step, per layer: append the new tokens' K and V (kvc::append), write their pre-RoPE queries and
-// positions into the QueryBuffer (QueryBuffer::row, then QueryBuffer::push), attend, then kvc::decode_step.
+// The engine's step, per layer: append the new tokens' K and V (kvc::append), push their pre-RoPE queries and
+// positions into the QueryBuffer (kvc::push_queries, pipeline/state.hpp), attend, then kvc::decode_step. The per-layer
+// compressor (engine/layer_compressor.hpp) does all of this behind one call.
 // Key re-rotation needs the backend's re-rotation kernel (the CPU's; CUDA has none yet): without it, a schedule
 // that asks for it is refused before anything changes.
 #pragma once
@@ -25,6 +26,7 @@
 #include <kvc/pipeline/press.hpp>
 #include <kvc/pipeline/query_statistics.hpp>
 #include <kvc/pipeline/rerotate.hpp>
+#include <kvc/pipeline/state.hpp>
 #include <kvc/scorers/reference.hpp>
 #include <kvc/selectors/top_k.hpp>
 
@@ -52,42 +54,6 @@ struct DecodeSchedule {
   constexpr TopKSelector<FixedBudget> selector() const noexcept { return {{target_size}, n_sink, n_recent}; }
 };
 
-/// A layer's buffer of the pre-RoPE queries seen since the last compression: rows [batch, Hq, capacity, d] and
-/// their absolute positions [batch, capacity], in the backend's memory space, caller-owned. `count` (host) rows are
-/// valid; compression empties it. Capacity must hold every row of an interval (compression_interval x rows per
-/// forward): kvpress keeps only the last hidden_states_buffer_size rows, so this costs more memory when the interval
-/// is longer than the buffer, and in return rows never move.
-template <Element T, class Space = HostSpace>
-struct QueryBuffer {
-  using memory_space = Space;
-
-  T* data = nullptr;
-  Index* positions = nullptr;
-  Index batch = 0;
-  Index heads = 0;
-  Index capacity = 0;
-  Index dim = 0;
-  Index count = 0;  ///< valid rows [0, count)
-  Index fresh = 0;  ///< rows pushed since the last decode_step (the new queries a stateful scorer folds in)
-
-  /// Where row i of (b, q) lives (the engine writes new queries at i = count ...).
-  KVC_HOST_DEVICE constexpr T* row(Index b, Index q, Index i) const noexcept {
-    return data + ((b * heads + q) * capacity + i) * dim;
-  }
-  /// Rows [first, first + n) as a read-only strided view [batch, Hq, n, d].
-  constexpr TokenRows<T const, StridedLayout, Space> rows(Index first, Index n) const noexcept {
-    return {data + first * dim, StridedLayout{{batch, heads, n, dim}, heads * capacity * dim, capacity * dim, dim}};
-  }
-  /// Records `n` rows written at [count, count + n) (queries and positions). Errors when they do not fit.
-  constexpr Status push(Index n) noexcept {
-    if (n < 0 || n > capacity - count)
-      return {Errc::out_of_capacity, "QueryBuffer::push: the buffer holds compression_interval steps of rows"};
-    count += n;
-    fresh += n;
-    return {};
-  }
-};
-
 /// A scorer's per-token state that compaction must carry (H2O's accumulator, MomentKV's u_j rows), when it has one.
 template <Scorer S>
 constexpr auto carried_state(S const& s) noexcept {
@@ -108,6 +74,16 @@ struct DecodeCounter {
 };
 
 namespace detail {
+
+/// kvc::compact of `cache` by `plan`, carrying the scorer's per-token state when it has one (carried_state).
+template <Backend B, Scorer S, KVCacheView C>
+Status compact_carrying(B const& backend, KeepPlan<typename B::memory_space> const& plan, C const& cache,
+                        S const& scorer) {
+  if constexpr (std::is_same_v<decltype(carried_state(scorer)), std::nullptr_t>)
+    return compact(backend, plan, cache);
+  else
+    return compact(backend, plan, cache, carried_state(scorer));
+}
 
 /// Buffered rows [first, first + n) as window queries (pre-RoPE, rotated by `rope` at their positions).
 template <Element T, class Space>
@@ -236,10 +212,7 @@ Status decode_step(Bk const& backend, S const& scorer, Sel const& selector, Deco
     KVC_RETURN_IF_ERROR(compress(backend, press, cache, plan, free));
   }
   KVC_RETURN_IF_ERROR(on_evict(backend, scorer, cache, plan, free));
-  if constexpr (std::is_same_v<decltype(carried_state(scorer)), std::nullptr_t>)
-    KVC_RETURN_IF_ERROR(compact(backend, plan, cache));
-  else
-    KVC_RETURN_IF_ERROR(compact(backend, plan, cache, carried_state(scorer)));
+  KVC_RETURN_IF_ERROR(detail::compact_carrying(backend, plan, cache, scorer));
   if constexpr (HasKernel<RerotateStep, Bk>) {
     if (schedule.rerotate_keys)
       KVC_RETURN_IF_ERROR(rerotate_keys(backend, rope, cache));

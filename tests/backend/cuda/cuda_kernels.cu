@@ -5,6 +5,7 @@
 #include <kvc/backend/cuda/attention/packed.cuh>
 #include <kvc/backend/cuda/pipeline/compact.cuh>
 #include <kvc/backend/cuda/pipeline/query_statistics.cuh>
+#include <kvc/backend/cuda/pipeline/state.cuh>
 #include <kvc/backend/cuda/scorers/expected_attention.cuh>
 #include <kvc/backend/cuda/scorers/h2o.cuh>
 #include <kvc/backend/cuda/scorers/key_diff.cuh>
@@ -1281,6 +1282,70 @@ std::string think_scores(Case const& c, std::vector<float>& out) {
     o.to_host(out);
     return err;
   });
+}
+
+namespace {
+
+/// Device memory for run_scenario: every block freed on scope exit; copies are synchronous (a test, not an engine).
+struct DeviceMemory {
+  std::vector<void*> blocks;
+  DeviceMemory() = default;
+  DeviceMemory(DeviceMemory const&) = delete;
+  DeviceMemory& operator=(DeviceMemory const&) = delete;
+  ~DeviceMemory() {
+    for (void* p : blocks)
+      cudaFree(p);
+  }
+  template <class T>
+  T* alloc(std::size_t n) {
+    void* p = nullptr;
+    if (cudaMalloc(&p, (n > 0 ? n : 1) * sizeof(T)) != cudaSuccess)
+      return nullptr;
+    blocks.push_back(p);
+    return static_cast<T*>(p);
+  }
+  template <class T>
+  T* upload(std::vector<T> const& x) {
+    T* p = alloc<T>(x.size());
+    if (p && !x.empty())
+      cudaMemcpy(p, x.data(), x.size() * sizeof(T), cudaMemcpyHostToDevice);
+    return p;
+  }
+  template <class T>
+  std::vector<T> download(T const* p, std::size_t n) const {
+    std::vector<T> out(n);
+    if (n > 0)
+      cudaMemcpy(out.data(), p, n * sizeof(T), cudaMemcpyDeviceToHost);
+    return out;
+  }
+  std::string sync() const { return finish({}); }
+  /// Under the emulator: the synchronisations and allocations of the decode() calls, summed.
+  OpCounts at_start{};
+  Index synchronizations = 0, allocations = 0;
+  void before_decode() { at_start = op_counts(); }
+  void after_decode() {
+    OpCounts const now = op_counts();
+    synchronizations += static_cast<Index>(now.synchronizations - at_start.synchronizations);
+    allocations += static_cast<Index>(now.allocations - at_start.allocations);
+  }
+};
+
+}  // namespace
+
+std::string compressor_scenario(std::string const& policy, ScenarioResult& out) {
+  StreamScope scope;  // every call on a stream of its own, as an engine runs a layer
+  if (!scope.ok())
+    return "cudaStreamCreate failed";
+  Scenario const sc;
+  DeviceMemory mem;
+  std::string const err = with_scenario_policy<DeviceSpace>(policy, sc, mem, [&](auto const& p, auto const& options) {
+    return run_scenario(dev(), mem, p, options, sc, out);
+  });
+  if (op_counts().available) {
+    out.decode_synchronizations = mem.synchronizations;
+    out.decode_allocations = mem.allocations;
+  }
+  return err;
 }
 
 }  // namespace kvc::test::cuda

@@ -18,6 +18,8 @@
 #include <kvc/selectors/top_k.hpp>
 #include <kvc/store/ragged.hpp>
 
+#include "support/compressor_scenario.hpp"
+
 #include <string>
 #include <vector>
 
@@ -318,5 +320,9 @@ std::string decode(Case const& c, DecodeRun const& run, bool on_stream, DecodeRe
 /// Instantiates kvc::decode_step on the CUDA backend for every scorer with CUDA kernels (a compile-time check; not
 /// meant to be called with real data).
 void decode_driver_builds_for_cuda(Cuda const& cuda, Workspace ws);
+
+/// The layer compressor's session (tests/support/compressor_scenario.hpp) on the device with the named policy
+/// (scenario_policies), every call through kvc::LayerCompressor<Press, Cuda> on the wrappers' stream.
+std::string compressor_scenario(std::string const& policy, ScenarioResult& out);
 
 }  // namespace kvc::test::cuda

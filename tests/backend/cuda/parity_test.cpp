@@ -15,6 +15,7 @@
 #include <kvc/backend/cpu/attention/packed.hpp>
 #include <kvc/backend/cpu/pipeline/compact.hpp>
 #include <kvc/backend/cpu/pipeline/query_statistics.hpp>
+#include <kvc/backend/cpu/pipeline/state.hpp>
 #include <kvc/backend/cpu/scorers/expected_attention.hpp>
 #include <kvc/backend/cpu/scorers/h2o.hpp>
 #include <kvc/backend/cpu/scorers/key_diff.hpp>
@@ -2884,4 +2885,44 @@ TEST_CASE(
   require_moments_close(gm, cm, c, 1e-5f);
   CHECK(grr.age == crr.age);
   require_close_in_head(grr.rows, crr.rows, c.e.tokens * 24, 1e-5f, 1e-1f);
+}
+
+TEST_CASE("parity: every policy's session through the layer compressor", "[cuda][parity][compressor]") {
+  // One engine path for all: prefill after the prompt, then attend and decode per token, on each backend. The kept
+  // sets, the rows and the schedule's compressions are equal; attention within the fp32 tolerance of attend; under the
+  // emulator, no decode() call synchronises or allocates.
+  KVC_REQUIRE_DEVICE();
+  for (std::string const& name : kvc::test::scenario_policies()) {
+    INFO(name);
+    kvc::test::Scenario const sc;
+    kvc::test::HostMemory mem;
+    kvc::test::ScenarioResult cpu, gpu;
+    std::string const err =
+        kvc::test::with_scenario_policy<kvc::HostSpace>(name, sc, mem, [&](auto const& policy, auto const& options) {
+          return kvc::test::run_scenario(kvc::Cpu{}, mem, policy, options, sc, cpu);
+        });
+    REQUIRE(err.empty());
+    std::string const device_err = kc::compressor_scenario(name, gpu);
+    INFO(device_err);
+    REQUIRE(device_err.empty());
+    CHECK(gpu.compressions == cpu.compressions);
+    CHECK(gpu.prefill_lengths == cpu.prefill_lengths);
+    CHECK(gpu.lengths == cpu.lengths);
+    for (std::size_t head = 0; head < cpu.lengths.size(); ++head) {
+      auto const first = static_cast<std::ptrdiff_t>(head) * sc.capacity;
+      CHECK(std::equal(cpu.prefill_positions.begin() + first,
+                       cpu.prefill_positions.begin() + first + cpu.prefill_lengths[head],
+                       gpu.prefill_positions.begin() + first));
+      CHECK(std::equal(cpu.positions.begin() + first, cpu.positions.begin() + first + cpu.lengths[head],
+                       gpu.positions.begin() + first));
+    }
+    CHECK(gpu.keys == cpu.keys);
+    if (gpu.decode_synchronizations >= 0) {  // counted by the emulator: a decode step is capturable into a graph
+      CHECK(gpu.decode_synchronizations == 0);
+      CHECK(gpu.decode_allocations == 0);
+    }
+    REQUIRE(gpu.attention.size() == cpu.attention.size());
+    for (std::size_t i = 0; i < cpu.attention.size(); ++i)
+      REQUIRE(std::fabs(gpu.attention[i] - cpu.attention[i]) <= 1e-5f + 1e-4f * std::fabs(cpu.attention[i]));
+  }
 }

@@ -1,0 +1,64 @@
+// SPDX-License-Identifier: Apache-2.0
+// kvc/backend/cuda/pipeline/state.cuh: CUDA kernels of kvc::zero_state, kvc::copy_indices and kvc::push_queries.
+// Stream operations and one small kernel only: no synchronisation, so a decode step can be captured into a graph.
+#pragma once
+
+#include <kvc/backend/cuda/config.cuh>
+#include <kvc/pipeline/state.hpp>
+
+namespace kvc::backend::cuda {
+
+/// One thread per element of the new rows (a row of d elements is contiguous in both views), then the positions.
+template <class T>
+__global__ void push_queries_kernel(QueryBuffer<T, DeviceSpace> buf,
+                                    TokenRows<T const, StridedLayout, DeviceSpace> rows, Index const* positions) {
+  KVExtents const e = rows.extents();
+  Index const stride = static_cast<Index>(gridDim.x) * blockDim.x;
+  for (Index x = static_cast<Index>(blockIdx.x) * blockDim.x + threadIdx.x; x < e.rows() * e.dim; x += stride) {
+    Index const c = x % e.dim, r = x / e.dim, i = r % e.tokens, q = (r / e.tokens) % e.heads,
+                b = r / e.tokens / e.heads;
+    buf.row(b, q, buf.count + i)[c] = rows.row(b, q, i)[c];
+  }
+  for (Index x = static_cast<Index>(blockIdx.x) * blockDim.x + threadIdx.x; x < e.batch * e.tokens; x += stride)
+    buf.positions[(x / e.tokens) * buf.capacity + buf.count + x % e.tokens] = positions[x];
+}
+
+}  // namespace kvc::backend::cuda
+
+namespace kvc {
+
+template <>
+struct Kernel<ZeroStateStep, Cuda> {
+  static Status run(Cuda const& cuda, void* data, std::size_t bytes) {
+    KVC_RETURN_IF_ERROR(backend::cuda::pending_status());
+    if (cudaMemsetAsync(data, 0, bytes, cuda.stream) != cudaSuccess)
+      return {Errc::backend_error, "kvc::zero_state(Cuda): cudaMemsetAsync failed"};
+    return {};
+  }
+};
+
+template <>
+struct Kernel<CopyIndicesStep, Cuda> {
+  static Status run(Cuda const& cuda, Index* dst, Index const* src, Index n) {
+    KVC_RETURN_IF_ERROR(backend::cuda::pending_status());
+    if (cudaMemcpyAsync(dst, src, static_cast<std::size_t>(n) * sizeof(Index), cudaMemcpyDeviceToDevice, cuda.stream) !=
+        cudaSuccess)
+      return {Errc::backend_error, "kvc::copy_indices(Cuda): cudaMemcpyAsync failed"};
+    return {};
+  }
+};
+
+template <>
+struct Kernel<PushQueriesStep, Cuda> {
+  template <Element T>
+  static Status run(Cuda const& cuda, QueryBuffer<T, DeviceSpace> const& buf,
+                    TokenRows<T const, StridedLayout, DeviceSpace> const& rows, Index const* positions) {
+    KVC_RETURN_IF_ERROR(backend::cuda::pending_status());
+    Index const elements = rows.extents().rows() * rows.extents().dim;
+    dim3 const grid(backend::cuda::grid_dim((elements + 255) / 256, 1024));
+    return backend::cuda::launch(KVC_CUDA_KERNEL("kvc::push_queries(Cuda)", backend::cuda::push_queries_kernel<T>),
+                                 grid, 256, 0, cuda.stream, buf, rows, positions);
+  }
+};
+
+}  // namespace kvc

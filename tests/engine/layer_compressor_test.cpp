@@ -1,0 +1,499 @@
+// SPDX-License-Identifier: Apache-2.0
+// tests/engine/layer_compressor_test.cpp mirrors include/kvc/engine/layer_compressor.hpp: every policy through the
+// one engine path (plan, bind, reset, prefill, attend, decode), checked against a hand-computed StreamingLLM trace,
+// against the tools' own sequence of entry points (tools/common/observations.hpp, which kvc-eval's numbers came
+// from), against kvc::blockwise_compress and kvc::moment_kv_prefill, and for what every session must keep true.
+#include <kvc/backend/cpu/attention/attend.hpp>
+#include <kvc/backend/cpu/attention/corrected.hpp>
+#include <kvc/backend/cpu/pipeline/compact.hpp>
+#include <kvc/backend/cpu/pipeline/query_statistics.hpp>
+#include <kvc/backend/cpu/pipeline/state.hpp>
+#include <kvc/backend/cpu/scorers/expected_attention.hpp>
+#include <kvc/backend/cpu/scorers/h2o.hpp>
+#include <kvc/backend/cpu/scorers/key_diff.hpp>
+#include <kvc/backend/cpu/scorers/knorm.hpp>
+#include <kvc/backend/cpu/scorers/moment_kv.hpp>
+#include <kvc/backend/cpu/scorers/random.hpp>
+#include <kvc/backend/cpu/scorers/snap_kv.hpp>
+#include <kvc/backend/cpu/scorers/streaming_llm.hpp>
+#include <kvc/backend/cpu/scorers/tova.hpp>
+#include <kvc/backend/cpu/scorers/uncomp.hpp>
+#include <kvc/backend/cpu/selectors/ada_kv.hpp>
+#include <kvc/backend/cpu/selectors/top_k.hpp>
+#include <kvc/backend/cpu/selectors/uncomp.hpp>
+#include <kvc/engine/layer_compressor.hpp>
+#include <kvc/pipeline/blockwise.hpp>
+
+#include "common/moment_kv.hpp"
+#include "common/observations.hpp"
+#include "support/catch.hpp"
+#include "support/compressor_scenario.hpp"
+#include "support/helpers.hpp"
+
+#include <cmath>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+using kvc::Index;
+using kvc::test::HostMemory;
+using kvc::test::Scenario;
+using kvc::test::ScenarioResult;
+
+namespace {
+
+ScenarioResult run(std::string const& name, Scenario const& sc = {}) {
+  HostMemory mem;
+  ScenarioResult r;
+  std::string const err =
+      kvc::test::with_scenario_policy<kvc::HostSpace>(name, sc, mem, [&](auto const& policy, auto const& options) {
+        return kvc::test::run_scenario(kvc::Cpu{}, mem, policy, options, sc, r);
+      });
+  INFO(name << ": " << err);
+  REQUIRE(err.empty());
+  return r;
+}
+
+/// Kept positions of head (b, h) from a [B, Hkv, capacity] table and the lengths.
+std::vector<Index> kept(std::vector<Index> const& positions, std::vector<Index> const& lengths, Scenario const& sc,
+                        Index b, Index h) {
+  Index const head = b * sc.kv_heads + h;
+  auto const first = positions.begin() + head * sc.capacity;
+  return {first, first + lengths[static_cast<std::size_t>(head)]};
+}
+
+std::vector<Index> range(Index from, Index to) {
+  std::vector<Index> out;
+  for (Index i = from; i < to; ++i)
+    out.push_back(i);
+  return out;
+}
+
+}  // namespace
+
+TEST_CASE("layer compressor: StreamingLLM's hand-computed session", "[engine][compressor]") {
+  // Prefill keeps 12: the 4 sinks and the last 8 prompt tokens. Decoding (interval 8, target 16) compresses after
+  // steps 8 and 16, each time from 20 or 24 tokens to the sinks and the newest 12; step 17's token then joins: the
+  // sinks and the newest 13.
+  Scenario const sc;
+  ScenarioResult const r = run("streaming_llm", sc);
+  CHECK(r.compressions == 2);
+  for (Index b = 0; b < sc.batch; ++b) {
+    Index const p = sc.prompt[static_cast<std::size_t>(b)];
+    std::vector<Index> prefill = range(0, 4), end = range(0, 4);
+    for (Index t : range(p - 8, p))
+      prefill.push_back(t);
+    for (Index t : range(p + 4, p + 17))
+      end.push_back(t);
+    for (Index h = 0; h < sc.kv_heads; ++h) {
+      CHECK(kept(r.prefill_positions, r.prefill_lengths, sc, b, h) == prefill);
+      CHECK(kept(r.positions, r.lengths, sc, b, h) == end);
+    }
+  }
+}
+
+TEST_CASE("layer compressor: every policy keeps a consistent cache", "[engine][compressor]") {
+  Scenario const sc;
+  for (std::string const& name : kvc::test::scenario_policies()) {
+    INFO(name);
+    ScenarioResult const r = run(name, sc);
+    bool const one_by_one = name == "moment_kv" || name == "uncomp" || name == "ada_kv_moment_kv";
+    CHECK(r.compressions == (one_by_one ? sc.steps : 2));
+    for (Index b = 0; b < sc.batch; ++b) {
+      Index const p = sc.prompt[static_cast<std::size_t>(b)];
+      for (Index h = 0; h < sc.kv_heads; ++h) {
+        std::vector<Index> const pre = kept(r.prefill_positions, r.prefill_lengths, sc, b, h);
+        std::vector<Index> const end = kept(r.positions, r.lengths, sc, b, h);
+        CHECK(!pre.empty());
+        CHECK(static_cast<Index>(pre.size()) < p);  // every policy here evicts at prefill
+        for (std::size_t i = 0; i < pre.size(); ++i)
+          CHECK((pre[i] >= 0 && pre[i] < p && (i == 0 || pre[i - 1] < pre[i])));
+        for (std::size_t i = 0; i < end.size(); ++i)
+          CHECK((end[i] >= 0 && end[i] < p + sc.steps && (i == 0 || end[i - 1] < end[i])));
+        // The newest token always survives: it arrived after the last compression or was protected by it.
+        CHECK((!end.empty() && end.back() == p + sc.steps - 1));
+        // Every kept slot holds the row generated for its position (compaction moved rows with positions).
+        for (std::size_t j = 0; j < end.size(); ++j) {
+          Index const pos = end[j], head = b * sc.kv_heads + h;
+          for (Index c = 0; c < sc.dim; ++c) {
+            float const expect =
+                pos < p ? Scenario::value(1, static_cast<std::uint64_t>(((head * sc.capacity) + pos) * sc.dim + c))
+                        : Scenario::value(100 + 2 * static_cast<std::uint64_t>(pos - p),
+                                          static_cast<std::uint64_t>(head * sc.dim + c));
+            REQUIRE(r.keys[static_cast<std::size_t>((head * sc.capacity + static_cast<Index>(j)) * sc.dim + c)] ==
+                    expect);
+          }
+        }
+      }
+    }
+    for (float x : r.attention)
+      REQUIRE(std::isfinite(x));
+  }
+}
+
+TEST_CASE("layer compressor: prefill equals the tools' sequence of entry points", "[engine][compressor]") {
+  // tools::with_observations + kvc::compress + kvc::compact is how kvc and kvc-eval compressed after a prompt.
+  Scenario const sc;
+  for (std::string const& name : kvc::test::scenario_policies()) {
+    if (name.find("moment_kv") != std::string::npos || name == "uncomp")
+      continue;  // their own drivers: the next test cases
+    INFO(name);
+    ScenarioResult const r = run(name, sc);
+    HostMemory mem;
+    kvc::KVExtents const e = sc.keys();
+    std::vector<float> k = sc.fill(1, static_cast<std::size_t>(e.rows() * e.dim)), v = sc.fill(2, k.size());
+    std::vector<Index> lengths, positions(static_cast<std::size_t>(e.rows()));
+    for (Index b = 0; b < e.batch; ++b)
+      lengths.insert(lengths.end(), static_cast<std::size_t>(e.heads), sc.prompt[static_cast<std::size_t>(b)]);
+    for (Index i = 0; i < e.rows(); ++i)
+      positions[static_cast<std::size_t>(i)] = i % e.tokens;
+    auto const cache =
+        kvc::dense_cache(k.data(), v.data(), e, kvc::head_lengths(lengths.data(), e.heads), positions.data());
+    kvc::KVExtents const wq{e.batch, sc.q_heads, sc.window, e.dim};
+    std::vector<float> const q = sc.fill(3, static_cast<std::size_t>(wq.rows() * e.dim));
+    std::vector<Index> qpos;
+    for (Index b = 0; b < e.batch; ++b)
+      for (Index i = 0; i < sc.window; ++i)
+        qpos.push_back(sc.prompt[static_cast<std::size_t>(b)] - sc.window + i);
+    kvc::test::OwnedRope const rope(kvc::RopeSpec{}, e.dim, sc.rope_positions);
+    std::vector<Index> index(static_cast<std::size_t>(e.rows())), count(static_cast<std::size_t>(e.batch * e.heads));
+    kvc::KeepPlan<> const plan{index.data(), count.data(), e.batch, e.heads, e.tokens};
+    std::string const err = kvc::test::with_scenario_policy<kvc::HostSpace>(
+        name, sc, mem, [&](auto const& policy, auto const&) -> std::string {
+          using S = std::remove_cvref_t<decltype(policy.scorer)>;
+          if constexpr (kvc::detail::is_moment_kv<S> || kvc::detail::is_uncomp<S>) {
+            return "not a tools-path policy";
+          } else {
+            auto selector = policy.selector;
+            if constexpr (requires { selector.budget.layer; })
+              selector.budget.layer = 1;  // run_scenario binds layer 1
+            kvc::tools::ObservationStorage store;
+            kvc::Status st;
+            kvc::tools::with_observations(
+                policy.scorer, cache,
+                kvc::tools::ObservedQueries{
+                    kvc::TokenRows<float const, kvc::StridedLayout>(q.data(), kvc::bhtd_layout(wq)), qpos.data(),
+                    rope.table, kvc::RopeSpec{}, true},
+                name, store, [&](auto const& live, auto const& obs) {
+                  kvc::Press const press{live, selector};
+                  kvc::test::OwnedWorkspace ws(kvc::compress_workspace_bytes(kvc::Cpu{}, press, e, obs));
+                  st = kvc::compress(kvc::Cpu{}, press, cache, obs, plan, ws.get());
+                  if (st.ok())
+                    st = kvc::compact(kvc::Cpu{}, plan, cache);
+                });
+            return st.ok() ? std::string() : std::string(st.message());
+          }
+        });
+    REQUIRE(err.empty());
+    CHECK(lengths == r.prefill_lengths);
+    for (Index b = 0; b < e.batch; ++b)
+      for (Index h = 0; h < e.heads; ++h)
+        CHECK(kept(positions, lengths, sc, b, h) == kept(r.prefill_positions, r.prefill_lengths, sc, b, h));
+  }
+}
+
+TEST_CASE("layer compressor: MomentKV's prefill is kvc::moment_kv_prefill, and its moments hold every eviction",
+          "[engine][compressor][moment_kv]") {
+  Scenario const sc;
+  kvc::KVExtents const e = sc.keys();
+  for (std::string const name : {"moment_kv", "ada_kv_moment_kv"}) {
+    INFO(name);
+    HostMemory mem;
+    std::string const err = kvc::test::with_scenario_policy<kvc::HostSpace>(
+        name, sc, mem, [&](auto const& policy, auto options) -> std::string {
+          if constexpr (!kvc::detail::is_moment_kv<std::remove_cvref_t<decltype(policy.scorer)>>) {
+            return "not MomentKV";
+          } else {
+            // The compressor, by hand, on one cache; kvc::moment_kv_prefill on a copy.
+            std::vector<float> k = sc.fill(1, static_cast<std::size_t>(e.rows() * e.dim)), v = sc.fill(2, k.size());
+            std::vector<float> k2 = k, v2 = v;
+            std::vector<Index> lengths, positions(static_cast<std::size_t>(e.rows()));
+            for (Index b = 0; b < e.batch; ++b)
+              lengths.insert(lengths.end(), static_cast<std::size_t>(e.heads), sc.prompt[static_cast<std::size_t>(b)]);
+            for (Index i = 0; i < e.rows(); ++i)
+              positions[static_cast<std::size_t>(i)] = i % e.tokens;
+            std::vector<Index> lengths2 = lengths, positions2 = positions;
+            auto const cache =
+                kvc::dense_cache(k.data(), v.data(), e, kvc::head_lengths(lengths.data(), e.heads), positions.data());
+            auto const cache2 = kvc::dense_cache(k2.data(), v2.data(), e, kvc::head_lengths(lengths2.data(), e.heads),
+                                                 positions2.data());
+            kvc::KVExtents const wq{e.batch, sc.q_heads, sc.window, e.dim};
+            std::vector<float> const q = sc.fill(3, static_cast<std::size_t>(wq.rows() * e.dim));
+            std::vector<Index> qpos;
+            for (Index b = 0; b < e.batch; ++b)
+              for (Index i = 0; i < sc.window; ++i)
+                qpos.push_back(sc.prompt[static_cast<std::size_t>(b)] - sc.window + i);
+            kvc::test::OwnedRope const rope(kvc::RopeSpec{}, e.dim, sc.rope_positions);
+            options.rope = rope.table;
+            kvc::TokenRows<float const, kvc::StridedLayout> const rows(q.data(), kvc::bhtd_layout(wq));
+
+            kvc::LayerCompressor c(kvc::Cpu{}, policy, options);
+            REQUIRE(c.plan(cache, kvc::QueryShape{sc.q_heads, sc.window, 1, 1}).ok());
+            std::vector<std::byte> state(c.state_bytes());
+            kvc::test::OwnedWorkspace ws(c.workspace_bytes());
+            REQUIRE(c.bind(state.data(), state.size()).ok());
+            REQUIRE(c.reset().ok());
+            REQUIRE(c.prefill(cache, kvc::LayerQueries<float>{rows, qpos.data()}, ws.get()).ok());
+
+            kvc::tools::HostMoments<float> moments(e.batch, e.heads, e.dim, e.dim);
+            auto scorer = policy.scorer;
+            scorer.state = moments.view;
+            auto const obs = kvc::observe(kvc::WindowQueries<float>{rows, rope.table, qpos.data()});
+            kvc::test::OwnedWorkspace ws2(
+                kvc::moment_kv_prefill_workspace_bytes(kvc::Cpu{}, scorer, policy.selector, e, obs));
+            REQUIRE(kvc::moment_kv_prefill(kvc::Cpu{}, scorer, policy.selector, cache2, obs, ws2.get()).ok());
+            CHECK(lengths == lengths2);
+            CHECK(positions == positions2);
+            auto const m = c.moments();
+            for (Index head = 0; head < e.batch * e.heads; ++head) {
+              CHECK(m.count[head] ==
+                    sc.prompt[static_cast<std::size_t>(head / e.heads)] - lengths[static_cast<std::size_t>(head)]);
+              for (Index i = 0; i < e.dim; ++i)
+                CHECK(m.key_mean[head * e.dim + i] == moments.view.key_mean[head * e.dim + i]);
+            }
+            return {};
+          }
+        });
+    REQUIRE(err.empty());
+  }
+  // Decoding: each head's moments count exactly the tokens it evicted (prompt + appended - kept).
+  for (std::string const name : {"moment_kv", "ada_kv_moment_kv"}) {
+    ScenarioResult const r = run(name, sc);
+    for (Index b = 0; b < sc.batch; ++b)
+      for (Index h = 0; h < sc.kv_heads; ++h)
+        CHECK(r.lengths[static_cast<std::size_t>(b * sc.kv_heads + h)] <= 16 + 1);
+  }
+}
+
+TEST_CASE("layer compressor: prefill after every chunk is KeyDiff's block-wise protocol", "[engine][compressor]") {
+  // C_i = pi_N(C_{i-1} || block_i) with N = 6, blocks of 5 over 23 tokens: the compressor after each appended chunk
+  // keeps what kvc::blockwise_compress keeps.
+  Index const n = 23, d = 8, budget = 6, block = 5;
+  kvc::KVExtents const src_e{1, 2, n, d};
+  std::vector<float> k(static_cast<std::size_t>(src_e.rows() * d)), v(k.size());
+  for (std::size_t i = 0; i < k.size(); ++i) {
+    k[i] = Scenario::value(11, i);
+    v[i] = Scenario::value(12, i);
+  }
+  auto const src = kvc::dense_cache(k.data(), v.data(), src_e);
+  kvc::Press const press{kvc::KeyDiffScorer{}, kvc::TopKSelector{kvc::FixedBudget{budget}}};
+  Index const cap = kvc::blockwise_capacity(press.selector, block);
+  kvc::KVExtents const work_e{1, 2, cap, d};
+
+  std::vector<float> wk(static_cast<std::size_t>(work_e.rows() * d)), wv(wk.size());
+  std::vector<Index> wl(2, 0), wp(static_cast<std::size_t>(work_e.rows()), 0);
+  auto const work = kvc::dense_cache(wk.data(), wv.data(), work_e, kvc::head_lengths(wl.data(), 2), wp.data());
+  kvc::test::OwnedWorkspace bws(kvc::blockwise_workspace_bytes(kvc::Cpu{}, press, work_e));
+  REQUIRE(kvc::blockwise_compress(kvc::Cpu{}, press, src, block, work, bws.get()).ok());
+
+  std::vector<float> ck(wk.size()), cv(wk.size());
+  std::vector<Index> cl(2, 0), cp(wp.size(), 0);
+  auto const cache = kvc::dense_cache(ck.data(), cv.data(), work_e, kvc::head_lengths(cl.data(), 2), cp.data());
+  kvc::LayerCompressor c(kvc::Cpu{}, press);
+  REQUIRE(c.plan(cache, kvc::QueryShape{2, 0, 1, 1}).ok());
+  std::vector<std::byte> state(c.state_bytes() + 1);
+  kvc::test::OwnedWorkspace ws(c.workspace_bytes());
+  REQUIRE(c.bind(state.data(), state.size()).ok());
+  REQUIRE(c.reset().ok());
+  for (Index start = 0; start < n; start += block) {
+    REQUIRE(kvc::append(kvc::Cpu{}, cache, src, start, block).ok());
+    REQUIRE(c.prefill(cache, {}, ws.get()).ok());
+  }
+  CHECK(cl == wl);
+  CHECK(cp == wp);
+  CHECK(ck == wk);
+}
+
+TEST_CASE("layer compressor: clear errors before anything changes", "[engine][compressor]") {
+  Scenario const sc;
+  kvc::KVExtents const e = sc.keys();
+  std::vector<float> k(static_cast<std::size_t>(e.rows() * e.dim), 0.5f), v = k;
+  std::vector<Index> lengths(static_cast<std::size_t>(e.batch * e.heads), 30),
+      positions(static_cast<std::size_t>(e.rows()));
+  for (Index i = 0; i < e.rows(); ++i)
+    positions[static_cast<std::size_t>(i)] = i % e.tokens;
+  auto const cache =
+      kvc::dense_cache(k.data(), v.data(), e, kvc::head_lengths(lengths.data(), e.heads), positions.data());
+  auto message = [](kvc::Status const& st) { return std::string(st.message()); };
+
+  kvc::LayerCompressor snap(kvc::Cpu{}, kvc::Press{kvc::SnapKVScorer{}, kvc::TopKSelector{kvc::RatioBudget{0.5}}});
+  kvc::test::OwnedWorkspace none(0);
+  CHECK_THAT(message(snap.prefill(cache, {}, none.get())), Catch::Contains("call plan(), bind() and reset() first"));
+  CHECK_THAT(message(snap.plan(cache, kvc::QueryShape{3, 8, 1, 1})), Catch::Contains("multiple of the KV heads"));
+  REQUIRE(snap.plan(cache, kvc::QueryShape{4, 8, 1, 1}).ok());
+  std::vector<std::byte> state(snap.state_bytes());
+  CHECK(snap.bind(state.data(), state.size()).ok());
+  kvc::test::OwnedWorkspace small(snap.workspace_bytes() - 1);
+  CHECK_THAT(message(snap.prefill(cache, {}, small.get())), Catch::Contains("workspace smaller than"));
+  kvc::test::OwnedWorkspace ws(snap.workspace_bytes());
+  std::vector<float> q(static_cast<std::size_t>(e.batch * 4 * 8 * e.dim), 0.1f);
+  kvc::TokenRows<float const, kvc::StridedLayout> const rows(q.data(), kvc::bhtd_layout({e.batch, 4, 8, e.dim}));
+  CHECK_THAT(message(snap.prefill(cache, kvc::LayerQueries<float>{rows, nullptr}, ws.get())),
+             Catch::Contains("positions ([batch, n]) are required"));
+  kvc::TokenRows<float const, kvc::StridedLayout> const wide(q.data(), kvc::bhtd_layout({e.batch, 2, 16, e.dim}));
+  std::vector<Index> qpos(32, 29);
+  CHECK_THAT(message(snap.prefill(cache, kvc::LayerQueries<float>{wide, qpos.data()}, ws.get())),
+             Catch::Contains("[batch, Hq, <= prompt_rows, d_k]"));
+  CHECK(lengths == std::vector<Index>(lengths.size(), 30));  // nothing moved
+
+  kvc::KVExtents bigger = e;
+  bigger.tokens += 1;
+  std::vector<float> kb(static_cast<std::size_t>(bigger.rows() * e.dim));
+  auto const other = kvc::dense_cache(kb.data(), kb.data(), bigger, kvc::head_lengths(lengths.data(), e.heads));
+  CHECK_THAT(message(snap.prefill(other, {}, ws.get())), Catch::Contains("planned batch, KV heads and dims"));
+
+  kvc::LayerCompressor ea(kvc::Cpu{},
+                          kvc::Press{kvc::ExpectedAttentionScorer{}, kvc::TopKSelector{kvc::RatioBudget{0.5}}});
+  CHECK_THAT(message(ea.plan(cache, kvc::QueryShape{4, 8, 1, 1})), Catch::Contains("set options.rope"));
+
+  kvc::CompressorOptions<kvc::HostSpace> bad;
+  bad.decode = true;
+  bad.schedule.compression_interval = 0;
+  kvc::LayerCompressor knorm(kvc::Cpu{}, kvc::Press{kvc::KnormScorer{}, kvc::TopKSelector{kvc::RatioBudget{0.5}}}, bad);
+  CHECK_THAT(message(knorm.plan(cache, kvc::QueryShape{4, 0, 1, 1})), Catch::Contains("compression_interval"));
+  kvc::LayerCompressor ratio(kvc::Cpu{}, kvc::Press{kvc::KnormScorer{}, kvc::TopKSelector{kvc::RatioBudget{1.5}}});
+  CHECK(!ratio.plan(cache, kvc::QueryShape{4, 0, 1, 1}).ok());
+  CHECK_THAT(message(snap.bind(state.data(), snap.state_bytes() == 0 ? 0 : snap.state_bytes() - 1)),
+             Catch::Contains("state smaller than state_bytes()"));
+}
+
+TEST_CASE("push_queries: rows and positions land after the buffer's count", "[engine][state]") {
+  std::vector<float> data(2 * 3 * 4 * 2, -1.0f);
+  std::vector<Index> pos(2 * 4, -1);
+  kvc::QueryBuffer<float> buf{data.data(), pos.data(), 2, 3, 4, 2};
+  buf.count = 1;
+  std::vector<float> rows(2 * 3 * 2 * 2);
+  for (std::size_t i = 0; i < rows.size(); ++i)
+    rows[i] = static_cast<float>(i);
+  std::vector<Index> const rp = {10, 11, 20, 21};
+  kvc::TokenRows<float const, kvc::StridedLayout> const view(rows.data(), kvc::bhtd_layout({2, 3, 2, 2}));
+  REQUIRE(kvc::push_queries(kvc::Cpu{}, buf, view, rp.data()).ok());
+  CHECK(buf.count == 3);
+  CHECK(buf.fresh == 2);
+  // (b, q, i) of the rows -> slot 1 + i of (b, q): rows are [b][q][i][c] = ((b * 3 + q) * 2 + i) * 2 + c.
+  for (Index b = 0; b < 2; ++b)
+    for (Index q = 0; q < 3; ++q)
+      for (Index i = 0; i < 2; ++i)
+        for (Index c = 0; c < 2; ++c)
+          CHECK(buf.row(b, q, 1 + i)[c] == static_cast<float>(((b * 3 + q) * 2 + i) * 2 + c));
+  CHECK(pos == std::vector<Index>{-1, 10, 11, -1, -1, 20, 21, -1});
+  CHECK(buf.row(0, 0, 0)[0] == -1.0f);
+  CHECK(kvc::push_queries(kvc::Cpu{}, buf, view, rp.data()).code() == kvc::Errc::out_of_capacity);
+}
+
+namespace {
+
+/// The session of run_scenario written out with the building blocks, the way docs/integration.md told engines before
+/// the compressor (kvc::update, kvc::compress, kvc::on_evict, kvc::compact with the state, a QueryBuffer filled by
+/// hand and kvc::decode_step), for the stateful scorers (H2O, UNComp) and a window scorer (SnapKV).
+template <class S, class Sel>
+ScenarioResult run_by_hand(S scorer, Sel const& selector, kvc::CompressorOptions<kvc::HostSpace> const& options,
+                           Scenario const& sc) {
+  kvc::KVExtents const e = sc.keys();
+  std::vector<float> k = sc.fill(1, static_cast<std::size_t>(e.rows() * e.dim)), v = sc.fill(2, k.size());
+  std::vector<Index> lengths, positions(static_cast<std::size_t>(e.rows()));
+  for (Index b = 0; b < e.batch; ++b)
+    lengths.insert(lengths.end(), static_cast<std::size_t>(e.heads), sc.prompt[static_cast<std::size_t>(b)]);
+  for (Index i = 0; i < e.rows(); ++i)
+    positions[static_cast<std::size_t>(i)] = i % e.tokens;
+  auto const cache =
+      kvc::dense_cache(k.data(), v.data(), e, kvc::head_lengths(lengths.data(), e.heads), positions.data());
+  kvc::test::OwnedRope const rope(kvc::RopeSpec{}, e.dim, sc.rope_positions);
+  // The scorer's state.
+  std::vector<float> state(static_cast<std::size_t>(e.rows() * sc.window), 0.0f);
+  std::vector<Index> tracked(static_cast<std::size_t>(e.batch * e.heads), 0);
+  if constexpr (kvc::detail::is_h2o<S>)
+    scorer.state = {{state.data(), e.batch, e.heads, e.tokens}, tracked.data()};
+  if constexpr (kvc::detail::is_uncomp<S>)
+    scorer.state = {{state.data(), kvc::uncomp_window_layout(e, scorer.window_size)}, tracked.data()};
+  kvc::test::OwnedWorkspace ws(1 << 22);
+  kvc::test::OwnedPlan plan(e.batch, e.heads, e.tokens);
+
+  kvc::KVExtents const wq{e.batch, sc.q_heads, sc.window, e.dim};
+  std::vector<float> const q = sc.fill(3, static_cast<std::size_t>(wq.rows() * e.dim));
+  std::vector<Index> qpos;
+  for (Index b = 0; b < e.batch; ++b)
+    for (Index i = 0; i < sc.window; ++i)
+      qpos.push_back(sc.prompt[static_cast<std::size_t>(b)] - sc.window + i);
+  auto const window = kvc::observe(kvc::WindowQueries<float>{
+      kvc::TokenRows<float const, kvc::StridedLayout>(q.data(), kvc::bhtd_layout(wq)), rope.table, qpos.data()});
+  kvc::Press const press{scorer, selector};
+  if constexpr (kvc::StatefulScorer<S>) {
+    REQUIRE(kvc::update(kvc::Cpu{}, scorer, cache, window, ws.get()).ok());
+    REQUIRE(kvc::compress(kvc::Cpu{}, press, cache, kvc::NoObservations{}, plan.plan, ws.get()).ok());
+    REQUIRE(kvc::on_evict(kvc::Cpu{}, scorer, cache, plan.plan, ws.get()).ok());
+    REQUIRE(kvc::compact(kvc::Cpu{}, plan.plan, cache, kvc::carried_state(scorer)).ok());
+  } else {
+    REQUIRE(kvc::compress(kvc::Cpu{}, press, cache, window, plan.plan, ws.get()).ok());
+    REQUIRE(kvc::compact(kvc::Cpu{}, plan.plan, cache).ok());
+  }
+  ScenarioResult r;
+  r.prefill_lengths = lengths;
+  r.prefill_positions = positions;
+
+  Index const rows = options.schedule.compression_interval;
+  std::vector<float> buffered(static_cast<std::size_t>(e.batch * sc.q_heads * rows * e.dim));
+  std::vector<Index> buffered_pos(static_cast<std::size_t>(e.batch * rows));
+  kvc::QueryBuffer<float> buf{buffered.data(), buffered_pos.data(), e.batch, sc.q_heads, rows, e.dim};
+  kvc::DecodeCounter counter;
+  kvc::KVExtents const one{e.batch, e.heads, 1, e.dim};
+  auto const decode_selector = kvc::detail::decode_selection(selector, options.schedule.target_size);
+  for (Index s = 0; s < sc.steps; ++s) {
+    std::vector<float> k1 =
+        sc.fill(100 + 2 * static_cast<std::uint64_t>(s), static_cast<std::size_t>(one.rows() * e.dim));
+    std::vector<float> v1 = sc.fill(101 + 2 * static_cast<std::uint64_t>(s), k1.size());
+    std::vector<Index> token_pos;
+    for (Index b = 0; b < e.batch; ++b)
+      token_pos.insert(token_pos.end(), static_cast<std::size_t>(e.heads), sc.prompt[static_cast<std::size_t>(b)] + s);
+    REQUIRE(
+        kvc::append(kvc::Cpu{}, cache, kvc::dense_cache(k1.data(), v1.data(), one, kvc::Lengths{}, token_pos.data()))
+            .ok());
+    std::vector<float> const step_q =
+        sc.fill(200 + static_cast<std::uint64_t>(s), static_cast<std::size_t>(e.batch * sc.q_heads * e.dim));
+    for (Index b = 0; b < e.batch; ++b) {
+      for (Index h = 0; h < sc.q_heads; ++h)
+        std::copy_n(step_q.data() + (b * sc.q_heads + h) * e.dim, e.dim, buf.row(b, h, buf.count));
+      buffered_pos[static_cast<std::size_t>(b * rows + buf.count)] = sc.prompt[static_cast<std::size_t>(b)] + s;
+    }
+    REQUIRE(buf.push(1).ok());
+    REQUIRE(kvc::decode_step(kvc::Cpu{}, scorer, decode_selector, options.schedule, cache, buf, counter, rope.table,
+                             ws.get())
+                .ok());
+  }
+  r.lengths = lengths;
+  r.positions = positions;
+  r.compressions = counter.compressions;
+  return r;
+}
+
+}  // namespace
+
+TEST_CASE("layer compressor: a session equals the one written with the building blocks", "[engine][compressor]") {
+  Scenario const sc;
+  for (std::string const name : {"h2o", "uncomp", "snap_kv", "ada_kv_h2o"}) {
+    INFO(name);
+    ScenarioResult const r = run(name, sc);
+    HostMemory mem;
+    ScenarioResult by_hand;
+    std::string const err = kvc::test::with_scenario_policy<kvc::HostSpace>(
+        name, sc, mem, [&](auto const& policy, auto const& options) -> std::string {
+          using S = std::remove_cvref_t<decltype(policy.scorer)>;
+          if constexpr (kvc::detail::is_moment_kv<S> || has_need(S::needs, kvc::Needs::query_statistics)) {
+            return "not a building-block session";
+          } else {
+            by_hand = run_by_hand(policy.scorer, policy.selector, options, sc);
+            return {};
+          }
+        });
+    REQUIRE(err.empty());
+    CHECK(by_hand.compressions == r.compressions);
+    CHECK(by_hand.prefill_lengths == r.prefill_lengths);
+    CHECK(by_hand.lengths == r.lengths);
+    for (Index b = 0; b < sc.batch; ++b)
+      for (Index h = 0; h < sc.kv_heads; ++h) {
+        CHECK(kept(by_hand.prefill_positions, by_hand.prefill_lengths, sc, b, h) ==
+              kept(r.prefill_positions, r.prefill_lengths, sc, b, h));
+        CHECK(kept(by_hand.positions, by_hand.lengths, sc, b, h) == kept(r.positions, r.lengths, sc, b, h));
+      }
+  }
+}

@@ -1,0 +1,302 @@
+// SPDX-License-Identifier: Apache-2.0
+// tests/support/compressor_scenario.hpp: one engine session through kvc::LayerCompressor, the same on every backend:
+// a prompt in a dense cache, prefill, then decode steps (append one token, attend, decode). The memory a backend
+// reads comes from a `Mem` (host vectors, or device buffers in the CUDA parity wrappers), so the CPU test and the
+// CUDA parity test run this one driver and compare what it reports. No Catch, no Eigen: nvcc compiles it too.
+#pragma once
+
+#include <kvc/core/rope.hpp>
+#include <kvc/engine/layer_compressor.hpp>
+#include <kvc/pipeline/compact.hpp>
+#include <kvc/scorers/expected_attention.hpp>
+#include <kvc/scorers/h2o.hpp>
+#include <kvc/scorers/key_diff.hpp>
+#include <kvc/scorers/knorm.hpp>
+#include <kvc/scorers/moment_kv.hpp>
+#include <kvc/scorers/random.hpp>
+#include <kvc/scorers/snap_kv.hpp>
+#include <kvc/scorers/streaming_llm.hpp>
+#include <kvc/scorers/tova.hpp>
+#include <kvc/scorers/uncomp.hpp>
+#include <kvc/selectors/ada_kv.hpp>
+#include <kvc/selectors/pyramid_kv.hpp>
+#include <kvc/selectors/top_k.hpp>
+#include <kvc/selectors/uncomp.hpp>
+
+#include <cmath>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace kvc::test {
+
+/// Every policy the scenario runs: the 11 token-eviction policies, and AdaKV / PyramidKV over several scorers.
+inline std::vector<std::string> const& scenario_policies() {
+  static std::vector<std::string> const names = {"streaming_llm",
+                                                 "key_diff",
+                                                 "knorm",
+                                                 "random",
+                                                 "snap_kv",
+                                                 "tova",
+                                                 "h2o",
+                                                 "expected_attention",
+                                                 "moment_kv",
+                                                 "uncomp",
+                                                 "ada_kv_snap_kv",
+                                                 "ada_kv_key_diff",
+                                                 "ada_kv_h2o",
+                                                 "ada_kv_moment_kv",
+                                                 "pyramid_kv_snap_kv",
+                                                 "pyramid_kv_tova"};
+  return names;
+}
+
+/// The session: batch 2 (prompts of 40 and 29 tokens), 2 KV heads, 4 query heads, d = 16, a cache of 64 slots, the
+/// prompt's last 8 queries, then `steps` decode tokens (compressions every 8 steps, or
+/// every step for MomentKV and UNComp). Values come from a fixed integer hash (no RNG).
+struct Scenario {
+  Index batch = 2, kv_heads = 2, q_heads = 4, capacity = 64, dim = 16, window = 8, steps = 17;
+  std::vector<Index> prompt = {40, 29};
+  Index rope_positions = 1024;  ///< ExpectedAttention averages RoPE up to 512 positions past the context
+
+  KVExtents keys() const { return {batch, kv_heads, capacity, dim}; }
+  /// A value in [-1, 1) from (stream, index).
+  static float value(std::uint64_t stream, std::uint64_t i) {
+    std::uint64_t z = stream * 0x9e3779b97f4a7c15ull + i * 0xbf58476d1ce4e5b9ull + 0x94d049bb133111ebull;
+    z = (z ^ (z >> 31)) * 0xbf58476d1ce4e5b9ull;
+    z ^= z >> 29;
+    return static_cast<float>(z >> 40) / static_cast<float>(1ull << 23) - 1.0f;
+  }
+  std::vector<float> fill(std::uint64_t stream, std::size_t n) const {
+    std::vector<float> x(n);
+    for (std::size_t i = 0; i < n; ++i)
+      x[i] = value(stream, i);
+    return x;
+  }
+};
+
+/// What a session reports (host copies): after prefill, and at the end.
+struct ScenarioResult {
+  std::vector<Index> prefill_lengths, prefill_positions;  ///< [B, Hkv], [B, Hkv, capacity] (slots < length)
+  std::vector<Index> lengths, positions;                  ///< at the end
+  std::vector<float> keys;                                ///< [B, Hkv, capacity, d] valid rows at the end, 0 beyond
+  std::vector<float> attention;                           ///< every step's output [steps, B, Hq, 1, d]
+  Index compressions = 0;
+  Index decode_synchronizations = -1;  ///< host synchronisations inside decode() calls (-1: not counted)
+  Index decode_allocations = -1;       ///< device allocations inside decode() calls (-1: not counted)
+};
+
+/// Calls fn(policy, options) with the named policy (scenario_policies) over memory space Space; tables the policy
+/// reads are uploaded with mem.
+template <class Space, class Mem, class Fn>
+std::string with_scenario_policy(std::string const& name, Scenario const& sc, Mem& mem, Fn&& fn) {
+  CompressorOptions<Space> options;
+  options.decode = true;
+  options.schedule.compression_interval = sc.window;  // window scorers read the last w buffered queries
+  options.schedule.hidden_states_buffer_size = sc.window;
+  options.schedule.target_size = 16;
+  RatioBudget const half{0.5};
+  SnapKVScorer const snap{Reference::authors, sc.window, 3, Pooling::max, GqaReduce::mean};
+  PyramidKVBudget pyramid;
+  pyramid.num_layers = 4;
+  pyramid.window_size = 4;
+  pyramid.compression_ratio = 0.5;
+  pyramid.beta = 2;
+  MomentKVScorer<Space, float> moment;
+  moment.base.window_size = sc.window;
+  moment.prefill_rounds = 4;
+  auto algorithm_1 = [&] {  // MomentKV and UNComp decode one token at a time back to their budgets
+    options.schedule.compression_interval = 1;
+    options.schedule.hidden_states_buffer_size = 1;
+  };
+  if (name == "streaming_llm")
+    return fn(Press{StreamingLLMScorer{4}, TopKSelector{FixedBudget{12}}}, options);
+  if (name == "key_diff")
+    return fn(Press{KeyDiffScorer{}, TopKSelector{half, 0, 2}}, options);
+  if (name == "knorm")
+    return fn(Press{KnormScorer{}, TopKSelector{half}}, options);
+  if (name == "random")
+    return fn(Press{RandomScorer{7}, TopKSelector{half}}, options);
+  if (name == "snap_kv")
+    return fn(Press{snap, TopKSelector{half, 0, sc.window}}, options);
+  if (name == "tova")
+    return fn(Press{TOVAScorer{}, TopKSelector{half}}, options);
+  if (name == "h2o")
+    return fn(Press{H2OScorer<Space>{}, TopKSelector{half, 0, 4}}, options);
+  if (name == "expected_attention") {
+    ExpectedAttentionScorer ea;
+    ea.n_future_positions = 64;
+    return fn(Press{ea, TopKSelector{half, ea.n_sink, 0}}, options);
+  }
+  if (name == "moment_kv") {
+    algorithm_1();
+    return fn(Press{moment, TopKSelector{FixedBudget{16}, 1, sc.window}}, options);
+  }
+  if (name == "uncomp") {
+    algorithm_1();
+    Index const* budgets = mem.upload(std::vector<Index>{18, 12});
+    UNCompScorer<Space> uncomp;
+    uncomp.window_size = sc.window;
+    uncomp.kernel_size = 3;
+    return fn(Press{uncomp, UNCompSelector<Space>{HeadBudgets<Space>{budgets, sc.kv_heads}, 0, sc.window}}, options);
+  }
+  if (name == "ada_kv_snap_kv")
+    return fn(Press{snap, AdaKVSelector<RatioBudget>{half, 0.2, Reference::authors, 0, sc.window}}, options);
+  if (name == "ada_kv_key_diff")
+    return fn(Press{KeyDiffScorer{}, AdaKVSelector<RatioBudget>{half, 0.2, Reference::kvpress, 1, 0}}, options);
+  if (name == "ada_kv_h2o")
+    return fn(Press{H2OScorer<Space>{}, AdaKVSelector<RatioBudget>{half, 0.2, Reference::authors, 0, 4}}, options);
+  if (name == "ada_kv_moment_kv") {
+    algorithm_1();
+    return fn(Press{moment, AdaKVSelector<FixedBudget>{{16}, 0.2, Reference::authors, 1, sc.window}}, options);
+  }
+  if (name == "pyramid_kv_snap_kv")
+    return fn(Press{snap, TopKSelector<PyramidKVBudget>{pyramid, 0, 4}}, options);
+  if (name == "pyramid_kv_tova")
+    return fn(Press{TOVAScorer{}, TopKSelector<PyramidKVBudget>{pyramid, 0, 4}}, options);
+  return "unknown scenario policy " + name;
+}
+
+/// Runs the session with `policy` on `backend` (layer index 1 of 4, for PyramidKV). Mem: upload(vector) -> pointer
+/// in the backend's space, alloc<T>(n), download(pointer, n) -> vector, sync() -> "" or an error, and
+/// before_decode() / after_decode() around each decode() call (where a device memory counts what the call did).
+template <Backend B, class Mem, class Policy>
+std::string run_scenario(B const& backend, Mem& mem, Policy const& policy,
+                         CompressorOptions<typename B::memory_space> options, Scenario const& sc, ScenarioResult& r) {
+  using Space = typename B::memory_space;
+  KVExtents const e = sc.keys();
+  auto fail = [](Status const& st) { return std::string(st.message()); };
+  // The prompt's K and V (every slot filled; slots past a sequence's prompt are overwritten by appends).
+  float* k = mem.upload(sc.fill(1, static_cast<std::size_t>(e.rows() * e.dim)));
+  float* v = mem.upload(sc.fill(2, static_cast<std::size_t>(e.rows() * e.dim)));
+  std::vector<Index> lengths_host, positions_host(static_cast<std::size_t>(e.rows()));
+  for (Index b = 0; b < e.batch; ++b)
+    for (Index h = 0; h < e.heads; ++h)
+      lengths_host.push_back(sc.prompt[static_cast<std::size_t>(b)]);
+  for (Index i = 0; i < e.rows(); ++i)
+    positions_host[static_cast<std::size_t>(i)] = i % e.tokens;
+  Index* lengths = mem.upload(lengths_host);
+  Index* positions = mem.upload(positions_host);
+  auto const cache =
+      make_cache(TokenRows<float, StridedLayout, Space>(k, bhtd_layout(e)),
+                 TokenRows<float, StridedLayout, Space>(v, bhtd_layout(e)), head_lengths(lengths, e.heads), positions);
+  // RoPE (neox, theta 10000) for the queries, which are pre-RoPE.
+  RopeSpec spec;
+  std::vector<float> rope_host(static_cast<std::size_t>(rope_table_floats(sc.rope_positions, e.dim)));
+  RopeTable<> host_table;
+  if (Status const st = fill_rope_table(spec, e.dim, sc.rope_positions, rope_host.data(), host_table); !st.ok())
+    return fail(st);
+  float const* rope = mem.upload(rope_host);
+  options.rope = {rope, rope + (host_table.sin - host_table.cos), host_table.positions, host_table.rotary_dim,
+                  host_table.style};
+
+  LayerCompressor<Policy, B, float> base(backend, policy, options);
+  if (Status const st = base.plan(cache, QueryShape{sc.q_heads, sc.window, 1, 1}); !st.ok())
+    return fail(st);
+  LayerCompressor layer = base;  // a planned compressor copied per layer
+  void* state = mem.template alloc<std::byte>(layer.state_bytes());
+  void* ws_data = mem.template alloc<std::byte>(layer.workspace_bytes());
+  Workspace const ws{ws_data, layer.workspace_bytes()};
+  if (Status const st = layer.bind(state, layer.state_bytes(), 1); !st.ok())
+    return fail(st);
+  if (Status const st = layer.reset(); !st.ok())
+    return fail(st);
+
+  // Prefill: the prompt's last `window` queries (positions P_b - w + i).
+  KVExtents const wq{e.batch, sc.q_heads, sc.window, e.dim};
+  float const* prompt_q = mem.upload(sc.fill(3, static_cast<std::size_t>(wq.rows() * e.dim)));
+  std::vector<Index> prompt_pos;
+  for (Index b = 0; b < e.batch; ++b)
+    for (Index i = 0; i < sc.window; ++i)
+      prompt_pos.push_back(sc.prompt[static_cast<std::size_t>(b)] - sc.window + i);
+  LayerQueries<float, Space> const prompt{TokenRows<float const, StridedLayout, Space>(prompt_q, bhtd_layout(wq)),
+                                          mem.upload(prompt_pos)};
+  if (Status const st = layer.prefill(cache, prompt, ws); !st.ok())
+    return fail(st);
+  if (std::string const err = mem.sync(); !err.empty())
+    return err;
+  r.prefill_lengths = mem.download(lengths, lengths_host.size());
+  r.prefill_positions = mem.download(positions, positions_host.size());
+
+  // Decode: each step appends one token per sequence at its next position, attends with its query, then decodes.
+  KVExtents const one{e.batch, e.heads, 1, e.dim}, q1{e.batch, sc.q_heads, 1, e.dim};
+  float* out = mem.template alloc<float>(static_cast<std::size_t>(q1.rows() * e.dim));
+  for (Index s = 0; s < sc.steps; ++s) {
+    std::vector<Index> token_pos, query_pos;
+    for (Index b = 0; b < e.batch; ++b) {
+      query_pos.push_back(sc.prompt[static_cast<std::size_t>(b)] + s);
+      for (Index h = 0; h < e.heads; ++h)
+        token_pos.push_back(sc.prompt[static_cast<std::size_t>(b)] + s);
+    }
+    float* k1 =
+        mem.upload(sc.fill(100 + 2 * static_cast<std::uint64_t>(s), static_cast<std::size_t>(one.rows() * e.dim)));
+    float* v1 =
+        mem.upload(sc.fill(101 + 2 * static_cast<std::uint64_t>(s), static_cast<std::size_t>(one.rows() * e.dim)));
+    auto const fresh =
+        make_cache(TokenRows<float, StridedLayout, Space>(k1, bhtd_layout(one)),
+                   TokenRows<float, StridedLayout, Space>(v1, bhtd_layout(one)), Lengths{}, mem.upload(token_pos));
+    if (Status const st = append(backend, cache, fresh); !st.ok())
+      return fail(st);
+    // The step's query, pre-RoPE for the compressor; rotated on the host for attention (post-RoPE).
+    std::vector<float> q = sc.fill(200 + static_cast<std::uint64_t>(s), static_cast<std::size_t>(q1.rows() * e.dim));
+    std::vector<float> rotated = q;
+    for (Index b = 0; b < e.batch; ++b)
+      for (Index h = 0; h < sc.q_heads; ++h)
+        host_table.rotate(rotated.data() + (b * sc.q_heads + h) * e.dim, query_pos[static_cast<std::size_t>(b)]);
+    Index const* qpos = mem.upload(query_pos);
+    AttendQueries<float, Space> const attend_q{
+        TokenRows<float const, StridedLayout, Space>(mem.upload(rotated), bhtd_layout(q1)), qpos};
+    if (Status const st = layer.attend(attend_q, cache, AttendOutput<Space>{out}, ws); !st.ok())
+      return fail(st);
+    if (std::string const err = mem.sync(); !err.empty())
+      return err;
+    std::vector<float> const o = mem.download(out, static_cast<std::size_t>(q1.rows() * e.dim));
+    r.attention.insert(r.attention.end(), o.begin(), o.end());
+    LayerQueries<float, Space> const step{TokenRows<float const, StridedLayout, Space>(mem.upload(q), bhtd_layout(q1)),
+                                          qpos};
+    mem.before_decode();
+    Status const st = layer.decode(cache, step, ws);
+    mem.after_decode();
+    if (!st.ok())
+      return fail(st);
+  }
+  if (std::string const err = mem.sync(); !err.empty())
+    return err;
+  r.compressions = layer.counter().compressions;
+  r.lengths = mem.download(lengths, lengths_host.size());
+  r.positions = mem.download(positions, positions_host.size());
+  std::vector<float> const keys = mem.download(k, static_cast<std::size_t>(e.rows() * e.dim));
+  r.keys.assign(keys.size(), 0.0f);
+  for (Index row = 0; row < e.rows(); ++row)
+    if (row % e.tokens < r.lengths[static_cast<std::size_t>(row / e.tokens)])
+      for (Index c = 0; c < e.dim; ++c)
+        r.keys[static_cast<std::size_t>(row * e.dim + c)] = keys[static_cast<std::size_t>(row * e.dim + c)];
+  return {};
+}
+
+/// Host memory for run_scenario (kvc::Cpu).
+struct HostMemory {
+  std::vector<std::vector<std::byte>> blocks;
+
+  template <class T>
+  T* alloc(std::size_t n) {
+    blocks.emplace_back(n * sizeof(T) + 64);
+    auto const p = reinterpret_cast<std::uintptr_t>(blocks.back().data());
+    return reinterpret_cast<T*>((p + 63) / 64 * 64);
+  }
+  template <class T>
+  T* upload(std::vector<T> const& x) {
+    T* p = alloc<T>(x.size());
+    std::copy(x.begin(), x.end(), p);
+    return p;
+  }
+  template <class T>
+  std::vector<T> download(T const* p, std::size_t n) const {
+    return std::vector<T>(p, p + n);
+  }
+  std::string sync() const { return {}; }
+  void before_decode() const {}
+  void after_decode() const {}
+};
+
+}  // namespace kvc::test
