@@ -105,7 +105,10 @@ TEST_CASE("layer compressor: every policy keeps a consistent cache", "[engine][c
         std::vector<Index> const pre = kept(r.prefill_positions, r.prefill_lengths, sc, b, h);
         std::vector<Index> const end = kept(r.positions, r.lengths, sc, b, h);
         CHECK(!pre.empty());
-        CHECK(static_cast<Index>(pre.size()) < p);  // every policy here evicts at prefill
+        if (name.find("_decoding") != std::string::npos)
+          CHECK(static_cast<Index>(pre.size()) == p);  // only decoding compresses
+        else
+          CHECK(static_cast<Index>(pre.size()) < p);  // every other policy here evicts at prefill
         for (std::size_t i = 0; i < pre.size(); ++i)
           CHECK((pre[i] >= 0 && pre[i] < p && (i == 0 || pre[i - 1] < pre[i])));
         for (std::size_t i = 0; i < end.size(); ++i)
@@ -135,8 +138,8 @@ TEST_CASE("layer compressor: prefill equals the tools' sequence of entry points"
   // tools::with_observations + kvc::compress + kvc::compact is how kvc and kvc-eval compressed after a prompt.
   Scenario const sc;
   for (std::string const& name : kvc::test::scenario_policies()) {
-    if (name.find("moment_kv") != std::string::npos || name == "uncomp")
-      continue;  // their own drivers: the next test cases
+    if (name.find("moment_kv") != std::string::npos || name == "uncomp" || name.find("_decoding") != std::string::npos)
+      continue;  // their own drivers (the next test cases), or no compression at prefill
     INFO(name);
     ScenarioResult const r = run(name, sc);
     HostMemory mem;
@@ -418,7 +421,10 @@ ScenarioResult run_by_hand(S scorer, Sel const& selector, kvc::CompressorOptions
   auto const window = kvc::observe(kvc::WindowQueries<float>{
       kvc::TokenRows<float const, kvc::StridedLayout>(q.data(), kvc::bhtd_layout(wq)), rope.table, qpos.data()});
   kvc::Press const press{scorer, selector};
-  if constexpr (kvc::StatefulScorer<S>) {
+  if (!options.prefill) {  // DecodingPress: the prompt only starts the state
+    if constexpr (kvc::StatefulScorer<S>)
+      REQUIRE(kvc::update(kvc::Cpu{}, scorer, cache, window, ws.get()).ok());
+  } else if constexpr (kvc::StatefulScorer<S>) {
     REQUIRE(kvc::update(kvc::Cpu{}, scorer, cache, window, ws.get()).ok());
     REQUIRE(kvc::compress(kvc::Cpu{}, press, cache, kvc::NoObservations{}, plan.plan, ws.get()).ok());
     REQUIRE(kvc::on_evict(kvc::Cpu{}, scorer, cache, plan.plan, ws.get()).ok());
@@ -470,7 +476,7 @@ ScenarioResult run_by_hand(S scorer, Sel const& selector, kvc::CompressorOptions
 
 TEST_CASE("layer compressor: a session equals the one written with the building blocks", "[engine][compressor]") {
   Scenario const sc;
-  for (std::string const name : {"h2o", "uncomp", "snap_kv", "ada_kv_h2o"}) {
+  for (std::string const name : {"h2o", "uncomp", "snap_kv", "ada_kv_h2o", "h2o_decoding", "snap_kv_decoding"}) {
     INFO(name);
     ScenarioResult const r = run(name, sc);
     HostMemory mem;

@@ -30,7 +30,8 @@
 
 namespace kvc::test {
 
-/// Every policy the scenario runs: the 11 token-eviction policies, and AdaKV / PyramidKV over several scorers.
+/// Every policy the scenario runs: the 11 token-eviction policies, AdaKV / PyramidKV over several scorers, and two
+/// with decode-time compression only (kvpress's DecodingPress: `_decoding`).
 inline std::vector<std::string> const& scenario_policies() {
   static std::vector<std::string> const names = {"streaming_llm",
                                                  "key_diff",
@@ -47,7 +48,9 @@ inline std::vector<std::string> const& scenario_policies() {
                                                  "ada_kv_h2o",
                                                  "ada_kv_moment_kv",
                                                  "pyramid_kv_snap_kv",
-                                                 "pyramid_kv_tova"};
+                                                 "pyramid_kv_tova",
+                                                 "h2o_decoding",
+                                                 "snap_kv_decoding"};
   return names;
 }
 
@@ -123,6 +126,11 @@ std::string with_scenario_policy(std::string const& name, Scenario const& sc, Me
     return fn(Press{TOVAScorer{}, TopKSelector{half}}, options);
   if (name == "h2o")
     return fn(Press{H2OScorer<Space>{}, TopKSelector{half, 0, 4}}, options);
+  options.prefill = name.find("_decoding") == std::string::npos;  // kvpress's DecodingPress: decode compresses
+  if (name == "h2o_decoding")
+    return fn(Press{H2OScorer<Space>{}, TopKSelector{half, 0, 4}}, options);
+  if (name == "snap_kv_decoding")
+    return fn(Press{snap, TopKSelector{half, 0, sc.window}}, options);
   if (name == "expected_attention") {
     ExpectedAttentionScorer ea;
     ea.n_future_positions = 64;

@@ -8,7 +8,8 @@
 //   every decode forward:        append K, V (kvc::append); attend(queries, cache, out, ws); decode(cache, step, ws)
 //
 // `policy` is a kvc::Press{scorer, selector}; changing it changes the policy and nothing else. What each call runs:
-//   prefill  stateful scorers (H2O, UNComp): kvc::update with the prompt's queries, then score;
+//   prefill  (with options.prefill; without it, only the kvc::update below: kvpress's DecodingPress)
+//            stateful scorers (H2O, UNComp): kvc::update with the prompt's queries, then score;
 //            ExpectedAttention: kvc::query_statistics of the prompt's queries, then score;
 //            window scorers (SnapKV, TOVA, ...): the prompt's queries as window queries;
 //            key-only scorers (KeyDiff, Knorm, StreamingLLM, random): keys and values alone;
@@ -74,6 +75,8 @@ struct QueryShape {
 template <class Space>
 struct CompressorOptions {
   RopeTable<Space> rope{};         ///< rotates pre-RoPE queries (ExpectedAttention needs one); empty: post-RoPE
+  bool prefill = true;             ///< compress in prefill() (false: only decode compresses, as kvpress's
+                                   ///< DecodingPress; prefill() then only folds the prompt into a stateful state)
   bool decode = false;             ///< compress while decoding, on `schedule`
   DecodeSchedule schedule{};       ///< interval, target_size, hidden_states_buffer_size (kvpress's DecodingPress)
   CorrectedAttention attention{};  ///< attention's scale and mask (attention.attention); MomentKV's correction
@@ -230,6 +233,11 @@ class LayerCompressor<Press<S, Sel>, B, Q> {
     KVExtents const e = cache.keys.extents();
     S const scorer = live_scorer();
     auto const window = observe(WindowQueries<Q, memory_space>{queries.rows, options.rope, queries.positions});
+    if (!options.prefill) {  // decode-time compression only: the prompt's attention still starts H2O's / UNComp's state
+      if constexpr (StatefulScorer<S> && !detail::is_moment_kv<S>)
+        return update(backend, scorer, cache, window, ws);
+      return {};
+    }
     if constexpr (detail::is_moment_kv<S>) {
       KVC_RETURN_IF_ERROR(moment_kv_prefill(backend, scorer, policy.selector, cache, window, ws));
       if constexpr (detail::is_ada_kv<Sel>)  // Algorithm 1 then returns each head to what it kept
