@@ -108,7 +108,7 @@ struct DeviceEngine {
   kvc::AttendQueries<float, kvc::DeviceSpace> attend_queries(Index s) {
     std::vector<float> r(batch * q_heads * dim);  // stand-in for the engine's rotary kernel
     for (Index i = 0; i < batch * q_heads; ++i) {
-      std::copy_n(queries_host.data() + i * 16 * dim, dim, r.data() + i * dim);
+      std::copy_n(queries_host.data() + i * dim, dim, r.data() + i * dim);  // step_queries' row of (b, h)
       host_rope.rotate(r.data() + i * dim, prompt[i / q_heads] + s);
     }
     cudaMemcpy(rotated, r.data(), r.size() * sizeof(float), cudaMemcpyHostToDevice);
@@ -144,7 +144,7 @@ int main() {
   for (Index l = 0; l < engine.layers && st.ok(); ++l)  // after the prompt's forward
     st = layer[l].prefill(engine.cache(l), engine.prompt_queries(l, window), workspace);
 
-  for (Index s = 0; s < steps && st.ok(); ++s)  // each decode forward: kvc's calls only enqueue work
+  for (Index s = 0; s < steps && st.ok(); ++s)  // each decode forward (kvc's calls only enqueue work)
     for (Index l = 0; l < engine.layers && st.ok(); ++l) {
       st = kvc::append(gpu, engine.cache(l), engine.new_tokens(l, s));
       if (st.ok())

@@ -251,20 +251,31 @@ TEST_CASE("layer compressor: MomentKV's prefill is kvc::moment_kv_prefill, and i
             for (Index head = 0; head < e.batch * e.heads; ++head) {
               CHECK(m.count[head] ==
                     sc.prompt[static_cast<std::size_t>(head / e.heads)] - lengths[static_cast<std::size_t>(head)]);
-              for (Index i = 0; i < e.dim; ++i)
+              for (Index i = 0; i < e.dim; ++i) {
                 CHECK(m.key_mean[head * e.dim + i] == moments.view.key_mean[head * e.dim + i]);
+                CHECK(m.value_mean[head * e.dim + i] == moments.view.value_mean[head * e.dim + i]);
+                for (Index j = 0; j < e.dim; ++j)
+                  CHECK(m.comoment[(head * e.dim + i) * e.dim + j] ==
+                        moments.view.comoment[(head * e.dim + i) * e.dim + j]);
+              }
             }
             return {};
           }
         });
     REQUIRE(err.empty());
   }
-  // Decoding: each head's moments count exactly the tokens it evicted (prompt + appended - kept).
+  // Decoding (Algorithm 1, one eviction per step): each head returns to its budget after every token, 16 for the
+  // uniform selector and its prefill length for AdaKV's, and its moments count every token it evicted.
   for (std::string const name : {"moment_kv", "ada_kv_moment_kv"}) {
+    INFO(name);
     ScenarioResult const r = run(name, sc);
     for (Index b = 0; b < sc.batch; ++b)
-      for (Index h = 0; h < sc.kv_heads; ++h)
-        CHECK(r.lengths[static_cast<std::size_t>(b * sc.kv_heads + h)] <= 16 + 1);
+      for (Index h = 0; h < sc.kv_heads; ++h) {
+        auto const head = static_cast<std::size_t>(b * sc.kv_heads + h);
+        Index const budget = name == "moment_kv" ? 16 : r.prefill_lengths[head];
+        CHECK(r.lengths[head] == budget);
+        CHECK(r.moment_counts[head] == sc.prompt[static_cast<std::size_t>(b)] + sc.steps - r.lengths[head]);
+      }
   }
 }
 
@@ -326,6 +337,7 @@ TEST_CASE("layer compressor: clear errors before anything changes", "[engine][co
   REQUIRE(snap.plan(cache, kvc::QueryShape{4, 8, 1, 1}).ok());
   std::vector<std::byte> state(snap.state_bytes());
   CHECK(snap.bind(state.data(), state.size()).ok());
+  CHECK(snap.reset().ok());
   kvc::test::OwnedWorkspace small(snap.workspace_bytes() - 1);
   CHECK_THAT(message(snap.prefill(cache, {}, small.get())), Catch::Contains("workspace smaller than"));
   kvc::test::OwnedWorkspace ws(snap.workspace_bytes());
@@ -356,8 +368,29 @@ TEST_CASE("layer compressor: clear errors before anything changes", "[engine][co
   CHECK_THAT(message(knorm.plan(cache, kvc::QueryShape{4, 0, 1, 1})), Catch::Contains("compression_interval"));
   kvc::LayerCompressor ratio(kvc::Cpu{}, kvc::Press{kvc::KnormScorer{}, kvc::TopKSelector{kvc::RatioBudget{1.5}}});
   CHECK(!ratio.plan(cache, kvc::QueryShape{4, 0, 1, 1}).ok());
-  CHECK_THAT(message(snap.bind(state.data(), snap.state_bytes() == 0 ? 0 : snap.state_bytes() - 1)),
+  CHECK_THAT(message(snap.bind(state.data(), snap.state_bytes() - 1)),
              Catch::Contains("state smaller than state_bytes()"));
+  CHECK_THAT(message(snap.plan(cache, kvc::QueryShape{4, 0, 1, 1})), Catch::Contains("prompt_rows"));
+
+  // bind() without reset(), and a copy of a bound compressor (it shares no state: it must bind its own).
+  kvc::LayerCompressor h2o(kvc::Cpu{}, kvc::Press{kvc::H2OScorer{}, kvc::TopKSelector{kvc::RatioBudget{0.5}}});
+  REQUIRE(h2o.plan(cache, kvc::QueryShape{4, 8, 1, 1}).ok());
+  std::vector<std::byte> h2o_state(h2o.state_bytes());
+  kvc::test::OwnedWorkspace h2o_ws(h2o.workspace_bytes());
+  REQUIRE(h2o.bind(h2o_state.data(), h2o_state.size()).ok());
+  CHECK_THAT(message(h2o.prefill(cache, kvc::LayerQueries<float>{rows, qpos.data()}, h2o_ws.get())),
+             Catch::Contains("reset() first"));
+  REQUIRE(h2o.reset().ok());
+  auto copy = h2o;
+  CHECK_THAT(message(copy.prefill(cache, kvc::LayerQueries<float>{rows, qpos.data()}, h2o_ws.get())),
+             Catch::Contains("bind() and reset() first"));
+  CHECK(lengths == std::vector<Index>(lengths.size(), 30));
+
+  kvc::CompressorOptions<kvc::HostSpace> decoding_only;
+  decoding_only.prefill = false;
+  kvc::LayerCompressor moment(kvc::Cpu{}, kvc::Press{kvc::MomentKVScorer{}, kvc::TopKSelector{kvc::FixedBudget{8}}},
+                              decoding_only);
+  CHECK_THAT(message(moment.plan(cache, kvc::QueryShape{4, 8, 1, 1})), Catch::Contains("options.prefill must be true"));
 }
 
 TEST_CASE("push_queries: rows and positions land after the buffer's count", "[engine][state]") {
@@ -385,6 +418,24 @@ TEST_CASE("push_queries: rows and positions land after the buffer's count", "[en
 }
 
 namespace {
+
+/// The decode selection the tools built by hand: the schedule's FixedBudget target with the policy's windows
+/// (kvc-eval's DecodeRun), AdaKV over that target, UNComp's budget table as it is.
+template <kvc::Budget Bu>
+kvc::TopKSelector<kvc::FixedBudget> by_hand_decode_selector(kvc::TopKSelector<Bu> const& s,
+                                                            kvc::DecodeSchedule schedule) {
+  schedule.n_sink = s.n_sink;
+  schedule.n_recent = s.n_recent;
+  return schedule.selector();
+}
+template <kvc::Budget Bu>
+kvc::AdaKVSelector<kvc::FixedBudget> by_hand_decode_selector(kvc::AdaKVSelector<Bu> const& s,
+                                                             kvc::DecodeSchedule const& schedule) {
+  return {{schedule.target_size}, s.alpha_safeguard, s.reference, s.n_sink, s.n_recent};
+}
+inline kvc::UNCompSelector<> by_hand_decode_selector(kvc::UNCompSelector<> const& s, kvc::DecodeSchedule const&) {
+  return s;
+}
 
 /// The session of run_scenario written out with the building blocks, the way docs/integration.md told engines before
 /// the compressor (kvc::update, kvc::compress, kvc::on_evict, kvc::compact with the state, a QueryBuffer filled by
@@ -443,7 +494,7 @@ ScenarioResult run_by_hand(S scorer, Sel const& selector, kvc::CompressorOptions
   kvc::QueryBuffer<float> buf{buffered.data(), buffered_pos.data(), e.batch, sc.q_heads, rows, e.dim};
   kvc::DecodeCounter counter;
   kvc::KVExtents const one{e.batch, e.heads, 1, e.dim};
-  auto const decode_selector = kvc::detail::decode_selection(selector, options.schedule.target_size);
+  auto const decode_selector = by_hand_decode_selector(selector, options.schedule);
   for (Index s = 0; s < sc.steps; ++s) {
     std::vector<float> k1 =
         sc.fill(100 + 2 * static_cast<std::uint64_t>(s), static_cast<std::size_t>(one.rows() * e.dim));
@@ -502,4 +553,57 @@ TEST_CASE("layer compressor: a session equals the one written with the building 
         CHECK(kept(by_hand.positions, by_hand.lengths, sc, b, h) == kept(r.positions, r.lengths, sc, b, h));
       }
   }
+}
+
+TEST_CASE("layer compressor: the decode selection, and reset() between sequences", "[engine][compressor]") {
+  kvc::DecodeSchedule schedule;
+  schedule.target_size = 40;
+  auto const topk = kvc::detail::decode_selection(kvc::TopKSelector{kvc::RatioBudget{0.5}, 2, 3}, schedule);
+  CHECK(topk.budget.tokens == 40);
+  CHECK((topk.n_sink == 2 && topk.n_recent == 3));
+  schedule.n_recent = 12;  // the schedule's windows, where set, replace the selector's
+  auto const ada = kvc::detail::decode_selection(
+      kvc::AdaKVSelector<kvc::RatioBudget>{{0.5}, 0.3, kvc::Reference::kvpress, 1, 4}, schedule);
+  CHECK(ada.budget.tokens == 40);
+  CHECK((ada.alpha_safeguard == 0.3 && ada.reference == kvc::Reference::kvpress && ada.n_sink == 1 &&
+         ada.n_recent == 12));
+  Index const table[2] = {5, 7};
+  auto const uncomp = kvc::detail::decode_selection(kvc::UNCompSelector<>{kvc::HeadBudgets{table, 2}, 0, 8}, schedule);
+  CHECK((uncomp.budget.tokens == table && uncomp.n_recent == 12));
+
+  // Two sequences through one compressor: after reset(), the second equals a fresh compressor's.
+  Scenario const sc;
+  kvc::KVExtents const e = sc.keys();
+  auto make = [&](std::uint64_t salt, std::vector<float>& k, std::vector<float>& v, std::vector<Index>& lengths,
+                  std::vector<Index>& positions) {
+    k = sc.fill(salt, static_cast<std::size_t>(e.rows() * e.dim));
+    v = sc.fill(salt + 1, k.size());
+    lengths.assign(static_cast<std::size_t>(e.batch * e.heads), 40);
+    positions.resize(static_cast<std::size_t>(e.rows()));
+    for (Index i = 0; i < e.rows(); ++i)
+      positions[static_cast<std::size_t>(i)] = i % e.tokens;
+    return kvc::dense_cache(k.data(), v.data(), e, kvc::head_lengths(lengths.data(), e.heads), positions.data());
+  };
+  kvc::KVExtents const wq{e.batch, sc.q_heads, sc.window, e.dim};
+  std::vector<float> const q = sc.fill(3, static_cast<std::size_t>(wq.rows() * e.dim));
+  std::vector<Index> const qpos(static_cast<std::size_t>(e.batch * sc.window), 39);
+  kvc::LayerQueries<float> const queries{{q.data(), kvc::bhtd_layout(wq)}, qpos.data()};
+  kvc::Press const policy{kvc::H2OScorer{}, kvc::TopKSelector{kvc::RatioBudget{0.5}, 0, 4}};
+  kvc::LayerCompressor reused(kvc::Cpu{}, policy), fresh(kvc::Cpu{}, policy);
+  std::vector<float> k1, v1, k2, v2, k3, v3;
+  std::vector<Index> l1, p1, l2, p2, l3, p3;
+  auto const a = make(50, k1, v1, l1, p1), b = make(60, k2, v2, l2, p2), b2 = make(60, k3, v3, l3, p3);
+  REQUIRE(reused.plan(a, kvc::QueryShape{sc.q_heads, sc.window, 1, 1}).ok());
+  REQUIRE(fresh.plan(a, kvc::QueryShape{sc.q_heads, sc.window, 1, 1}).ok());
+  std::vector<std::byte> s1(reused.state_bytes()), s2(fresh.state_bytes());
+  kvc::test::OwnedWorkspace ws(reused.workspace_bytes());
+  REQUIRE((reused.bind(s1.data(), s1.size()).ok() && reused.reset().ok()));
+  REQUIRE((fresh.bind(s2.data(), s2.size()).ok() && fresh.reset().ok()));
+  REQUIRE(reused.prefill(a, queries, ws.get()).ok());
+  REQUIRE(reused.reset().ok());
+  REQUIRE(reused.prefill(b, queries, ws.get()).ok());
+  REQUIRE(fresh.prefill(b2, queries, ws.get()).ok());
+  CHECK(l2 == l3);
+  CHECK(p2 == p3);
+  CHECK(s1 == s2);  // the accumulators too
 }

@@ -26,6 +26,7 @@
 #include <cmath>
 #include <cstdint>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 namespace kvc::test {
@@ -85,6 +86,7 @@ struct ScenarioResult {
   std::vector<float> keys;                                ///< [B, Hkv, capacity, d] valid rows at the end, 0 beyond
   std::vector<float> attention;                           ///< every step's output [steps, B, Hq, 1, d]
   Index compressions = 0;
+  std::vector<Index> moment_counts;    ///< MomentKV: evicted tokens per head at the end [B, Hkv]
   Index decode_synchronizations = -1;  ///< host synchronisations inside decode() calls (-1: not counted)
   Index decode_allocations = -1;       ///< device allocations inside decode() calls (-1: not counted)
 };
@@ -271,6 +273,8 @@ std::string run_scenario(B const& backend, Mem& mem, Policy const& policy,
   if (std::string const err = mem.sync(); !err.empty())
     return err;
   r.compressions = layer.counter().compressions;
+  if constexpr (detail::is_moment_kv<std::remove_cvref_t<decltype(policy.scorer)>>)
+    r.moment_counts = mem.download(layer.moments().count, lengths_host.size());
   r.lengths = mem.download(lengths, lengths_host.size());
   r.positions = mem.download(positions, positions_host.size());
   std::vector<float> const keys = mem.download(k, static_cast<std::size_t>(e.rows() * e.dim));

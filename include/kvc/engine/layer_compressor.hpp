@@ -8,25 +8,32 @@
 //   every decode forward:        append K, V (kvc::append); attend(queries, cache, out, ws); decode(cache, step, ws)
 //
 // `policy` is a kvc::Press{scorer, selector}; changing it changes the policy and nothing else. What each call runs:
-//   prefill  (with options.prefill; without it, only the kvc::update below: kvpress's DecodingPress)
-//            stateful scorers (H2O, UNComp): kvc::update with the prompt's queries, then score;
+//   prefill  stateful scorers (H2O, UNComp): kvc::update with the prompt's queries, then score;
 //            ExpectedAttention: kvc::query_statistics of the prompt's queries, then score;
 //            window scorers (SnapKV, TOVA, ...): the prompt's queries as window queries;
 //            key-only scorers (KeyDiff, Knorm, StreamingLLM, random): keys and values alone;
 //            then the selector, kvc::on_evict and kvc::compact (with the scorer's per-token state);
 //            MomentKV: kvc::moment_kv_prefill (its rounds, the moments of the evicted tokens).
 //            Calling prefill after each chunk of a chunked prefill with a FixedBudget is KeyDiff's block-wise
-//            protocol (Eq. 6; pipeline/blockwise.hpp), and for stateful scorers it folds every chunk's queries.
+//            protocol (Eq. 6; pipeline/blockwise.hpp), and for stateful scorers it folds every chunk's queries (with
+//            a RatioBudget every chunk would cut the tokens kept before again).
+//            options.prefill = false compresses only while decoding (kvpress's DecodingPress leaves the prompt
+//            alone); prefill() then only starts a stateful scorer's state with the prompt's queries (kvc-eval's
+//            --decode rows; the authors' H2O). MomentKV compresses its prompt always (Algorithm 1 starts from it).
 //   decode   with options.decode: the step's queries join the layer's buffer (kvc::push_queries, only for policies
 //            that read queries) and kvc::decode_step runs the schedule (kvpress's DecodingPress; MomentKV:
 //            Algorithm 1 with scorer.decode()). The selection of a decode-time compression is the policy's selector
-//            with the schedule's target_size as a FixedBudget (its sink and recent windows kept); selectors over a
-//            per-head table (UNComp's budgets, PerHeadBudget) keep their table; MomentKV with AdaKV keeps each head's
-//            prefill length as its budget. Without options.decode, decode does nothing.
+//            with the schedule's target_size as a FixedBudget (PyramidKV's per-layer budget becomes that uniform
+//            target; AdaKV splits it across heads); its sink and recent windows are the schedule's n_sink / n_recent
+//            where those are set (> 0), else the selector's. Selectors over a per-head table (UNComp's budgets,
+//            PerHeadBudget) keep their table and ignore target_size; MomentKV with AdaKV keeps each head's prefill
+//            length as its budget (kvc-eval grows a layer that evicted nothing to target_size; this does not).
+//            Without options.decode, decode does nothing.
 //   attend   kvc::attend, or kvc::attend_corrected over the layer's moments for MomentKV (options.corrected).
 // Every call checks its arguments and returns a Status; nothing allocates. On CUDA no call reads device memory on the
-// host: the decode schedule runs on host counters, so a decode step can be captured into a CUDA graph (one graph for
-// the steps that compress, one for those that do not: decode() reports which through `compressed`).
+// host or synchronises: the decode schedule runs on host counters, so each step can be captured into a CUDA graph.
+// Replaying one captured graph for many steps is not possible yet for policies that read queries: the buffer's fill
+// (a host counter) is a kernel argument that changes every step.
 //
 // The packed policies (RDKV, KIVI: kvc::pack into a kvc::PackedKV, attention over the packed store) are not composed
 // here yet: they keep their own path (pipeline/pack.hpp, attention/packed.hpp).
@@ -75,8 +82,7 @@ struct QueryShape {
 template <class Space>
 struct CompressorOptions {
   RopeTable<Space> rope{};         ///< rotates pre-RoPE queries (ExpectedAttention needs one); empty: post-RoPE
-  bool prefill = true;             ///< compress in prefill() (false: only decode compresses, as kvpress's
-                                   ///< DecodingPress; prefill() then only folds the prompt into a stateful state)
+  bool prefill = true;             ///< compress in prefill() (false: only decode compresses; see the file comment)
   bool decode = false;             ///< compress while decoding, on `schedule`
   DecodeSchedule schedule{};       ///< interval, target_size, hidden_states_buffer_size (kvpress's DecodingPress)
   CorrectedAttention attention{};  ///< attention's scale and mask (attention.attention); MomentKV's correction
@@ -120,9 +126,18 @@ inline constexpr bool keeps_table = requires {
   typename Bu::memory_space;
 };
 
-/// The selection a decode-time compression runs (see the file comment).
+/// The selection a decode-time compression runs (see the file comment): `sel` with the schedule's target and, where
+/// the schedule sets them (> 0), its sink and recent windows.
 template <Selector Sel>
-constexpr auto decode_selection(Sel const& sel, Index target) noexcept {
+constexpr auto decode_selection(Sel sel, DecodeSchedule const& schedule) noexcept {
+  if constexpr (requires {
+                  sel.n_sink;
+                  sel.n_recent;
+                }) {
+    sel.n_sink = schedule.n_sink > 0 ? schedule.n_sink : sel.n_sink;
+    sel.n_recent = schedule.n_recent > 0 ? schedule.n_recent : sel.n_recent;
+  }
+  Index const target = schedule.target_size;
   if constexpr (requires { typename Sel::budget_type; } && !keeps_table<typename Sel::budget_type>) {
     if constexpr (is_ada_kv<Sel>)
       return AdaKVSelector<FixedBudget>{{target}, sel.alpha_safeguard, sel.reference, sel.n_sink, sel.n_recent};
@@ -135,10 +150,23 @@ constexpr auto decode_selection(Sel const& sel, Index target) noexcept {
 }  // namespace detail
 
 /// The per-layer compressor (see the file comment). Policy: kvc::Press<Scorer, Selector>; Q: the queries' element
-/// type (float, half, bfloat16). Copyable: a planned compressor copied per layer shares the plan; each copy binds its
-/// own state.
+/// type (float, half, bfloat16). Copyable: a planned compressor copied per layer shares the plan; a copy is not bound
+/// (bind and reset it before use), so no two compressors share a state by accident.
 template <class Policy, Backend B, Element Q = float>
 class LayerCompressor;
+
+namespace detail {
+/// A flag that copies do not carry: a copied compressor must bind (and reset) its own state.
+struct BindingFlag {
+  bool on = false;
+  constexpr BindingFlag() noexcept = default;
+  constexpr BindingFlag(BindingFlag const&) noexcept {}
+  constexpr BindingFlag& operator=(BindingFlag const&) noexcept {
+    on = false;
+    return *this;
+  }
+};
+}  // namespace detail
 
 template <Scorer S, Selector Sel, Backend B, Element Q>
 class LayerCompressor<Press<S, Sel>, B, Q> {
@@ -161,14 +189,22 @@ class LayerCompressor<Press<S, Sel>, B, Q> {
   Status plan(C const& cache, QueryShape const& shape) {
     static_assert(AccessibleFrom<C, B>,
                   "kvc::LayerCompressor: the cache lives in a memory space this backend cannot read");
-    planned_ = bound_ = false;  // a new plan needs its state bound again
+    planned_ = false;
+    bound_.on = ready_.on = false;  // a new plan needs its state bound and reset again
     KVExtents const e = cache.keys.extents();
     if (!extents_fit(e) || e.batch < 1 || e.heads < 1 || e.dim < 1 || shape.heads < 1 || shape.heads % e.heads != 0)
       return {Errc::invalid_argument,
               "kvc::LayerCompressor::plan: need batch, KV heads and d_k >= 1, and Hq a multiple of the KV heads"};
     if (shape.prompt_rows < 0 || shape.step_rows < 0 || shape.attend_rows < 0)
       return {Errc::invalid_argument, "kvc::LayerCompressor::plan: query row counts must be >= 0"};
+    if (detail::reads_queries<S> && (shape.prompt_rows < 1 || (options.decode && shape.step_rows < 1)))
+      return {Errc::invalid_argument,
+              "kvc::LayerCompressor::plan: this policy reads queries: prompt_rows (and step_rows with decode) must "
+              "be >= 1"};
     KVC_RETURN_IF_ERROR(check_policy());
+    if (detail::is_moment_kv<S> && !options.prefill)
+      return {Errc::invalid_argument,
+              "kvc::LayerCompressor::plan: MomentKV compresses its prompt in prefill (options.prefill must be true)"};
     if (has_need(S::needs, Needs::query_statistics) && options.rope.empty())
       return {Errc::invalid_argument,
               "kvc::LayerCompressor::plan: ExpectedAttention reads pre-RoPE queries: set options.rope (a table "
@@ -209,17 +245,22 @@ class LayerCompressor<Press<S, Sel>, B, Q> {
       policy.selector.budget.layer = layer;
     carve_state(state, bytes);
     state_ = state;
-    bound_ = true;
+    bound_.on = true;
+    ready_.on = false;  // reset() zeroes the state
     return {};
   }
 
   /// A new sequence: zeroes the state (on CUDA, enqueued) and the schedule's counters.
   Status reset() {
-    KVC_RETURN_IF_ERROR(check_bound("reset"));
+    if (!planned_ || !bound_.on)
+      return {Errc::invalid_argument, "kvc::LayerCompressor::reset: call plan() and bind() first"};
     counter_ = {};
     buffer_.count = 0;
     buffer_.fresh = 0;
-    return zero_state(backend, state_, state_bytes_);
+    prefilled_ = false;
+    KVC_RETURN_IF_ERROR(zero_state(backend, state_, state_bytes_));
+    ready_.on = true;
+    return {};
   }
 
   /// Compresses the layer after the prompt (or after a chunk of it): see the file comment. `queries`: the prompt's
@@ -227,21 +268,24 @@ class LayerCompressor<Press<S, Sel>, B, Q> {
   /// per-head length table (compaction writes each head's count).
   template <KVCacheView C>
   Status prefill(C const& cache, LayerQueries<Q, memory_space> const& queries, Workspace ws) {
-    KVC_RETURN_IF_ERROR(check_call(cache, ws, "prefill"));
+    KVC_RETURN_IF_ERROR(check_call(cache, ws));
+    constexpr bool starts_state = StatefulScorer<S> && !detail::is_moment_kv<S>;
+    if (!options.prefill && !starts_state)
+      return {};  // decode-time compression only
     if constexpr (detail::reads_queries<S>)
       KVC_RETURN_IF_ERROR(check_queries(queries, queries_.prompt_rows, "prefill"));
     KVExtents const e = cache.keys.extents();
     S const scorer = live_scorer();
     auto const window = observe(WindowQueries<Q, memory_space>{queries.rows, options.rope, queries.positions});
-    if (!options.prefill) {  // decode-time compression only: the prompt's attention still starts H2O's / UNComp's state
-      if constexpr (StatefulScorer<S> && !detail::is_moment_kv<S>)
+    if constexpr (starts_state) {
+      if (!options.prefill)  // the prompt's attention starts H2O's / UNComp's state; nothing is evicted
         return update(backend, scorer, cache, window, ws);
-      return {};
     }
     if constexpr (detail::is_moment_kv<S>) {
       KVC_RETURN_IF_ERROR(moment_kv_prefill(backend, scorer, policy.selector, cache, window, ws));
       if constexpr (detail::is_ada_kv<Sel>)  // Algorithm 1 then returns each head to what it kept
         KVC_RETURN_IF_ERROR(copy_indices(backend, budgets_, cache.lengths.data, e.batch * e.heads));
+      prefilled_ = true;
       return {};
     } else {
       WorkspaceCarver carve(ws);
@@ -279,9 +323,12 @@ class LayerCompressor<Press<S, Sel>, B, Q> {
                 bool* compressed = nullptr) {
     if (compressed)
       *compressed = false;
-    KVC_RETURN_IF_ERROR(check_call(cache, ws, "decode"));
+    KVC_RETURN_IF_ERROR(check_call(cache, ws));
     if (!options.decode)
       return {};
+    if (detail::is_moment_kv<S> && !prefilled_)
+      return {Errc::invalid_argument,
+              "kvc::LayerCompressor::decode: MomentKV decodes from a compressed prompt: call prefill() first"};
     if constexpr (detail::reads_queries<S>) {
       KVC_RETURN_IF_ERROR(check_queries(queries, queries_.step_rows, "decode"));
       KVC_RETURN_IF_ERROR(push_queries(backend, buffer_, queries.rows, queries.positions));
@@ -295,7 +342,10 @@ class LayerCompressor<Press<S, Sel>, B, Q> {
   template <KVCacheView C, Element T>
   Status attend(AttendQueries<T, memory_space> const& queries, C const& cache, AttendOutput<memory_space> out,
                 Workspace ws) {
-    KVC_RETURN_IF_ERROR(check_call(cache, ws, "attend"));
+    KVC_RETURN_IF_ERROR(check_call(cache, ws));
+    KVExtents const q = queries.rows.extents();
+    if (q.heads != queries_.heads || q.tokens > queries_.attend_rows)
+      return {Errc::invalid_argument, "kvc::LayerCompressor::attend: queries must be [batch, Hq, <= attend_rows, d_k]"};
     if constexpr (detail::is_moment_kv<S>) {
       if (options.corrected)
         return attend_corrected(backend, options.attention, queries, cache, moments(), out, ws);
@@ -317,18 +367,17 @@ class LayerCompressor<Press<S, Sel>, B, Q> {
     return policy.selector.check();
   }
 
-  Status check_bound(char const* call) const {
-    if (!planned_ || !bound_)
-      return {Errc::invalid_argument, call[0] == 'r' ? "kvc::LayerCompressor::reset: call plan() and bind() first"
-                                                     : "kvc::LayerCompressor: call plan(), bind() and reset() first"};
+  Status check_ready() const {
+    if (!planned_ || !bound_.on || !ready_.on)
+      return {Errc::invalid_argument, "kvc::LayerCompressor: call plan(), bind() and reset() first"};
     return {};
   }
 
   /// The cache must have the planned batch, heads and dims, at most the planned token slots, and the workspace
   /// workspace_bytes().
   template <KVCacheView C>
-  Status check_call(C const& cache, Workspace ws, char const* call) const {
-    KVC_RETURN_IF_ERROR(check_bound(call));
+  Status check_call(C const& cache, Workspace ws) const {
+    KVC_RETURN_IF_ERROR(check_ready());
     KVExtents const e = cache.keys.extents();
     if (e.batch != keys_.batch || e.heads != keys_.heads || e.dim != keys_.dim || e.tokens > keys_.tokens ||
         cache.values.extents().dim != value_dim_)
@@ -373,9 +422,11 @@ class LayerCompressor<Press<S, Sel>, B, Q> {
   auto decode_selector() const noexcept {
     if constexpr (detail::is_moment_kv<S> && detail::is_ada_kv<Sel>)
       return TopKSelector<PerHeadBudget<memory_space>>{
-          {budgets_, keys_.heads}, policy.selector.n_sink, policy.selector.n_recent};
+          {budgets_, keys_.heads},
+          options.schedule.n_sink > 0 ? options.schedule.n_sink : policy.selector.n_sink,
+          options.schedule.n_recent > 0 ? options.schedule.n_recent : policy.selector.n_recent};
     else
-      return detail::decode_selection(policy.selector, options.schedule.target_size);
+      return detail::decode_selection(policy.selector, options.schedule);
   }
 
   /// Lays the state out from `base` (nullptr: sizing only) and returns the bytes it spans (slack included).
@@ -467,7 +518,9 @@ class LayerCompressor<Press<S, Sel>, B, Q> {
   QueryShape queries_{};
   Index buffer_rows_ = 0;
   std::size_t state_bytes_ = 0, workspace_bytes_ = 0;
-  bool planned_ = false, bound_ = false;
+  bool planned_ = false;
+  detail::BindingFlag bound_, ready_;  // bound state; reset since (copies carry neither)
+  bool prefilled_ = false;             // MomentKV: prefill ran since the last reset
   void* state_ = nullptr;
   // The state's pieces (in the bound memory).
   QueryBuffer<Q, memory_space> buffer_{};
