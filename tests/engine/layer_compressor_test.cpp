@@ -62,6 +62,21 @@ std::vector<Index> kept(std::vector<Index> const& positions, std::vector<Index> 
   return {first, first + lengths[static_cast<std::size_t>(head)]};
 }
 
+/// The scenario's prompt in host memory: a dense cache over it, and the prompt's last queries with their positions.
+struct HostPrompt {
+  Scenario const& sc;
+  std::vector<float> k = sc.prompt_keys(), v = sc.prompt_values(), q = sc.prompt_queries();
+  std::vector<Index> lengths = sc.prompt_lengths(), positions = sc.slot_positions(), qpos = sc.prompt_query_positions();
+
+  auto cache() {
+    return kvc::dense_cache(k.data(), v.data(), sc.keys(), kvc::head_lengths(lengths.data(), sc.kv_heads),
+                            positions.data());
+  }
+  kvc::TokenRows<float const, kvc::StridedLayout> rows() const {
+    return {q.data(), kvc::bhtd_layout(sc.prompt_query_extents())};
+  }
+};
+
 std::vector<Index> range(Index from, Index to) {
   std::vector<Index> out;
   for (Index i = from; i < to; ++i)
@@ -144,20 +159,8 @@ TEST_CASE("layer compressor: prefill equals the tools' sequence of entry points"
     ScenarioResult const r = run(name, sc);
     HostMemory mem;
     kvc::KVExtents const e = sc.keys();
-    std::vector<float> k = sc.fill(1, static_cast<std::size_t>(e.rows() * e.dim)), v = sc.fill(2, k.size());
-    std::vector<Index> lengths, positions(static_cast<std::size_t>(e.rows()));
-    for (Index b = 0; b < e.batch; ++b)
-      lengths.insert(lengths.end(), static_cast<std::size_t>(e.heads), sc.prompt[static_cast<std::size_t>(b)]);
-    for (Index i = 0; i < e.rows(); ++i)
-      positions[static_cast<std::size_t>(i)] = i % e.tokens;
-    auto const cache =
-        kvc::dense_cache(k.data(), v.data(), e, kvc::head_lengths(lengths.data(), e.heads), positions.data());
-    kvc::KVExtents const wq{e.batch, sc.q_heads, sc.window, e.dim};
-    std::vector<float> const q = sc.fill(3, static_cast<std::size_t>(wq.rows() * e.dim));
-    std::vector<Index> qpos;
-    for (Index b = 0; b < e.batch; ++b)
-      for (Index i = 0; i < sc.window; ++i)
-        qpos.push_back(sc.prompt[static_cast<std::size_t>(b)] - sc.window + i);
+    HostPrompt prompt{sc};
+    auto const cache = prompt.cache();
     kvc::test::OwnedRope const rope(kvc::RopeSpec{}, e.dim, sc.rope_positions);
     std::vector<Index> index(static_cast<std::size_t>(e.rows())), count(static_cast<std::size_t>(e.batch * e.heads));
     kvc::KeepPlan<> const plan{index.data(), count.data(), e.batch, e.heads, e.tokens};
@@ -174,10 +177,8 @@ TEST_CASE("layer compressor: prefill equals the tools' sequence of entry points"
             kvc::Status st;
             kvc::tools::with_observations(
                 policy.scorer, cache,
-                kvc::tools::ObservedQueries{
-                    kvc::TokenRows<float const, kvc::StridedLayout>(q.data(), kvc::bhtd_layout(wq)), qpos.data(),
-                    rope.table, kvc::RopeSpec{}, true},
-                name, store, [&](auto const& live, auto const& obs) {
+                kvc::tools::ObservedQueries{prompt.rows(), prompt.qpos.data(), rope.table, kvc::RopeSpec{}, true}, name,
+                store, [&](auto const& live, auto const& obs) {
                   kvc::Press const press{live, selector};
                   kvc::test::OwnedWorkspace ws(kvc::compress_workspace_bytes(kvc::Cpu{}, press, e, obs));
                   st = kvc::compress(kvc::Cpu{}, press, cache, obs, plan, ws.get());
@@ -188,10 +189,11 @@ TEST_CASE("layer compressor: prefill equals the tools' sequence of entry points"
           }
         });
     REQUIRE(err.empty());
-    CHECK(lengths == r.prefill_lengths);
+    CHECK(prompt.lengths == r.prefill_lengths);
     for (Index b = 0; b < e.batch; ++b)
       for (Index h = 0; h < e.heads; ++h)
-        CHECK(kept(positions, lengths, sc, b, h) == kept(r.prefill_positions, r.prefill_lengths, sc, b, h));
+        CHECK(kept(prompt.positions, prompt.lengths, sc, b, h) ==
+              kept(r.prefill_positions, r.prefill_lengths, sc, b, h));
   }
 }
 
@@ -208,27 +210,14 @@ TEST_CASE("layer compressor: MomentKV's prefill is kvc::moment_kv_prefill, and i
             return "not MomentKV";
           } else {
             // The compressor, by hand, on one cache; kvc::moment_kv_prefill on a copy.
-            std::vector<float> k = sc.fill(1, static_cast<std::size_t>(e.rows() * e.dim)), v = sc.fill(2, k.size());
-            std::vector<float> k2 = k, v2 = v;
-            std::vector<Index> lengths, positions(static_cast<std::size_t>(e.rows()));
-            for (Index b = 0; b < e.batch; ++b)
-              lengths.insert(lengths.end(), static_cast<std::size_t>(e.heads), sc.prompt[static_cast<std::size_t>(b)]);
-            for (Index i = 0; i < e.rows(); ++i)
-              positions[static_cast<std::size_t>(i)] = i % e.tokens;
-            std::vector<Index> lengths2 = lengths, positions2 = positions;
-            auto const cache =
-                kvc::dense_cache(k.data(), v.data(), e, kvc::head_lengths(lengths.data(), e.heads), positions.data());
-            auto const cache2 = kvc::dense_cache(k2.data(), v2.data(), e, kvc::head_lengths(lengths2.data(), e.heads),
-                                                 positions2.data());
-            kvc::KVExtents const wq{e.batch, sc.q_heads, sc.window, e.dim};
-            std::vector<float> const q = sc.fill(3, static_cast<std::size_t>(wq.rows() * e.dim));
-            std::vector<Index> qpos;
-            for (Index b = 0; b < e.batch; ++b)
-              for (Index i = 0; i < sc.window; ++i)
-                qpos.push_back(sc.prompt[static_cast<std::size_t>(b)] - sc.window + i);
+            HostPrompt one{sc}, two{sc};
+            auto const cache = one.cache();
+            auto const cache2 = two.cache();
             kvc::test::OwnedRope const rope(kvc::RopeSpec{}, e.dim, sc.rope_positions);
             options.rope = rope.table;
-            kvc::TokenRows<float const, kvc::StridedLayout> const rows(q.data(), kvc::bhtd_layout(wq));
+            kvc::TokenRows<float const, kvc::StridedLayout> const rows = one.rows();
+            std::vector<Index> const& qpos = one.qpos;
+            std::vector<Index> const &lengths = one.lengths, &lengths2 = two.lengths;
 
             kvc::LayerCompressor c(kvc::Cpu{}, policy, options);
             REQUIRE(c.plan(cache, kvc::QueryShape{sc.q_heads, sc.window, 1, 1}).ok());
@@ -246,7 +235,7 @@ TEST_CASE("layer compressor: MomentKV's prefill is kvc::moment_kv_prefill, and i
                 kvc::moment_kv_prefill_workspace_bytes(kvc::Cpu{}, scorer, policy.selector, e, obs));
             REQUIRE(kvc::moment_kv_prefill(kvc::Cpu{}, scorer, policy.selector, cache2, obs, ws2.get()).ok());
             CHECK(lengths == lengths2);
-            CHECK(positions == positions2);
+            CHECK(one.positions == two.positions);
             auto const m = c.moments();
             for (Index head = 0; head < e.batch * e.heads; ++head) {
               CHECK(m.count[head] ==
@@ -444,14 +433,8 @@ template <class S, class Sel>
 ScenarioResult run_by_hand(S scorer, Sel const& selector, kvc::CompressorOptions<kvc::HostSpace> const& options,
                            Scenario const& sc) {
   kvc::KVExtents const e = sc.keys();
-  std::vector<float> k = sc.fill(1, static_cast<std::size_t>(e.rows() * e.dim)), v = sc.fill(2, k.size());
-  std::vector<Index> lengths, positions(static_cast<std::size_t>(e.rows()));
-  for (Index b = 0; b < e.batch; ++b)
-    lengths.insert(lengths.end(), static_cast<std::size_t>(e.heads), sc.prompt[static_cast<std::size_t>(b)]);
-  for (Index i = 0; i < e.rows(); ++i)
-    positions[static_cast<std::size_t>(i)] = i % e.tokens;
-  auto const cache =
-      kvc::dense_cache(k.data(), v.data(), e, kvc::head_lengths(lengths.data(), e.heads), positions.data());
+  HostPrompt prompt{sc};
+  auto const cache = prompt.cache();
   kvc::test::OwnedRope const rope(kvc::RopeSpec{}, e.dim, sc.rope_positions);
   // The scorer's state.
   std::vector<float> state(static_cast<std::size_t>(e.rows() * sc.window), 0.0f);
@@ -463,14 +446,7 @@ ScenarioResult run_by_hand(S scorer, Sel const& selector, kvc::CompressorOptions
   kvc::test::OwnedWorkspace ws(1 << 22);
   kvc::test::OwnedPlan plan(e.batch, e.heads, e.tokens);
 
-  kvc::KVExtents const wq{e.batch, sc.q_heads, sc.window, e.dim};
-  std::vector<float> const q = sc.fill(3, static_cast<std::size_t>(wq.rows() * e.dim));
-  std::vector<Index> qpos;
-  for (Index b = 0; b < e.batch; ++b)
-    for (Index i = 0; i < sc.window; ++i)
-      qpos.push_back(sc.prompt[static_cast<std::size_t>(b)] - sc.window + i);
-  auto const window = kvc::observe(kvc::WindowQueries<float>{
-      kvc::TokenRows<float const, kvc::StridedLayout>(q.data(), kvc::bhtd_layout(wq)), rope.table, qpos.data()});
+  auto const window = kvc::observe(kvc::WindowQueries<float>{prompt.rows(), rope.table, prompt.qpos.data()});
   kvc::Press const press{scorer, selector};
   if (!options.prefill) {  // DecodingPress: the prompt only starts the state
     if constexpr (kvc::StatefulScorer<S>)
@@ -485,8 +461,8 @@ ScenarioResult run_by_hand(S scorer, Sel const& selector, kvc::CompressorOptions
     REQUIRE(kvc::compact(kvc::Cpu{}, plan.plan, cache).ok());
   }
   ScenarioResult r;
-  r.prefill_lengths = lengths;
-  r.prefill_positions = positions;
+  r.prefill_lengths = prompt.lengths;
+  r.prefill_positions = prompt.positions;
 
   Index const rows = options.schedule.compression_interval;
   std::vector<float> buffered(static_cast<std::size_t>(e.batch * sc.q_heads * rows * e.dim));
@@ -517,8 +493,8 @@ ScenarioResult run_by_hand(S scorer, Sel const& selector, kvc::CompressorOptions
                              ws.get())
                 .ok());
   }
-  r.lengths = lengths;
-  r.positions = positions;
+  r.lengths = prompt.lengths;
+  r.positions = prompt.positions;
   r.compressions = counter.compressions;
   return r;
 }
@@ -606,4 +582,36 @@ TEST_CASE("layer compressor: the decode selection, and reset() between sequences
   CHECK(l2 == l3);
   CHECK(p2 == p3);
   CHECK(s1 == s2);  // the accumulators too
+}
+
+TEST_CASE("layer compressor: 16-bit queries give the kept set of their fp32 values", "[engine][compressor]") {
+  // The prompt's queries rounded to fp16 and handed to LayerCompressor<..., half> keep what the same values in
+  // fp32 keep (scorers widen query rows exactly).
+  Scenario const sc;
+  kvc::Press const policy{kvc::SnapKVScorer{kvc::Reference::authors, sc.window, 3},
+                          kvc::TopKSelector{kvc::RatioBudget{0.5}}};
+  HostPrompt wide{sc}, narrow{sc};
+  std::vector<kvc::half> q16(wide.q.size());
+  for (std::size_t i = 0; i < q16.size(); ++i) {
+    q16[i] = kvc::half(wide.q[i]);
+    wide.q[i] = kvc::to_float(q16[i]);
+  }
+  kvc::test::OwnedRope const rope(kvc::RopeSpec{}, sc.dim, sc.rope_positions);
+  kvc::CompressorOptions<kvc::HostSpace> options;
+  options.rope = rope.table;
+  kvc::LayerCompressor<std::remove_const_t<decltype(policy)>, kvc::Cpu, float> f32(kvc::Cpu{}, policy, options);
+  kvc::LayerCompressor<std::remove_const_t<decltype(policy)>, kvc::Cpu, kvc::half> f16(kvc::Cpu{}, policy, options);
+  kvc::QueryShape const shape{sc.q_heads, sc.window, 1, 1};
+  REQUIRE((f32.plan(wide.cache(), shape).ok() && f16.plan(narrow.cache(), shape).ok()));
+  std::vector<std::byte> s32(f32.state_bytes()), s16(f16.state_bytes());
+  kvc::test::OwnedWorkspace w32(f32.workspace_bytes()), w16(f16.workspace_bytes());
+  REQUIRE((f32.bind(s32.data(), s32.size()).ok() && f32.reset().ok()));
+  REQUIRE((f16.bind(s16.data(), s16.size()).ok() && f16.reset().ok()));
+  REQUIRE(f32.prefill(wide.cache(), {wide.rows(), wide.qpos.data()}, w32.get()).ok());
+  kvc::TokenRows<kvc::half const, kvc::StridedLayout> const rows16(q16.data(),
+                                                                   kvc::bhtd_layout(sc.prompt_query_extents()));
+  REQUIRE(f16.prefill(narrow.cache(), {rows16, narrow.qpos.data()}, w16.get()).ok());
+  CHECK(wide.lengths == narrow.lengths);
+  CHECK(wide.positions == narrow.positions);
+  CHECK(wide.lengths != sc.prompt_lengths());  // it compressed
 }

@@ -77,6 +77,35 @@ struct Scenario {
       x[i] = value(stream, i);
     return x;
   }
+  /// The prompt's K (stream 1) and V (stream 2), [B, Hkv, capacity, d]: every slot filled (appends overwrite).
+  std::vector<float> prompt_keys() const { return fill(1, static_cast<std::size_t>(keys().rows() * dim)); }
+  std::vector<float> prompt_values() const { return fill(2, static_cast<std::size_t>(keys().rows() * dim)); }
+  /// [B, Hkv]: every head of sequence b holds its prompt.
+  std::vector<Index> prompt_lengths() const {
+    std::vector<Index> n;
+    for (Index b = 0; b < batch; ++b)
+      n.insert(n.end(), static_cast<std::size_t>(kv_heads), prompt[static_cast<std::size_t>(b)]);
+    return n;
+  }
+  /// [B, Hkv, capacity]: slot t holds position t.
+  std::vector<Index> slot_positions() const {
+    std::vector<Index> p(static_cast<std::size_t>(keys().rows()));
+    for (std::size_t i = 0; i < p.size(); ++i)
+      p[i] = static_cast<Index>(i) % capacity;
+    return p;
+  }
+  /// The prompt's last `window` pre-RoPE queries (stream 3), [B, Hq, window, d], and their positions [B, window].
+  KVExtents prompt_query_extents() const { return {batch, q_heads, window, dim}; }
+  std::vector<float> prompt_queries() const {
+    return fill(3, static_cast<std::size_t>(prompt_query_extents().rows() * dim));
+  }
+  std::vector<Index> prompt_query_positions() const {
+    std::vector<Index> p;
+    for (Index b = 0; b < batch; ++b)
+      for (Index i = 0; i < window; ++i)
+        p.push_back(prompt[static_cast<std::size_t>(b)] - window + i);
+    return p;
+  }
 };
 
 /// What a session reports (host copies): after prefill, and at the end.
@@ -177,14 +206,9 @@ std::string run_scenario(B const& backend, Mem& mem, Policy const& policy,
   KVExtents const e = sc.keys();
   auto fail = [](Status const& st) { return std::string(st.message()); };
   // The prompt's K and V (every slot filled; slots past a sequence's prompt are overwritten by appends).
-  float* k = mem.upload(sc.fill(1, static_cast<std::size_t>(e.rows() * e.dim)));
-  float* v = mem.upload(sc.fill(2, static_cast<std::size_t>(e.rows() * e.dim)));
-  std::vector<Index> lengths_host, positions_host(static_cast<std::size_t>(e.rows()));
-  for (Index b = 0; b < e.batch; ++b)
-    for (Index h = 0; h < e.heads; ++h)
-      lengths_host.push_back(sc.prompt[static_cast<std::size_t>(b)]);
-  for (Index i = 0; i < e.rows(); ++i)
-    positions_host[static_cast<std::size_t>(i)] = i % e.tokens;
+  float* k = mem.upload(sc.prompt_keys());
+  float* v = mem.upload(sc.prompt_values());
+  std::vector<Index> const lengths_host = sc.prompt_lengths(), positions_host = sc.slot_positions();
   Index* lengths = mem.upload(lengths_host);
   Index* positions = mem.upload(positions_host);
   auto const cache =
@@ -213,14 +237,9 @@ std::string run_scenario(B const& backend, Mem& mem, Policy const& policy,
     return fail(st);
 
   // Prefill: the prompt's last `window` queries (positions P_b - w + i).
-  KVExtents const wq{e.batch, sc.q_heads, sc.window, e.dim};
-  float const* prompt_q = mem.upload(sc.fill(3, static_cast<std::size_t>(wq.rows() * e.dim)));
-  std::vector<Index> prompt_pos;
-  for (Index b = 0; b < e.batch; ++b)
-    for (Index i = 0; i < sc.window; ++i)
-      prompt_pos.push_back(sc.prompt[static_cast<std::size_t>(b)] - sc.window + i);
-  LayerQueries<float, Space> const prompt{TokenRows<float const, StridedLayout, Space>(prompt_q, bhtd_layout(wq)),
-                                          mem.upload(prompt_pos)};
+  LayerQueries<float, Space> const prompt{TokenRows<float const, StridedLayout, Space>(
+                                              mem.upload(sc.prompt_queries()), bhtd_layout(sc.prompt_query_extents())),
+                                          mem.upload(sc.prompt_query_positions())};
   if (Status const st = layer.prefill(cache, prompt, ws); !st.ok())
     return fail(st);
   if (std::string const err = mem.sync(); !err.empty())
