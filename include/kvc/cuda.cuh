@@ -4,9 +4,11 @@
 
 #include <kvc/backend/cuda/attention/attend.cuh>
 #include <kvc/backend/cuda/attention/corrected.cuh>
+#include <kvc/backend/cuda/attention/merge.cuh>
 #include <kvc/backend/cuda/attention/packed.cuh>
 #include <kvc/backend/cuda/config.cuh>
 #include <kvc/backend/cuda/pipeline/compact.cuh>
+#include <kvc/backend/cuda/pipeline/pack.cuh>
 #include <kvc/backend/cuda/pipeline/query_statistics.cuh>
 #include <kvc/backend/cuda/pipeline/state.cuh>
 #include <kvc/backend/cuda/scorers/expected_attention.cuh>

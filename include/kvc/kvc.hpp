@@ -9,8 +9,10 @@
 #include <kvc/attention/packed.hpp>
 #include <kvc/backend/cpu/attention/attend.hpp>
 #include <kvc/backend/cpu/attention/corrected.hpp>
+#include <kvc/backend/cpu/attention/merge.hpp>
 #include <kvc/backend/cpu/attention/packed.hpp>
 #include <kvc/backend/cpu/pipeline/compact.hpp>
+#include <kvc/backend/cpu/pipeline/pack.hpp>
 #include <kvc/backend/cpu/pipeline/query_statistics.hpp>
 #include <kvc/backend/cpu/pipeline/rerotate.hpp>
 #include <kvc/backend/cpu/pipeline/state.hpp>

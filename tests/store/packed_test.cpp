@@ -3,6 +3,7 @@
 // order and split layout of a hand case byte for byte (spec rdkv Q5), padding counts, the memory accounting by hand
 // (S6), FP16 passthrough (Q3), pruned channels, dequantized() against an independent restatement of the quantiser,
 // and the packer's errors.
+#include <kvc/backend/cpu/pipeline/pack.hpp>
 #include <kvc/pipeline/pack.hpp>
 #include <kvc/store/packed.hpp>
 #include <kvc/store/packed_kv.hpp>
@@ -331,4 +332,133 @@ TEST_CASE("pack: errors name the argument (bad bits, non-finite, shapes, options
     nan_evicted.k[8] = std::numeric_limits<float>::quiet_NaN();
     CHECK(kvc::pack(nan_evicted.view(), evict.plan, {}, kv).ok());
   }
+}
+
+namespace {
+/// The bytes a head's arrays reach past `base`, read off its descriptor (the largest offset + size).
+std::uint64_t head_extent(kvc::PackedHead const& d, Index value_dim, kvc::PackedQuant const& q) {
+  using kvc::packed_bytes;
+  using kvc::segment_bits;
+  auto const u = [](Index x) { return static_cast<std::uint64_t>(x); };
+  Index const groups = q.v_group > 0 ? (value_dim + q.v_group - 1) / q.v_group : 1;
+  std::uint64_t end = 0;
+  auto reach = [&end](std::uint64_t at, std::uint64_t bytes) {
+    if (bytes > 0)
+      end = std::max(end, at + bytes);
+  };
+  reach(d.positions, u(d.tokens) * sizeof(Index));
+  reach(d.k_perm, u(d.k_channels()) * 4);
+  for (int s = 0; s < 3; ++s) {
+    int const b = segment_bits(s);
+    reach(d.k_codes[s], u(d.tokens) * u(packed_bytes(d.k_count[s], b)));
+    reach(d.k_params[s], u(d.k_groups) * u(d.k_count[s]) * 4);
+    reach(d.v_codes[s], u(d.v_count[s]) * u(packed_bytes(kvc::padded_count(value_dim, b), b)));
+    reach(d.v_params[s], u(d.v_count[s]) * u(groups) * 4);
+  }
+  reach(d.k_raw, u(d.tokens) * u(d.k_count[3]) * 2);
+  reach(d.v_raw, u(d.v_count[3]) * u(value_dim) * 2);
+  return end;
+}
+}  // namespace
+
+TEST_CASE("pack_into: the same heads as pack, each inside its own region, and errors leave every head empty",
+          "[store]") {
+  std::int8_t const widths[5] = {0, 2, 4, 8, 16};
+  for (Index group : {Index{0}, Index{1}, Index{3}}) {
+    std::uint64_t widest = 0;  // the most bytes a head of the all-2 or all-16 plan reached
+    for (int trial = 0; trial < 6; ++trial) {
+      Index const heads = 3, tokens = 11, dk = 10, dv = 6;
+      auto c = kvc::tools::HostCache<float>::random({2, heads, tokens, dk}, 40 + trial, dv);
+      c.lengths = {11, 7, 0, 11, 3, 9};
+      c.per_head = true;
+      kvc::tools::Rng rng(static_cast<std::uint64_t>(trial * 17 + group));
+      std::vector<std::int8_t> vb(static_cast<std::size_t>(2 * heads * tokens)),
+          kb(static_cast<std::size_t>(2 * heads * dk));
+      // trial 0: every width 2 (the widest per K channel with group 1); trial 1: every width 16; else random.
+      for (auto& x : vb)
+        x = trial == 0 ? 2 : (trial == 1 ? 16 : widths[rng.next() % 5]);
+      for (auto& x : kb)
+        x = trial == 0 ? 2 : (trial == 1 ? 16 : widths[rng.next() % 5]);
+      OwnedBitPlan bp(2, heads, tokens, dk, vb, kb);
+      kvc::PackOptions opt;
+      opt.k_group = group;
+      opt.v_group = group == 0 ? 0 : 4;
+      opt.zero_point = trial % 2 ? kvc::ZeroPoint::integer : kvc::ZeroPoint::float_min;
+      kvc::PackedKV owned;
+      REQUIRE(kvc::pack(c.view(), bp.plan, opt, owned).ok());
+
+      kvc::PackedQuant const quant{opt.zero_point, opt.v_group, opt.k_group};
+      kvc::PackedStore<> store{nullptr, nullptr, 2, heads, dk, dv, tokens, quant};
+      std::vector<kvc::PackedHead> descs(6);
+      std::vector<std::byte> arena(store.arena_bytes() + 16, std::byte{0x5a});  // garbage: nothing may rely on zeros
+      auto* base = arena.data() + (16 - reinterpret_cast<std::uintptr_t>(arena.data()) % 16) % 16;
+      store.arena = base;
+      store.heads = descs.data();
+      std::vector<std::byte> ws(kvc::pack_workspace_bytes(kvc::Cpu{}, c.view()));
+      REQUIRE(kvc::pack_into(kvc::Cpu{}, c.view(), bp.plan, opt, store, {ws.data(), ws.size()}).ok());
+      kvc::PackedKVView<> const view = store.view();
+      for (Index b = 0; b < 2; ++b)
+        for (Index h = 0; h < heads; ++h) {
+          INFO("group " << group << " trial " << trial << " head " << b << "," << h);
+          kvc::PackedHead const &got = view.head(b, h), &want = owned.head(b, h);
+          CHECK(got.tokens == want.tokens);
+          CHECK(got.payload_bits == want.payload_bits);
+          CHECK(got.overhead_bits == want.overhead_bits);
+          CHECK(got.end_position == want.end_position);
+          for (int s = 0; s < 4; ++s)
+            CHECK((got.v_count[s] == want.v_count[s] && got.k_count[s] == want.k_count[s]));
+          std::uint64_t const region = store.region_bytes(), start = static_cast<std::uint64_t>(b * heads + h) * region;
+          if (got.tokens > 0) {
+            CHECK(got.positions >= start);
+            CHECK(head_extent(got, dv, quant) <= start + region);
+          }
+          auto const n = static_cast<std::size_t>(got.tokens);
+          std::vector<float> k1(n * dk), v1(n * dv), k2(n * dk), v2(n * dv);
+          std::vector<Index> p1(n), p2(n);
+          kvc::dequantized(view, b, h, k1.data(), v1.data(), p1.data());
+          kvc::dequantized(owned, b, h, k2.data(), v2.data(), p2.data());
+          CHECK(k1 == k2);
+          CHECK(v1 == v2);
+          CHECK(p1 == p2);
+        }
+      // The bound is not loose: the widest of the all-2 and all-16 plans fills at least half of a region.
+      if (trial < 2)
+        for (Index i = 0; i < 6; ++i)
+          if (descs[static_cast<std::size_t>(i)].tokens > 0)
+            widest = std::max(widest, head_extent(descs[static_cast<std::size_t>(i)], dv, quant) -
+                                          static_cast<std::uint64_t>(i) * store.region_bytes());
+      if (trial == 1)
+        CHECK(2 * widest >= store.region_bytes());
+    }
+  }
+
+  // A non-finite value in the second sequence: no head is left half written, every descriptor is empty.
+  auto c = kvc::tools::HostCache<float>::random({2, 1, 4, 8}, 3);
+  c.v[static_cast<std::size_t>(4 * 8 + 5)] = std::numeric_limits<float>::infinity();
+  OwnedBitPlan bp(2, 1, 4, 8, std::vector<std::int8_t>(8, 4), std::vector<std::int8_t>(16, 4));
+  kvc::PackedStore<> store{nullptr, nullptr, 2, 1, 8, 8, 4, {}};
+  std::vector<kvc::PackedHead> descs(2);
+  alignas(16) static std::byte arena[4096];
+  REQUIRE(store.arena_bytes() <= sizeof(arena));
+  store.arena = arena;
+  store.heads = descs.data();
+  std::vector<std::byte> ws(kvc::pack_workspace_bytes(kvc::Cpu{}, c.view()));
+  int error = 0;
+  auto const st = kvc::pack_into(kvc::Cpu{}, c.view(), bp.plan, {}, store, {ws.data(), ws.size()}, &error);
+  CHECK(st.code() == kvc::Errc::non_finite);
+  CHECK(error == 1);
+  CHECK((descs[0].tokens == 0 && descs[1].tokens == 0 && descs[0].positions == 0));
+  // Shape, alignment and workspace errors.
+  store.tokens = 3;
+  CHECK(kvc::pack_into(kvc::Cpu{}, c.view(), bp.plan, {}, store, {ws.data(), ws.size()}).code() ==
+        kvc::Errc::invalid_argument);
+  store.tokens = 4;
+  store.arena = arena + 8;
+  CHECK(std::strstr(kvc::pack_into(kvc::Cpu{}, c.view(), bp.plan, {}, store, {ws.data(), ws.size()}).message(),
+                    "aligned") != nullptr);
+  store.arena = arena;
+  CHECK(kvc::pack_into(kvc::Cpu{}, c.view(), bp.plan, {}, store, {ws.data(), ws.size() - 1}).code() ==
+        kvc::Errc::out_of_capacity);
+  CHECK(kvc::pack_into(kvc::Cpu{}, c.view(), bp.plan, {}, store, {c.k.data(), ws.size()}).code() ==
+        kvc::Errc::invalid_argument);
 }

@@ -8,6 +8,7 @@
 #include <kvc/core/rope.hpp>
 #include <kvc/engine/layer_compressor.hpp>
 #include <kvc/pipeline/compact.hpp>
+#include <kvc/pipeline/packed_press.hpp>
 #include <kvc/scorers/expected_attention.hpp>
 #include <kvc/scorers/h2o.hpp>
 #include <kvc/scorers/key_diff.hpp>
@@ -52,6 +53,13 @@ inline std::vector<std::string> const& scenario_policies() {
                                                  "pyramid_kv_tova",
                                                  "h2o_decoding",
                                                  "snap_kv_decoding"};
+  return names;
+}
+
+/// The packed policies the scenario runs (RDKV with its own weights and with SnapKV's, KIVI): no decode-time
+/// compression; the session reports their packed store.
+inline std::vector<std::string> const& scenario_packed_policies() {
+  static std::vector<std::string> const names = {"rdkv", "rdkv_snap_kv", "kivi"};
   return names;
 }
 
@@ -117,7 +125,14 @@ struct ScenarioResult {
   Index compressions = 0;
   std::vector<Index> moment_counts;    ///< MomentKV: evicted tokens per head at the end [B, Hkv]
   Index decode_synchronizations = -1;  ///< host synchronisations inside decode() calls (-1: not counted)
-  Index decode_allocations = -1;       ///< device allocations inside decode() calls (-1: not counted)
+  // Packed policies, after prefill: per head [B, Hkv] the kept tokens and the accounting, and the dequantised store
+  // (dequantized(), heads one after the other in packed order), and the state's error word.
+  std::vector<Index> packed_tokens;
+  std::vector<std::int64_t> packed_bits;  ///< [B, Hkv, 2]: payload, overhead
+  std::vector<float> packed_keys, packed_values;
+  std::vector<Index> packed_positions;
+  int pack_error = -1;
+  Index decode_allocations = -1;  ///< device allocations inside decode() calls (-1: not counted)
 };
 
 /// Calls fn(policy, options) with the named policy (scenario_policies) over memory space Space; tables the policy
@@ -196,6 +211,68 @@ std::string with_scenario_policy(std::string const& name, Scenario const& sc, Me
   return "unknown scenario policy " + name;
 }
 
+/// with_scenario_policy for the packed policies (scenario_packed_policies).
+template <class Space, class Mem, class Fn>
+std::string with_scenario_packed_policy(std::string const& name, Scenario const& sc, Mem&, Fn&& fn) {
+  CompressorOptions<Space> options;  // no decode-time compression: the allocation is static, decoded tokens join
+                                     // the fp16 tail
+  SnapKVScorer const snap{Reference::authors, sc.window, 3, Pooling::max, GqaReduce::mean};
+  if (name == "rdkv") {
+    RDKVPress<> rdkv;
+    rdkv.scorer.window_size = rdkv.channels.window_size = sc.window;
+    rdkv.allocator.budget_tokens = 10;
+    rdkv.allocator.residual = 4;
+    rdkv.pack.k_group = 8;
+    rdkv.pack.v_group = 8;
+    return fn(rdkv, options);
+  }
+  if (name == "rdkv_snap_kv") {
+    RDKVPress<SnapKVScorer> rdkv{snap};
+    rdkv.channels.window_size = sc.window;
+    rdkv.allocator.ratio = 0.5;
+    rdkv.allocator.solver = BitSolver::lagrangian;
+    rdkv.pack = {ZeroPoint::integer, 0, 0, true};
+    return fn(rdkv, options);
+  }
+  if (name == "kivi")
+    return fn(KIVIPress{2, 8, 6}, options);
+  return "unknown scenario policy " + name;
+}
+
+/// with_scenario_policy or with_scenario_packed_policy, by name.
+template <class Space, class Mem, class Fn>
+std::string with_any_scenario_policy(std::string const& name, Scenario const& sc, Mem& mem, Fn&& fn) {
+  for (std::string const& packed : scenario_packed_policies())
+    if (name == packed)
+      return with_scenario_packed_policy<Space>(name, sc, mem, fn);
+  return with_scenario_policy<Space>(name, sc, mem, fn);
+}
+
+/// A packed layer's store, read back to the host and dequantised (ScenarioResult's packed_ fields).
+template <class Mem, class Compressor>
+void packed_result(Mem& mem, Compressor const& layer, ScenarioResult& r) {
+  auto const v = layer.packed();
+  PackedStore<> const shape{nullptr, nullptr, v.batch, v.kv_heads, v.dim, v.value_dim, v.max_tokens, v.quant};
+  std::vector<std::byte> const arena = mem.download(v.arena, static_cast<std::size_t>(shape.arena_bytes()));
+  std::vector<PackedHead> const heads = mem.download(v.heads, static_cast<std::size_t>(v.batch * v.kv_heads));
+  r.pack_error = mem.download(layer.pack_error(), 1)[0];
+  PackedKVView<> const host{arena.data(), heads.data(), v.batch, v.kv_heads, v.dim, v.value_dim, v.max_tokens, v.quant};
+  for (Index b = 0; b < v.batch; ++b)
+    for (Index h = 0; h < v.kv_heads; ++h) {
+      PackedHead const& d = host.head(b, h);
+      r.packed_tokens.push_back(d.tokens);
+      r.packed_bits.push_back(d.payload_bits);
+      r.packed_bits.push_back(d.overhead_bits);
+      auto const n = static_cast<std::size_t>(d.tokens);
+      std::vector<float> k(n * static_cast<std::size_t>(v.dim)), val(n * static_cast<std::size_t>(v.value_dim));
+      std::vector<Index> pos(n);
+      dequantized(host, b, h, k.data(), val.data(), pos.data());
+      r.packed_keys.insert(r.packed_keys.end(), k.begin(), k.end());
+      r.packed_values.insert(r.packed_values.end(), val.begin(), val.end());
+      r.packed_positions.insert(r.packed_positions.end(), pos.begin(), pos.end());
+    }
+}
+
 /// Runs the session with `policy` on `backend` (layer index 1 of 4, for PyramidKV). Mem: upload(vector) -> pointer
 /// in the backend's space, alloc<T>(n), download(pointer, n) -> vector, sync() -> "" or an error, and
 /// before_decode() / after_decode() around each decode() call (where a device memory counts what the call did).
@@ -246,6 +323,8 @@ std::string run_scenario(B const& backend, Mem& mem, Policy const& policy,
     return err;
   r.prefill_lengths = mem.download(lengths, lengths_host.size());
   r.prefill_positions = mem.download(positions, positions_host.size());
+  if constexpr (is_packed_press<Policy>)
+    packed_result(mem, layer, r);
 
   // Decode: each step appends one token per sequence at its next position, attends with its query, then decodes.
   KVExtents const one{e.batch, e.heads, 1, e.dim}, q1{e.batch, sc.q_heads, 1, e.dim};
@@ -292,8 +371,10 @@ std::string run_scenario(B const& backend, Mem& mem, Policy const& policy,
   if (std::string const err = mem.sync(); !err.empty())
     return err;
   r.compressions = layer.counter().compressions;
-  if constexpr (detail::is_moment_kv<std::remove_cvref_t<decltype(policy.scorer)>>)
-    r.moment_counts = mem.download(layer.moments().count, lengths_host.size());
+  if constexpr (requires { policy.scorer; }) {
+    if constexpr (detail::is_moment_kv<std::remove_cvref_t<decltype(policy.scorer)>>)
+      r.moment_counts = mem.download(layer.moments().count, lengths_host.size());
+  }
   r.lengths = mem.download(lengths, lengths_host.size());
   r.positions = mem.download(positions, positions_host.size());
   std::vector<float> const keys = mem.download(k, static_cast<std::size_t>(e.rows() * e.dim));

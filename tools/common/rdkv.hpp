@@ -1,15 +1,20 @@
 // SPDX-License-Identifier: Apache-2.0
 // tools/common/rdkv.hpp: RDKV and the KIVI configuration in the tools (`kvc`, `kvc-eval`; spec shared/specs/rdkv.md):
 // the one place their NAME=VALUE parameters (the `rdkv` and `kivi` rows of policies.hpp) become the library's
-// objects (RDKVAllocator, RDKVTokenScorer, ThinKChannelScorer, PackOptions), KIVI's uniform bit plan, the tail a
-// plan leaves in fp16 outside the packed store, and a policy's scores turned into token weights (weight=NAME).
+// objects (RDKVAllocator, RDKVTokenScorer, ThinKChannelScorer, PackOptions, KIVIPress). KIVI's plan, the fp16 tail
+// and a policy's scores as token weights are the library's (pipeline/packed_press.hpp).
 // Bad values throw tools::Failure (exit 3) naming the parameter, before any file is read.
 #pragma once
 
+#include <kvc/backend/cpu/attention/merge.hpp>
 #include <kvc/backend/cpu/attention/packed.hpp>
+#include <kvc/backend/cpu/pipeline/pack.hpp>
+#include <kvc/backend/cpu/pipeline/query_statistics.hpp>
+#include <kvc/backend/cpu/pipeline/state.hpp>
 #include <kvc/backend/cpu/scorers/rdkv.hpp>
 #include <kvc/backend/cpu/selectors/rdkv.hpp>
 #include <kvc/pipeline/pack.hpp>
+#include <kvc/pipeline/packed_press.hpp>
 #include <kvc/quant/minmax.hpp>
 #include <kvc/rate_distortion/epsilon.hpp>
 #include <kvc/rate_distortion/knapsack.hpp>
@@ -52,6 +57,8 @@ struct RDKVConfig {
   Index residual = 0;            ///< the newest tokens of each head kept in fp16 outside the packed store
 
   Index window_size() const noexcept { return kivi ? 0 : token.window_size; }
+  /// KIVI's policy object (kvc::kivi_plan's parameters).
+  KIVIPress kivi_press() const noexcept { return {bits, group, residual}; }
 
   /// The allocator for a budget of `budget` fp16-equivalent tokens per (layer, KV head), or floor(n (1 - ratio)).
   RDKVAllocator allocator_for(std::optional<double> ratio, Index budget) const {
@@ -151,42 +158,6 @@ inline void check_rdkv_budget(RDKVConfig const& c, std::optional<double> ratio, 
     return;
   if (auto const st = c.allocator_for(ratio, budget).check(); !st.ok())
     fail(exit_invalid, "policy rdkv (" + std::string(ratio ? "--ratio" : "--budget") + "): " + st.message());
-}
-
-/// The newest tokens of a head of `n` valid tokens that stay in the fp16 tail (zone C) outside the packed store.
-constexpr Index tail_tokens(Index n, Index residual) noexcept {
-  return n < residual ? n : residual;
-}
-
-/// KIVI's bit plan of one head of `n` valid tokens in `tokens` slots: `bits` for slots [0, n - residual), 16 for the
-/// newest `residual` (all when n <= residual), 0 past n; every one of the `dim` channels at `bits`.
-inline void kivi_plan(int bits, Index residual, Index n, Index tokens, Index dim, std::int8_t* v_bits,
-                      std::int8_t* k_bits) {
-  Index const quantized = n - tail_tokens(n, residual);
-  for (Index t = 0; t < tokens; ++t)
-    v_bits[t] = static_cast<std::int8_t>(t < quantized ? bits : (t < n ? 16 : 0));
-  for (Index c = 0; c < dim; ++c)
-    k_bits[c] = static_cast<std::int8_t>(bits);
-}
-
-/// A policy's scores of one head's `n` valid tokens as RDKV token weights (finite, >= 0): +-inf clamped to the
-/// largest / smallest finite score, then shifted so that the smallest is 0 (the order is kept; the knapsack's
-/// weights must be non-negative). NaN is a bug of the scorer.
-inline void scores_as_weights(float* s, Index n) {
-  float lo = std::numeric_limits<float>::infinity(), hi = -lo;
-  for (Index t = 0; t < n; ++t)
-    if (std::isfinite(s[t])) {
-      lo = std::min(lo, s[t]);
-      hi = std::max(hi, s[t]);
-    }
-  if (!(lo <= hi)) {  // no finite score: every token alike
-    std::fill(s, s + n, 1.0f);
-    return;
-  }
-  for (Index t = 0; t < n; ++t) {
-    float const x = std::isnan(s[t]) ? lo : std::clamp(s[t], lo, hi);
-    s[t] = x - lo;
-  }
 }
 
 }  // namespace kvc::tools

@@ -20,16 +20,16 @@
 // moves into a ragged store as above. Decoding (begin_decode) runs the paper's Algorithm 1 with kvc::decode_step:
 // scorer.decode(), one step per token, each head back to its prefill budget L_h (TopKSelector<PerHeadBudget<>>).
 //
-// RDKV and KIVI (`rdkv` and `kivi` rows, tools/common/rdkv.hpp) pack each layer once after the prompt: token weights
-// (kvc::score with RDKVTokenScorer, or a policy's scores) and ThinK channel weights (kvc::score_channels) from the
-// prompt's window queries, kvc::allocate_bits at the row's budget (KIVI: its uniform plan), then kvc::pack into a
-// kvc::PackedKV (zones A + B). The engine's own cache then holds only the fp16 tail (zone C): empty for RDKV, KIVI's
-// newest `residual` tokens (compacted to the front); tokens appended later (the continuation, decode steps) land
-// there at positions continuing from the prompt. Attention over such a layer is kvc::attend_packed over the packed
-// store merged with kvc::attend over the tail through their log-sum-exps (kvc::merge_attention).
+// RDKV and KIVI (`rdkv` and `kivi` rows, tools/common/rdkv.hpp) pack each layer once after the prompt through the
+// per-layer compressor, as an engine does: a kvc::LayerCompressor of a kvc::RDKVPress (token weights from
+// RDKVTokenScorer or a policy's scorer, ThinK channel weights, kvc::allocate_bits at the row's budget) or a
+// kvc::KIVIPress, planned on the layer's cache, its state (the packed store) owned by the layer, then prefill() with
+// the prompt's queries. The engine's own cache then holds only the fp16 tail (zone C): the newest `residual` tokens
+// (compacted to the front); tokens appended later (the continuation, decode steps) land there at positions continuing
+// from the prompt. Attention over such a layer is the compressor's attend(): the packed store and the tail, merged
+// through their log-sum-exps.
 #pragma once
 
-#include <kvc/attention/merge.hpp>
 #include <kvc/backend/cpu/attention/attend.hpp>
 #include <kvc/backend/cpu/pipeline/compact.hpp>
 #include <kvc/backend/cpu/pipeline/rerotate.hpp>
@@ -40,6 +40,7 @@
 #include <kvc/core/element.hpp>
 #include <kvc/core/observations.hpp>
 #include <kvc/core/rope.hpp>
+#include <kvc/engine/layer_compressor.hpp>
 #include <kvc/pipeline/decode.hpp>
 #include <kvc/pipeline/layer_stages.hpp>
 #include <kvc/pipeline/press.hpp>
@@ -106,12 +107,13 @@ struct StoreBytes {
   std::size_t kv = 0;    ///< K + V bytes of the valid tokens (positions not counted); packed layers (rdkv, kivi):
                          ///< ceil((payload + overhead bits) / 8) of the packed store + the fp16 tail's K + V bytes
   std::size_t held = 0;  ///< bytes allocated for K, V and positions (see Session::store_bytes); packed layers: the
-                         ///< packed store's arena + the tail's store
+                         ///< compressor's state (the packed store reserved for the widest plan: a region of
+                         ///< kvc::packed_head_bytes_bound per head) + the tail's store
   Index min_count = 0;   ///< fewest valid tokens of one (layer, KV head) (packed layers: packed + tail)
   Index max_count = 0;   ///< most valid tokens of one (layer, KV head)
-  std::int64_t payload_bits = 0;   ///< packed layers: PackedKV::payload_bits (codes and fp16 V / K) + the tail's
+  std::int64_t payload_bits = 0;   ///< packed layers: PackedHead::payload_bits (codes and fp16 V / K) + the tail's
                                    ///< K + V bits, all layers
-  std::int64_t overhead_bits = 0;  ///< packed layers: PackedKV::overhead_bits (scales, offsets, pads, permutation)
+  std::int64_t overhead_bits = 0;  ///< packed layers: PackedHead::overhead_bits (scales, offsets, pads, permutation)
 };
 
 /// UNComp's hidden-state pruning during a prefill (spec §2.9, pipeline/layer_stages.hpp): at the first layer of each
@@ -247,6 +249,7 @@ class Engine final : public Session {
       for (Index p = 0; p < pages; ++p)
         block_table_[static_cast<std::size_t>(p)] = static_cast<std::int32_t>(pages - 1 - p);
     }
+    static_assert(std::is_same_v<CacheView, decltype(view(std::declval<Layer&>()))>);
     rope_storage_.resize(static_cast<std::size_t>(rope_table_floats(capacity_, c.head_dim)));
     // The config's RoPE was checked when the model loaded; a table that still fails is a bug, not an input error.
     if (!fill_rope_table(c.rope(), c.head_dim, capacity_, rope_storage_.data(), rope_).ok())
@@ -367,8 +370,14 @@ class Engine final : public Session {
       out_.resize(hq * n, d);  // [Hq, n, d]
       Status const attended = with_view(layer, [&](auto const& cache) -> Status {
         KVC_RETURN_IF_ERROR(append(Cpu{}, cache, src));
-        if (layer.packed)  // rdkv / kivi: the packed zones and the fp16 tail, merged
-          return attend_split(*layer.packed, queries, cache);
+        if (layer.packed) {  // rdkv / kivi: the compressor's attention over its packed store and the fp16 tail
+          if constexpr (std::is_same_v<std::remove_cvref_t<decltype(cache)>, CacheView>) {
+            grow(workspace_, layer.packed->workspace_bytes());
+            return layer.packed->attend(queries, cache, {out_.data()}, {workspace_.data(), workspace_.size()});
+          } else {
+            return {Errc::invalid_argument, "kvc-eval: a packed layer has no ragged store"};
+          }
+        }
         if (layer.moments && layer.moments->correction)  // MomentKV: the evicted set joins as one virtual token
           return std::visit(
               [&](auto const& m) -> Status {
@@ -568,12 +577,17 @@ class Engine final : public Session {
     for (Layer const& l : layers_) {
       StoreReport r;
       std::size_t held = 0;
-      if (l.packed) {  // the packed zones: what the store measures of itself (its bits, its arena)
-        PackedKV const& kv = *l.packed->kv;
-        s.payload_bits += kv.payload_bits();
-        s.overhead_bits += kv.overhead_bits();
-        s.kv += static_cast<std::size_t>((kv.payload_bits() + kv.overhead_bits() + 7) / 8);
-        s.held += kv.arena_bytes();
+      if (l.packed) {  // the packed zones: what the store measures of itself (its bits), the state reserved for it
+        PackedKVView<> const kv = l.packed->packed();
+        std::int64_t payload = 0, overhead = 0;
+        for (Index h = 0; h < kv.kv_heads; ++h) {
+          payload += kv.head(0, h).payload_bits;
+          overhead += kv.head(0, h).overhead_bits;
+        }
+        s.payload_bits += payload;
+        s.overhead_bits += overhead;
+        s.kv += static_cast<std::size_t>((payload + overhead + 7) / 8);
+        s.held += l.packed->state_bytes();
       }
       if (l.store) {
         r = store_report(l.store->view());
@@ -590,7 +604,7 @@ class Engine final : public Session {
       if (l.packed)  // the fp16 tail's K and V are payload too (zone C, stored as they are)
         s.payload_bits += static_cast<std::int64_t>(8 * rows_bytes);
       for (Index h = 0; h < heads_of(l); ++h) {
-        Index const n = length(l, h) + (l.packed ? l.packed->kv->tokens(0, h) : 0);
+        Index const n = length(l, h) + (l.packed ? l.packed->packed().head(0, h).tokens : 0);
         s.min_count = std::min(s.min_count, n);
         s.max_count = std::max(s.max_count, n);
       }
@@ -629,9 +643,34 @@ class Engine final : public Session {
   }
 
  private:
-  /// A layer packed by rdkv or kivi: its packed zones, immutable once built (clones share them).
+  /// The engine's own cache view of a layer (view(Layer&)'s type; checked in the constructor).
+  using CacheView = std::conditional_t<Paged, KVCache<TokenRows<T, PagedLayout>, TokenRows<T, PagedLayout>>,
+                                       KVCache<TokenRows<T, StridedLayout>, TokenRows<T, StridedLayout>>>;
+
+  /// A layer packed by rdkv or kivi: its kvc::LayerCompressor (of a kvc::RDKVPress or a kvc::KIVIPress) and the state
+  /// it packed into. Immutable after prefill (attention only reads it), so clones share it.
   struct PackedLayer {
-    std::shared_ptr<PackedKV const> kv;
+    virtual ~PackedLayer() = default;
+    /// The compressor's attend(): the packed store and the fp16 tail `tail` (the engine's cache), merged.
+    virtual Status attend(AttendQueries<float> const& queries, CacheView const& tail, AttendOutput<> out,
+                          Workspace ws) = 0;
+    virtual PackedKVView<> packed() const = 0;
+    virtual std::size_t workspace_bytes() const = 0;
+    virtual std::size_t state_bytes() const = 0;
+  };
+  template <class P>
+  struct PackedCompressor final : PackedLayer {
+    std::vector<float> rope_storage;  // the compressor's RoPE table (long enough for ExpectedAttention's future)
+    LayerCompressor<P, Cpu> compressor;
+    std::vector<std::byte> state;
+    explicit PackedCompressor(P const& policy) : compressor{Cpu{}, policy} {}
+    Status attend(AttendQueries<float> const& queries, CacheView const& tail, AttendOutput<> out,
+                  Workspace ws) override {
+      return compressor.attend(queries, tail, out, ws);
+    }
+    PackedKVView<> packed() const override { return compressor.packed(); }
+    std::size_t workspace_bytes() const override { return compressor.workspace_bytes(); }
+    std::size_t state_bytes() const override { return state.size(); }
   };
 
   struct Layer {
@@ -643,102 +682,70 @@ class Engine final : public Session {
     Index held = 0;                                  // uniform: slots per head a store sized by the reserve rule holds
     std::optional<tools::HostRaggedStore<T>> store;  // after compression with an allocator: the ragged store
     std::optional<LayerMoments> moments;             // after MomentKV's compression: its moments
-    std::optional<PackedLayer> packed;               // after rdkv / kivi: the packed zones (the cache: the tail)
+    std::shared_ptr<PackedLayer> packed;             // after rdkv / kivi: the packed zones (the cache: the tail)
   };
 
-  /// Attention of `queries` over a packed layer: kvc::attend_packed over its packed zones, kvc::attend over the fp16
-  /// tail `tail` (the engine's cache), merged row by row through the log-sum-exps (kvc::merge_attention) into out_.
-  template <class C>
-  Status attend_split(PackedLayer const& p, AttendQueries<float> const& queries, C const& tail) {
-    PackedKVView<> const kv = p.kv->view();
-    Index const rows = out_.rows(), dim = out_.cols();
-    tail_out_.resize(rows, dim);
-    lse_.resize(static_cast<std::size_t>(rows));
-    tail_lse_.resize(static_cast<std::size_t>(rows));
-    std::size_t const a = attend_packed_workspace_bytes(Cpu{}, Attention{}, queries, kv);
-    std::size_t const b = attend_workspace_bytes(Cpu{}, Attention{}, queries, tail);
-    grow(workspace_, a > b ? a : b);
-    Workspace const ws{workspace_.data(), workspace_.size()};
-    KVC_RETURN_IF_ERROR(attend_packed(Cpu{}, Attention{}, queries, kv, {out_.data(), lse_.data()}, ws));
-    KVC_RETURN_IF_ERROR(attend(Cpu{}, Attention{}, queries, tail, {tail_out_.data(), tail_lse_.data()}, ws));
-    return merge_attention(out_.data(), lse_.data(), tail_out_.data(), tail_lse_.data(), rows, dim);
-  }
-
-  /// RDKV's or KIVI's compression of every layer (see the file comment): the bit plan (RDKV: weights from the
-  /// prompt's window queries and kvc::allocate_bits at floor(n (1 - ratio)) fp16-equivalent tokens per head, or
-  /// `budget` without a ratio; KIVI: tools::kivi_plan), the newest `residual` tokens of each head kept in the cache
-  /// as the fp16 tail (compacted to the front), the rest packed (kvc::pack). Bad parameters exit 3 (tools::Failure).
+  /// RDKV's or KIVI's compression of every layer (see the file comment) through the per-layer compressor: an
+  /// RDKVPress at floor(n (1 - ratio)) fp16-equivalent tokens per head, or `budget` without a ratio (weights: RDKV's
+  /// own, or the `weight` policy's scores with its default parameters), or a KIVIPress. Bad parameters exit 3
+  /// (tools::Failure).
   Status compress_packed(tools::PolicyInfo const& policy, tools::Params const& params, std::optional<double> ratio,
                          Index budget) {
     tools::RDKVConfig const cfg = tools::rdkv_config(policy, params);
     for (Layer const& layer : layers_)
       if (layer.store || layer.packed || layer.moments)
         return {Errc::invalid_argument, "kvc-eval: this session's cache is already compressed"};
-    ModelConfig const& c = model_->config;
-    Index const heads = ext_.heads, d = ext_.dim, slots = capacity_;
     Status status;
-    for (std::size_t li = 0; li < layers_.size() && status.ok(); ++li) {
-      Layer& layer = layers_[li];
-      auto const cache = view(layer);
-      v_bits_.assign(static_cast<std::size_t>(ext_.rows()), 0);
-      k_bits_.assign(static_cast<std::size_t>(heads * d), 0);
-      BitPlan<> const plan{v_bits_.data(), k_bits_.data(), 1, heads, slots, d};
-      if (cfg.kivi) {
-        for (Index h = 0; h < heads; ++h)
-          tools::kivi_plan(cfg.bits, cfg.residual, length(layer, h), slots, d, plan.v_row(0, h), plan.k_row(0, h));
-      } else {
-        Index const w = static_cast<Index>(layer.query_positions.size());
-        TokenRows<float const, StridedLayout> const rows(layer.queries.data(),
-                                                         bthd_layout({1, c.heads, w, c.head_dim}));
-        auto const obs = observe(WindowQueries<float>{rows, rope_, layer.query_positions.data()});
-        weights_.assign(static_cast<std::size_t>(ext_.rows()), 0.0f);
-        channels_.assign(static_cast<std::size_t>(heads * d), 0.0f);
-        ScoreSpan<> const span{weights_.data(), 1, heads, slots, cache.lengths};
-        if (cfg.weight_policy.empty()) {
-          grow(workspace_, score_workspace_bytes(Cpu{}, cfg.token, ext_, obs));
-          KVC_RETURN_IF_ERROR(score(Cpu{}, cfg.token, cache, obs, span, {workspace_.data(), workspace_.size()}));
-        } else {  // a policy's scores (its default parameters), shifted to >= 0
-          tools::PolicyInfo const& inner = tools::find_policy(cfg.weight_policy);
-          tools::with_policy(inner, tools::resolve_params(inner, {}, false), [&](auto const& scorer, tools::Selection) {
-            tools::ObservationStorage store;
-            tools::with_observations(
-                scorer, cache, tools::ObservedQueries{rows, layer.query_positions.data(), rope_, c.rope(), true},
-                "layer " + std::to_string(li), store, [&](auto const& live, auto const& o) {
-                  grow(workspace_, score_workspace_bytes(Cpu{}, live, ext_, o));
-                  status = score(Cpu{}, live, cache, o, span, {workspace_.data(), workspace_.size()});
-                });
-          });
-          if (!status.ok())
-            return status;
-          for (Index h = 0; h < heads; ++h)
-            tools::scores_as_weights(span.row(0, h), length(layer, h));
-        }
-        grow(workspace_, channel_score_workspace_bytes(Cpu{}, cfg.channel, cache, obs));
-        KVC_RETURN_IF_ERROR(
-            score_channels(Cpu{}, cfg.channel, cache, obs, channels_.data(), {workspace_.data(), workspace_.size()}));
-        RDKVAllocator const alloc = cfg.allocator_for(ratio, budget);
-        grow(workspace_, allocate_bits_workspace_bytes(Cpu{}, alloc, 1, heads, slots, d));
-        KVC_RETURN_IF_ERROR(
-            allocate_bits(Cpu{}, alloc, span, channels_.data(), plan, {workspace_.data(), workspace_.size()}));
-      }
-      // The newest `residual` tokens of each head stay in the cache (fp16, zone C); the rest is packed.
-      index_.resize(static_cast<std::size_t>(ext_.rows()));
-      count_.resize(static_cast<std::size_t>(heads));
-      for (Index h = 0; h < heads; ++h) {
-        Index const n = length(layer, h), tail = tools::tail_tokens(n, cfg.residual);
-        for (Index i = 0; i < tail; ++i) {
-          plan.v_row(0, h)[n - tail + i] = 0;
-          index_[static_cast<std::size_t>(h * slots + i)] = n - tail + i;
-        }
-        count_[static_cast<std::size_t>(h)] = tail;
-      }
-      auto kv = std::make_shared<PackedKV>();
-      KVC_RETURN_IF_ERROR(pack(cache, plan, cfg.pack, *kv));
-      KVC_RETURN_IF_ERROR(compact(Cpu{}, KeepPlan<>{index_.data(), count_.data(), 1, heads, slots}, cache));
-      layer.packed.emplace(PackedLayer{std::move(kv)});
-      layer.held = longest(layer) + reserve_;
+    auto every_layer = [&](auto const& press) {
+      for (std::size_t li = 0; li < layers_.size() && status.ok(); ++li)
+        status = pack_layer(layers_[li], press);
+    };
+    RDKVAllocator const alloc = cfg.allocator_for(ratio, budget);
+    if (cfg.kivi) {
+      every_layer(cfg.kivi_press());
+    } else if (cfg.weight_policy.empty()) {
+      every_layer(RDKVPress<>{cfg.token, cfg.channel, alloc, cfg.pack});
+    } else {  // a policy's scores (its default parameters), shifted to >= 0
+      tools::PolicyInfo const& inner = tools::find_policy(cfg.weight_policy);
+      tools::with_policy(inner, tools::resolve_params(inner, {}, false), [&](auto const& scorer, tools::Selection) {
+        using S = std::remove_cvref_t<decltype(scorer)>;
+        if constexpr (!StatefulScorer<S> || kvc::detail::is_h2o<S>)
+          every_layer(RDKVPress<S>{scorer, cfg.channel, alloc, cfg.pack});
+        else
+          status = {Errc::invalid_argument, "kvc-eval: rdkv's weight policy must be stateless or h2o"};
+      });
     }
     return status;
+  }
+
+  /// One layer through a packed policy's compressor: planned on the layer's cache (the prompt's query rows, attention
+  /// of up to the session's capacity of rows), bound to state the layer owns, prefilled with the prompt's queries.
+  template <class P>
+  Status pack_layer(Layer& layer, P const& press) {
+    ModelConfig const& c = model_->config;
+    auto packed = std::make_shared<PackedCompressor<P>>(press);
+    Index future = 0;  // ExpectedAttention's weights average RoPE past the context
+    if constexpr (requires { press.scorer.n_future_positions; })
+      future = press.scorer.n_future_positions;
+    packed->rope_storage.resize(static_cast<std::size_t>(rope_table_floats(capacity_ + future, c.head_dim)));
+    if (!fill_rope_table(c.rope(), c.head_dim, capacity_ + future, packed->rope_storage.data(),
+                         packed->compressor.options.rope)
+             .ok())
+      throw std::logic_error("kvc-eval: the model's RoPE does not fill a table");
+    auto& compressor = packed->compressor;
+    auto const cache = view(layer);
+    Index const w = static_cast<Index>(layer.query_positions.size());
+    KVC_RETURN_IF_ERROR(compressor.plan(cache, QueryShape{c.heads, w, 1, capacity_}));
+    packed->state.resize(compressor.state_bytes());
+    KVC_RETURN_IF_ERROR(compressor.bind(packed->state.data(), packed->state.size()));
+    KVC_RETURN_IF_ERROR(compressor.reset());
+    grow(workspace_, compressor.workspace_bytes());
+    TokenRows<float const, StridedLayout> const rows(layer.queries.data(), bthd_layout({1, c.heads, w, c.head_dim}));
+    KVC_RETURN_IF_ERROR(
+        compressor.prefill(cache, {rows, layer.query_positions.data()}, {workspace_.data(), workspace_.size()}));
+    layer.packed = std::move(packed);
+    layer.held = longest(layer) + reserve_;
+    return {};
   }
 
   /// Appends the last forward call's pre-RoPE queries of `layer` ([n, Hq * d]) and their positions to a decode
@@ -1266,10 +1273,8 @@ class Engine final : public Session {
   std::vector<float> rope_storage_;
   RopeTable<> rope_{};
   // Scratch reused across calls (sized by the largest call so far).
-  RowMatrix x_, h_, q_, k_, v_, out_, o_, gate_, up_, kx_, vx_, tail_out_;
+  RowMatrix x_, h_, q_, k_, v_, out_, o_, gate_, up_, kx_, vx_;
   std::vector<Index> positions_, src_positions_, src_positions_x_, index_, count_;
-  std::vector<float> lse_, tail_lse_, weights_, channels_;  // packed layers: attention's lse; RDKV's weights
-  std::vector<std::int8_t> v_bits_, k_bits_;                // packed layers: the bit plan being built
   std::vector<std::byte> workspace_;
   MomentScratch moment_scratch_;
 };

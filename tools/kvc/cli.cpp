@@ -1447,7 +1447,7 @@ bool rdkv_reads_values(kvc::tools::RDKVConfig const& cfg) {
 /// RDKV's token weights of a loaded job into `tokens` [B, Hkv, N] and, when `channels` is not null, ThinK's channel
 /// weights into `channels` [B, Hkv, d], over `cache` (the job's typed view). The window queries are checked as for
 /// the window policies. weight=NAME: that policy's scores (its default parameters), each head's shifted to >= 0
-/// (tools::scores_as_weights). Returns the largest workspace used.
+/// (kvc::scores_as_weights). Returns the largest workspace used.
 template <class C>
 std::size_t rdkv_weights(Job const& job, kvc::tools::RDKVConfig const& cfg, kvc::Cpu const& cpu, C const& cache,
                          float* tokens, float* channels) {
@@ -1490,7 +1490,7 @@ std::size_t rdkv_weights(Job const& job, kvc::tools::RDKVConfig const& cfg, kvc:
       score_with(scorer, kvc::NoObservations{});
   });
   for (kvc::Index bh = 0; bh < e.batch * e.heads; ++bh)
-    kvc::tools::scores_as_weights(tokens + bh * e.tokens, cache.lengths.at(bh / e.heads, bh % e.heads, e.tokens));
+    kvc::scores_as_weights(tokens + bh * e.tokens, cache.lengths.at(bh / e.heads, bh % e.heads, e.tokens));
   return used;
 }
 
@@ -1543,7 +1543,7 @@ struct PackedCompressed {
   }
 };
 
-/// RDKV's (weights, kvc::allocate_bits) or KIVI's (tools::kivi_plan) bit plan of one loaded job, then the packed
+/// RDKV's (weights, kvc::allocate_bits) or KIVI's (kvc::kivi_plan) bit plan of one loaded job, then the packed
 /// store (kvc::pack of the plan without each head's fp16 tail) and its memory. With --time, the weights are timed
 /// as "seconds" and the allocation + packing as "select_seconds".
 PackedCompressed compress_packed(Job& job, CompressSettings const& s, kvc::tools::RDKVConfig const& cfg) {
@@ -1580,8 +1580,8 @@ PackedCompressed compress_packed(Job& job, CompressSettings const& s, kvc::tools
     auto plan_and_pack = [&] {
       if (cfg.kivi) {
         for (std::size_t bh = 0; bh < heads; ++bh)
-          kvc::tools::kivi_plan(cfg.bits, cfg.residual, e.tokens, e.tokens, e.dim, c.v_bits.data() + bh * e.tokens,
-                                c.k_bits.data() + bh * static_cast<std::size_t>(e.dim));
+          kvc::kivi_plan(cfg.kivi_press(), e.tokens, e.tokens, e.dim, c.v_bits.data() + bh * e.tokens,
+                         c.k_bits.data() + bh * static_cast<std::size_t>(e.dim));
       } else {
         kvc::ScoreSpan<> span{tokens.data(), e.batch, e.heads, e.tokens, cache.lengths};
         kvc::BitPlan<> const plan{c.v_bits.data(), c.k_bits.data(), e.batch, e.heads, e.tokens, e.dim};
@@ -1589,7 +1589,7 @@ PackedCompressed compress_packed(Job& job, CompressSettings const& s, kvc::tools
       }
       // The newest `residual` tokens of each head stay fp16 outside the packed store (zone C).
       std::copy(c.v_bits.begin(), c.v_bits.end(), pack_bits.begin());
-      kvc::Index const tail = kvc::tools::tail_tokens(e.tokens, cfg.residual);
+      kvc::Index const tail = kvc::tail_tokens(e.tokens, cfg.residual);
       for (std::size_t bh = 0; bh < heads; ++bh)
         std::fill_n(pack_bits.data() + bh * e.tokens + (e.tokens - tail), tail, std::int8_t{0});
       packed = kvc::PackedKV{};
@@ -1607,7 +1607,7 @@ PackedCompressed compress_packed(Job& job, CompressSettings const& s, kvc::tools
                   s.threads,
                   job.bytes_read(),
                   std::nullopt};
-    kvc::Index const tail = kvc::tools::tail_tokens(e.tokens, cfg.residual);
+    kvc::Index const tail = kvc::tail_tokens(e.tokens, cfg.residual);
     auto const view = packed.view();
     m.kept_tokens = 0;
     for (std::size_t bh = 0; bh < heads; ++bh)

@@ -10,7 +10,9 @@
 // stable for any magnitude), reused here as it is. An empty side (lse = -inf: no token visible) leaves the other.
 #pragma once
 
+#include <kvc/core/backend.hpp>
 #include <kvc/core/extents.hpp>
+#include <kvc/core/kernel.hpp>
 #include <kvc/core/status.hpp>
 #include <kvc/scorers/moments.hpp>
 
@@ -34,6 +36,25 @@ inline Status merge_attention(float* out_a, float* lse_a, float const* out_b, fl
   for (Index r = 0; r < rows; ++r)
     merge_attention_row(out_a + r * dim, lse_a + r, out_b + r * dim, lse_b[r], dim);
   return {};
+}
+
+/// Step tag of the backend merge (core/kernel.hpp): Kernel<MergeStep, B> in backend/*/attention/merge.
+struct MergeStep {};
+
+/// merge_attention on a backend: the same rows in the backend's memory space (on CUDA enqueued on its stream).
+template <Backend B>
+Status merge_attention(B const& backend, float* out_a, float* lse_a, float const* out_b, float const* lse_b, Index rows,
+                       Index dim) {
+  static_assert(HasKernel<MergeStep, B>,
+                "kvc::merge_attention: include <kvc/backend/cpu/attention/merge.hpp> (kvc::Cpu) or "
+                "<kvc/backend/cuda/attention/merge.cuh> (kvc::Cuda)");
+  if (rows < 0 || dim < 0)
+    return {Errc::invalid_argument, "kvc::merge_attention: `rows` and `dim` must be >= 0"};
+  if (rows > 0 && (out_a == nullptr || lse_a == nullptr || out_b == nullptr || lse_b == nullptr))
+    return {Errc::invalid_argument, "kvc::merge_attention: `out_a`, `lse_a`, `out_b` and `lse_b` must be non-null"};
+  if (rows == 0)
+    return {};
+  return Kernel<MergeStep, B>::run(backend, out_a, lse_a, out_b, lse_b, rows, dim);
 }
 
 }  // namespace kvc

@@ -35,14 +35,15 @@
 // Replaying one captured graph for many steps is not possible yet for policies that read queries: the buffer's fill
 // (a host counter) is a kernel argument that changes every step.
 //
-// The packed policies (RDKV, KIVI: kvc::pack into a kvc::PackedKV, attention over the packed store) are not composed
-// here yet: they keep their own path (pipeline/pack.hpp, attention/packed.hpp).
+// The packed policies (kvc::RDKVPress, kvc::KIVIPress) go through the same calls: engine/packed_compressor.hpp.
 #pragma once
 
 #include <kvc/attention/attend.hpp>
 #include <kvc/attention/corrected.hpp>
 #include <kvc/core/checks.hpp>
 #include <kvc/core/observations.hpp>
+#include <kvc/engine/compressor_types.hpp>
+#include <kvc/engine/packed_compressor.hpp>
 #include <kvc/pipeline/compact.hpp>
 #include <kvc/pipeline/decode.hpp>
 #include <kvc/pipeline/moment_kv.hpp>
@@ -60,48 +61,7 @@
 
 namespace kvc {
 
-/// Query rows handed to the compressor: rows [batch, Hq, n, d_k] (pre-RoPE, rotated with the compressor's RoPE
-/// table; post-RoPE when the table is empty) and their absolute positions [batch, n] (required whenever the policy
-/// reads queries).
-template <Element T, class Space = HostSpace>
-struct LayerQueries {
-  using memory_space = Space;
-  TokenRows<T const, StridedLayout, Space> rows{};
-  Index const* positions = nullptr;
-};
-
-/// The queries a compressor is planned for, per sequence.
-struct QueryShape {
-  Index heads = 0;        ///< Hq (a multiple of the cache's KV heads)
-  Index prompt_rows = 0;  ///< most rows prefill() is given: the observation window (0 for key-only policies)
-  Index step_rows = 1;    ///< rows each decode() call adds (one per generated token)
-  Index attend_rows = 1;  ///< most rows attend() is given
-};
-
-/// Settings of a compressor besides its policy.
-template <class Space>
-struct CompressorOptions {
-  RopeTable<Space> rope{};         ///< rotates pre-RoPE queries (ExpectedAttention needs one); empty: post-RoPE
-  bool prefill = true;             ///< compress in prefill() (false: only decode compresses; see the file comment)
-  bool decode = false;             ///< compress while decoding, on `schedule`
-  DecodeSchedule schedule{};       ///< interval, target_size, hidden_states_buffer_size (kvpress's DecodingPress)
-  CorrectedAttention attention{};  ///< attention's scale and mask (attention.attention); MomentKV's correction
-  bool corrected = true;           ///< MomentKV: attend with the correction of the evicted tokens
-};
-
 namespace detail {
-template <class S>
-inline constexpr bool is_h2o = false;
-template <class Space>
-inline constexpr bool is_h2o<H2OScorer<Space>> = true;
-template <class S>
-inline constexpr bool is_uncomp = false;
-template <class Space>
-inline constexpr bool is_uncomp<UNCompScorer<Space>> = true;
-template <class S>
-inline constexpr bool is_moment_kv = false;
-template <class Space, class T>
-inline constexpr bool is_moment_kv<MomentKVScorer<Space, T>> = true;
 template <class S>
 struct moment_type {
   using type = float;
@@ -149,25 +109,6 @@ constexpr auto decode_selection(Sel sel, DecodeSchedule const& schedule) noexcep
 }
 }  // namespace detail
 
-/// The per-layer compressor (see the file comment). Policy: kvc::Press<Scorer, Selector>; Q: the queries' element
-/// type (float, half, bfloat16). Copyable: a planned compressor copied per layer shares the plan; a copy is not bound
-/// (bind and reset it before use), so no two compressors share a state by accident.
-template <class Policy, Backend B, Element Q = float>
-class LayerCompressor;
-
-namespace detail {
-/// A flag that copies do not carry: a copied compressor must bind (and reset) its own state.
-struct BindingFlag {
-  bool on = false;
-  constexpr BindingFlag() noexcept = default;
-  constexpr BindingFlag(BindingFlag const&) noexcept {}
-  constexpr BindingFlag& operator=(BindingFlag const&) noexcept {
-    on = false;
-    return *this;
-  }
-};
-}  // namespace detail
-
 template <Scorer S, Selector Sel, Backend B, Element Q>
 class LayerCompressor<Press<S, Sel>, B, Q> {
  public:
@@ -192,11 +133,7 @@ class LayerCompressor<Press<S, Sel>, B, Q> {
     planned_ = false;
     bound_.on = ready_.on = false;  // a new plan needs its state bound and reset again
     KVExtents const e = cache.keys.extents();
-    if (!extents_fit(e) || e.batch < 1 || e.heads < 1 || e.dim < 1 || shape.heads < 1 || shape.heads % e.heads != 0)
-      return {Errc::invalid_argument,
-              "kvc::LayerCompressor::plan: need batch, KV heads and d_k >= 1, and Hq a multiple of the KV heads"};
-    if (shape.prompt_rows < 0 || shape.step_rows < 0 || shape.attend_rows < 0)
-      return {Errc::invalid_argument, "kvc::LayerCompressor::plan: query row counts must be >= 0"};
+    KVC_RETURN_IF_ERROR(detail::check_plan_shape(e, shape));
     if (detail::reads_queries<S> && (shape.prompt_rows < 1 || (options.decode && shape.step_rows < 1)))
       return {Errc::invalid_argument,
               "kvc::LayerCompressor::plan: this policy reads queries: prompt_rows (and step_rows with decode) must "
@@ -367,26 +304,11 @@ class LayerCompressor<Press<S, Sel>, B, Q> {
     return policy.selector.check();
   }
 
-  Status check_ready() const {
-    if (!planned_ || !bound_.on || !ready_.on)
-      return {Errc::invalid_argument, "kvc::LayerCompressor: call plan(), bind() and reset() first"};
-    return {};
-  }
-
-  /// The cache must have the planned batch, heads and dims, at most the planned token slots, and the workspace
-  /// workspace_bytes().
   template <KVCacheView C>
   Status check_call(C const& cache, Workspace ws) const {
-    KVC_RETURN_IF_ERROR(check_ready());
-    KVExtents const e = cache.keys.extents();
-    if (e.batch != keys_.batch || e.heads != keys_.heads || e.dim != keys_.dim || e.tokens > keys_.tokens ||
-        cache.values.extents().dim != value_dim_)
-      return {Errc::invalid_argument,
-              "kvc::LayerCompressor: the cache must have the planned batch, KV heads and dims, and at most the "
-              "planned token slots"};
-    if (ws.bytes < workspace_bytes_ || (ws.data == nullptr && workspace_bytes_ > 0))
-      return {Errc::out_of_capacity, "kvc::LayerCompressor: workspace smaller than workspace_bytes()"};
-    return {};
+    if (!planned_ || !bound_.on || !ready_.on)
+      return detail::not_ready();
+    return detail::check_compressor_call(keys_, value_dim_, workspace_bytes_, cache, ws);
   }
 
   Status check_queries(LayerQueries<Q, memory_space> const& q, Index most, char const* call) const {

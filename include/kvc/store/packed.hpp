@@ -28,6 +28,10 @@
 // packed channel, pads included: an engine stores it as int16). Positions are not counted: an engine keeps a position
 // per token for any policy (full cache included). Alignment padding of the arena is not counted either (arena_bytes
 // of PackedKV is the real allocation).
+//
+// Two owners of that layout: kvc::PackedKV (store/packed_kv.hpp, host, an arena of exactly the bytes a plan needs,
+// built by kvc::pack) and kvc::PackedStore (below: caller memory of either space, a fixed region per head bounded by
+// packed_head_bytes_bound(), built by kvc::pack_into; what kvc::LayerCompressor keeps in its state).
 #pragma once
 
 #include <kvc/core/backend.hpp>
@@ -130,6 +134,114 @@ struct PackedKVView {
   }
   /// An upper bound of any head's packed K channels: d_k plus the pads of the 2- and 4-bit segments.
   KVC_HOST_DEVICE constexpr Index max_k_channels() const noexcept { return dim + 4; }
+};
+
+namespace detail {
+/// Bytes of a packed array rounded up to the arena's 16-byte alignment.
+KVC_HOST_DEVICE constexpr std::uint64_t packed_round(std::uint64_t bytes) noexcept {
+  return (bytes + 15) / 16 * 16;
+}
+/// V params groups per token and bytes of a V code row at segment s's bits (s < 3), for d_v channels.
+KVC_HOST_DEVICE constexpr Index packed_v_groups(Index value_dim, PackedQuant const& q) noexcept {
+  return q.v_group > 0 ? (value_dim + q.v_group - 1) / q.v_group : 1;
+}
+KVC_HOST_DEVICE constexpr Index packed_v_row_bytes(Index value_dim, int s) noexcept {
+  return packed_bytes(padded_count(value_dim, segment_bits(s)), segment_bits(s));
+}
+}  // namespace detail
+
+/// Lays head `d` out in an arena from byte `base` (16-byte aligned): from its counts (d.tokens, v_count, k_count,
+/// k_groups) and `k_kept` (channels of each K segment without their pads) it sets every offset (in the order
+/// positions, k_perm, per segment 2/4/8 K codes, K params, V codes, V params, then K raw, V raw; an empty array gets
+/// offset 0), payload_bits and overhead_bits (the accounting of the file comment), and returns the end of the head's
+/// bytes (16-byte aligned). The one layout both backends' packers write and every reader assumes. Host and device.
+KVC_HOST_DEVICE inline std::uint64_t layout_packed_head(PackedHead& d, Index const (&k_kept)[packed_segments],
+                                                        std::uint64_t base, Index value_dim,
+                                                        PackedQuant const& quant) noexcept {
+  auto const u = [](Index x) { return static_cast<std::uint64_t>(x); };
+  auto take = [&base](std::uint64_t bytes) {
+    std::uint64_t const at = bytes > 0 ? base : 0;
+    base += detail::packed_round(bytes);
+    return at;
+  };
+  Index const tn = d.tokens, v_groups = detail::packed_v_groups(value_dim, quant);
+  d.positions = take(u(tn) * sizeof(Index));
+  d.k_perm = take(u(d.k_channels()) * sizeof(std::int32_t));
+  for (int s = 0; s < 3; ++s) {
+    int const bits = segment_bits(s);
+    d.k_codes[s] = take(u(tn) * u(packed_bytes(d.k_count[s], bits)));
+    d.k_params[s] = take(u(d.k_groups) * u(d.k_count[s]) * sizeof(QuantParams));
+    d.v_codes[s] = take(u(d.v_count[s]) * u(detail::packed_v_row_bytes(value_dim, s)));
+    d.v_params[s] = take(u(d.v_count[s]) * u(v_groups) * sizeof(QuantParams));
+  }
+  d.k_raw = take(u(tn) * u(d.k_count[3]) * sizeof(half));
+  d.v_raw = take(u(d.v_count[3]) * u(value_dim) * sizeof(half));
+  // Memory: payload at the stored widths; params, pad codes and the permutation apart (file comment).
+  std::int64_t payload = 0, overhead = 0;
+  for (int s = 0; s < packed_segments; ++s) {
+    std::int64_t const bits = segment_bits(s);
+    payload += d.v_count[s] * value_dim * bits + k_kept[s] * tn * bits;
+    overhead += 16 * d.k_count[s];
+    if (s < 3) {
+      overhead += 32 * (d.k_groups * d.k_count[s] + d.v_count[s] * v_groups);
+      overhead += (d.k_count[s] - k_kept[s]) * tn * bits +
+                  d.v_count[s] * (padded_count(value_dim, segment_bits(s)) - value_dim) * bits;
+    }
+  }
+  d.payload_bits = payload;
+  d.overhead_bits = overhead;
+  return base;
+}
+
+/// An upper bound of the bytes layout_packed_head() gives any head of at most `tokens` kept tokens, whatever its bit
+/// plan: the layout is linear in the per-segment counts (plus at most 3 + 1 pad channels and 15 bytes of alignment
+/// per array), so its maximum over plans is at most every token at the widest V segment per token and every channel
+/// at the widest K segment per channel, plus the pads' and the alignment's worst case. What a caller-memory packed
+/// store reserves per head (kvc::PackedStore).
+KVC_HOST_DEVICE constexpr std::uint64_t packed_head_bytes_bound(Index tokens, Index dim, Index value_dim,
+                                                                PackedQuant const& quant) noexcept {
+  auto const u = [](Index x) { return static_cast<std::uint64_t>(x < 0 ? 0 : x); };
+  std::uint64_t const n = u(tokens), groups = quant.k_group > 0 ? (n + u(quant.k_group) - 1) / u(quant.k_group) : 1;
+  std::uint64_t v_token = u(value_dim) * 2, k_channel = n * 2 + 4;  // 16 bits: raw FP16 (+ the permutation's entry)
+  std::uint64_t pads = 0;
+  for (int s = 0; s < 3; ++s) {
+    std::uint64_t const v = u(detail::packed_v_row_bytes(value_dim, s)) +
+                            u(detail::packed_v_groups(value_dim, quant)) * sizeof(QuantParams);
+    std::uint64_t const k = (n * u(segment_bits(s)) + 7) / 8 + groups * sizeof(QuantParams) + 4;
+    v_token = v > v_token ? v : v_token;
+    k_channel = k > k_channel ? k : k_channel;
+    pads += u(codes_per_byte(segment_bits(s)) - 1) * k;
+  }
+  return n * sizeof(Index) + n * v_token + u(dim) * k_channel + pads + 16 * 16;
+}
+
+/// A packed layer in caller memory, written by kvc::pack_into: `heads` [batch, kv_heads] descriptors and an arena
+/// of batch * kv_heads regions of region_bytes() (head (b, h) in region b * kv_heads + h), sized for `tokens` kept
+/// tokens per head at most (the cache's slots). Nothing is allocated: an engine reserves arena_bytes() and
+/// batch * kv_heads descriptors once (kvc::LayerCompressor puts both in its state). Host and device.
+template <class Space = HostSpace>
+struct PackedStore {
+  using memory_space = Space;
+
+  std::byte* arena = nullptr;   ///< arena_bytes(), 16-byte aligned
+  PackedHead* heads = nullptr;  ///< [batch, kv_heads]
+  Index batch = 0;
+  Index kv_heads = 0;
+  Index dim = 0;
+  Index value_dim = 0;
+  Index tokens = 0;  ///< the most kept tokens of a head (the view's max_tokens)
+  PackedQuant quant{};
+
+  KVC_HOST_DEVICE constexpr std::uint64_t region_bytes() const noexcept {
+    return detail::packed_round(packed_head_bytes_bound(tokens, dim, value_dim, quant));
+  }
+  KVC_HOST_DEVICE constexpr std::uint64_t arena_bytes() const noexcept {
+    return region_bytes() * static_cast<std::uint64_t>(batch * kv_heads);
+  }
+  /// The view attention reads (max_tokens = tokens: sizes come from the bound, not from the descriptors).
+  KVC_HOST_DEVICE constexpr PackedKVView<Space> view() const noexcept {
+    return {arena, heads, batch, kv_heads, dim, value_dim, tokens, quant};
+  }
 };
 
 /// Host check of a view's fields (not of the descriptors' contents, which kvc::pack writes): shapes >= 0, group

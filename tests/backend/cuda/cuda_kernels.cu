@@ -2,8 +2,10 @@
 // tests/backend/cuda/cuda_kernels.cu: device-side halves of the parity tests (see cuda_kernels.hpp).
 #include <kvc/backend/cuda/attention/attend.cuh>
 #include <kvc/backend/cuda/attention/corrected.cuh>
+#include <kvc/backend/cuda/attention/merge.cuh>
 #include <kvc/backend/cuda/attention/packed.cuh>
 #include <kvc/backend/cuda/pipeline/compact.cuh>
+#include <kvc/backend/cuda/pipeline/pack.cuh>
 #include <kvc/backend/cuda/pipeline/query_statistics.cuh>
 #include <kvc/backend/cuda/pipeline/state.cuh>
 #include <kvc/backend/cuda/scorers/expected_attention.cuh>
@@ -1338,9 +1340,9 @@ std::string compressor_scenario(std::string const& policy, ScenarioResult& out) 
     return "cudaStreamCreate failed";
   Scenario const sc;
   DeviceMemory mem;
-  std::string const err = with_scenario_policy<DeviceSpace>(policy, sc, mem, [&](auto const& p, auto const& options) {
-    return run_scenario(dev(), mem, p, options, sc, out);
-  });
+  std::string const err = with_any_scenario_policy<DeviceSpace>(
+      policy, sc, mem,
+      [&](auto const& p, auto const& options) { return run_scenario(dev(), mem, p, options, sc, out); });
   if (op_counts().available) {
     out.decode_synchronizations = mem.synchronizations;
     out.decode_allocations = mem.allocations;

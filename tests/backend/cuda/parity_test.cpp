@@ -12,8 +12,10 @@
 // reports it skipped.
 #include <kvc/backend/cpu/attention/attend.hpp>
 #include <kvc/backend/cpu/attention/corrected.hpp>
+#include <kvc/backend/cpu/attention/merge.hpp>
 #include <kvc/backend/cpu/attention/packed.hpp>
 #include <kvc/backend/cpu/pipeline/compact.hpp>
+#include <kvc/backend/cpu/pipeline/pack.hpp>
 #include <kvc/backend/cpu/pipeline/query_statistics.hpp>
 #include <kvc/backend/cpu/pipeline/state.hpp>
 #include <kvc/backend/cpu/scorers/expected_attention.hpp>
@@ -2918,6 +2920,46 @@ TEST_CASE("parity: every policy's session through the layer compressor", "[cuda]
     }
     CHECK(gpu.keys == cpu.keys);
     if (gpu.decode_synchronizations >= 0) {  // counted by the emulator: a decode step is capturable into a graph
+      CHECK(gpu.decode_synchronizations == 0);
+      CHECK(gpu.decode_allocations == 0);
+    }
+    REQUIRE(gpu.attention.size() == cpu.attention.size());
+    for (std::size_t i = 0; i < cpu.attention.size(); ++i)
+      REQUIRE(std::fabs(gpu.attention[i] - cpu.attention[i]) <= 1e-5f + 1e-4f * std::fabs(cpu.attention[i]));
+  }
+}
+
+TEST_CASE("parity: the packed policies' session through the layer compressor", "[cuda][parity][compressor]") {
+  // RDKV (its own weights, SnapKV's with the authors' preset) and KIVI: the device plans, splits the tail and packs
+  // (kvc::pack_into) with the same per-value functions as the CPU, so the packed stores are equal byte for byte where
+  // it matters (dequantised contents, positions, accounting); attention over packed store + tail within fp32
+  // tolerance.
+  KVC_REQUIRE_DEVICE();
+  for (std::string const& name : kvc::test::scenario_packed_policies()) {
+    INFO(name);
+    kvc::test::Scenario const sc;
+    kvc::test::HostMemory mem;
+    kvc::test::ScenarioResult cpu, gpu;
+    std::string const err =
+        kvc::test::with_scenario_packed_policy<kvc::HostSpace>(name, sc, mem, [&](auto const& policy, auto const& options) {
+          return kvc::test::run_scenario(kvc::Cpu{}, mem, policy, options, sc, cpu);
+        });
+    REQUIRE(err.empty());
+    std::string const device_err = kc::compressor_scenario(name, gpu);
+    INFO(device_err);
+    REQUIRE(device_err.empty());
+    CHECK(cpu.pack_error == 0);
+    CHECK(gpu.pack_error == 0);
+    CHECK(gpu.packed_tokens == cpu.packed_tokens);
+    CHECK(gpu.packed_bits == cpu.packed_bits);
+    CHECK(gpu.packed_positions == cpu.packed_positions);
+    CHECK(gpu.packed_keys == cpu.packed_keys);
+    CHECK(gpu.packed_values == cpu.packed_values);
+    CHECK(gpu.prefill_lengths == cpu.prefill_lengths);
+    CHECK(gpu.prefill_positions == cpu.prefill_positions);
+    CHECK(gpu.lengths == cpu.lengths);
+    CHECK(gpu.keys == cpu.keys);
+    if (gpu.decode_synchronizations >= 0) {
       CHECK(gpu.decode_synchronizations == 0);
       CHECK(gpu.decode_allocations == 0);
     }
