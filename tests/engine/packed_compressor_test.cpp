@@ -368,6 +368,18 @@ TEST_CASE("compressor: a packed policy's errors name what is wrong", "[engine]")
   CHECK(std::strstr(st.message(), "positions") != nullptr);
   CHECK(s.c.prefill(layer.cache.view(), {layer.rows(), layer.qpos.data()}, {s.ws.data(), s.ws.size() - 1}).code() ==
         kvc::Errc::out_of_capacity);
+  // A store sized for fewer tokens than prefill packs: nothing packed, the error named.
+  {
+    kvc::CompressorOptions<kvc::HostSpace> small;
+    small.packed_tokens = 10;
+    Layer fresh;
+    Session<kvc::KIVIPress> k(kvc::KIVIPress{2, 8, 4}, fresh, small);
+    Session<kvc::KIVIPress> full(kvc::KIVIPress{2, 8, 4}, fresh);
+    CHECK(k.c.state_bytes() < full.c.state_bytes());
+    CHECK(k.prefill(fresh).code() == kvc::Errc::out_of_capacity);
+    CHECK(k.c.packed().head(0, 0).tokens == 0);
+    CHECK(*k.c.pack_error() == 1);
+  }
   auto copy = s.c;  // a copy is unbound
   CHECK(copy.prefill(layer.cache.view(), {layer.rows(), layer.qpos.data()}, s.workspace()).code() ==
         kvc::Errc::invalid_argument);
@@ -380,8 +392,8 @@ TEST_CASE("compressor: the engine session of the packed policies (prefill, then 
     INFO(name);
     kvc::test::HostMemory mem;
     kvc::test::ScenarioResult r;
-    std::string const err =
-        kvc::test::with_scenario_packed_policy<kvc::HostSpace>(name, sc, mem, [&](auto const& policy, auto const& options) {
+    std::string const err = kvc::test::with_scenario_packed_policy<kvc::HostSpace>(
+        name, sc, mem, [&](auto const& policy, auto const& options) {
           return kvc::test::run_scenario(kvc::Cpu{}, mem, policy, options, sc, r);
         });
     REQUIRE(err.empty());

@@ -448,8 +448,22 @@ TEST_CASE("pack_into: the same heads as pack, each inside its own region, and er
   CHECK(st.code() == kvc::Errc::non_finite);
   CHECK(error == 1);
   CHECK((descs[0].tokens == 0 && descs[1].tokens == 0 && descs[0].positions == 0));
-  // Shape, alignment and workspace errors.
+  // A store sized for fewer tokens than a head keeps: out_of_capacity, every head empty (the first head fits).
+  c.v[static_cast<std::size_t>(4 * 8 + 5)] = 1.0f;
+  std::vector<std::int8_t> vb(8, 4);
+  vb[3] = 0;  // sequence 0 keeps 3 of its 4 tokens, sequence 1 all 4
+  OwnedBitPlan const three(2, 1, 4, 8, vb, std::vector<std::int8_t>(16, 4));
   store.tokens = 3;
+  descs[0].tokens = descs[1].tokens = -1;
+  CHECK(kvc::pack_into(kvc::Cpu{}, c.view(), three.plan, {}, store, {ws.data(), ws.size()}).code() ==
+        kvc::Errc::out_of_capacity);
+  CHECK((descs[0].tokens == 0 && descs[1].tokens == 0));
+  REQUIRE(store.arena_bytes() <= sizeof(arena));
+  store.tokens = 4;
+  REQUIRE(kvc::pack_into(kvc::Cpu{}, c.view(), three.plan, {}, store, {ws.data(), ws.size()}).ok());
+  CHECK((descs[0].tokens == 3 && descs[1].tokens == 4));
+  // Shape, alignment and workspace errors.
+  store.tokens = -1;
   CHECK(kvc::pack_into(kvc::Cpu{}, c.view(), bp.plan, {}, store, {ws.data(), ws.size()}).code() ==
         kvc::Errc::invalid_argument);
   store.tokens = 4;

@@ -236,6 +236,10 @@ std::string with_scenario_packed_policy(std::string const& name, Scenario const&
   }
   if (name == "kivi")
     return fn(KIVIPress{2, 8, 6}, options);
+  if (name == "kivi_small_store") {  // a store for 8 tokens a head: packing must fail whole (pack_error)
+    options.packed_tokens = 8;
+    return fn(KIVIPress{2, 8, 6}, options);
+  }
   return "unknown scenario policy " + name;
 }
 
@@ -245,6 +249,8 @@ std::string with_any_scenario_policy(std::string const& name, Scenario const& sc
   for (std::string const& packed : scenario_packed_policies())
     if (name == packed)
       return with_scenario_packed_policy<Space>(name, sc, mem, fn);
+  if (name == "kivi_small_store")
+    return with_scenario_packed_policy<Space>(name, sc, mem, fn);
   return with_scenario_policy<Space>(name, sc, mem, fn);
 }
 

@@ -733,6 +733,7 @@ class Engine final : public Session {
              .ok())
       throw std::logic_error("kvc-eval: the model's RoPE does not fill a table");
     auto& compressor = packed->compressor;
+    compressor.options.packed_tokens = std::max<Index>(1, longest(layer));  // the prompt, not the continuation
     auto const cache = view(layer);
     Index const w = static_cast<Index>(layer.query_positions.size());
     KVC_RETURN_IF_ERROR(compressor.plan(cache, QueryShape{c.heads, w, 1, capacity_}));

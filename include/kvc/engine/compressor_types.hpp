@@ -48,6 +48,9 @@ struct CompressorOptions {
   DecodeSchedule schedule{};       ///< interval, target_size, hidden_states_buffer_size (kvpress's DecodingPress)
   CorrectedAttention attention{};  ///< attention's scale and mask (attention.attention); MomentKV's correction
   bool corrected = true;           ///< MomentKV: attend with the correction of the evicted tokens
+  Index packed_tokens = 0;         ///< RDKV, KIVI: the most valid tokens of a head at prefill (0: the cache's slots);
+                                   ///< the store holds that less the fp16 tail. An engine whose cache has room for
+                                   ///< generation sets its longest prompt.
 };
 
 /// The per-layer compressor (engine/layer_compressor.hpp). Policy: kvc::Press<Scorer, Selector>, kvc::RDKVPress or

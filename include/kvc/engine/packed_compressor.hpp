@@ -2,8 +2,9 @@
 // kvc/engine/packed_compressor.hpp: kvc::LayerCompressor for the packed policies (kvc::RDKVPress, kvc::KIVIPress):
 // the same calls as every other policy (engine/layer_compressor.hpp), with a packed store in the layer's state.
 //
-//   plan     checks; state_bytes() = the packed store of the layer (a region of packed_head_bytes_bound(slots) per
-//            (sequence, KV head), and the descriptors); workspace_bytes().
+//   plan     checks; state_bytes() = the packed store of the layer (a region of packed_head_bytes_bound(n) per
+//            (sequence, KV head), n = (options.packed_tokens, or the cache's slots) - residual, and the
+//            descriptors); workspace_bytes().
 //   prefill  once per sequence, after the prompt: the bit plan (RDKV: token weights from `scorer` over the prompt's
 //            queries — window queries, ExpectedAttention's statistics, or H2O's accumulated attention in scratch
 //            state —, shifted to >= 0 unless they are RDKV's own; ThinK channel weights from the window queries;
@@ -101,7 +102,13 @@ class LayerCompressor<P, B, Q> {
     keys_ = e;
     value_dim_ = cache.values.extents().dim;
     queries_ = shape;
-    store_ = {nullptr, nullptr, e.batch, e.heads, e.dim, value_dim_, e.tokens, quant()};
+    if (options.packed_tokens < 0)
+      return {Errc::invalid_argument, "kvc::LayerCompressor::plan: options.packed_tokens must be >= 0"};
+    // A head packs at most its valid tokens at prefill (options.packed_tokens, else every slot) less the tail.
+    Index const valid =
+        options.packed_tokens > 0 && options.packed_tokens < e.tokens ? options.packed_tokens : e.tokens;
+    Index const packed = valid > residual() ? valid - residual() : 0;
+    store_ = {nullptr, nullptr, e.batch, e.heads, e.dim, value_dim_, packed, quant()};
     state_bytes_ = carve_state(nullptr, saturated_bytes);
     workspace_bytes_ = plan_workspace(cache);
     if (store_.region_bytes() > saturated_bytes / static_cast<std::uint64_t>(e.batch * e.heads) ||

@@ -356,15 +356,15 @@ std::size_t pack_workspace_bytes(B const& backend, C const& cache) {
 }
 
 /// kvc::pack into caller memory in the backend's space: the same heads as kvc::pack, each in its own region of `out`
-/// (a PackedStore whose batch, KV heads, d_k and d_v are the cache's, tokens >= the cache's slots, and quant the
-/// options'). Nothing allocates; on CUDA nothing is read on the host (enqueued on the backend's stream).
+/// (a PackedStore whose batch, KV heads, d_k and d_v are the cache's and quant the options'; its `tokens` bounds the
+/// tokens a head may keep). Nothing allocates; on CUDA nothing is read on the host (enqueued on the backend's stream).
 /// Bad data (a valid slot's bit width outside {0, 2, 4, 8, 16}, a length out of range, a stored K or V value that is
-/// NaN, Inf or beyond FP16) leaves every descriptor of `out` empty, no head half written. The CPU reports it as the
-/// Status (invalid_argument, non_finite); CUDA cannot without reading device memory, so it writes 1 to `*error`
-/// (a device int, when non-null; 0 is never written) and the call returns ok. Errors of the call itself: those of
-/// kvc::pack's shape checks, a store of another shape, null tables, a misaligned arena, a store or workspace
-/// overlapping the cache or each other (invalid_argument), workspace smaller than pack_workspace_bytes()
-/// (out_of_capacity).
+/// NaN, Inf or beyond FP16, a head keeping more than out.tokens tokens) leaves every descriptor of `out` empty, no
+/// head half written. The CPU reports it as the Status (invalid_argument, non_finite, out_of_capacity); CUDA cannot
+/// without reading device memory, so it writes 1 to `*error` (a device int, when non-null; 0 is never written) and the
+/// call returns ok. Errors of the call itself: those of kvc::pack's shape checks, a store of another shape, null
+/// tables, a misaligned arena, a store or workspace overlapping the cache or each other (invalid_argument), workspace
+/// smaller than pack_workspace_bytes() (out_of_capacity).
 template <Backend B, KVCacheView C>
 Status pack_into(B const& backend, C const& cache, BitPlan<typename B::memory_space> const& plan,
                  PackOptions const& opt, PackedStore<typename B::memory_space> out, Workspace ws,
@@ -378,11 +378,11 @@ Status pack_into(B const& backend, C const& cache, BitPlan<typename B::memory_sp
     KVExtents const e = cache.keys.extents();
     Index const dv = cache.values.extents().dim;
     PackedQuant const quant{opt.zero_point, opt.v_group, opt.k_group};
-    if (out.batch != e.batch || out.kv_heads != e.heads || out.dim != e.dim || out.value_dim != dv ||
-        out.tokens < cache.tokens() || out.quant.zero_point != quant.zero_point || out.quant.v_group != quant.v_group ||
+    if (out.batch != e.batch || out.kv_heads != e.heads || out.dim != e.dim || out.value_dim != dv || out.tokens < 0 ||
+        out.quant.zero_point != quant.zero_point || out.quant.v_group != quant.v_group ||
         out.quant.k_group != quant.k_group)
       return {Errc::invalid_argument,
-              "kvc::pack_into: the store must have the cache's batch, KV heads and dims, at least its slots, and the "
+              "kvc::pack_into: the store must have the cache's batch, KV heads and dims, tokens >= 0, and the "
               "options' quantiser"};
     if (e.batch * e.heads > 0 && (out.heads == nullptr || out.arena == nullptr))
       return {Errc::invalid_argument, "kvc::pack_into: the store's `arena` and `heads` must be non-null"};

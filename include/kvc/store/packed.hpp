@@ -217,8 +217,9 @@ KVC_HOST_DEVICE constexpr std::uint64_t packed_head_bytes_bound(Index tokens, In
 
 /// A packed layer in caller memory, written by kvc::pack_into: `heads` [batch, kv_heads] descriptors and an arena
 /// of batch * kv_heads regions of region_bytes() (head (b, h) in region b * kv_heads + h), sized for `tokens` kept
-/// tokens per head at most (the cache's slots). Nothing is allocated: an engine reserves arena_bytes() and
-/// batch * kv_heads descriptors once (kvc::LayerCompressor puts both in its state). Host and device.
+/// tokens per head at most (the cache's slots, or fewer: the longest prompt an engine packs). Nothing is allocated: an
+/// engine reserves arena_bytes() and batch * kv_heads descriptors once (kvc::LayerCompressor puts both in its state).
+/// Host and device.
 template <class Space = HostSpace>
 struct PackedStore {
   using memory_space = Space;

@@ -2929,6 +2929,22 @@ TEST_CASE("parity: every policy's session through the layer compressor", "[cuda]
   }
 }
 
+TEST_CASE("parity: a packed store too small for the prompt leaves every head empty and sets the error word",
+          "[cuda][parity][compressor]") {
+  // The CPU's prefill returns out_of_capacity; the device cannot return it without a synchronisation, so it writes
+  // the compressor's error word and packs nothing (attention then reads the tail alone).
+  KVC_REQUIRE_DEVICE();
+  kvc::test::ScenarioResult gpu;
+  std::string const device_err = kc::compressor_scenario("kivi_small_store", gpu);
+  INFO(device_err);
+  REQUIRE(device_err.empty());
+  CHECK(gpu.pack_error == 1);
+  CHECK(!gpu.packed_tokens.empty());
+  CHECK(gpu.packed_tokens == std::vector<kvc::Index>(gpu.packed_tokens.size(), 0));
+  for (float x : gpu.attention)
+    REQUIRE(std::isfinite(x));
+}
+
 TEST_CASE("parity: the packed policies' session through the layer compressor", "[cuda][parity][compressor]") {
   // RDKV (its own weights, SnapKV's with the authors' preset) and KIVI: the device plans, splits the tail and packs
   // (kvc::pack_into) with the same per-value functions as the CPU, so the packed stores are equal byte for byte where
@@ -2940,8 +2956,8 @@ TEST_CASE("parity: the packed policies' session through the layer compressor", "
     kvc::test::Scenario const sc;
     kvc::test::HostMemory mem;
     kvc::test::ScenarioResult cpu, gpu;
-    std::string const err =
-        kvc::test::with_scenario_packed_policy<kvc::HostSpace>(name, sc, mem, [&](auto const& policy, auto const& options) {
+    std::string const err = kvc::test::with_scenario_packed_policy<kvc::HostSpace>(
+        name, sc, mem, [&](auto const& policy, auto const& options) {
           return kvc::test::run_scenario(kvc::Cpu{}, mem, policy, options, sc, cpu);
         });
     REQUIRE(err.empty());

@@ -30,6 +30,8 @@ struct Kernel<PackStep, Cpu> {
       for (Index h = 0; h < e.heads; ++h) {
         PackedHead d;
         Status st = detail::order_packed_head(cache, b, h, plan, opt, d, s);
+        if (st.ok() && d.tokens > out.tokens)
+          st = {Errc::out_of_capacity, "kvc::pack_into: a head keeps more tokens than the store's `tokens`"};
         if (st.ok()) {
           layout_packed_head(d, s.k_kept, static_cast<std::uint64_t>(b * e.heads + h) * region, dv, quant);
           st = detail::fill_packed_head(cache, b, h, opt, d, out.arena, s);

@@ -6,8 +6,9 @@
 // pack_into is two launches of one block per (sequence, KV head):
 //   1. order: the head's packed order (thread 0: kept slots by V segment, stable; K channels by segment, padded;
 //      the counts and layout_packed_head at the head's region, staged in the workspace; a bit width outside
-//      {0, 2, 4, 8, 16} marks the head bad), its positions written to the arena, and every value the head will
-//      store checked against FP16's range by all threads (a NaN, an Inf or an overflow marks it bad);
+//      {0, 2, 4, 8, 16} or more kept tokens than the store's `tokens` marks the head bad), its positions written to the
+//      arena, and every value the head will store checked against FP16's range by all threads (a NaN, an Inf or an
+//      overflow marks it bad);
 //   2. fill: if any head of the layer is bad, every descriptor is written empty and *error = 1 (all or nothing, as
 //      the CPU); else K params per (token group, packed channel), then each token's K code rows and each V row.
 // The per-value math is the CPU packer's functions (range_params, minmax_params, quantize_widened — the element op
@@ -92,6 +93,11 @@ __global__ void pack_order_kernel(C cache, BitPlan<DeviceSpace> plan, PackOption
     }
     d.tokens = tn;
     d.k_groups = tn == 0 ? 0 : (opt.k_group > 0 ? (tn + opt.k_group - 1) / opt.k_group : 1);
+    if (tn > out.tokens) {  // more than the region holds: nothing of this head may be written
+      bad = 1;
+      d = PackedHead{};
+      tn = 0;
+    }
     layout_packed_head(d, k_kept, static_cast<std::uint64_t>(bh) * out.region_bytes(), dv, out.quant);
     Index end = 0;
     auto* pos = reinterpret_cast<Index*>(out.arena + d.positions);
@@ -125,7 +131,7 @@ __global__ void pack_order_kernel(C cache, BitPlan<DeviceSpace> plan, PackOption
 
 template <class C>
 __global__ void pack_fill_kernel(C cache, PackOptions opt, PackedStore<DeviceSpace> out, PackWorkspace ws, Index heads,
-                                 int* error) {
+                                 Index slots, int* error) {
   Index const bh = blockIdx.x, b = bh / out.kv_heads, h = bh % out.kv_heads, dk = out.dim, dv = out.value_dim;
   __shared__ int any_bad;
   if (threadIdx.x == 0) {
@@ -143,12 +149,12 @@ __global__ void pack_fill_kernel(C cache, PackOptions opt, PackedStore<DeviceSpa
     return;
   }
   PackedHead const d = ws.staged[bh];
-  Index const tn = d.tokens, channels = d.k_channels(), tokens = out.tokens;
-  Index const* slots = ws.slots + bh * tokens;
+  Index const tn = d.tokens, channels = d.k_channels();
+  Index const* kept = ws.slots + bh * slots;  // the order kernel's rows: one per cache slot
   std::int32_t const* perm = ws.perm + bh * (dk + 4);
   std::byte* base = out.arena;
   auto const key = [&](Index t, Index i) {  // packed token t, packed channel i (a pad reads 0)
-    return perm[i] < 0 ? 0.0f : to_float(cache.keys.row(b, h, slots[t])[perm[i]]);
+    return perm[i] < 0 ? 0.0f : to_float(cache.keys.row(b, h, kept[t])[perm[i]]);
   };
   for (Index i = threadIdx.x; i < channels && tn > 0; i += blockDim.x)
     reinterpret_cast<std::int32_t*>(base + d.k_perm)[i] = perm[i];
@@ -202,7 +208,7 @@ __global__ void pack_fill_kernel(C cache, PackOptions opt, PackedStore<DeviceSpa
     while (seg < 3 && t >= d.v_begin(seg + 1))
       ++seg;
     Index const j = t - d.v_begin(seg);
-    auto const* src = cache.values.row(b, h, slots[t]);
+    auto const* src = cache.values.row(b, h, kept[t]);
     if (seg == 3) {
       auto* raw = reinterpret_cast<half*>(base + d.v_raw) + j * dv;
       for (Index c = 0; c < dv; ++c)
@@ -286,7 +292,7 @@ struct Kernel<PackStep, Cuda> {
     KVC_RETURN_IF_ERROR(bc::launch(KVC_CUDA_KERNEL("kvc::pack_into(Cuda)", bc::pack_order_kernel<C>), grid,
                                    bc::pack_threads, 0, cuda.stream, cache, plan, opt, out, w));
     return bc::launch(KVC_CUDA_KERNEL("kvc::pack_into(Cuda)", bc::pack_fill_kernel<C>), grid, bc::pack_threads, 0,
-                      cuda.stream, cache, opt, out, w, heads, error);
+                      cuda.stream, cache, opt, out, w, heads, cache.tokens(), error);
   }
 };
 
