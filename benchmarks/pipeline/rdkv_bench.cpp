@@ -6,8 +6,12 @@
 //   token_weights    kvc::score with RDKVTokenScorer (attn_linear: window attention over the head + pooling)
 //   channel_weights  kvc::score_channels with ThinKChannelScorer
 //   allocate         kvc::allocate_bits (V then K knapsack of the 8 heads)
-//   pack             kvc::pack (quantise, pack, FP16 params) into a PackedKV
-// The share of the allocation is allocate / (the sum of the four). bytes/s counts one read of K (and V for pack).
+//   pack             kvc::pack (quantise, pack, FP16 params) into a PackedKV (the owning host store: allocates)
+//   pack_into        kvc::pack_into the same plan into a caller-memory PackedStore (kvc::LayerCompressor's way:
+//                    a region of packed_head_bytes_bound per head, nothing allocated)
+// The share of the allocation is allocate / (the sum of the first four). bytes/s counts one read of K (and V for the
+// two packers).
+#include <kvc/backend/cpu/pipeline/pack.hpp>
 #include <kvc/backend/cpu/scorers/rdkv.hpp>
 #include <kvc/backend/cpu/selectors/rdkv.hpp>
 #include <kvc/pipeline/pack.hpp>
@@ -26,7 +30,7 @@ namespace {
 
 using kvc::Index;
 
-enum class Stage : int { token_weights, channel_weights, allocate, pack };
+enum class Stage : int { token_weights, channel_weights, allocate, pack, pack_into };
 
 void rdkv_stage(benchmark::State& state, Stage stage) {
   Index const tokens = state.range(0), dim = kvc::bench::head_dim, w = 32;
@@ -56,6 +60,15 @@ void rdkv_stage(benchmark::State& state, Stage stage) {
     return;
   }
   kvc::PackedKV packed;
+  kvc::PackedStore<> store{nullptr, nullptr, e.batch, e.heads, dim, dim, tokens, kvc::PackedQuant{}};
+  std::vector<kvc::PackedHead> descriptors(static_cast<std::size_t>(e.batch * e.heads));
+  std::vector<std::byte> arena, pack_ws;
+  if (stage == Stage::pack_into) {
+    arena.resize(static_cast<std::size_t>(store.arena_bytes()) + 16);
+    store.arena = arena.data() + (16 - reinterpret_cast<std::uintptr_t>(arena.data()) % 16) % 16;
+    store.heads = descriptors.data();
+    pack_ws.resize(kvc::pack_workspace_bytes(cpu, c.view()));
+  }
   for (auto _ : state) {
     kvc::Status st;
     switch (stage) {
@@ -65,6 +78,9 @@ void rdkv_stage(benchmark::State& state, Stage stage) {
         break;
       case Stage::allocate: st = kvc::allocate_bits(cpu, alloc, span, channel_w.data(), plan, space); break;
       case Stage::pack: st = kvc::pack(c.view(), plan, kvc::PackOptions{}, packed); break;
+      case Stage::pack_into:
+        st = kvc::pack_into(cpu, c.view(), plan, kvc::PackOptions{}, store, {pack_ws.data(), pack_ws.size()});
+        break;
     }
     if (!st.ok()) {
       state.SkipWithError(st.message());
@@ -72,9 +88,11 @@ void rdkv_stage(benchmark::State& state, Stage stage) {
     }
     benchmark::DoNotOptimize(v_bits.data());
     benchmark::DoNotOptimize(packed.arena_bytes());
+    benchmark::DoNotOptimize(descriptors.data());
   }
   double const k_bytes = static_cast<double>(c.k.size() * sizeof(kvc::half));
-  kvc::bench::report(state, stage == Stage::pack ? 2.0 * k_bytes : k_bytes, static_cast<double>(e.rows()));
+  bool const packs = stage == Stage::pack || stage == Stage::pack_into;
+  kvc::bench::report(state, packs ? 2.0 * k_bytes : k_bytes, static_cast<double>(e.rows()));
 }
 
 int const registered = [] {
@@ -82,8 +100,9 @@ int const registered = [] {
     char const* name;
     Stage stage;
   };
-  for (Named const s : {Named{"token_weights", Stage::token_weights}, Named{"channel_weights", Stage::channel_weights},
-                        Named{"allocate", Stage::allocate}, Named{"pack", Stage::pack}})
+  for (Named const s :
+       {Named{"token_weights", Stage::token_weights}, Named{"channel_weights", Stage::channel_weights},
+        Named{"allocate", Stage::allocate}, Named{"pack", Stage::pack}, Named{"pack_into", Stage::pack_into}})
     benchmark::RegisterBenchmark((std::string("BM_RDKVCompress_Cpu/fp16/") + s.name).c_str(),
                                  [stage = s.stage](benchmark::State& st) { rdkv_stage(st, stage); })
         ->ArgNames({"tokens"})

@@ -113,7 +113,8 @@ TEST_CASE("layer compressor: every policy keeps a consistent cache", "[engine][c
   for (std::string const& name : kvc::test::scenario_policies()) {
     INFO(name);
     ScenarioResult const r = run(name, sc);
-    bool const one_by_one = name == "moment_kv" || name == "uncomp" || name == "ada_kv_moment_kv";
+    bool const one_by_one = name.find("moment_kv") != std::string::npos || name == "uncomp";
+    bool const keeps_prompt = name.find("_decoding") != std::string::npos || name == "ada_kv_moment_kv_fits";
     CHECK(r.compressions == (one_by_one ? sc.steps : 2));
     for (Index b = 0; b < sc.batch; ++b) {
       Index const p = sc.prompt[static_cast<std::size_t>(b)];
@@ -121,7 +122,7 @@ TEST_CASE("layer compressor: every policy keeps a consistent cache", "[engine][c
         std::vector<Index> const pre = kept(r.prefill_positions, r.prefill_lengths, sc, b, h);
         std::vector<Index> const end = kept(r.positions, r.lengths, sc, b, h);
         CHECK(!pre.empty());
-        if (name.find("_decoding") != std::string::npos)
+        if (keeps_prompt)
           CHECK(static_cast<Index>(pre.size()) == p);  // only decoding compresses
         else
           CHECK(static_cast<Index>(pre.size()) < p);  // every other policy here evicts at prefill
@@ -202,7 +203,7 @@ TEST_CASE("layer compressor: MomentKV's prefill is kvc::moment_kv_prefill, and i
           "[engine][compressor][moment_kv]") {
   Scenario const sc;
   kvc::KVExtents const e = sc.keys();
-  for (std::string const name : {"moment_kv", "ada_kv_moment_kv"}) {
+  for (std::string const name : {"moment_kv", "ada_kv_moment_kv", "moment_kv_base"}) {
     INFO(name);
     HostMemory mem;
     std::string const err = kvc::test::with_scenario_policy<kvc::HostSpace>(
@@ -232,9 +233,21 @@ TEST_CASE("layer compressor: MomentKV's prefill is kvc::moment_kv_prefill, and i
             auto scorer = policy.scorer;
             scorer.state = moments.view;
             auto const obs = kvc::observe(kvc::WindowQueries<float>{rows, rope.table, qpos.data()});
-            kvc::test::OwnedWorkspace ws2(
-                kvc::moment_kv_prefill_workspace_bytes(kvc::Cpu{}, scorer, policy.selector, e, obs));
-            REQUIRE(kvc::moment_kv_prefill(kvc::Cpu{}, scorer, policy.selector, cache2, obs, ws2.get()).ok());
+            if (scorer.mi) {
+              kvc::test::OwnedWorkspace ws2(
+                  kvc::moment_kv_prefill_workspace_bytes(kvc::Cpu{}, scorer, policy.selector, e, obs));
+              REQUIRE(kvc::moment_kv_prefill(kvc::Cpu{}, scorer, policy.selector, cache2, obs, ws2.get()).ok());
+            } else {  // mi = false: the base scorer (SnapKV) selects in one shot, then the evicted tokens fold
+              std::vector<Index> index(static_cast<std::size_t>(e.rows())),
+                  count(static_cast<std::size_t>(e.batch * e.heads));
+              kvc::KeepPlan<> const plan{index.data(), count.data(), e.batch, e.heads, e.tokens};
+              kvc::Press const base{scorer.base, policy.selector};
+              kvc::test::OwnedWorkspace ws2(std::max(kvc::compress_workspace_bytes(kvc::Cpu{}, base, e, obs),
+                                                     kvc::on_evict_workspace_bytes(kvc::Cpu{}, scorer, e)));
+              REQUIRE(kvc::compress(kvc::Cpu{}, base, cache2, obs, plan, ws2.get()).ok());
+              REQUIRE(kvc::on_evict(kvc::Cpu{}, scorer, cache2, plan, ws2.get()).ok());
+              REQUIRE(kvc::compact(kvc::Cpu{}, plan, cache2).ok());
+            }
             CHECK(lengths == lengths2);
             CHECK(one.positions == two.positions);
             auto const m = c.moments();
@@ -255,14 +268,19 @@ TEST_CASE("layer compressor: MomentKV's prefill is kvc::moment_kv_prefill, and i
     REQUIRE(err.empty());
   }
   // Decoding (Algorithm 1, one eviction per step): each head returns to its budget after every token, 16 for the
-  // uniform selector and its prefill length for AdaKV's, and its moments count every token it evicted.
-  for (std::string const name : {"moment_kv", "ada_kv_moment_kv"}) {
+  // uniform selector and its prefill length for AdaKV's; when the prompts fit AdaKV's budget (nothing evicted at
+  // prefill), every head grows to the target (48: the first sequence's 40 + 17 tokens are cut to it, the second's
+  // 29 + 17 never reach it). Its moments count every token it evicted.
+  for (std::string const name : {"moment_kv", "ada_kv_moment_kv", "moment_kv_base", "ada_kv_moment_kv_fits"}) {
     INFO(name);
     ScenarioResult const r = run(name, sc);
     for (Index b = 0; b < sc.batch; ++b)
       for (Index h = 0; h < sc.kv_heads; ++h) {
         auto const head = static_cast<std::size_t>(b * sc.kv_heads + h);
-        Index const budget = name == "moment_kv" ? 16 : r.prefill_lengths[head];
+        Index const seen = sc.prompt[static_cast<std::size_t>(b)] + sc.steps;
+        Index const budget = name == "ada_kv_moment_kv"        ? r.prefill_lengths[head]
+                             : name == "ada_kv_moment_kv_fits" ? std::min<Index>(48, seen)
+                                                               : 16;
         CHECK(r.lengths[head] == budget);
         CHECK(r.moment_counts[head] == sc.prompt[static_cast<std::size_t>(b)] + sc.steps - r.lengths[head]);
       }
@@ -407,6 +425,20 @@ TEST_CASE("push_queries: rows and positions land after the buffer's count", "[en
   CHECK(kvc::push_queries(kvc::Cpu{}, buf, view, rp.data()).code() == kvc::Errc::out_of_capacity);
 }
 
+TEST_CASE("decode_budgets: each head keeps its length unless nothing was evicted", "[engine][state]") {
+  // Sequence 0 evicted (6 < 10): every head keeps its length, even below the target. Sequence 1 evicted nothing:
+  // heads grow to the target 8, a head already past it keeps its length.
+  std::vector<Index> budgets = {10, 10, 10, 9, 5, 5};  // lengths before the prefill compression
+  std::vector<Index> const lengths = {6, 8, 10, 9, 5, 5};
+  REQUIRE(kvc::decode_budgets(kvc::Cpu{}, budgets.data(), lengths.data(), 2, 3, 8).ok());
+  CHECK(budgets == std::vector<Index>{6, 8, 10, 9, 8, 8});
+  CHECK(kvc::decode_budgets(kvc::Cpu{}, budgets.data(), budgets.data() + 1, 1, 3, 8).code() ==
+        kvc::Errc::invalid_argument);  // overlapping
+  CHECK(kvc::decode_budgets(kvc::Cpu{}, budgets.data(), lengths.data(), 2, 3, -1).code() ==
+        kvc::Errc::invalid_argument);
+  CHECK(kvc::decode_budgets(kvc::Cpu{}, budgets.data(), nullptr, 2, 3, 8).code() == kvc::Errc::invalid_argument);
+}
+
 namespace {
 
 /// The decode selection the tools built by hand: the schedule's FixedBudget target with the policy's windows
@@ -547,6 +579,17 @@ TEST_CASE("layer compressor: the decode selection, and reset() between sequences
   Index const table[2] = {5, 7};
   auto const uncomp = kvc::detail::decode_selection(kvc::UNCompSelector<>{kvc::HeadBudgets{table, 2}, 0, 8}, schedule);
   CHECK((uncomp.budget.tokens == table && uncomp.n_recent == 12));
+  // PyramidKV keeps its layer schedule around the target (the authors' with C = 40, w = 8, beta = 20, 4 layers, 200
+  // tokens: B = 32, min = 32 // 20 = 1, max = 2B - min = 63, steps = (63 - 1) // 3 = 20; layer l keeps 63 - 20 l + 8).
+  kvc::PyramidKVBudget py;
+  py.num_layers = 4;
+  py.reference = kvc::Reference::kvpress;
+  py.compression_ratio = 0.5;
+  auto const pyramid = kvc::detail::decode_selection(kvc::TopKSelector{py, 0, 8}, schedule);
+  CHECK((pyramid.budget.reference == kvc::Reference::authors && pyramid.budget.max_capacity_prompt == 40));
+  CHECK(pyramid.budget.keep(0, 0, 200) == 71);
+  py.layer = 3;
+  CHECK(kvc::detail::decode_selection(kvc::TopKSelector{py, 0, 8}, schedule).budget.keep(0, 0, 200) == 11);
 
   // Two sequences through one compressor: after reset(), the second equals a fresh compressor's.
   Scenario const sc;

@@ -32,8 +32,10 @@
 
 namespace kvc::test {
 
-/// Every policy the scenario runs: the 11 token-eviction policies, AdaKV / PyramidKV over several scorers, and two
-/// with decode-time compression only (kvpress's DecodingPress: `_decoding`).
+/// Every policy the scenario runs: the 11 token-eviction policies, AdaKV / PyramidKV over several scorers, MomentKV
+/// without its MI score (`moment_kv_base`) and with AdaKV over prompts that fit its budget (`_fits`: nothing is
+/// evicted at prefill, and every head grows to the target), and two with decode-time compression only (kvpress's
+/// DecodingPress: `_decoding`).
 inline std::vector<std::string> const& scenario_policies() {
   static std::vector<std::string> const names = {"streaming_llm",
                                                  "key_diff",
@@ -49,6 +51,8 @@ inline std::vector<std::string> const& scenario_policies() {
                                                  "ada_kv_key_diff",
                                                  "ada_kv_h2o",
                                                  "ada_kv_moment_kv",
+                                                 "moment_kv_base",
+                                                 "ada_kv_moment_kv_fits",
                                                  "pyramid_kv_snap_kv",
                                                  "pyramid_kv_tova",
                                                  "h2o_decoding",
@@ -203,6 +207,16 @@ std::string with_scenario_policy(std::string const& name, Scenario const& sc, Me
   if (name == "ada_kv_moment_kv") {
     algorithm_1();
     return fn(Press{moment, AdaKVSelector<FixedBudget>{{16}, 0.2, Reference::authors, 1, sc.window}}, options);
+  }
+  if (name == "moment_kv_base") {  // mi = false: the base score alone selects; the evicted tokens still fold
+    algorithm_1();
+    moment.mi = false;
+    return fn(Press{moment, TopKSelector{FixedBudget{16}, 1, sc.window}}, options);
+  }
+  if (name == "ada_kv_moment_kv_fits") {
+    algorithm_1();
+    options.schedule.target_size = 48;
+    return fn(Press{moment, AdaKVSelector<FixedBudget>{{48}, 0.2, Reference::authors, 1, sc.window}}, options);
   }
   if (name == "pyramid_kv_snap_kv")
     return fn(Press{snap, TopKSelector<PyramidKVBudget>{pyramid, 0, 4}}, options);

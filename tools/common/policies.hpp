@@ -514,6 +514,17 @@ struct ToolBudget {
   constexpr kvc::Status check() const noexcept {
     return kind == Kind::ratio ? ratio.check() : (kind == Kind::tokens ? tokens.check() : pyramid.check());
   }
+  /// A decode-time compression to `target` tokens (kvc::LayerCompressor): PyramidKV's schedule around it, else it.
+  constexpr ToolBudget decode_budget(kvc::Index target) const noexcept {
+    ToolBudget b = *this;
+    if (kind == Kind::pyramid) {
+      b.pyramid = pyramid.decode_budget(target);
+    } else {
+      b.kind = Kind::tokens;
+      b.tokens = {target};
+    }
+    return b;
+  }
 };
 
 /// The selection compress runs over `tokens`-slot heads: TopKSelector, or AdaKVSelector with the ada_kv

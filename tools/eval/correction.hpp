@@ -4,12 +4,12 @@
 //
 // Per sample (prompt + continuation tokens), an fp32 forward pass records every layer's post-RoPE keys, values and
 // queries (as `kvc-eval dump` writes them). Per layer, the prompt's K and V form a cache, which MomentKV compresses
-// in place exactly as kvc-eval's `moment_kv` rows do (eval/moment_kv.hpp: the window queries are the prompt's last
-// rows, the moments collect the evicted tokens). Then the continuation's queries (post-RoPE, positions after the
-// prompt, so the causal mask hides nothing of the prompt) attend over
+// in place exactly as kvc-eval's `moment_kv` rows do (a kvc::LayerCompressor's prefill: the window queries are the
+// prompt's last rows, the compressor's moments collect the evicted tokens). Then the continuation's queries (post-RoPE,
+// positions after the prompt, so the causal mask hides nothing of the prompt) attend over
 //   the full prompt cache                          -> f   (and lse = log Z)
-//   the compressed cache, plain (kvc::attend)      -> f_R (and lse_R = log Z_R)
-//   the compressed cache, corrected (kvc::attend_corrected with the moments) -> f̂
+//   the compressed cache, plain (the compressor's attend without the correction: kvc::attend) -> f_R (and lse_R)
+//   the compressed cache, corrected (its attend: kvc::attend_corrected with its moments)      -> f̂
 // so both errors are of the same kept set and the same queries: ||f − f̂|| / ||f|| and ||f − f_R|| / ||f|| per query
 // row (query head, token), averaged over the rows (and the samples). Also reported: the share of rows where the
 // correction lowers the error, and the evicted softmax mass w_E = 1 − Z_R / Z (mean over rows).
@@ -72,7 +72,6 @@ inline std::vector<CorrectionRecord> correction_errors(Model const& model, tools
     if (ws.size() < bytes)
       ws.resize(bytes);
   };
-  MomentScratch scratch;
   for (auto const& sample : samples) {
     Index const all = static_cast<Index>(sample.size()), m = all - n;
     if (m < 1)
@@ -111,25 +110,34 @@ inline std::vector<CorrectionRecord> correction_errors(Model const& model, tools
           dense_cache(k.data(), v.data(), e, head_lengths(full_lengths.data(), hkv), slot_positions.data());
       grow(attend_workspace_bytes(Cpu{}, Attention{}, later, full));
       check(attend(Cpu{}, Attention{}, later, full, {f.data(), lse.data()}, {ws.data(), ws.size()}), "full attention");
-      auto const obs = observe(WindowQueries<float>{
-          TokenRows<float const, StridedLayout>(p.queries_prerope.data(), prompt_rows), rope, positions.data()});
+      LayerQueries<float> const prompt{TokenRows<float const, StridedLayout>(p.queries_prerope.data(), prompt_rows),
+                                       positions.data()};
       for (std::size_t r = 0; r < ratios.size(); ++r) {
         std::vector<float> kc = k, vc = v;
         std::vector<Index> lengths = full_lengths, pos = slot_positions;
         auto const cache = dense_cache(kc.data(), vc.data(), e, head_lengths(lengths.data(), hkv), pos.data());
+        // The compressor of the row's policy, as kvc-eval's engine runs it: prefill, then its attend() plain and
+        // corrected over the moments it kept.
         tools::with_moment_storage(cfg.storage, [&](auto tag) {
           using MT = decltype(tag);
-          tools::HostMoments<MT> moments(1, hkv, d, d);
-          check(moment_kv_compress(cfg, alloc, params, std::optional<double>(ratios[r]), 0, n, cache, obs, moments.view,
-                                   scratch),
-                "MomentKV compression");
-          grow(attend_workspace_bytes(Cpu{}, Attention{}, later, cache));
-          check(attend(Cpu{}, Attention{}, later, cache, {f_r.data(), lse_r.data()}, {ws.data(), ws.size()}),
-                "plain attention");
-          grow(attend_corrected_workspace_bytes(Cpu{}, cfg.attention, later, cache, moments.view));
-          check(
-              attend_corrected(Cpu{}, cfg.attention, later, cache, moments.view, {f_c.data()}, {ws.data(), ws.size()}),
-              "corrected attention");
+          MomentKVScorer<HostSpace, MT> const scorer = moment_scorer(cfg, MomentState<HostSpace, MT>{});
+          tools::with_selection(
+              alloc, params, tools::Selection{cfg.n_sink, cfg.n_recent}, ratios[r], 0, n, [&](auto const& selector) {
+                LayerCompressor compressor{Cpu{}, Press{scorer, selector}};
+                compressor.options.rope = rope;
+                compressor.options.attention = cfg.attention;
+                check(compressor.plan(cache, QueryShape{hq, n, 1, m}), "MomentKV plan");
+                std::vector<std::byte> state(compressor.state_bytes());
+                check(compressor.bind(state.data(), state.size()), "MomentKV state");
+                check(compressor.reset(), "MomentKV state");
+                grow(compressor.workspace_bytes());
+                Workspace const w{ws.data(), ws.size()};
+                check(compressor.prefill(cache, prompt, w), "MomentKV compression");
+                compressor.options.corrected = false;
+                check(compressor.attend(later, cache, {f_r.data(), lse_r.data()}, w), "plain attention");
+                compressor.options.corrected = true;
+                check(compressor.attend(later, cache, {f_c.data()}, w), "corrected attention");
+              });
         });
         CorrectionLayer& out = records[r].layers[li];
         for (Index row = 0; row < hq * m; ++row) {

@@ -1,38 +1,48 @@
 // SPDX-License-Identifier: Apache-2.0
 // tools/eval/engine.hpp: a small Llama inference engine whose KV cache is a kvc cache, used the way an engine uses
 // kvc: keys rotated at their absolute positions and appended with kvc::append, attention through kvc::attend (causal
-// by the cache's positions, GQA), compression through kvc::compress + kvc::compact with the window queries passed as
-// typed observations (pre-RoPE rows + a RopeTable built once by kvc::fill_rope_table).
+// by the cache's positions, GQA), and every policy through the per-layer compressor (kvc::LayerCompressor,
+// engine/layer_compressor.hpp): one per layer, planned for the layer's stores, its state owned by the engine, the
+// last forward call's pre-RoPE queries handed to it with their positions (rotated by a RopeTable built by
+// kvc::fill_rope_table).
 //
 // One sequence (batch 1). Storage fp32, fp16 or bf16; layout dense ([Hkv, capacity, d] per layer, the Hugging Face
 // cache) or paged (vLLM-style NHD pages of 16 tokens found through a block table whose page order is reversed, so
 // that a layout bug cannot hide behind contiguous pages). Activations and attention accumulate in fp32.
 //
-// Compression with an allocator (AdaKV, PyramidKV: heads or layers keep different counts) moves each layer into a
-// ragged per-head store (kvc::ragged_cache, store/ragged.hpp): the kept tokens are gathered (kvc::gather with the
-// plan) into segments of count + reserve rows per head, and from then on that layer's appends, attention and
-// decode-time compressions (in place) run on the store. A head whose segment would overflow re-lays the whole store
-// out with a fresh reserve (kvc::append into a new store), as the AdaKV authors do, once per reserve tokens.
+// After the prompt (compress): each layer's compressor of a kvc::Press{scorer, selection} runs prefill() in place on
+// the engine's cache (score, select, compact; MomentKV's rounds; UNComp's state and budgets). With an allocator
+// (AdaKV, PyramidKV: heads or layers keep different counts), and for UNComp, the layer then moves into a ragged
+// per-head store (kvc::ragged_cache, store/ragged.hpp) of count + reserve rows per head, and from then on that
+// layer's appends, attention and decode-time compressions (in place) run on the store. A head whose segment would
+// overflow re-lays the whole store out with a fresh reserve (kvc::append into a new store), as the AdaKV authors do,
+// once per reserve tokens.
 //
-// MomentKV (`moment_kv` rows, eval/moment_kv.hpp) compresses each layer in place with kvc::moment_kv_prefill (or the
-// base score alone, mi=false), keeps the layer's moments (tools::HostMoments), and from then on every attention call
-// over that layer runs kvc::attend_corrected (correction=true) instead of kvc::attend. With ada_kv the layer then
-// moves into a ragged store as above. Decoding (begin_decode) runs the paper's Algorithm 1 with kvc::decode_step:
-// scorer.decode(), one step per token, each head back to its prefill budget L_h (TopKSelector<PerHeadBudget<>>).
+// While decoding (begin_decode): every layer keeps its compressor (options.decode with the schedule), and after each
+// forward call its decode() runs on the layer's store with that call's query; each layer's attention goes through the
+// compressor's attend(). The same calls for every policy: kvpress's DecodingPress schedule, H2O's accumulator (its
+// prefill() only starts the state), MomentKV's Algorithm 1 (one eviction per token, each head back to its budget;
+// attention corrected by its growing moments), UNComp's per-token eviction to its budgets.
+//
+// MomentKV (`moment_kv` rows, eval/moment_kv.hpp) keeps a copy of each layer's moments after prefill
+// (tools::HostMoments: their bytes, and the corrected attention, correction=true, of a compressed prompt).
 //
 // RDKV and KIVI (`rdkv` and `kivi` rows, tools/common/rdkv.hpp) pack each layer once after the prompt through the
-// per-layer compressor, as an engine does: a kvc::LayerCompressor of a kvc::RDKVPress (token weights from
-// RDKVTokenScorer or a policy's scorer, ThinK channel weights, kvc::allocate_bits at the row's budget) or a
-// kvc::KIVIPress, planned on the layer's cache, its state (the packed store) owned by the layer, then prefill() with
-// the prompt's queries. The engine's own cache then holds only the fp16 tail (zone C): the newest `residual` tokens
-// (compacted to the front); tokens appended later (the continuation, decode steps) land there at positions continuing
-// from the prompt. Attention over such a layer is the compressor's attend(): the packed store and the tail, merged
-// through their log-sum-exps.
+// per-layer compressor of a kvc::RDKVPress (token weights from RDKVTokenScorer or a policy's scorer, ThinK channel
+// weights, kvc::allocate_bits at the row's budget) or a kvc::KIVIPress, its state (the packed store) owned by the
+// layer. The engine's own cache then holds only the fp16 tail (zone C): the newest `residual` tokens (compacted to
+// the front); tokens appended later (the continuation, decode steps) land there at positions continuing from the
+// prompt. Attention over such a layer is the compressor's attend(): the packed store and the tail, merged through
+// their log-sum-exps.
 #pragma once
 
 #include <kvc/backend/cpu/attention/attend.hpp>
 #include <kvc/backend/cpu/pipeline/compact.hpp>
+#include <kvc/backend/cpu/pipeline/query_statistics.hpp>
 #include <kvc/backend/cpu/pipeline/rerotate.hpp>
+#include <kvc/backend/cpu/pipeline/state.hpp>
+#include <kvc/backend/cpu/scorers/expected_attention.hpp>
+#include <kvc/backend/cpu/scorers/h2o.hpp>
 #include <kvc/backend/cpu/scorers/random.hpp>
 #include <kvc/backend/cpu/scorers/uncomp.hpp>
 #include <kvc/backend/cpu/selectors/top_k.hpp>
@@ -46,7 +56,6 @@
 #include <kvc/pipeline/press.hpp>
 #include <kvc/store/ragged.hpp>
 
-#include "common/observations.hpp"
 #include "common/policies.hpp"
 #include "common/ragged_store.hpp"
 #include "common/rdkv.hpp"
@@ -59,7 +68,6 @@
 #include <chrono>
 #include <cmath>
 #include <cstdint>
-#include <functional>
 #include <limits>
 #include <memory>
 #include <optional>
@@ -370,6 +378,8 @@ class Engine final : public Session {
       out_.resize(hq * n, d);  // [Hq, n, d]
       Status const attended = with_view(layer, [&](auto const& cache) -> Status {
         KVC_RETURN_IF_ERROR(append(Cpu{}, cache, src));
+        if (decode_run_)  // while decoding, every layer attends through its compressor
+          return decode_run_->layers[li]->attend(*this, layer, queries, {out_.data()});
         if (layer.packed) {  // rdkv / kivi: the compressor's attention over its packed store and the fp16 tail
           if constexpr (std::is_same_v<std::remove_cvref_t<decltype(cache)>, CacheView>) {
             grow(workspace_, layer.packed->workspace_bytes());
@@ -411,9 +421,9 @@ class Engine final : public Session {
     next_position_ += count;
     if (plan && !counts.empty())
       last_stage_plan_ = std::move(plan);
-    if (decode_hook_) {  // the decode driver, after the layers' attention, as an engine runs it per layer
+    if (decode_run_) {  // the decode driver, after the layers' attention, as an engine runs it per layer
       auto const start = std::chrono::steady_clock::now();
-      Status const st = decode_hook_();
+      Status const st = decode_run_->step(*this);
       decode_seconds_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
       return st;
     }
@@ -449,50 +459,37 @@ class Engine final : public Session {
           return;
         }
       }
-      ModelConfig const& c = model_->config;
-      auto run = std::make_shared<DecodeRun<S>>();
-      run->schedule = schedule;
+      auto run = std::make_shared<DecodeRun>();
       run->relayout_on_compress = relayout_on_compress;
-      run->schedule.n_sink = sel.n_sink;
-      run->schedule.n_recent = sel.recent(schedule.target_size);
-      Index future = 0;  // ExpectedAttention averages RoPE past the cache's positions
-      if constexpr (requires { scorer.n_future_positions; })
-        future = scorer.n_future_positions;
-      run->rope_storage.resize(static_cast<std::size_t>(rope_table_floats(capacity_ + future, c.head_dim)));
-      if (!fill_rope_table(c.rope(), c.head_dim, capacity_ + future, run->rope_storage.data(), run->rope).ok())
-        throw std::logic_error("kvc-eval: the model's RoPE does not fill a table");
-      Index const rows = schedule.compression_interval;  // one token per forward: an interval's queries
+      RopeTable<> const rope = long_rope(scorer, run->rope_storage);
+      // The selection's own sink and recent windows apply (the policy's n_sink, n_recent, H2O's share of the target).
+      DecodeSchedule steps = schedule;
+      steps.n_sink = steps.n_recent = 0;
       set_reserve(schedule.compression_interval);
-      run->layers.resize(layers_.size());
       for (std::size_t li = 0; li < layers_.size() && status.ok(); ++li) {
-        auto& l = run->layers[li];
         Layer& layer = layers_[li];
-        l.scorer = scorer;
-        if constexpr (std::is_same_v<S, RandomScorer>)
-          l.scorer.seed = mix_seed(scorer.seed, salt, li);
-        l.queries.assign(static_cast<std::size_t>(c.heads * rows * c.head_dim), 0.0f);
-        l.positions.assign(static_cast<std::size_t>(rows), 0);
-        l.buffer = {l.queries.data(), l.positions.data(), 1, c.heads, rows, c.head_dim};
-        if (alloc.any()) {  // the allocator's selection of the target, on a ragged store
-          tools::with_selection(alloc, layer_params(params, alloc, li), sel, std::nullopt, schedule.target_size,
-                                schedule.target_size, [&](auto const& selector) { l.selector = selector; });
-          if (!layer.store)
-            status = to_ragged(layer);
-          continue;
-        }
-        if constexpr (StatefulScorer<S>) {  // H2O: the prompt's attention starts the accumulator
-          l.accumulated.assign(static_cast<std::size_t>(ext_.rows()), 0.0f);
-          l.tracked.assign(static_cast<std::size_t>(ext_.heads), 0);
-          l.scorer.state = {{l.accumulated.data(), 1, ext_.heads, capacity_}, l.tracked.data()};
-          Index const w = static_cast<Index>(layer.query_positions.size());
-          auto const obs = observe(WindowQueries<float>{
-              TokenRows<float const, StridedLayout>(layer.queries.data(), bthd_layout({1, c.heads, w, c.head_dim})),
-              rope_, layer.query_positions.data()});
-          grow(run->workspace, update_workspace_bytes(Cpu{}, l.scorer, ext_, obs));
-          status = update(Cpu{}, l.scorer, view(layer), obs, {run->workspace.data(), run->workspace.size()});
-        }
+        tools::with_selection(
+            alloc, layer_params(params, alloc, li), sel, std::nullopt, schedule.target_size, schedule.target_size,
+            [&](auto const& selector) {
+              using P = Press<S, std::remove_cvref_t<decltype(selector)>>;
+              auto l = std::make_unique<DecodingCompressor<P>>(P{scorer, selector});
+              auto& c = l->compressor;
+              if constexpr (std::is_same_v<S, RandomScorer>)
+                c.policy.scorer.seed = mix_seed(scorer.seed, salt, li);
+              c.options.rope = rope;
+              c.options.prefill = false;  // the prompt stays; a stateful scorer's state starts
+              c.options.decode = true;
+              c.options.schedule = steps;
+              status = start_compressor(c, l->state, ext_.heads, li);
+              if (status.ok())
+                status = c.prefill(view(layer), last_queries(layer), {workspace_.data(), workspace_.size()});
+              run->layers.push_back(std::move(l));
+            });
+        if (status.ok() && alloc.any() && !layer.store)  // the allocator's selections run on a ragged store
+          status = to_ragged(layer);
       }
-      decode_hook_ = [this, run]() { return run->step(*this); };
+      if (status.ok())
+        decode_run_ = std::move(run);
     });
     return status;
   }
@@ -524,45 +521,23 @@ class Engine final : public Session {
     }
     tools::with_policy(policy, params, [&](auto const& scorer, tools::Selection sel) {
       using S = std::remove_cvref_t<decltype(scorer)>;
-      index_.resize(static_cast<std::size_t>(ext_.rows()));
-      count_.resize(static_cast<std::size_t>(ext_.heads));
-      KeepPlan<> const plan{index_.data(), count_.data(), 1, ext_.heads, ext_.tokens};
+      std::vector<float> rope_storage;
+      RopeTable<> const rope = long_rope(scorer, rope_storage);
+      std::vector<std::byte> state;
       for (std::size_t li = 0; li < layers_.size() && status.ok(); ++li) {
         Layer& layer = layers_[li];
-        S layer_scorer = scorer;
-        if constexpr (std::is_same_v<S, RandomScorer>)
-          layer_scorer.seed = mix_seed(scorer.seed, salt, li);
-        auto const cache = view(layer);
-        std::optional<tools::HostRaggedStore<T>> store;
         tools::with_selection(
             alloc, layer_params(params, alloc, li), sel, ratio, 0, longest(layer), [&](auto const& selector) {
-              auto const run = [&](auto const& live, auto const& obs) {
-                Press const press{live, selector};
-                grow(workspace_, compress_workspace_bytes(Cpu{}, press, ext_, obs));
-                status = kvc::compress(Cpu{}, press, cache, obs, plan, {workspace_.data(), workspace_.size()});
-                if (!status.ok())
-                  return;
-                if (!alloc.any()) {
-                  status = compact(Cpu{}, plan, cache);
-                  return;
-                }
-                // The kept tokens move into a ragged store: each head gets its own count + the reserve.
-                store.emplace(1, ext_.heads, ext_.dim, ext_.dim, count_.data(), reserve_);
-                status = gather(Cpu{}, plan, cache, store->view());
-              };
-              // The observations kvc-eval passes are the last forward call's pre-RoPE queries (the prompt's).
-              ModelConfig const& c = model_->config;
-              Index const w = static_cast<Index>(layer.query_positions.size());
-              TokenRows<float const, StridedLayout> const rows(layer.queries.data(),
-                                                               bthd_layout({1, c.heads, w, c.head_dim}));
-              tools::ObservationStorage obs_store;
-              tools::with_observations(
-                  layer_scorer, cache,
-                  tools::ObservedQueries{rows, layer.query_positions.data(), rope_, c.rope(), true},
-                  "layer " + std::to_string(li), obs_store, run);
+              LayerCompressor compressor{Cpu{}, Press{scorer, selector}};
+              if constexpr (std::is_same_v<S, RandomScorer>)
+                compressor.policy.scorer.seed = mix_seed(scorer.seed, salt, li);
+              compressor.options.rope = rope;
+              status = start_compressor(compressor, state, ext_.heads, li);
+              if (status.ok())
+                status = compressor.prefill(view(layer), last_queries(layer), {workspace_.data(), workspace_.size()});
             });
-        if (status.ok() && store)
-          adopt(layer, std::move(*store));
+        if (status.ok() && alloc.any())  // the kept tokens move into a ragged store: each head its count + reserve
+          status = to_ragged(layer);
         else if (status.ok())
           layer.held = longest(layer) + reserve_;
       }
@@ -749,6 +724,46 @@ class Engine final : public Session {
     return {};
   }
 
+  /// A RoPE table over [0, capacity + the scorer's n_future_positions) in `storage` (ExpectedAttention averages RoPE
+  /// past the context; the others need the capacity).
+  template <class S>
+  RopeTable<> long_rope(S const& scorer, std::vector<float>& storage) const {
+    ModelConfig const& c = model_->config;
+    Index future = 0;
+    if constexpr (requires { scorer.n_future_positions; })
+      future = scorer.n_future_positions;
+    storage.resize(static_cast<std::size_t>(rope_table_floats(capacity_ + future, c.head_dim)));
+    RopeTable<> rope;
+    if (!fill_rope_table(c.rope(), c.head_dim, capacity_ + future, storage.data(), rope).ok())
+      throw std::logic_error("kvc-eval: the model's RoPE does not fill a table");
+    return rope;
+  }
+
+  /// Plans `c` for layer li's stores (`heads` KV heads: Hq for UNComp's gqa=expand; up to twice the capacity slots
+  /// per head, which every ragged segment stays under; the last forward call's query rows as the prompt's, one row
+  /// per decode step), binds it to `state` (sized here) and resets it; the session's workspace grows to its need.
+  template <class P>
+  Status start_compressor(LayerCompressor<P, Cpu>& c, std::vector<std::byte>& state, Index heads, std::size_t li) {
+    ModelConfig const& mc = model_->config;
+    auto const shape = dense_cache(static_cast<T*>(nullptr), static_cast<T*>(nullptr),
+                                   KVExtents{1, heads, 2 * capacity_, ext_.dim});  // extents only: nothing is read
+    Index const rows = static_cast<Index>(layers_[li].query_positions.size());
+    KVC_RETURN_IF_ERROR(c.plan(shape, QueryShape{mc.heads, rows, 1, 1}));
+    state.resize(c.state_bytes());
+    KVC_RETURN_IF_ERROR(c.bind(state.data(), state.size(), static_cast<Index>(li)));
+    KVC_RETURN_IF_ERROR(c.reset());
+    grow(workspace_, c.workspace_bytes());
+    return {};
+  }
+
+  /// The last forward call's pre-RoPE queries of `layer`, [1, Hq, n, d] (token-major), with their positions.
+  LayerQueries<float> last_queries(Layer const& layer) const {
+    ModelConfig const& c = model_->config;
+    Index const n = static_cast<Index>(layer.query_positions.size());
+    return {TokenRows<float const, StridedLayout>(layer.queries.data(), bthd_layout({1, c.heads, n, c.head_dim})),
+            layer.query_positions.data()};
+  }
+
   /// Appends the last forward call's pre-RoPE queries of `layer` ([n, Hq * d]) and their positions to a decode
   /// QueryBuffer (the decode drivers of every policy); an error when they do not fit the buffer.
   static Status push_queries(ModelConfig const& c, Layer const& layer, QueryBuffer<float>& buffer) {
@@ -821,13 +836,16 @@ class Engine final : public Session {
     l.held = 0;
   }
 
-  /// Every token of the layer's cache into a ragged store with the current reserve.
-  Status to_ragged(Layer& l) {
-    tools::HostRaggedStore<T> store(1, ext_.heads, ext_.dim, ext_.dim, l.lengths.data(), reserve_);
-    KVC_RETURN_IF_ERROR(append(Cpu{}, store.view(), view(l)));
+  /// Every token of `cache` (the layer's cache, or UNComp's expanded copy of it) into a ragged store with the
+  /// current reserve, which becomes the layer's.
+  template <class Cache>
+  Status to_ragged(Layer& l, Cache const& cache) {
+    tools::HostRaggedStore<T> store(1, cache.keys.extents().heads, ext_.dim, ext_.dim, cache.lengths.data, reserve_);
+    KVC_RETURN_IF_ERROR(append(Cpu{}, store.view(), cache));
     adopt(l, std::move(store));
     return {};
   }
+  Status to_ragged(Layer& l) { return to_ragged(l, view(l)); }
 
   /// Keeps `keep` of the `n` hidden-state rows (spec §2.9): u_j = the attention the last `window` queries of the
   /// previous layer (q_, k_: its post-RoPE projections, still in place) paid row j, summed over the query heads (fp64
@@ -913,93 +931,72 @@ class Engine final : public Session {
       ws.resize(bytes);
   }
 
-  /// The selection a decode-time compression runs: the schedule's own (uniform rows), or an allocator's.
-  using DecodeSelector =
-      std::variant<std::monostate, TopKSelector<tools::ToolBudget>, AdaKVSelector<tools::ToolBudget>>;
+  /// One layer's compressor while decoding, whatever its policy: decode() after every forward call.
+  struct DecodingLayer {
+    virtual ~DecodingLayer() = default;
+    /// The compressor's decode() on the layer's store with the last forward call's queries; `compressed`: whether
+    /// it compressed.
+    virtual Status decode(Engine& e, Layer& layer, bool& compressed) = 0;
+    /// The compressor's attend() over the layer's store (MomentKV: corrected by its moments, which keep growing).
+    virtual Status attend(Engine& e, Layer& layer, AttendQueries<float> const& queries, AttendOutput<> out) = 0;
+  };
+  template <class P>
+  struct DecodingCompressor final : DecodingLayer {
+    LayerCompressor<P, Cpu> compressor;
+    std::vector<std::byte> state;
+    std::vector<Index> table;  // per-head budgets the policy reads (UNComp's)
+    explicit DecodingCompressor(P const& policy) : compressor{Cpu{}, policy} {}
+    Status decode(Engine& e, Layer& layer, bool& compressed) override {
+      return e.with_view(layer, [&](auto const& cache) {
+        return compressor.decode(cache, e.last_queries(layer), {e.workspace_.data(), e.workspace_.size()}, &compressed);
+      });
+    }
+    Status attend(Engine& e, Layer& layer, AttendQueries<float> const& queries, AttendOutput<> out) override {
+      return e.with_view(layer, [&](auto const& cache) {
+        return compressor.attend(queries, cache, out, {e.workspace_.data(), e.workspace_.size()});
+      });
+    }
+  };
 
-  /// The decode driver's state for one policy: per layer the scorer (with its state), the selection, the query
-  /// buffer and the counter; a RoPE table long enough for ExpectedAttention's future positions; one workspace.
-  template <class S>
+  /// The decode driver: every layer's compressor, and the RoPE table they share (long enough for
+  /// ExpectedAttention's future positions).
   struct DecodeRun {
-    struct PerLayer {
-      S scorer{};
-      DecodeSelector selector{};
-      std::vector<float> queries, accumulated;
-      std::vector<Index> positions, tracked;
-      QueryBuffer<float> buffer{};
-      DecodeCounter counter{};
-    };
-    DecodeSchedule schedule{};
     bool relayout_on_compress = false;  // re-lay a ragged store out after each compression
-    std::vector<PerLayer> layers;
+    std::vector<std::unique_ptr<DecodingLayer>> layers;
     std::vector<float> rope_storage;
-    RopeTable<> rope{};
-    std::vector<std::byte> workspace;
 
-    /// After a forward call: each layer's new pre-RoPE queries into its buffer, then kvc::decode_step (in place on
-    /// the layer's store: the engine's cache, or the ragged store with the allocator's selection).
+    /// After a forward call: each layer's compressor decodes (in place on the layer's store: the engine's cache, or
+    /// the ragged store).
     Status step(Engine& e) {
-      ModelConfig const& c = e.model_->config;
       for (std::size_t li = 0; li < layers.size(); ++li) {
-        PerLayer& l = layers[li];
         Layer& layer = e.layers_[li];
-        KVC_RETURN_IF_ERROR(push_queries(c, layer, l.buffer));
-        KVC_RETURN_IF_ERROR(std::visit(
-            [&](auto const& selector) -> Status {
-              return e.with_view(layer, [&](auto const& cache) -> Status {
-                using Sel = std::remove_cvref_t<decltype(selector)>;
-                constexpr bool ragged_store =
-                    std::is_same_v<typename std::remove_cvref_t<decltype(cache)>::keys_type::layout_type, RaggedLayout>;
-                if constexpr (std::is_same_v<Sel, std::monostate> == ragged_store) {
-                  return {Errc::invalid_argument, "kvc-eval: a decode selection does not match the layer's store"};
-                } else if constexpr (std::is_same_v<Sel, std::monostate>) {
-                  grow(workspace, decode_workspace_bytes(Cpu{}, l.scorer, schedule, cache.keys.extents(), l.buffer));
-                  return decode_step(Cpu{}, l.scorer, schedule, cache, l.buffer, l.counter, rope,
-                                     {workspace.data(), workspace.size()});
-                } else {
-                  grow(workspace,
-                       decode_workspace_bytes(Cpu{}, l.scorer, selector, schedule, cache.keys.extents(), l.buffer));
-                  bool compressed = false;
-                  Status const st = decode_step(Cpu{}, l.scorer, selector, schedule, cache, l.buffer, l.counter, rope,
-                                                {workspace.data(), workspace.size()}, &compressed);
-                  if (st.ok() && compressed && relayout_on_compress)  // give the emptied slots back
-                    *layer.store = tools::relayout(*layer.store, e.reserve_);
-                  return st;
-                }
-              });
-            },
-            l.selector));
+        bool compressed = false;
+        KVC_RETURN_IF_ERROR(layers[li]->decode(e, layer, compressed));
+        if (compressed && relayout_on_compress && layer.store)  // give the emptied slots back
+          *layer.store = tools::relayout(*layer.store, e.reserve_);
       }
       return {};
     }
   };
 
-  /// UNComp's decode state of one layer: the scorer over its window rows [1, heads, capacity + 1, w], each head's
-  /// budget, a one-row query buffer.
-  struct UNCompLayer {
-    UNCompScorer<> scorer{};
-    std::vector<float> rows;
-    std::vector<Index> tracked, budgets;
-    std::vector<float> queries;
-    std::vector<Index> positions;
-    QueryBuffer<float> buffer{};
-    DecodeCounter counter{};
-  };
-
-  /// UNComp's prefill compression of every layer (tools/common/uncomp.hpp, spec §2.6-2.7): per layer, the per-head
-  /// budgets from the calibration's groups for an average of `ratio`'s kept count of the layer's tokens (or `budget`
-  /// tokens), kvc::update with the prompt's last window_size queries (each slot's attention, summed over its query
-  /// group), kvc::compress with UNCompSelector (the window always kept), and the kept tokens gathered into a ragged
-  /// per-head store with reserve_. gqa=expand runs on a copy of the layer whose KV heads are repeated to Hq (the
-  /// authors' per-query-head caches), and the layer's store keeps Hq heads from then on.
+  /// UNComp's compression of every layer (tools/common/uncomp.hpp, spec §2.6-2.8) through the per-layer compressor
+  /// of a Press{UNCompScorer, UNCompSelector}: per layer, the per-head budgets from the calibration's groups for an
+  /// average of `ratio`'s kept count of the layer's tokens (or `budget` tokens); prefill() folds the prompt's last
+  /// window_size queries into the scorer's state (each slot's attention, summed over its query group) and keeps each
+  /// head's budget (the window always kept), in place; the kept tokens then move into a ragged per-head store with
+  /// reserve_. gqa=expand runs on a copy of the layer whose KV heads are repeated to Hq (the authors' per-query-head
+  /// caches), and the layer's store keeps Hq heads from then on. With `decode`, each layer's compressor joins it and
+  /// decodes after every token (interval 1, one buffered query; target `budget`): the new query's attention row
+  /// joins the state and each head over its budget evicts its lowest pooled window score (the window protected).
   Status compress_uncomp(tools::Params const& params, std::optional<double> ratio, Index budget,
-                         std::vector<UNCompLayer>* decode = nullptr) {
+                         DecodeRun* decode = nullptr) {
     if (!calibration_)
       return {Errc::invalid_argument, "kvc-eval: uncomp rows need a calibration (--calibration or the built-in one)"};
     tools::UNCompConfig const cfg = tools::uncomp_config(params);
     ModelConfig const& c = model_->config;
     bool const expand = cfg.gqa == tools::UNCompGqa::expand;
     Index const heads = expand ? c.heads : ext_.heads, g = c.heads / ext_.heads, w = cfg.window_size;
+    using P = Press<UNCompScorer<>, UNCompSelector<>>;
     Status status;
     for (std::size_t li = 0; li < layers_.size() && status.ok(); ++li) {
       Layer& layer = layers_[li];
@@ -1008,49 +1005,25 @@ class Engine final : public Session {
       double const average = cfg.absolute() ? 0.0
                              : ratio        ? static_cast<double>(RatioBudget{*ratio}.keep(0, 0, prompt))
                                             : static_cast<double>(budget);
-      std::vector<Index> const budgets =
-          tools::uncomp_budgets(cfg, *calibration_, "(kvc-eval)", static_cast<Index>(li), average);
-      Index const nq = static_cast<Index>(layer.query_positions.size());
-      auto const obs = observe(WindowQueries<float>{
-          TokenRows<float const, StridedLayout>(layer.queries.data(), bthd_layout({1, c.heads, nq, c.head_dim})), rope_,
-          layer.query_positions.data()});
-      std::optional<tools::HostRaggedStore<T>> store;
+      auto l = std::make_unique<DecodingCompressor<P>>(P{});
+      l->table = tools::uncomp_budgets(cfg, *calibration_, "(kvc-eval)", static_cast<Index>(li), average);
+      UNCompScorer<> scorer;
+      scorer.window_size = w;
+      scorer.kernel_size = cfg.kernel_size;
+      scorer.pooling = cfg.pooling;
+      auto& compressor = l->compressor;
+      compressor.policy = P{scorer, UNCompSelector{HeadBudgets{l->table.data(), heads}, 0, w}};
+      compressor.options.rope = rope_;
+      if (decode) {
+        compressor.options.decode = true;
+        compressor.options.schedule.compression_interval = 1;
+        compressor.options.schedule.hidden_states_buffer_size = 1;
+        compressor.options.schedule.target_size = budget;
+      }
+      KVC_RETURN_IF_ERROR(start_compressor(compressor, l->state, heads, li));
       auto run = [&](auto const& cache) -> Status {
-        KVExtents const e = cache.keys.extents();
-        std::vector<float> rows(static_cast<std::size_t>(e.rows() * w));
-        std::vector<Index> tracked(static_cast<std::size_t>(e.heads), 0);
-        UNCompScorer<> scorer;
-        scorer.state = {{rows.data(), uncomp_window_layout(e, w)}, tracked.data()};
-        scorer.window_size = w;
-        scorer.kernel_size = cfg.kernel_size;
-        scorer.pooling = cfg.pooling;
-        Press const press{scorer, UNCompSelector{HeadBudgets{budgets.data(), heads}, 0, w}};
-        grow(workspace_,
-             std::max(update_workspace_bytes(Cpu{}, scorer, e, obs), compress_workspace_bytes(Cpu{}, press, e)));
-        Workspace const ws{workspace_.data(), workspace_.size()};
-        KVC_RETURN_IF_ERROR(update(Cpu{}, scorer, cache, obs, ws));
-        index_.resize(static_cast<std::size_t>(e.rows()));
-        count_.resize(static_cast<std::size_t>(heads));
-        KeepPlan<> const plan{index_.data(), count_.data(), 1, heads, e.tokens};
-        KVC_RETURN_IF_ERROR(kvc::compress(Cpu{}, press, cache, plan, ws));
-        store.emplace(1, heads, ext_.dim, ext_.dim, count_.data(), reserve_);
-        KVC_RETURN_IF_ERROR(gather(Cpu{}, plan, cache, store->view()));
-        if (decode) {  // the kept slots' window rows follow them (kvc::on_evict + compaction, here by the plan)
-          UNCompLayer& d = (*decode)[li];
-          d.budgets = budgets;
-          Index const slots = capacity_ + 1;  // any store segment (a head holds at most every token, + 1 free)
-          d.rows.assign(static_cast<std::size_t>(heads * slots * w), 0.0f);
-          d.tracked.assign(static_cast<std::size_t>(heads), 0);
-          for (Index h = 0; h < heads; ++h) {
-            Index const* kept = plan.indices(0, h);
-            for (Index i = 0; i < plan.kept(0, h); ++i)
-              std::copy_n(rows.data() + (h * e.tokens + kept[i]) * w, w, d.rows.data() + (h * slots + i) * w);
-            d.tracked[static_cast<std::size_t>(h)] = plan.kept(0, h);
-          }
-          d.scorer = scorer;
-          d.scorer.state = {{d.rows.data(), uncomp_window_layout({1, heads, slots, ext_.dim}, w)}, d.tracked.data()};
-        }
-        return {};
+        KVC_RETURN_IF_ERROR(compressor.prefill(cache, last_queries(layer), {workspace_.data(), workspace_.size()}));
+        return to_ragged(layer, cache);
       };
       if (!expand) {
         status = run(view(layer));
@@ -1069,100 +1042,82 @@ class Engine final : public Session {
         }
         status = run(dense_cache(xk.data(), xv.data(), xe, head_lengths(xlen.data(), heads), xpos.data()));
       }
-      if (status.ok())
-        adopt(layer, std::move(*store));
+      if (decode)
+        decode->layers.push_back(std::move(l));
     }
     return status;
   }
 
   /// UNComp while decoding (spec §2.8): the prompt compressed to per-head budgets of average `target` (schedule
-  /// target_size), then after every token kvc::decode_step with interval 1 and TopKSelector<PerHeadBudget> of those
-  /// budgets: the scorer's state takes the new query's attention row, and each head over its budget evicts the one
-  /// token of lowest pooled window score (the window protected). Ragged stores with one free slot per head.
+  /// target_size), then the compressors decode after every token (compress_uncomp). Ragged stores with one free
+  /// slot per head.
   Status begin_uncomp_decode(tools::Params const& params, DecodeSchedule const& schedule) {
     for (Layer const& layer : layers_)
       if (layer.store || layer.moments)
         return {Errc::invalid_argument, "kvc-eval: this session's cache is already compressed"};
     reserve_ = 1;
-    auto run = std::make_shared<UNCompDecodeRun>();
-    run->layers.resize(layers_.size());
+    auto run = std::make_shared<DecodeRun>();
     auto const start = std::chrono::steady_clock::now();
-    Status const status = compress_uncomp(params, std::nullopt, schedule.target_size, &run->layers);
+    Status const status = compress_uncomp(params, std::nullopt, schedule.target_size, run.get());
     decode_seconds_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     if (!status.ok())
       return status;
-    ModelConfig const& c = model_->config;
-    run->schedule.compression_interval = 1;
-    run->schedule.hidden_states_buffer_size = 1;
-    run->schedule.target_size = schedule.target_size;
-    for (UNCompLayer& l : run->layers) {
-      l.queries.assign(static_cast<std::size_t>(c.heads * c.head_dim), 0.0f);
-      l.positions.assign(1, 0);
-      l.buffer = {l.queries.data(), l.positions.data(), 1, c.heads, 1, c.head_dim};
-    }
-    decode_hook_ = [this, run]() { return run->step(*this); };
+    decode_run_ = std::move(run);
     return {};
   }
 
-  struct UNCompDecodeRun {
-    DecodeSchedule schedule{};
-    std::vector<UNCompLayer> layers;
-    std::vector<std::byte> workspace;
-
-    Status step(Engine& e) {
-      ModelConfig const& c = e.model_->config;
-      for (std::size_t li = 0; li < layers.size(); ++li) {
-        UNCompLayer& l = layers[li];
-        Layer& layer = e.layers_[li];
-        KVC_RETURN_IF_ERROR(push_queries(c, layer, l.buffer));
-        KVC_RETURN_IF_ERROR(e.with_view(layer, [&](auto const& cache) -> Status {
-          TopKSelector<PerHeadBudget<>> const selector{
-              {l.budgets.data(), static_cast<Index>(l.budgets.size())}, 0, l.scorer.window_size};
-          grow(workspace, decode_workspace_bytes(Cpu{}, l.scorer, selector, schedule, cache.keys.extents(), l.buffer));
-          return decode_step(Cpu{}, l.scorer, selector, schedule, cache, l.buffer, l.counter, e.rope_,
-                             {workspace.data(), workspace.size()});
-        }));
-      }
-      return {};
-    }
-  };
-
-  /// MomentKV's prefill compression of every layer (eval/moment_kv.hpp) at `ratio` (or `budget` tokens per head):
-  /// in place on the engine's cache, then (with ada_kv) into a ragged store with reserve_; each layer keeps its
-  /// moments and attends corrected from then on (correction=true).
+  /// MomentKV's compression of every layer through the per-layer compressor of a Press{MomentKVScorer, selection} at
+  /// `ratio` (or `budget` tokens per head; the selection: tools::with_selection's, TopK or AdaKV with the policy's
+  /// n_sink and n_recent): prefill() in place on the engine's cache (mi: kvc::moment_kv_prefill's rounds; mi=false:
+  /// the base score alone, in one shot), then (with ada_kv) into a ragged store with reserve_. Each layer keeps a copy
+  /// of its moments (their bytes; the attention of a compressed prompt: corrected with correction=true). With
+  /// `decode` (`budget` the target), each layer's compressor joins it and runs Algorithm 1 after every token
+  /// (interval 1, one buffered query, each head back to its budget: the target, or with ada_kv what it kept at
+  /// prefill (kvc::decode_budgets)); attention then goes through the compressor (its moments keep growing).
   Status compress_moment_kv(tools::Params const& params, std::optional<double> ratio, Index budget,
-                            tools::AllocatorChoice const& alloc) {
+                            tools::AllocatorChoice const& alloc, DecodeRun* decode = nullptr) {
     tools::MomentKVConfig const cfg = eval_moment_config(params, alloc, "moment_kv");
-    ModelConfig const& c = model_->config;
     Status status;
     tools::with_moment_storage(cfg.storage, [&](auto tag) {
       using MT = decltype(tag);
+      MomentKVScorer<HostSpace, MT> const scorer = moment_scorer(cfg, MomentState<HostSpace, MT>{});
       for (std::size_t li = 0; li < layers_.size() && status.ok(); ++li) {
         Layer& layer = layers_[li];
-        tools::HostMoments<MT> moments(1, ext_.heads, ext_.dim, ext_.dim);
-        Index const w = static_cast<Index>(layer.query_positions.size());
-        auto const obs = observe(WindowQueries<float>{
-            TokenRows<float const, StridedLayout>(layer.queries.data(), bthd_layout({1, c.heads, w, c.head_dim})),
-            rope_, layer.query_positions.data()});
-        status = moment_kv_compress(cfg, alloc, layer_params(params, alloc, li), ratio, budget, longest(layer),
-                                    view(layer), obs, moments.view, moment_scratch_);
-        if (!status.ok())
-          return;
-        if (alloc.any())
+        tools::with_selection(
+            alloc, layer_params(params, alloc, li), tools::Selection{cfg.n_sink, cfg.n_recent}, ratio, budget,
+            longest(layer), [&](auto const& selector) {
+              using P = Press<MomentKVScorer<HostSpace, MT>, std::remove_cvref_t<decltype(selector)>>;
+              auto l = std::make_unique<DecodingCompressor<P>>(P{scorer, selector});
+              auto& c = l->compressor;
+              c.options.rope = rope_;
+              c.options.attention = cfg.attention;
+              c.options.corrected = cfg.correction;
+              if (decode) {
+                c.options.decode = true;
+                c.options.schedule.compression_interval = 1;
+                c.options.schedule.hidden_states_buffer_size = 1;
+                c.options.schedule.target_size = budget;
+              }
+              status = start_compressor(c, l->state, ext_.heads, li);
+              if (status.ok())
+                status = c.prefill(view(layer), last_queries(layer), {workspace_.data(), workspace_.size()});
+              if (!status.ok())
+                return;
+              layer.moments.emplace(AnyMoments(copy_moments(c.moments())), cfg.attention, cfg.correction);
+              if (decode)
+                decode->layers.push_back(std::move(l));
+            });
+        if (status.ok() && alloc.any())
           status = to_ragged(layer);
-        else
+        else if (status.ok())
           layer.held = longest(layer) + reserve_;
-        layer.moments.emplace(AnyMoments(std::move(moments)), cfg.attention, cfg.correction);
       }
     });
     return status;
   }
 
-  /// MomentKV while decoding: the prompt compressed to the target (kvc::moment_kv_prefill), then Algorithm 1 after
-  /// every token (decode_evict=true): kvc::decode_step with scorer.decode(), interval 1, one buffered query, each
-  /// head back to its budget L_h (uniform: the target; ada_kv: what the head kept at prefill, or the target when
-  /// the layer kept everything). The moments keep growing with every eviction. mi=false runs the same step with the
-  /// base score alone (kvc::compress with scorer.decode().base, then kvc::on_evict and kvc::compact).
+  /// MomentKV while decoding: the prompt compressed to the target, then Algorithm 1 after every token
+  /// (decode_evict=true; compress_moment_kv). decode_evict=false compresses the prompt only and the cache grows.
   Status begin_moment_decode(tools::Params const& params, DecodeSchedule const& schedule,
                              tools::AllocatorChoice const& alloc) {
     for (Layer const& layer : layers_)
@@ -1171,99 +1126,16 @@ class Engine final : public Session {
     tools::MomentKVConfig const cfg = eval_moment_config(params, alloc, "moment_kv");
     // Algorithm 1 evicts back every step: a ragged segment needs one free slot; without it the cache grows.
     reserve_ = cfg.decode_evict ? 1 : capacity_ - next_position_;
+    auto run = cfg.decode_evict ? std::make_shared<DecodeRun>() : nullptr;
     auto const start = std::chrono::steady_clock::now();
-    Status status = compress_moment_kv(params, std::nullopt, schedule.target_size, alloc);
+    Status const status = compress_moment_kv(params, std::nullopt, schedule.target_size, alloc, run.get());
     decode_seconds_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-    if (!status.ok() || !cfg.decode_evict)
-      return status;
-    ModelConfig const& c = model_->config;
-    tools::with_moment_storage(cfg.storage, [&](auto tag) {
-      using MT = decltype(tag);
-      auto run = std::make_shared<MomentDecodeRun<MT>>();
-      run->schedule.compression_interval = 1;
-      run->schedule.hidden_states_buffer_size = 1;
-      run->schedule.target_size = schedule.target_size;
-      run->n_sink = cfg.n_sink;
-      run->n_recent = cfg.n_recent;
-      run->mi = cfg.mi;
-      run->layers.resize(layers_.size());
-      for (std::size_t li = 0; li < layers_.size(); ++li) {
-        auto& l = run->layers[li];
-        Layer& layer = layers_[li];
-        l.scorer = moment_scorer(cfg, std::get<tools::HostMoments<MT>>(layer.moments->moments).view).decode();
-        bool evicted = false;
-        for (Index h = 0; h < ext_.heads; ++h)
-          evicted = evicted || length(layer, h) < next_position_;
-        l.budgets.resize(static_cast<std::size_t>(ext_.heads));
-        for (Index h = 0; h < ext_.heads; ++h)
-          l.budgets[static_cast<std::size_t>(h)] =
-              alloc.any() && evicted ? length(layer, h) : std::max(length(layer, h), schedule.target_size);
-        if (!alloc.any())
-          std::fill(l.budgets.begin(), l.budgets.end(), schedule.target_size);
-        l.queries.assign(static_cast<std::size_t>(c.heads * c.head_dim), 0.0f);
-        l.positions.assign(1, 0);
-        l.buffer = {l.queries.data(), l.positions.data(), 1, c.heads, 1, c.head_dim};
-      }
-      decode_hook_ = [this, run]() { return run->step(*this); };
-    });
+    if (status.ok() && run)
+      decode_run_ = std::move(run);
     return status;
   }
 
-  /// The decode driver's state for MomentKV (Algorithm 1): per layer the decode scorer over the layer's moments,
-  /// each head's budget L_h and a one-row query buffer.
-  template <class MT>
-  struct MomentDecodeRun {
-    struct PerLayer {
-      MomentKVScorer<HostSpace, MT> scorer{};
-      std::vector<Index> budgets;  // [Hkv] L_h
-      std::vector<float> queries;
-      std::vector<Index> positions;
-      QueryBuffer<float> buffer{};
-      DecodeCounter counter{};
-      std::vector<Index> index, count;  // mi=false: the plan
-    };
-    DecodeSchedule schedule{};
-    Index n_sink = 1, n_recent = 32;
-    bool mi = true;  // false: the base score alone (the current query's attention) picks, the moments still fold
-    std::vector<PerLayer> layers;
-    std::vector<std::byte> workspace;
-
-    Status step(Engine& e) {
-      ModelConfig const& c = e.model_->config;
-      for (std::size_t li = 0; li < layers.size(); ++li) {
-        PerLayer& l = layers[li];
-        Layer& layer = e.layers_[li];
-        KVC_RETURN_IF_ERROR(push_queries(c, layer, l.buffer));
-        KVC_RETURN_IF_ERROR(e.with_view(layer, [&](auto const& cache) -> Status {
-          TopKSelector<PerHeadBudget<>> const selector{{l.budgets.data(), e.ext_.heads}, n_sink, n_recent};
-          if (!mi) {  // the same step with the base score: compress, fold the evicted tokens, compact
-            KVExtents const ext = cache.keys.extents();
-            l.index.resize(static_cast<std::size_t>(ext.rows()));
-            l.count.resize(static_cast<std::size_t>(ext.heads));
-            KeepPlan<> const plan{l.index.data(), l.count.data(), 1, ext.heads, ext.tokens};
-            auto const obs = observe(WindowQueries<float>{l.buffer.rows(0, 1), e.rope_, l.buffer.positions});
-            Press const press{l.scorer.base, selector};
-            std::size_t const a = compress_workspace_bytes(Cpu{}, press, ext, obs);
-            std::size_t const b = on_evict_workspace_bytes(Cpu{}, l.scorer, ext);
-            grow(workspace, a > b ? a : b);
-            Workspace const ws{workspace.data(), workspace.size()};
-            l.buffer.count = 0;
-            l.buffer.fresh = 0;
-            Status st = kvc::compress(Cpu{}, press, cache, obs, plan, ws);
-            if (st.ok())
-              st = on_evict(Cpu{}, l.scorer, cache, plan, ws);
-            return st.ok() ? compact(Cpu{}, plan, cache) : st;
-          }
-          grow(workspace, decode_workspace_bytes(Cpu{}, l.scorer, selector, schedule, cache.keys.extents(), l.buffer));
-          return decode_step(Cpu{}, l.scorer, selector, schedule, cache, l.buffer, l.counter, e.rope_,
-                             {workspace.data(), workspace.size()});
-        }));
-      }
-      return {};
-    }
-  };
-
-  std::function<Status()> decode_hook_;  // set by begin_decode; never copied (it points to this engine)
+  std::shared_ptr<DecodeRun> decode_run_;  // set by begin_decode; never copied (a clone does not decode)
   Model const* model_;
   CacheOptions options_;
   Index capacity_ = 0;
@@ -1277,7 +1149,6 @@ class Engine final : public Session {
   RowMatrix x_, h_, q_, k_, v_, out_, o_, gate_, up_, kx_, vx_;
   std::vector<Index> positions_, src_positions_, src_positions_x_, index_, count_;
   std::vector<std::byte> workspace_;
-  MomentScratch moment_scratch_;
 };
 
 template <class T>

@@ -13,7 +13,8 @@
 //            window scorers (SnapKV, TOVA, ...): the prompt's queries as window queries;
 //            key-only scorers (KeyDiff, Knorm, StreamingLLM, random): keys and values alone;
 //            then the selector, kvc::on_evict and kvc::compact (with the scorer's per-token state);
-//            MomentKV: kvc::moment_kv_prefill (its rounds, the moments of the evicted tokens).
+//            MomentKV: kvc::moment_kv_prefill (its rounds, the moments of the evicted tokens); with mi = false the
+//            base score alone in one shot, then kvc::on_evict folds the evicted tokens into the moments.
 //            Calling prefill after each chunk of a chunked prefill with a FixedBudget is KeyDiff's block-wise
 //            protocol (Eq. 6; pipeline/blockwise.hpp), and for stateful scorers it folds every chunk's queries (with
 //            a RatioBudget every chunk would cut the tokens kept before again).
@@ -23,11 +24,13 @@
 //   decode   with options.decode: the step's queries join the layer's buffer (kvc::push_queries, only for policies
 //            that read queries) and kvc::decode_step runs the schedule (kvpress's DecodingPress; MomentKV:
 //            Algorithm 1 with scorer.decode()). The selection of a decode-time compression is the policy's selector
-//            with the schedule's target_size as a FixedBudget (PyramidKV's per-layer budget becomes that uniform
-//            target; AdaKV splits it across heads); its sink and recent windows are the schedule's n_sink / n_recent
+//            with the schedule's target_size as a FixedBudget, or the budget's own decode_budget(target_size) where
+//            it has one (PyramidKV: its layer schedule around the target; AdaKV splits the target across heads); its
+//            sink and recent windows are the schedule's n_sink / n_recent
 //            where those are set (> 0), else the selector's. Selectors over a per-head table (UNComp's budgets,
 //            PerHeadBudget) keep their table and ignore target_size; MomentKV with AdaKV keeps each head's prefill
-//            length as its budget (kvc-eval grows a layer that evicted nothing to target_size; this does not).
+//            length as its budget, or lets every head grow to target_size when the prefill evicted nothing from the
+//            sequence (kvc::decode_budgets).
 //            Without options.decode, decode does nothing.
 //   attend   kvc::attend, or kvc::attend_corrected over the layer's moments for MomentKV (options.corrected).
 // Every call checks its arguments and returns a Status; nothing allocates. On CUDA no call reads device memory on the
@@ -98,11 +101,18 @@ constexpr auto decode_selection(Sel sel, DecodeSchedule const& schedule) noexcep
     sel.n_recent = schedule.n_recent > 0 ? schedule.n_recent : sel.n_recent;
   }
   Index const target = schedule.target_size;
-  if constexpr (requires { typename Sel::budget_type; } && !keeps_table<typename Sel::budget_type>) {
-    if constexpr (is_ada_kv<Sel>)
-      return AdaKVSelector<FixedBudget>{{target}, sel.alpha_safeguard, sel.reference, sel.n_sink, sel.n_recent};
+  auto const budget = [&] {  // a budget's own decode form (PyramidKV's schedule around the target), else the target
+    if constexpr (requires { sel.budget.decode_budget(target); })
+      return sel.budget.decode_budget(target);
     else
-      return TopKSelector<FixedBudget>{{target}, sel.n_sink, sel.n_recent};
+      return FixedBudget{target};
+  };
+  if constexpr (requires { typename Sel::budget_type; } && !keeps_table<typename Sel::budget_type>) {
+    using Bu = decltype(budget());
+    if constexpr (is_ada_kv<Sel>)
+      return AdaKVSelector<Bu>{budget(), sel.alpha_safeguard, sel.reference, sel.n_sink, sel.n_recent};
+    else
+      return TopKSelector<Bu>{budget(), sel.n_sink, sel.n_recent};
   } else {
     return sel;
   }
@@ -219,9 +229,21 @@ class LayerCompressor<Press<S, Sel>, B, Q> {
         return update(backend, scorer, cache, window, ws);
     }
     if constexpr (detail::is_moment_kv<S>) {
-      KVC_RETURN_IF_ERROR(moment_kv_prefill(backend, scorer, policy.selector, cache, window, ws));
-      if constexpr (detail::is_ada_kv<Sel>)  // Algorithm 1 then returns each head to what it kept
+      if constexpr (detail::is_ada_kv<Sel>)  // each head's length before, for its decode budget (below)
         KVC_RETURN_IF_ERROR(copy_indices(backend, budgets_, cache.lengths.data, e.batch * e.heads));
+      if (scorer.mi) {
+        KVC_RETURN_IF_ERROR(moment_kv_prefill(backend, scorer, policy.selector, cache, window, ws));
+      } else {  // the base score alone, in one shot (rescoring rounds would renormalise its softmax)
+        WorkspaceCarver carve(ws);
+        KeepPlan<memory_space> const plan{carve.take<Index>(e.rows()), carve.take<Index>(e.batch * e.heads), e.batch,
+                                          e.heads, e.tokens};
+        KVC_RETURN_IF_ERROR(compress(backend, Press{scorer, policy.selector}, cache, window, plan, carve.rest()));
+        KVC_RETURN_IF_ERROR(on_evict(backend, scorer, cache, plan, carve.rest()));
+        KVC_RETURN_IF_ERROR(compact(backend, plan, cache));
+      }
+      if constexpr (detail::is_ada_kv<Sel>)  // Algorithm 1 then returns each head to what it kept
+        KVC_RETURN_IF_ERROR(decode_budgets(backend, budgets_, cache.lengths.data, e.batch, e.heads,
+                                           options.decode ? options.schedule.target_size : 0));
       prefilled_ = true;
       return {};
     } else {
@@ -397,6 +419,12 @@ class LayerCompressor<Press<S, Sel>, B, Q> {
     std::size_t prefill = 0;
     if constexpr (detail::is_moment_kv<S>) {
       prefill = moment_kv_prefill_workspace_bytes(backend, scorer, policy.selector, e, window);
+      std::size_t const one_shot = compress_workspace_bytes(backend, Press{scorer, policy.selector}, e, window);
+      std::size_t const fold = on_evict_workspace_bytes(backend, scorer, e);
+      std::size_t const base = bytes_sum(workspace_round(bytes_product(e.rows(), sizeof(Index))),
+                                         workspace_round(bytes_product(e.batch, e.heads, sizeof(Index))),
+                                         one_shot > fold ? one_shot : fold, workspace_slack);
+      prefill = prefill > base ? prefill : base;  // mi = false: the one-shot base compression
     } else {
       Press const press{scorer, policy.selector};
       std::size_t step = on_evict_workspace_bytes(backend, scorer, e);

@@ -2,9 +2,12 @@
 // kvc/pipeline/state.hpp: the small operations drivers run on caller-owned state in the backend's memory, so that
 // no driver touches device memory from the host (a CUDA decode step stays capturable into a graph):
 //   kvc::zero_state     zero a byte range (a new sequence: accumulators, moments, tracked counts);
-//   kvc::copy_indices   copy an Index table (e.g. the per-head lengths a compression left, kept as later budgets);
+//   kvc::copy_indices   copy an Index table (e.g. the per-head lengths before a compression);
+//   kvc::decode_budgets each head's budget while decoding from its lengths before and after a prefill compression
+//                       (MomentKV with AdaKV: Algorithm 1 returns every head to its own count);
 //   kvc::push_queries   append query rows and their positions to a QueryBuffer (the decode driver's window).
-// Kernels: Kernel<ZeroStateStep / CopyIndicesStep / PushQueriesStep, B> in backend/*/pipeline/state.
+// Kernels: Kernel<ZeroStateStep / CopyIndicesStep / DecodeBudgetsStep / PushQueriesStep, B> in
+// backend/*/pipeline/state.
 #pragma once
 
 #include <kvc/core/backend.hpp>
@@ -21,6 +24,7 @@ namespace kvc {
 /// Step tags of the kernel pattern (core/kernel.hpp).
 struct ZeroStateStep {};
 struct CopyIndicesStep {};
+struct DecodeBudgetsStep {};
 struct PushQueriesStep {};
 
 /// A layer's buffer of the pre-RoPE queries seen since the last compression: rows [batch, Hq, capacity, d] and
@@ -62,7 +66,8 @@ struct QueryBuffer {
 namespace detail {
 template <class B>
 constexpr void require_state_kernels() {
-  static_assert(HasKernel<ZeroStateStep, B> && HasKernel<CopyIndicesStep, B> && HasKernel<PushQueriesStep, B>,
+  static_assert(HasKernel<ZeroStateStep, B> && HasKernel<CopyIndicesStep, B> && HasKernel<DecodeBudgetsStep, B> &&
+                    HasKernel<PushQueriesStep, B>,
                 "kvc: include <kvc/backend/cpu/pipeline/state.hpp> (kvc::Cpu) or <kvc/backend/cuda/pipeline/state.cuh> "
                 "(kvc::Cuda)");
 }
@@ -90,6 +95,39 @@ Status copy_indices(B const& backend, Index* dst, Index const* src, Index n) {
   if (n == 0)
     return {};
   return Kernel<CopyIndicesStep, B>::run(backend, dst, src, n);
+}
+
+namespace detail {
+/// One sequence's budgets while decoding, in place (both backends): `budgets` [heads] holds each head's length
+/// before its prefill compression and receives its budget; `lengths` [heads] the lengths after. A compression that
+/// evicted from some head leaves each head at its own length; one that evicted nothing (the prompt fit the
+/// allocation) lets each head grow to max(length, target) before the schedule evicts.
+KVC_HOST_DEVICE constexpr void decode_budgets_of(Index* budgets, Index const* lengths, Index heads,
+                                                 Index target) noexcept {
+  bool evicted = false;
+  for (Index h = 0; h < heads; ++h)
+    evicted = evicted || lengths[h] < budgets[h];
+  for (Index h = 0; h < heads; ++h)
+    budgets[h] = evicted || lengths[h] >= target ? lengths[h] : target;
+}
+}  // namespace detail
+
+/// Turns `budgets` [batch, heads] (each head's length before a prefill compression, e.g. by kvc::copy_indices) into
+/// each head's budget while decoding, from `lengths` [batch, heads] after it (detail::decode_budgets_of; both in the
+/// backend's space, not overlapping): the budgets MomentKV with AdaKV holds while decoding.
+template <Backend B>
+Status decode_budgets(B const& backend, Index* budgets, Index const* lengths, Index batch, Index heads, Index target) {
+  detail::require_state_kernels<B>();
+  Index n = 0;
+  if (batch < 0 || heads < 0 || target < 0 || !checked_product(n, batch, heads) ||
+      ((budgets == nullptr || lengths == nullptr) && n > 0))
+    return {Errc::invalid_argument,
+            "kvc::decode_budgets: need batch, heads and target >= 0 and non-null `budgets` and `lengths`"};
+  if (detail::overlap(detail::bytes_of(budgets, n), detail::bytes_of(lengths, n)))
+    return {Errc::invalid_argument, "kvc::decode_budgets: `budgets` and `lengths` overlap"};
+  if (n == 0)
+    return {};
+  return Kernel<DecodeBudgetsStep, B>::run(backend, budgets, lengths, batch, heads, target);
 }
 
 /// Appends query rows [batch, Hq, n, d] (the buffer's batch, heads and dim; any strided layout) and their absolute

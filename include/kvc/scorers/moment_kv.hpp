@@ -78,6 +78,10 @@ struct MomentKVScorer {
   Index prefill_rounds = 8;
   /// When set ([batch, heads, >= tokens] of the cache): α_j = fixed_base(b, h, j), the window attention is not run.
   TokenArray<float const, Space> fixed_base{};
+  /// Moment-informed eviction (the paper's MI score α_j ‖r_j‖). false: the score is α_j alone (the paper's "NC
+  /// without MI" ablation: the base selects, the evicted tokens still fold into the moments; kvc::LayerCompressor's
+  /// prefill then compresses in one shot, as the base score alone would).
+  bool mi = true;
 
   /// The decode-time scorer of Algorithm 1: α = the current query's softmax (a one-row window, no pooling).
   constexpr MomentKVScorer decode() const noexcept {

@@ -59,6 +59,15 @@ struct PyramidKVBudget {
     Index const steps = (hi - lo) / steps_den;
     return hi - layer * steps + w;
   }
+  /// The budget of a decode-time compression to `target` tokens per head (kvc::LayerCompressor's decode): the
+  /// authors' schedule with C = target (kvpress's schedule reads a ratio, which a decode target does not give).
+  constexpr PyramidKVBudget decode_budget(Index target) const noexcept {
+    PyramidKVBudget b = *this;
+    b.reference = Reference::authors;
+    b.max_capacity_prompt = target;
+    b.compression_ratio = 0.0;
+    return b;
+  }
   constexpr Status check() const noexcept {
     if (num_layers < 1 || layer < 0 || layer >= num_layers)
       return {Errc::invalid_argument, "PyramidKVBudget: need num_layers >= 1 and layer in [0, num_layers)"};

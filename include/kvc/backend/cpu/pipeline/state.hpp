@@ -1,5 +1,6 @@
 // SPDX-License-Identifier: Apache-2.0
-// kvc/backend/cpu/pipeline/state.hpp: CPU kernels of kvc::zero_state, kvc::copy_indices and kvc::push_queries.
+// kvc/backend/cpu/pipeline/state.hpp: CPU kernels of kvc::zero_state, kvc::copy_indices, kvc::decode_budgets and
+// kvc::push_queries.
 #pragma once
 
 #include <kvc/pipeline/state.hpp>
@@ -21,6 +22,15 @@ template <>
 struct Kernel<CopyIndicesStep, Cpu> {
   static Status run(Cpu const&, Index* dst, Index const* src, Index n) {
     std::copy_n(src, n, dst);
+    return {};
+  }
+};
+
+template <>
+struct Kernel<DecodeBudgetsStep, Cpu> {
+  static Status run(Cpu const&, Index* budgets, Index const* lengths, Index batch, Index heads, Index target) {
+    for (Index b = 0; b < batch; ++b)
+      detail::decode_budgets_of(budgets + b * heads, lengths + b * heads, heads, target);
     return {};
   }
 };

@@ -64,6 +64,8 @@ struct Kernel<MomentKVScorer<HostSpace, T>, Cpu> {
     } else {
       KVC_RETURN_IF_ERROR(Base::run(cpu, s.base, cache, obs, out, ws));
     }
+    if (!s.mi)  // the base alone
+      return {};
     std::size_t const per_worker = residual_bytes(dk, dv);
     auto* base = WorkspaceCarver(ws).take<std::byte>(static_cast<Index>(bytes_product(cpu.workers(), per_worker)));
     if (base == nullptr && e.batch * e.heads > 0)

@@ -1,6 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
-// kvc/backend/cuda/pipeline/state.cuh: CUDA kernels of kvc::zero_state, kvc::copy_indices and kvc::push_queries.
-// Stream operations and one small kernel only: no synchronisation, so a decode step can be captured into a graph.
+// kvc/backend/cuda/pipeline/state.cuh: CUDA kernels of kvc::zero_state, kvc::copy_indices, kvc::decode_budgets and
+// kvc::push_queries. Stream operations and small kernels only: no synchronisation, so a decode step can be captured
+// into a graph.
 #pragma once
 
 #include <kvc/backend/cuda/config.cuh>
@@ -21,6 +22,15 @@ __global__ void push_queries_kernel(QueryBuffer<T, DeviceSpace> buf,
   }
   for (Index x = static_cast<Index>(blockIdx.x) * blockDim.x + threadIdx.x; x < e.batch * e.tokens; x += stride)
     buf.positions[(x / e.tokens) * buf.capacity + buf.count + x % e.tokens] = positions[x];
+}
+
+/// One thread per sequence (it reads all of its heads' lengths before writing). A template: kernels defined in
+/// headers must be, so that every translation unit may include them.
+template <int>
+__global__ void decode_budgets_kernel(Index* budgets, Index const* lengths, Index batch, Index heads, Index target) {
+  Index const stride = static_cast<Index>(gridDim.x) * blockDim.x;
+  for (Index b = static_cast<Index>(blockIdx.x) * blockDim.x + threadIdx.x; b < batch; b += stride)
+    kvc::detail::decode_budgets_of(budgets + b * heads, lengths + b * heads, heads, target);
 }
 
 }  // namespace kvc::backend::cuda
@@ -45,6 +55,16 @@ struct Kernel<CopyIndicesStep, Cuda> {
         cudaSuccess)
       return {Errc::backend_error, "kvc::copy_indices(Cuda): cudaMemcpyAsync failed"};
     return {};
+  }
+};
+
+template <>
+struct Kernel<DecodeBudgetsStep, Cuda> {
+  static Status run(Cuda const& cuda, Index* budgets, Index const* lengths, Index batch, Index heads, Index target) {
+    KVC_RETURN_IF_ERROR(backend::cuda::pending_status());
+    dim3 const grid(backend::cuda::grid_dim((batch + 127) / 128, 1024));
+    return backend::cuda::launch(KVC_CUDA_KERNEL("kvc::decode_budgets(Cuda)", backend::cuda::decode_budgets_kernel<0>),
+                                 grid, 128, 0, cuda.stream, budgets, lengths, batch, heads, target);
   }
 };
 

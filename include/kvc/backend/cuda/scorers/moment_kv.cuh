@@ -119,12 +119,13 @@ __device__ inline float moment_matvec(float const* ct, float const* k, Index dk,
 }
 
 /// Grid (slot blocks, Hkv, B), one warp per slot j < n: score[j] = α_j ‖r_j‖ with α_j the base already in `out`
-/// (or `fixed`'s, when set: then padding gets -inf here). A zero or +inf α is left as is (no NaN from 0 · inf).
+/// (or `fixed`'s, when set: then padding gets -inf here); α_j alone without `mi`. A zero or +inf α is left as is
+/// (no NaN from 0 · inf).
 /// A head whose u_j rows are all tracked reads them (C unclamped), else C̃ k_j from `prep`.
 template <class C, class T>
 __global__ void __launch_bounds__(moment_threads)
     moment_residual_kernel(C cache, MomentState<DeviceSpace, T> st, MomentResiduals<DeviceSpace> res,
-                           TokenArray<float const, DeviceSpace> fixed, float scale, MomentPrep prep,
+                           TokenArray<float const, DeviceSpace> fixed, float scale, bool mi, MomentPrep prep,
                            ScoreSpan<DeviceSpace> out) {
   float* const k_rows = dynamic_shared<float>();  // [moment_warps, d_k]
   KVExtents const e = cache.keys.extents();
@@ -146,7 +147,7 @@ __global__ void __launch_bounds__(moment_threads)
       continue;
     }
     float const alpha = fixed.data ? fixed.row(b, h)[j] : score[j];
-    if (alpha == 0.0f || alpha == CUDART_INF_F) {  // warp-uniform: every lane read the same α
+    if (!mi || alpha == 0.0f || alpha == CUDART_INF_F) {  // warp-uniform: every lane read the same α
       if (fixed.data && lane == 0)
         score[j] = alpha;
       continue;
@@ -507,11 +508,12 @@ struct Kernel<MomentKVScorer<DeviceSpace, T>, Cuda> {
     KVC_RETURN_IF_ERROR(bc::pending_status());
     float const c = s.scale > 0.0f ? s.scale : 1.0f / std::sqrt(static_cast<float>(dk));
     dim3 const heads(static_cast<unsigned>(e.heads), static_cast<unsigned>(e.batch));
-    KVC_RETURN_IF_ERROR(bc::launch(KVC_CUDA_KERNEL("kvc::score(moment_kv, Cuda)", bc::moment_prep_kernel), heads,
-                                   bc::moment_threads, 0, cuda.stream, s.state, s.clamp_tau, prep));
+    if (s.mi)  // without it the residual kernel only copies a fixed base
+      KVC_RETURN_IF_ERROR(bc::launch(KVC_CUDA_KERNEL("kvc::score(moment_kv, Cuda)", bc::moment_prep_kernel), heads,
+                                     bc::moment_threads, 0, cuda.stream, s.state, s.clamp_tau, prep));
     KVC_RETURN_IF_ERROR(bc::launch(KVC_CUDA_KERNEL("kvc::score(moment_kv, Cuda)", bc::moment_residual_kernel),
                                    bc::moment_slot_grid(e), bc::moment_threads, smem, cuda.stream, cache, s.state,
-                                   s.residuals, s.fixed_base, c, prep, out));
+                                   s.residuals, s.fixed_base, c, s.mi, prep, out));
     return {};
   }
 
