@@ -699,15 +699,8 @@ class Engine final : public Session {
   Status pack_layer(Layer& layer, P const& press) {
     ModelConfig const& c = model_->config;
     auto packed = std::make_shared<PackedCompressor<P>>(press);
-    Index future = 0;  // ExpectedAttention's weights average RoPE past the context
-    if constexpr (requires { press.scorer.n_future_positions; })
-      future = press.scorer.n_future_positions;
-    packed->rope_storage.resize(static_cast<std::size_t>(rope_table_floats(capacity_ + future, c.head_dim)));
-    if (!fill_rope_table(c.rope(), c.head_dim, capacity_ + future, packed->rope_storage.data(),
-                         packed->compressor.options.rope)
-             .ok())
-      throw std::logic_error("kvc-eval: the model's RoPE does not fill a table");
     auto& compressor = packed->compressor;
+    compressor.options.rope = long_rope(press, packed->rope_storage);
     compressor.options.packed_tokens = std::max<Index>(1, longest(layer));  // the prompt, not the continuation
     auto const cache = view(layer);
     Index const w = static_cast<Index>(layer.query_positions.size());
@@ -724,14 +717,17 @@ class Engine final : public Session {
     return {};
   }
 
-  /// A RoPE table over [0, capacity + the scorer's n_future_positions) in `storage` (ExpectedAttention averages RoPE
-  /// past the context; the others need the capacity).
+  /// A RoPE table over [0, capacity + n_future_positions) in `storage`, n_future_positions of the scorer (or of a
+  /// packed press's scorer) when it has one (ExpectedAttention averages RoPE past the context; the others need the
+  /// capacity).
   template <class S>
   RopeTable<> long_rope(S const& scorer, std::vector<float>& storage) const {
     ModelConfig const& c = model_->config;
     Index future = 0;
     if constexpr (requires { scorer.n_future_positions; })
       future = scorer.n_future_positions;
+    else if constexpr (requires { scorer.scorer.n_future_positions; })
+      future = scorer.scorer.n_future_positions;
     storage.resize(static_cast<std::size_t>(rope_table_floats(capacity_ + future, c.head_dim)));
     RopeTable<> rope;
     if (!fill_rope_table(c.rope(), c.head_dim, capacity_ + future, storage.data(), rope).ok())
