@@ -71,6 +71,7 @@ struct Session {
 struct ByHand {
   kvc::tools::HostCache<float> cache;
   kvc::PackedKV packed;
+  std::vector<std::int8_t> v_bits, k_bits;  ///< the plan packed by (the tail's slots at 0)
   template <class PlanOf>
   ByHand(Layer const& layer, Index residual, kvc::PackOptions const& opt, PlanOf plan_of) : cache(layer.cache) {
     std::vector<std::int8_t> v(static_cast<std::size_t>(kB * kH * kN)), k(static_cast<std::size_t>(kB * kH * kD));
@@ -85,6 +86,8 @@ struct ByHand {
       }
       count[static_cast<std::size_t>(bh)] = tail;
     }
+    v_bits = v;
+    k_bits = k;
     REQUIRE(kvc::pack(cache.view(), plan, opt, packed).ok());
     REQUIRE(kvc::compact(kvc::Cpu{}, kvc::KeepPlan<>{index.data(), count.data(), kB, kH, kN}, cache.view()).ok());
   }
@@ -116,6 +119,17 @@ void check_same(kvc::PackedKVView<> const& got, ByHand const& want, Layer const&
         CHECK(layer.cache.positions[row] == want.cache.positions[row]);
       }
     }
+}
+
+/// bit_plan() reads back, from the workspace prefill was given, the plan the tools' sequence packs by.
+template <class P>
+void check_plan(Session<P>& s, ByHand const& want) {
+  kvc::BitPlan<> const got = s.c.bit_plan(s.workspace());
+  REQUIRE((got.v_bits != nullptr && got.k_bits != nullptr));
+  CHECK((got.batch == kB && got.heads == kH && got.tokens == kN && got.dim == kD));
+  CHECK(std::vector<std::int8_t>(got.v_bits, got.v_bits + kB * kH * kN) == want.v_bits);
+  CHECK(std::vector<std::int8_t>(got.k_bits, got.k_bits + kB * kH * kD) == want.k_bits);
+  CHECK(s.c.bit_plan({s.ws.data(), s.ws.size() - 1}).v_bits == nullptr);  // not the workspace prefill was given
 }
 
 /// Appends one decoded token at position kN to every head's tail (what an engine's kvc::append does).
@@ -206,8 +220,10 @@ TEST_CASE("compressor: KIVI packs what the tools' sequence packs, keeps the fp16
                          plan.k_row(b, h));
     });
     Session<kvc::KIVIPress> s(kivi, layer);
+    CHECK(s.c.bit_plan(s.workspace()).v_bits == nullptr);  // before prefill
     REQUIRE(s.prefill(layer).ok());
     check_same(s.c.packed(), want, layer);
+    check_plan(s, want);
     append_token(layer, 21);
     check_attention(s, layer);
   }
@@ -241,6 +257,7 @@ TEST_CASE("compressor: RDKV (its own weights, and SnapKV's) packs what the tools
     Session<kvc::RDKVPress<>> s(press, layer);
     REQUIRE(s.prefill(layer).ok());
     check_same(s.c.packed(), want, layer);
+    check_plan(s, want);
     // Some tokens are evicted, some quantised: the plan is not trivial.
     kvc::PackedHead const& head = s.c.packed().head(0, 0);
     CHECK(head.tokens < 36);
@@ -259,6 +276,7 @@ TEST_CASE("compressor: RDKV (its own weights, and SnapKV's) packs what the tools
     Session<kvc::RDKVPress<kvc::SnapKVScorer>> s(press, layer);
     REQUIRE(s.prefill(layer).ok());
     check_same(s.c.packed(), want, layer);
+    check_plan(s, want);
     check_attention(s, layer);
   }
 }

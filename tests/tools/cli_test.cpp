@@ -105,12 +105,14 @@ TEST_CASE("cli: score and compress write the documented shapes, and --time print
         std::vector<std::int64_t>{0, 1, 6, 7, 8, 9});
   REQUIRE(kvc::read_npy(work("out/keys.npy"), a, error));
   CHECK(a.shape == std::vector<Index>{1, 2, 6, 4});
-  // compress --time reports scoring and selection apart; --threads changes no result.
+  // compress --time times the compressor's prefill as one call (score, selection and compaction) and reports its
+  // state: KeyDiff has none beyond the 64 B of alignment slack; --threads changes no result.
   auto const t = run("compress --policy key_diff --ratio 0.5 --keys " + k + " --values " + v + " --out-dir " +
                      work("out2") + " --time --threads 2");
   REQUIRE(t.code == 0);
   CHECK(t.output.find("{\"command\": \"compress\", \"policy\": \"key_diff\", \"seconds\": ") != std::string::npos);
-  CHECK(t.output.find("\"select_seconds\": ") != std::string::npos);
+  CHECK(t.output.find("select_seconds") == std::string::npos);
+  CHECK(t.output.find("\"state_bytes\": 64, \"input_bytes\": 640,") != std::string::npos);
   CHECK(t.output.find("\"threads\": 2}") != std::string::npos);
   REQUIRE(run("compress --policy key_diff --ratio 0.5 --keys " + k + " --values " + v + " --out-dir " + work("out1"))
               .code == 0);
@@ -2333,6 +2335,10 @@ TEST_CASE("cli: compress --policy kivi writes the uniform plan, the residual at 
     CHECK(json_int(r.output, "tail_tokens") == 2 * residual);
     CHECK(json_int(r.output, "kept_tokens") == 2 * n);
     CHECK(json_int(r.output, "packed_bytes") == (payload + 7) / 8 + (overhead + 7) / 8);
+    // The compressor's state reserves room for the packed store (the tail stays in the cache); the prefill is timed
+    // as one call.
+    CHECK(json_int(r.output, "state_bytes") >= (2 * 2 * m * d * bits + overhead) / 8);
+    CHECK(!contains(r.output, "select_seconds"));
   }
   // residual >= N: everything stays fp16, nothing is packed.
   REQUIRE(run("compress --policy kivi" + kv + " --out-dir " + work("kivi_all") + " --time").code == 0);

@@ -64,6 +64,20 @@ inline MomentKVConfig moment_kv_config(Params const& p) {
   return c;
 }
 
+/// The MomentKV scorer of a configuration (its base, rounds, clamp and `mi`) over `state` (moments stored as MT; a
+/// kvc::LayerCompressor points it at its own).
+template <class MT>
+MomentKVScorer<HostSpace, MT> moment_scorer(MomentKVConfig const& c, MomentState<HostSpace, MT> state = {}) {
+  MomentKVScorer<HostSpace, MT> s;
+  s.state = state;
+  s.base = c.scorer.base;
+  s.scale = c.scorer.scale;
+  s.clamp_tau = c.scorer.clamp_tau;
+  s.prefill_rounds = c.scorer.prefill_rounds;
+  s.mi = c.mi;
+  return s;
+}
+
 /// One layer's moments [batch, heads], owned on the host, stored as T (zeroed: nothing evicted).
 template <class T = float>
 struct HostMoments {

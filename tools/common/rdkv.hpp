@@ -29,8 +29,10 @@
 #include <cstdint>
 #include <limits>
 #include <optional>
+#include <stdexcept>
 #include <string>
 #include <string_view>
+#include <type_traits>
 
 namespace kvc::tools {
 
@@ -158,6 +160,28 @@ inline void check_rdkv_budget(RDKVConfig const& c, std::optional<double> ratio, 
     return;
   if (auto const st = c.allocator_for(ratio, budget).check(); !st.ok())
     fail(exit_invalid, "policy rdkv (" + std::string(ratio ? "--ratio" : "--budget") + "): " + st.message());
+}
+
+/// Calls fn(press) with the row's policy object for kvc::LayerCompressor: KIVIPress, RDKVPress<> over RDKV's own
+/// token weights, or RDKVPress<S> over the scores of the weight=NAME policy (with its default parameters), each
+/// allocating for `ratio` (when set) or `budget` fp16-equivalent tokens per head.
+template <class Fn>
+void with_packed_press(RDKVConfig const& c, std::optional<double> ratio, Index budget, Fn&& fn) {
+  RDKVAllocator const alloc = c.allocator_for(ratio, budget);
+  if (c.kivi) {
+    fn(c.kivi_press());
+  } else if (c.weight_policy.empty()) {
+    fn(RDKVPress<>{c.token, c.channel, alloc, c.pack});
+  } else {
+    PolicyInfo const& inner = find_policy(c.weight_policy);
+    with_policy(inner, resolve_params(inner, {}, false), [&](auto const& scorer, Selection) {
+      using S = std::remove_cvref_t<decltype(scorer)>;
+      if constexpr (!StatefulScorer<S> || std::is_same_v<S, H2OScorer<>>)
+        fn(RDKVPress<S>{scorer, c.channel, alloc, c.pack});
+      else  // rdkv_weight_policies lists none
+        throw std::logic_error("kvc: rdkv's weight policy " + c.weight_policy + " is stateful");
+    });
+  }
 }
 
 }  // namespace kvc::tools

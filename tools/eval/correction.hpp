@@ -120,7 +120,7 @@ inline std::vector<CorrectionRecord> correction_errors(Model const& model, tools
         // corrected over the moments it kept.
         tools::with_moment_storage(cfg.storage, [&](auto tag) {
           using MT = decltype(tag);
-          MomentKVScorer<HostSpace, MT> const scorer = moment_scorer(cfg, MomentState<HostSpace, MT>{});
+          MomentKVScorer<HostSpace, MT> const scorer = tools::moment_scorer<MT>(cfg);
           tools::with_selection(
               alloc, params, tools::Selection{cfg.n_sink, cfg.n_recent}, ratios[r], 0, n, [&](auto const& selector) {
                 LayerCompressor compressor{Cpu{}, Press{scorer, selector}};

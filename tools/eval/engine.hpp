@@ -671,25 +671,10 @@ class Engine final : public Session {
       if (layer.store || layer.packed || layer.moments)
         return {Errc::invalid_argument, "kvc-eval: this session's cache is already compressed"};
     Status status;
-    auto every_layer = [&](auto const& press) {
+    tools::with_packed_press(cfg, ratio, budget, [&](auto const& press) {
       for (std::size_t li = 0; li < layers_.size() && status.ok(); ++li)
         status = pack_layer(layers_[li], press);
-    };
-    RDKVAllocator const alloc = cfg.allocator_for(ratio, budget);
-    if (cfg.kivi) {
-      every_layer(cfg.kivi_press());
-    } else if (cfg.weight_policy.empty()) {
-      every_layer(RDKVPress<>{cfg.token, cfg.channel, alloc, cfg.pack});
-    } else {  // a policy's scores (its default parameters), shifted to >= 0
-      tools::PolicyInfo const& inner = tools::find_policy(cfg.weight_policy);
-      tools::with_policy(inner, tools::resolve_params(inner, {}, false), [&](auto const& scorer, tools::Selection) {
-        using S = std::remove_cvref_t<decltype(scorer)>;
-        if constexpr (!StatefulScorer<S> || kvc::detail::is_h2o<S>)
-          every_layer(RDKVPress<S>{scorer, cfg.channel, alloc, cfg.pack});
-        else
-          status = {Errc::invalid_argument, "kvc-eval: rdkv's weight policy must be stateless or h2o"};
-      });
-    }
+    });
     return status;
   }
 
@@ -1076,7 +1061,7 @@ class Engine final : public Session {
     Status status;
     tools::with_moment_storage(cfg.storage, [&](auto tag) {
       using MT = decltype(tag);
-      MomentKVScorer<HostSpace, MT> const scorer = moment_scorer(cfg, MomentState<HostSpace, MT>{});
+      MomentKVScorer<HostSpace, MT> const scorer = tools::moment_scorer<MT>(cfg);
       for (std::size_t li = 0; li < layers_.size() && status.ok(); ++li) {
         Layer& layer = layers_[li];
         tools::with_selection(

@@ -33,19 +33,6 @@
 
 namespace kvc::eval {
 
-/// The MomentKV scorer of a configuration (its base, rounds, clamp and `mi`) over `state` (moments stored as MT).
-template <class MT>
-MomentKVScorer<HostSpace, MT> moment_scorer(tools::MomentKVConfig const& c, MomentState<HostSpace, MT> state) {
-  MomentKVScorer<HostSpace, MT> s;
-  s.state = state;
-  s.base = c.scorer.base;
-  s.scale = c.scorer.scale;
-  s.clamp_tau = c.scorer.clamp_tau;
-  s.prefill_rounds = c.scorer.prefill_rounds;
-  s.mi = c.mi;
-  return s;
-}
-
 /// The configuration of a `moment_kv` row from its resolved parameters, with what kvc-eval cannot run refused
 /// (exit 3 or 2, naming the parameter).
 inline tools::MomentKVConfig eval_moment_config(tools::Params const& params, tools::AllocatorChoice const& alloc,

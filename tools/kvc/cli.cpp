@@ -10,6 +10,8 @@
 #include <kvc/backend/cpu/attention/attend.hpp>
 #include <kvc/backend/cpu/attention/corrected.hpp>
 #include <kvc/backend/cpu/pipeline/compact.hpp>
+#include <kvc/backend/cpu/pipeline/query_statistics.hpp>
+#include <kvc/backend/cpu/pipeline/state.hpp>
 #include <kvc/backend/cpu/scorers/key_diff.hpp>
 #include <kvc/backend/cpu/scorers/knorm.hpp>
 #include <kvc/backend/cpu/scorers/moment_kv.hpp>
@@ -23,6 +25,7 @@
 #include <kvc/backend/cpu/thread_pool.hpp>
 #include <kvc/core/rope.hpp>
 #include <kvc/core/validate.hpp>
+#include <kvc/engine/layer_compressor.hpp>
 #include <kvc/io/file.hpp>
 #include <kvc/io/json.hpp>
 #include <kvc/io/npy.hpp>
@@ -186,6 +189,9 @@ std::vector<CommandInfo> const& commands() {
        "                         floor(N * (1 - R)) with --ratio; neither with --param schedule=paper or list).\n"
        "                         Writes the ragged store too; with --param gqa=expand every output is per query head\n"
        "  --layer L              --policy uncomp without --dump: the calibration's layer of these keys\n"
+       "  --time                 one JSON line on stderr: \"seconds\" (the policy's compressor: reset + prefill,\n"
+       "                         median of 7, each over the original input), \"workspace_bytes\" and\n"
+       "                         \"state_bytes\" (the compressor's), then the memory\n"
        "  memory (in --time)     \"input_bytes\" (K + V of the input), \"padded_bytes\" (a uniform cache padded to\n"
        "                         the longest head: what keys.npy and values.npy hold), \"ragged_bytes\" (the\n"
        "                         ragged store), \"row_bytes\" (one token's K + V row), \"input_tokens\",\n"
@@ -195,8 +201,9 @@ std::vector<CommandInfo> const& commands() {
        "                         rdkv and kivi: \"input_bytes\", \"input_tokens\", \"kept_tokens\" (packed + tail),\n"
        "                         \"tail_tokens\" (the fp16 residual), \"payload_bits\" (codes + fp16 values, tail\n"
        "                         included), \"overhead_bits\" (scales, offsets, pads, channel permutation),\n"
-       "                         \"payload_bytes\", \"overhead_bytes\", \"packed_bytes\" (their sum), \"arena_bytes\"\n"
-       "                         (the packed store as allocated) and \"retention\" (payload / (2 N d 16))\n",
+       "                         \"payload_bytes\", \"overhead_bytes\", \"packed_bytes\" (their sum), \"state_bytes\"\n"
+       "                         (the compressor's state: the packed store as reserved) and \"retention\"\n"
+       "                         (payload / (2 N d 16))\n",
        {"--policy", "--param", "--keys", "--values", "--queries", "--positions", "--rope", "--ratio", "--budget",
         "--allocator", "--dump", "--out-dir", "--time", "--threads", "--calibration", "--layer"}},
       {"attend",
@@ -905,9 +912,31 @@ kvc::Index rows_used(kvc::SnapKVScorer const& s, kvc::Index) {
 kvc::Index rows_used(kvc::TOVAScorer const&, kvc::Index) {
   return 1;
 }
+kvc::Index rows_used(kvc::UNCompScorer<> const& s, kvc::Index) {
+  return s.window_size;
+}
+template <class MT>
+kvc::Index rows_used(kvc::MomentKVScorer<kvc::HostSpace, MT> const& s, kvc::Index) {
+  return s.base.window_size;
+}
 template <class S>
 kvc::Index rows_used(S const&, kvc::Index rows) {
   return rows;
+}
+
+/// Fails (exit 3) unless the queries hold the last `used` rows policy `policy` reads and, without --positions, those
+/// rows fit a context of `tokens` (they sit at positions tokens - used .. tokens - 1).
+void check_rows_used(kvc::Index used, std::string_view policy, kvc::Index tokens, Queries const& q,
+                     std::string const& keys_path) {
+  if (used > q.ext.tokens)
+    fail(exit_invalid, "queries file " + q.path + ": field 'shape': window (shape[2]) is " +
+                           std::to_string(q.ext.tokens) + ", but policy " + std::string(policy) + " reads the last " +
+                           std::to_string(used) +
+                           " query rows (--param window_size); pass more queries or a smaller window_size");
+  if (q.positions.empty() && used > tokens)
+    fail(exit_invalid, "keys file " + keys_path + ": field 'shape': tokens (shape[2]) is " + std::to_string(tokens) +
+                           ", but the last " + std::to_string(used) + " query rows sit at positions N - " +
+                           std::to_string(used) + " .. N - 1 (pass --positions P.npy)");
 }
 
 /// Calls fn(scorer, obs) with the observations the scorer needs (tools/common/observations.hpp) after checking
@@ -915,17 +944,7 @@ kvc::Index rows_used(S const&, kvc::Index rows) {
 template <class S, class C, class Fn>
 void with_observations(S const& scorer, C const& cache, Queries const& q, std::string const& keys_path,
                        kvc::RopeSpec const& spec, Fn&& fn) {
-  kvc::KVExtents const k = cache.keys.extents();
-  kvc::Index const used = rows_used(scorer, q.ext.tokens);
-  if (used > q.ext.tokens)
-    fail(exit_invalid, "queries file " + q.path + ": field 'shape': window (shape[2]) is " +
-                           std::to_string(q.ext.tokens) + ", but policy " + std::string(S::name) + " reads the last " +
-                           std::to_string(used) +
-                           " query rows (--param window_size); pass more queries or a smaller window_size");
-  if (q.positions.empty() && used > k.tokens)
-    fail(exit_invalid, "keys file " + keys_path + ": field 'shape': tokens (shape[2]) is " + std::to_string(k.tokens) +
-                           ", but the last " + std::to_string(used) + " query rows sit at positions N - " +
-                           std::to_string(used) + " .. N - 1 (pass --positions P.npy)");
+  check_rows_used(rows_used(scorer, q.ext.tokens), S::name, cache.keys.extents().tokens, q, keys_path);
   kvc::tools::ObservationStorage store;
   kvc::tools::ObservedQueries const observed{
       kvc::TokenRows<float const, kvc::StridedLayout>(q.rows.data(), kvc::bhtd_layout(q.ext)),
@@ -967,7 +986,6 @@ struct Memory {
   bool packed = false;
   std::int64_t payload_bits = 0;   ///< codes and raw fp16 of the packed store (PackedKV::payload_bits) + the tail's
   std::int64_t overhead_bits = 0;  ///< scales, offsets, pads, channel permutation (PackedKV::overhead_bits)
-  std::int64_t arena_bytes = 0;    ///< the packed store's arena as allocated (PackedKV::arena_bytes)
   kvc::Index tail_tokens = 0;      ///< tokens kept in fp16 outside the packed store (residual)
   std::int64_t full_bits = 0;      ///< 2 N d 16 per head: the fp16 cache the retention is a fraction of
 
@@ -975,7 +993,6 @@ struct Memory {
     packed = m.packed;
     payload_bits += m.payload_bits;
     overhead_bits += m.overhead_bits;
-    arena_bytes += m.arena_bytes;
     tail_tokens += m.tail_tokens;
     full_bits += m.full_bits;
     moments = m.moments;
@@ -995,10 +1012,11 @@ struct Memory {
 struct Timing {
   double seconds = 0;               ///< scoring, median
   double select_seconds = -1;       ///< compress: the selection, median (left out when negative)
-  std::size_t workspace_bytes = 0;  ///< kvc's workspaces for the calls timed (score, and select for compress)
+  std::size_t workspace_bytes = 0;  ///< kvc's workspaces for the calls timed (score; compress: the compressor's)
   kvc::Index threads = 1;
   std::size_t bytes_read = 0;
   std::optional<Memory> memory;  ///< compress
+  std::size_t state_bytes = 0;   ///< compress: the compressor's state (LayerCompressor::state_bytes)
 };
 
 /// The --time line. `allocator` (empty: none) and `layer` (a --dump layer; "layers" for a dump's total line) are
@@ -1028,11 +1046,11 @@ void print_time(char const* command, PolicyInfo const& policy, std::string const
              ", \"payload_bytes\": " + std::to_string(payload_bytes) +
              ", \"overhead_bytes\": " + std::to_string(overhead_bytes) +
              ", \"packed_bytes\": " + std::to_string(payload_bytes + overhead_bytes) +
-             ", \"arena_bytes\": " + std::to_string(m.arena_bytes) + ", \"retention\": " + retention;
+             ", \"state_bytes\": " + std::to_string(t.state_bytes) + ", \"retention\": " + retention;
   } else if (t.memory) {
     Memory const& m = *t.memory;
     memory =
-        ", \"input_bytes\": " + std::to_string(m.input_bytes) +
+        ", \"state_bytes\": " + std::to_string(t.state_bytes) + ", \"input_bytes\": " + std::to_string(m.input_bytes) +
         ", \"padded_bytes\": " + std::to_string(m.padded_bytes) +
         ", \"ragged_bytes\": " + std::to_string(m.ragged_bytes) + ", \"row_bytes\": " + std::to_string(m.row_bytes) +
         ", \"input_tokens\": " + std::to_string(m.input_tokens) + ", \"kept_tokens\": " + std::to_string(m.kept_tokens);
@@ -1155,6 +1173,29 @@ Scratch workspace(std::size_t bytes, Job const& job) {
   return workspace(bytes, "the workspace of policy " + std::string(job.policy.name) + " over " + job.context());
 }
 
+/// The RoPE table a compressor of scorer `s` rotates the job's queries with: the queries' own (empty for post-RoPE
+/// rows), or for ExpectedAttention one over [0, max(N, R) + n_future_positions) in `storage` (it averages RoPE over
+/// the positions after t0: N, or kvpress's R).
+template <class S>
+kvc::RopeTable<> compressor_rope(S const& s, Job const& job, std::vector<float>& storage) {
+  if constexpr (requires { s.n_future_positions; }) {
+    if (!job.rotate)
+      fail(exit_invalid, "queries file " + job.queries.path + ": policy " + std::string(S::name) +
+                             " estimates future queries from PRE-RoPE samples: pass pre-RoPE queries (not "
+                             "--param queries=post_rope)");
+    kvc::Index const d = job.queries.ext.dim;
+    kvc::Index const positions = std::max(extents_of(job.keys).tokens, job.queries.ext.tokens) + s.n_future_positions;
+    storage = buffer<float>(static_cast<std::size_t>(kvc::rope_table_floats(positions, job.rope.rotated(d))),
+                            "the RoPE table of queries file " + job.queries.path);
+    kvc::RopeTable<> table;
+    if (auto const st = kvc::fill_rope_table(job.rope, d, positions, storage.data(), table); !st.ok())
+      fail(exit_invalid, "queries file " + job.queries.path + ": --rope: " + std::string(st.message()));
+    return table;
+  } else {
+    return job.queries.rope;
+  }
+}
+
 /// What every job of one compress call shares.
 struct CompressSettings {
   AllocatorChoice alloc;
@@ -1217,17 +1258,7 @@ void check_moment_memory(kvc::KVExtents const& e, kvc::Index dim_v, std::string 
 template <class C, class Fn>
 void with_moment_observations(kvc::SnapKVScorer const& base, C const& cache, Queries const& q,
                               std::string const& keys_path, Fn&& fn, char const* policy = "moment_kv") {
-  kvc::KVExtents const k = cache.keys.extents();
-  kvc::Index const used = base.window_size;
-  if (used > q.ext.tokens)
-    fail(exit_invalid, "queries file " + q.path + ": field 'shape': window (shape[2]) is " +
-                           std::to_string(q.ext.tokens) + ", but policy " + policy + " reads the last " +
-                           std::to_string(used) +
-                           " query rows (--param window_size); pass more queries or a smaller window_size");
-  if (q.positions.empty() && used > k.tokens)
-    fail(exit_invalid, "keys file " + keys_path + ": field 'shape': tokens (shape[2]) is " + std::to_string(k.tokens) +
-                           ", but the last " + std::to_string(used) + " query rows sit at positions N - " +
-                           std::to_string(used) + " .. N - 1 (pass --positions P.npy)");
+  check_rows_used(base.window_size, policy, cache.keys.extents().tokens, q, keys_path);
   kvc::WindowQueries<float> const wq{
       kvc::TokenRows<float const, kvc::StridedLayout>(q.rows.data(), kvc::bhtd_layout(q.ext)), q.rope,
       q.positions.empty() ? nullptr : q.positions.data()};
@@ -1241,18 +1272,19 @@ constexpr kvc::NpyDtype moment_npy_dtype() {
   return std::is_same_v<MT, kvc::half> ? kvc::NpyDtype::f16 : kvc::NpyDtype::f32;
 }
 template <class MT>
-std::vector<std::byte> moment_npy_bytes(std::vector<MT> const& v, std::string const& what) {
+std::vector<std::byte> moment_npy_bytes(MT const* v, kvc::Index count, std::string const& what) {
+  auto const n = static_cast<std::size_t>(count);
   if constexpr (std::is_same_v<MT, kvc::bfloat16>) {
-    std::vector<std::byte> out = buffer<std::byte>(v.size() * sizeof(float), what);
-    for (std::size_t i = 0; i < v.size(); ++i) {
+    std::vector<std::byte> out = buffer<std::byte>(n * sizeof(float), what);
+    for (std::size_t i = 0; i < n; ++i) {
       float const f = kvc::to_float(v[i]);
       std::memcpy(out.data() + i * sizeof(float), &f, sizeof(float));
     }
     return out;
   } else {
-    std::vector<std::byte> out = buffer<std::byte>(v.size() * sizeof(MT), what);
-    if (!v.empty())
-      std::memcpy(out.data(), v.data(), out.size());
+    std::vector<std::byte> out = buffer<std::byte>(n * sizeof(MT), what);
+    if (n > 0)
+      std::memcpy(out.data(), v, out.size());
     return out;
   }
 }
@@ -1265,114 +1297,38 @@ struct MomentFiles {
   kvc::Index bytes = 0, head_bytes = 0;  ///< in the storage dtype (moment_state_bytes, moment_head_bytes)
 };
 
-/// MomentKV's compression of one loaded job: kvc::moment_kv_prefill (mi=true), or with mi=false the base score's
-/// selection (kvc::compress over Press{scorer.base, selector}) then kvc::on_evict and kvc::compact, over a cache with
-/// a per-head length table and a positions table equal to the slot numbers. Leaves the input arrays compacted in
-/// place (each head's kept rows first), `counts` each head's kept count, `slots` [B, Hkv, N] the original slot of
-/// each kept row, and the moments of the evicted sets in `files`. With --time, each of the timed repeats compresses
-/// the original input again (restored untimed), and `timing` gets the whole compression's median.
-void compress_moment_kv(Job& job, CompressSettings const& s, kvc::Cpu const& cpu, std::vector<kvc::Index>& counts,
-                        std::vector<kvc::Index>& slots, MomentFiles& files, Timing& timing) {
-  MomentKVConfig const cfg = moment_kv_config(job.params);
-  kvc::KVExtents const e = extents_of(job.keys);
-  kvc::Index const dv = job.values->array.shape[3];
-  auto const rows = static_cast<std::size_t>(e.rows()), heads = static_cast<std::size_t>(e.batch * e.heads);
-  std::vector<kvc::Index>& lengths = counts;  // [B, Hkv], the plan's counts (sized by the caller)
-  lengths.resize(heads);
-  slots = buffer<kvc::Index>(rows, "the positions of " + job.context());
-  std::vector<std::byte> keys0, values0;  // the input, restored before each timed repeat
-  if (s.time) {
-    keys0 = buffer<std::byte>(job.keys.array.data.size(), "a copy of " + job.keys.path);
-    values0 = buffer<std::byte>(job.values->array.data.size(), "a copy of " + job.values->path);
-    std::copy(job.keys.array.data.begin(), job.keys.array.data.end(), keys0.begin());
-    std::copy(job.values->array.data.begin(), job.values->array.data.end(), values0.begin());
-  }
-  Selection const sel{cfg.n_sink, cfg.n_recent};
-  with_cache(job.keys, &*job.values, KeyRange::logits, [&](auto const& plain) {
-    auto const cache =
-        kvc::make_cache(plain.keys, plain.values, kvc::head_lengths(lengths.data(), e.heads), slots.data());
-    with_moment_observations(cfg.scorer.base, cache, job.queries, job.keys.path, [&](auto const& obs) {
-      with_selection(s.alloc, job.params, sel, s.ratio, s.budget, e.tokens, [&](auto const& selector) {
-        with_moment_storage(cfg.storage, [&](auto tag) {
-          using MT = decltype(tag);
-          check_moment_memory<MT>(e, dv, job.context());
-          HostMoments<MT> m(e.batch, e.heads, e.dim, dv);
-          kvc::MomentKVScorer<kvc::HostSpace, MT> scorer;
-          scorer.state = m.view;
-          scorer.base = cfg.scorer.base;
-          scorer.scale = cfg.scorer.scale;
-          scorer.clamp_tau = cfg.scorer.clamp_tau;
-          scorer.prefill_rounds = cfg.scorer.prefill_rounds;
-          kvc::Press const press{scorer.base, selector};  // mi=false: the base score's selection
-          std::size_t const bytes = cfg.mi ? kvc::moment_kv_prefill_workspace_bytes(cpu, scorer, selector, e, obs)
-                                           : std::max(kvc::compress_workspace_bytes(cpu, press, e, obs),
-                                                      kvc::on_evict_workspace_bytes(cpu, scorer, e));
-          Scratch const ws = workspace(bytes, job);
-          std::vector<kvc::Index> plan_index, plan_counts;
-          if (!cfg.mi) {
-            plan_index = buffer<kvc::Index>(rows, "the keep plan of " + job.context());
-            plan_counts = buffer<kvc::Index>(heads, "the keep plan of " + job.context());
-          }
-          auto once = [&] {
-            std::fill(lengths.begin(), lengths.end(), e.tokens);
-            for (std::size_t i = 0; i < rows; ++i)
-              slots[i] = static_cast<kvc::Index>(i) % e.tokens;
-            std::fill(m.count.begin(), m.count.end(), 0);
-            std::fill(m.key_mean.begin(), m.key_mean.end(), kvc::from_float<MT>(0.0f));
-            std::fill(m.value_mean.begin(), m.value_mean.end(), kvc::from_float<MT>(0.0f));
-            std::fill(m.comoment.begin(), m.comoment.end(), kvc::from_float<MT>(0.0f));
-            if (cfg.mi) {
-              check_status(kvc::moment_kv_prefill(cpu, scorer, selector, cache, obs, ws.span()), job.context());
-            } else {
-              kvc::KeepPlan<> const plan{plan_index.data(), plan_counts.data(), e.batch, e.heads, e.tokens};
-              check_status(kvc::compress(cpu, press, cache, obs, plan, ws.span()), job.context());
-              check_status(kvc::on_evict(cpu, scorer, cache, plan, ws.span()), job.context());
-              check_status(kvc::compact(cpu, plan, cache), job.context());
-            }
-          };
-          if (s.time) {
-            std::vector<double> seconds;
-            for (int r = 0; r < timing_repeats; ++r) {
-              if (r > 0) {
-                std::copy(keys0.begin(), keys0.end(), job.keys.array.data.begin());
-                std::copy(values0.begin(), values0.end(), job.values->array.data.begin());
-              }
-              seconds.push_back(median_seconds(1, once));
-            }
-            std::sort(seconds.begin(), seconds.end());
-            timing = {seconds[seconds.size() / 2], -1, ws.size, s.threads, job.bytes_read(), std::nullopt};
-          } else {
-            once();
-          }
-          // Moments that overflowed their storage (values or keys too large for the co-moment) are refused, so
-          // that every file written reads back in `kvc attend`.
-          for (kvc::Index bh = 0; bh < e.batch * e.heads; ++bh) {
-            kvc::Index const b = bh / e.heads, h = bh % e.heads;
-            auto finite = [](MT const* x, kvc::Index n) {
-              return std::all_of(x, x + n, [](MT v) { return std::isfinite(kvc::to_float(v)); });
-            };
-            if (!finite(m.view.key_mean_of(b, h), e.dim) || !finite(m.view.value_mean_of(b, h), dv) ||
-                !finite(m.view.comoment_of(b, h), e.dim * dv))
-              fail(exit_invalid,
-                   "values file " + job.values->path + " / keys file " + job.keys.path +
-                       ": the moments of the evicted set of head (" + std::to_string(b) + ", " + std::to_string(h) +
-                       ") are not finite in " + job.params.at("storage") +
-                       " (values or keys too large for the co-moment sum (v - v_mean)(k - k_mean)^T" +
-                       (std::is_same_v<MT, float> ? std::string(")") : std::string("); try --param storage=fp32")));
-          }
-          std::string const what = "the moments of " + job.context();
-          files.dtype = moment_npy_dtype<MT>();
-          files.count = buffer<kvc::Index>(heads, what);
-          std::copy(m.count.begin(), m.count.end(), files.count.begin());
-          files.key_mean = moment_npy_bytes(m.key_mean, what);
-          files.value_mean = moment_npy_bytes(m.value_mean, what);
-          files.comoment = moment_npy_bytes(m.comoment, what);
-          files.bytes = static_cast<kvc::Index>(m.bytes());
-          files.head_bytes = static_cast<kvc::Index>(kvc::moment_head_bytes(e.dim, dv, sizeof(MT)));
-        });
-      });
-    });
-  });
+/// The files of MomentKV's moments of the evicted sets (a compressor's, after prefill). Moments that overflowed their
+/// storage (values or keys too large for the co-moment) are refused, so that every file written reads back in
+/// `kvc attend`.
+template <class MT>
+MomentFiles moment_files(kvc::MomentState<kvc::HostSpace, MT> const& m, Job const& job) {
+  kvc::Index const dk = m.key_dim, dv = m.value_dim;
+  for (kvc::Index b = 0; b < m.batch; ++b)
+    for (kvc::Index h = 0; h < m.heads; ++h) {
+      auto finite = [](MT const* x, kvc::Index n) {
+        return std::all_of(x, x + n, [](MT v) { return std::isfinite(kvc::to_float(v)); });
+      };
+      if (!finite(m.key_mean_of(b, h), dk) || !finite(m.value_mean_of(b, h), dv) ||
+          !finite(m.comoment_of(b, h), dk * dv))
+        fail(exit_invalid,
+             "values file " + job.values->path + " / keys file " + job.keys.path +
+                 ": the moments of the evicted set of head (" + std::to_string(b) + ", " + std::to_string(h) +
+                 ") are not finite in " + job.params.at("storage") +
+                 " (values or keys too large for the co-moment sum (v - v_mean)(k - k_mean)^T" +
+                 (std::is_same_v<MT, float> ? std::string(")") : std::string("); try --param storage=fp32")));
+    }
+  std::string const what = "the moments of " + job.context();
+  kvc::Index const heads = m.batch * m.heads;
+  MomentFiles files;
+  files.dtype = moment_npy_dtype<MT>();
+  files.count = buffer<kvc::Index>(static_cast<std::size_t>(heads), what);
+  std::copy_n(m.count, heads, files.count.begin());
+  files.key_mean = moment_npy_bytes(m.key_mean, heads * dk, what);
+  files.value_mean = moment_npy_bytes(m.value_mean, heads * dv, what);
+  files.comoment = moment_npy_bytes(m.comoment, heads * dk * dv, what);
+  files.bytes = static_cast<kvc::Index>(kvc::moment_state_bytes<MT>(m.batch, m.heads, dk, dv));
+  files.head_bytes = static_cast<kvc::Index>(kvc::moment_head_bytes(dk, dv, sizeof(MT)));
+  return files;
 }
 
 /// The largest head dim uncomp_entropy accepts: its solver holds d x d fp64 matrices and solves them in O(d^3).
@@ -1543,12 +1499,17 @@ struct PackedCompressed {
   }
 };
 
-/// RDKV's (weights, kvc::allocate_bits) or KIVI's (kvc::kivi_plan) bit plan of one loaded job, then the packed
-/// store (kvc::pack of the plan without each head's fp16 tail) and its memory. With --time, the weights are timed
-/// as "seconds" and the allocation + packing as "select_seconds".
+/// RDKV's or KIVI's compression of one loaded job by its kvc::LayerCompressor (engine/packed_compressor.hpp), the
+/// way an engine compresses a layer: plan, bind, reset, then prefill(cache, queries): the bit plan (RDKV: the token
+/// weights, ThinK's channel weights, kvc::allocate_bits; KIVI: kvc::kivi_bit_plan), the newest `residual` tokens of
+/// each head left in the cache as the fp16 tail, every other kept token packed into the compressor's state. RDKV
+/// reads every query row given, at their --positions or at N - R .. N - 1. The plan is read back (bit_plan) with the
+/// tail's slots at their 16 bits, and the memory is the packed store's own accounting. With --time, each of the 7
+/// repeats compresses the original input again (restored untimed): "seconds" is reset + prefill.
 PackedCompressed compress_packed(Job& job, CompressSettings const& s, kvc::tools::RDKVConfig const& cfg) {
   Input const& keys = job.keys;
   Input const& values = *job.values;
+  Queries const& q = job.queries;
   kvc::KVExtents const e = extents_of(keys);
   if (values.array.shape[3] != e.dim)
     fail(exit_invalid, "values file " + values.path + ": field 'shape': head_dim (shape[3]) is " +
@@ -1559,64 +1520,86 @@ PackedCompressed compress_packed(Job& job, CompressSettings const& s, kvc::tools
   auto const heads = static_cast<std::size_t>(e.batch * e.heads);
   c.v_bits = buffer<std::int8_t>(static_cast<std::size_t>(e.rows()), "the bit plan of " + job.context());
   c.k_bits = buffer<std::int8_t>(heads * static_cast<std::size_t>(e.dim), "the bit plan of " + job.context());
-  std::vector<std::int8_t> pack_bits = buffer<std::int8_t>(c.v_bits.size(), "the bit plan of " + job.context());
+  std::vector<kvc::Index> lengths = buffer<kvc::Index>(heads, "the lengths of " + job.context());
+  std::vector<std::byte> keys0, values0;  // the input, restored before each timed repeat
+  if (s.time) {
+    keys0 = buffer<std::byte>(keys.array.data.size(), "a copy of " + keys.path);
+    values0 = buffer<std::byte>(values.array.data.size(), "a copy of " + values.path);
+    std::copy(keys.array.data.begin(), keys.array.data.end(), keys0.begin());
+    std::copy(values.array.data.begin(), values.array.data.end(), values0.begin());
+  }
   kvc::ThreadPool pool(s.threads);
   kvc::Cpu const cpu = s.threads > 1 ? pool.cpu() : kvc::Cpu{};
+  kvc::Index const tail = kvc::tail_tokens(e.tokens, cfg.residual);
   Memory m;
   m.packed = true;
-  with_cache(keys, &values, KeyRange::logits, [&](auto const& cache) {
-    m.input_bytes = kvc::store_report(cache).held_bytes;
-    std::vector<float> tokens, channels;
-    std::size_t ws_bytes = 0;
-    kvc::RDKVAllocator const alloc = cfg.allocator_for(s.ratio, s.budget);
-    Scratch alloc_ws;
-    if (!cfg.kivi) {
-      tokens = buffer<float>(static_cast<std::size_t>(e.rows()), "the weights of " + job.context());
-      channels = buffer<float>(heads * static_cast<std::size_t>(e.dim), "the weights of " + job.context());
-      alloc_ws = workspace(kvc::allocate_bits_workspace_bytes(cpu, alloc, e.batch, e.heads, e.tokens, e.dim), job);
-    }
-    auto weigh = [&] { ws_bytes = rdkv_weights(job, cfg, cpu, cache, tokens.data(), channels.data()); };
-    kvc::PackedKV packed;
-    auto plan_and_pack = [&] {
-      if (cfg.kivi) {
-        for (std::size_t bh = 0; bh < heads; ++bh)
-          kvc::kivi_plan(cfg.kivi_press(), e.tokens, e.tokens, e.dim, c.v_bits.data() + bh * e.tokens,
-                         c.k_bits.data() + bh * static_cast<std::size_t>(e.dim));
-      } else {
-        kvc::ScoreSpan<> span{tokens.data(), e.batch, e.heads, e.tokens, cache.lengths};
-        kvc::BitPlan<> const plan{c.v_bits.data(), c.k_bits.data(), e.batch, e.heads, e.tokens, e.dim};
-        check_status(kvc::allocate_bits(cpu, alloc, span, channels.data(), plan, alloc_ws.span()), job.context());
+  with_cache(keys, &values, KeyRange::logits, [&](auto const& plain) {
+    m.input_bytes = kvc::store_report(plain).held_bytes;
+    auto const cache = kvc::make_cache(plain.keys, plain.values, kvc::head_lengths(lengths.data(), e.heads));
+    kvc::tools::with_packed_press(cfg, s.ratio, s.budget, [&](auto const& press) {
+      using P = std::remove_cvref_t<decltype(press)>;
+      std::string const what = "policy " + std::string(job.policy.name) + " over " + job.context();
+      // RDKV's rows: every query row given (its weights' and ThinK's window), and their positions [B, R].
+      kvc::Index const rows = cfg.kivi ? 0 : q.ext.tokens;
+      std::vector<float> rope_storage;
+      kvc::RopeTable<> rope = q.rope;
+      if constexpr (!std::is_same_v<P, kvc::KIVIPress>) {
+        check_rows_used(cfg.token.window_size, "rdkv", e.tokens, q, keys.path);
+        using S = typename P::scorer_type;
+        if constexpr (!std::is_same_v<S, kvc::RDKVTokenScorer>)  // weight=NAME: the rows that policy reads too
+          check_rows_used(rows_used(press.scorer, rows), S::name, e.tokens, q, keys.path);
+        rope = compressor_rope(press.scorer, job, rope_storage);
       }
-      // The newest `residual` tokens of each head stay fp16 outside the packed store (zone C).
-      std::copy(c.v_bits.begin(), c.v_bits.end(), pack_bits.begin());
-      kvc::Index const tail = kvc::tail_tokens(e.tokens, cfg.residual);
+      std::vector<kvc::Index> positions =
+          buffer<kvc::Index>(static_cast<std::size_t>(e.batch * rows), "the positions of " + job.context());
+      for (std::size_t i = 0; i < positions.size(); ++i)
+        positions[i] = q.positions.empty() ? e.tokens - rows + static_cast<kvc::Index>(i) % rows : q.positions[i];
+      kvc::LayerQueries<float> const queries{
+          {rows > 0 ? q.rows.data() : nullptr, kvc::bhtd_layout(rows > 0 ? q.ext : kvc::KVExtents{})},
+          positions.data()};
+
+      kvc::LayerCompressor<P, kvc::Cpu> compressor{cpu, press};
+      compressor.options.rope = rope;
+      check_status(compressor.plan(cache, kvc::QueryShape{rows > 0 ? q.ext.heads : e.heads, rows, 1, 1}), what);
+      Scratch const state = workspace(compressor.state_bytes(), "the state of " + what);
+      Scratch const ws = workspace(compressor.workspace_bytes(), job);
+      check_status(compressor.bind(state.data.get(), state.size), what);
+      auto once = [&] {
+        check_status(compressor.reset(), what);
+        check_status(compressor.prefill(cache, queries, ws.span()),
+                     "keys file " + keys.path + " / values file " + values.path);
+      };
+      std::fill(lengths.begin(), lengths.end(), e.tokens);
+      once();
+      if (s.time) {
+        std::vector<double> seconds;
+        for (int r = 0; r < timing_repeats; ++r) {
+          std::copy(keys0.begin(), keys0.end(), job.keys.array.data.begin());
+          std::copy(values0.begin(), values0.end(), job.values->array.data.begin());
+          std::fill(lengths.begin(), lengths.end(), e.tokens);
+          seconds.push_back(median_seconds(1, once));
+        }
+        std::sort(seconds.begin(), seconds.end());
+        c.timing = {seconds[seconds.size() / 2], -1, ws.size, s.threads, job.bytes_read(), std::nullopt};
+      }
+      c.timing.state_bytes = state.size;
+      // The plan packed by, the tail's slots back at 16 bits (kvc::split_tail took them out of it).
+      kvc::BitPlan<> const plan = compressor.bit_plan(ws.span());
+      std::copy_n(plan.v_bits, c.v_bits.size(), c.v_bits.begin());
+      std::copy_n(plan.k_bits, c.k_bits.size(), c.k_bits.begin());
       for (std::size_t bh = 0; bh < heads; ++bh)
-        std::fill_n(pack_bits.data() + bh * e.tokens + (e.tokens - tail), tail, std::int8_t{0});
-      packed = kvc::PackedKV{};
-      kvc::BitPlan<> const plan{pack_bits.data(), c.k_bits.data(), e.batch, e.heads, e.tokens, e.dim};
-      check_status(kvc::pack(cache, plan, cfg.pack, packed),
-                   "keys file " + keys.path + " / values file " + values.path + " (packing)");
-    };
-    if (!cfg.kivi)
-      weigh();
-    plan_and_pack();
-    if (s.time)
-      c.timing = {cfg.kivi ? 0.0 : median_seconds(timing_repeats, weigh),
-                  median_seconds(timing_repeats, plan_and_pack),
-                  ws_bytes + alloc_ws.size,
-                  s.threads,
-                  job.bytes_read(),
-                  std::nullopt};
-    kvc::Index const tail = kvc::tail_tokens(e.tokens, cfg.residual);
-    auto const view = packed.view();
-    m.kept_tokens = 0;
-    for (std::size_t bh = 0; bh < heads; ++bh)
-      m.kept_tokens += view.heads[bh].tokens + tail;
-    m.tail_tokens = tail * static_cast<kvc::Index>(heads);
-    m.payload_bits = packed.payload_bits() + m.tail_tokens * 2 * e.dim * 16;
-    m.overhead_bits = packed.overhead_bits();
-    m.arena_bytes = static_cast<std::int64_t>(packed.arena_bytes());
+        std::fill_n(c.v_bits.data() + bh * static_cast<std::size_t>(e.tokens) + (e.tokens - tail), tail,
+                    std::int8_t{16});
+      kvc::PackedKVView<> const view = compressor.packed();
+      for (std::size_t bh = 0; bh < heads; ++bh) {
+        m.kept_tokens += view.heads[bh].tokens + tail;
+        m.payload_bits += view.heads[bh].payload_bits;
+        m.overhead_bits += view.heads[bh].overhead_bits;
+      }
+    });
   });
+  m.tail_tokens = tail * static_cast<kvc::Index>(heads);
+  m.payload_bits += m.tail_tokens * 2 * e.dim * 16;
   m.input_tokens = e.rows();
   m.full_bits = e.rows() * 2 * e.dim * 16;
   c.timing.memory = m;
@@ -1785,112 +1768,136 @@ std::vector<std::byte> npy_bytes(std::vector<std::byte> raw, Elem elem, std::str
   return out;
 }
 
-/// UNComp's prefill selection of one loaded job (tools/common/uncomp.hpp): the layer's per-head budgets from the
-/// calibration's groups (average: --budget, or the ratio's kept count of N), kvc::update with the last window_size
-/// query rows (the attention each slot receives, summed over its query group), then kvc::compress with
-/// UNCompSelector (the window always kept) into `plan`. With --time, both are timed together.
-void compress_uncomp(Job& job, CompressSettings const& s, kvc::Cpu const& cpu, kvc::KeepPlan<> const& plan,
-                     Timing& timing) {
-  kvc::tools::UNCompConfig const cfg = kvc::tools::uncomp_config(job.params);
+/// Calls fn(press) with a compress job's policy as a kvc::Press{scorer, selection}: the policy table's scorer and
+/// selection (with_policy, with_selection: top-k over the ratio or budget, or the allocators'), MomentKV's scorer in
+/// its storage type with its sink and window protected, or UNComp's with the layer's per-head budgets from the
+/// calibration's groups (average: --budget, or the ratio's kept count of N), held in `budgets` while fn runs.
+template <class Fn>
+void with_press(Job const& job, CompressSettings const& s, std::vector<kvc::Index>& budgets, Fn&& fn) {
   kvc::KVExtents const e = extents_of(job.keys);
-  double const average = cfg.absolute() ? 0.0
-                         : s.ratio      ? static_cast<double>(kvc::RatioBudget{*s.ratio}.keep(0, 0, e.tokens))
-                                        : static_cast<double>(s.budget);
-  std::vector<kvc::Index> const budgets =
-      kvc::tools::uncomp_budgets(cfg, *s.calibration, s.calibration_path, s.layer, average);
-  std::vector<float> window_rows =
-      buffer<float>(kvc::bytes_product(e.rows(), cfg.window_size), "UNComp's window rows of " + job.context());
-  std::vector<kvc::Index> tracked = buffer<kvc::Index>(static_cast<std::size_t>(e.batch * e.heads), "UNComp's state");
-  kvc::UNCompScorer<> scorer;
-  scorer.state = {{window_rows.data(), kvc::uncomp_window_layout(e, cfg.window_size)}, tracked.data()};
-  scorer.window_size = cfg.window_size;
-  scorer.kernel_size = cfg.kernel_size;
-  scorer.pooling = cfg.pooling;
-  check_status(scorer.check(), "policy uncomp");
-  kvc::SnapKVScorer window;  // only its window_size: the checks of the query rows the window reads
-  window.window_size = cfg.window_size;
-  with_cache(job.keys, &*job.values, KeyRange::logits, [&](auto const& cache) {
-    with_moment_observations(
-        window, cache, job.queries, job.keys.path,
-        [&](auto const& obs) {
-          kvc::Press const press{scorer,
-                                 kvc::UNCompSelector{kvc::HeadBudgets{budgets.data(), e.heads}, 0, cfg.window_size}};
-          Scratch const ws = workspace(
-              std::max(kvc::update_workspace_bytes(cpu, scorer, e, obs), kvc::compress_workspace_bytes(cpu, press, e)),
-              job);
-          auto once = [&] {
-            std::fill(tracked.begin(), tracked.end(), 0);
-            check_status(kvc::update(cpu, scorer, cache, obs, ws.span()), job.context());
-            check_status(kvc::compress(cpu, press, cache, plan, ws.span()), job.context());
-          };
-          once();
-          if (s.time)
-            timing = {median_seconds(timing_repeats, once), -1, ws.size, s.threads, job.bytes_read(), std::nullopt};
-        },
-        "uncomp");
-  });
+  if (is_moment_kv(job.policy)) {
+    MomentKVConfig const cfg = moment_kv_config(job.params);
+    with_selection(s.alloc, job.params, Selection{cfg.n_sink, cfg.n_recent}, s.ratio, s.budget, e.tokens,
+                   [&](auto const& selector) {
+                     with_moment_storage(cfg.storage, [&](auto tag) {
+                       using MT = decltype(tag);
+                       check_moment_memory<MT>(e, job.values->array.shape[3], job.context());
+                       fn(kvc::Press{kvc::tools::moment_scorer<MT>(cfg), selector});
+                     });
+                   });
+  } else if (is_uncomp(job.policy)) {
+    kvc::tools::UNCompConfig const cfg = kvc::tools::uncomp_config(job.params);
+    double const average = cfg.absolute() ? 0.0
+                           : s.ratio      ? static_cast<double>(kvc::RatioBudget{*s.ratio}.keep(0, 0, e.tokens))
+                                          : static_cast<double>(s.budget);
+    budgets = kvc::tools::uncomp_budgets(cfg, *s.calibration, s.calibration_path, s.layer, average);
+    kvc::UNCompScorer<> scorer;
+    scorer.window_size = cfg.window_size;
+    scorer.kernel_size = cfg.kernel_size;
+    scorer.pooling = cfg.pooling;
+    fn(kvc::Press{scorer, kvc::UNCompSelector{kvc::HeadBudgets{budgets.data(), e.heads}, 0, cfg.window_size}});
+  } else {
+    with_policy(job.policy, job.params, [&](auto const& scorer, Selection sel) {
+      with_selection(s.alloc, job.params, sel, s.ratio, s.budget, e.tokens, [&](auto const& selector) {
+        fn(kvc::Press{scorer, selector});
+      });
+    });
+  }
 }
 
-/// Scores, selects (top-k, or the allocators' selection: with_selection), builds the ragged store from the kept
-/// rows (kvc::gather), compacts and measures one job whose inputs are loaded. `layer` names a --dump layer in
-/// --time's line.
+/// One loaded job compressed the way an engine compresses a layer: the policy's kvc::LayerCompressor planned for the
+/// job's cache and query rows, bound to a state, reset, then prefill(cache, queries) (score, select, fold the evicted
+/// tokens into the scorer's state, compact in place). The cache has a per-head length table (`counts`: each head's
+/// kept count after) and a positions table of slot numbers, which compaction carries: each head's first `count`
+/// positions are then the indices of its kept tokens. The queries are the last rows the policy reads (rows_used), at
+/// their --positions or at N - rows .. N - 1. The ragged store gets each head's kept rows (kvc::append). With --time,
+/// each of the 7 repeats compresses the original input again (restored untimed): "seconds" is reset + prefill.
 Compressed compress_job(Job& job, CompressSettings const& s) {
   Input const& keys = job.keys;
   Input const& values = *job.values;
+  Queries const& q = job.queries;
   kvc::KVExtents const e = extents_of(keys);
   Compressed c;
   c.ext = e;
   c.dim_v = values.array.shape[3];
   auto const rows = static_cast<std::size_t>(e.rows()), heads = static_cast<std::size_t>(e.batch * e.heads);
-  std::vector<kvc::Index> index = buffer<kvc::Index>(rows, "the keep plan of " + job.context());
-  c.counts = buffer<kvc::Index>(heads, "the keep plan of " + job.context());
-  kvc::KeepPlan<> plan{index.data(), c.counts.data(), e.batch, e.heads, e.tokens};
+  c.counts = buffer<kvc::Index>(heads, "the lengths of " + job.context());
+  std::vector<kvc::Index> slots = buffer<kvc::Index>(rows, "the positions of " + job.context());
+  auto const restart = [&] {  // every token valid, at its slot's position
+    std::fill(c.counts.begin(), c.counts.end(), e.tokens);
+    for (std::size_t i = 0; i < rows; ++i)
+      slots[i] = static_cast<kvc::Index>(i) % e.tokens;
+  };
+  std::vector<std::byte> keys0, values0;  // the input, restored before each timed repeat
+  if (s.time) {
+    keys0 = buffer<std::byte>(keys.array.data.size(), "a copy of " + keys.path);
+    values0 = buffer<std::byte>(values.array.data.size(), "a copy of " + values.path);
+    std::copy(keys.array.data.begin(), keys.array.data.end(), keys0.begin());
+    std::copy(values.array.data.begin(), values.array.data.end(), values0.begin());
+  }
   kvc::ThreadPool pool(s.threads);
   kvc::Cpu const cpu = s.threads > 1 ? pool.cpu() : kvc::Cpu{};
-  std::vector<kvc::Index> slots;  // moment_kv: the original slot of each kept row
-  if (is_moment_kv(job.policy)) {
-    // MomentKV compacts the input in place over its rounds: the plan below keeps each head's first `count` rows
-    // (compaction and gather are then copies of what is there), and `slots` gives indices.npy.
-    c.moments.emplace();
-    compress_moment_kv(job, s, cpu, c.counts, slots, *c.moments, c.timing);
-    for (kvc::Index bh = 0; bh < e.batch * e.heads; ++bh)
-      for (kvc::Index j = 0; j < c.counts[static_cast<std::size_t>(bh)]; ++j)
-        index[static_cast<std::size_t>(bh * e.tokens + j)] = j;
-  } else if (is_uncomp(job.policy)) {
-    compress_uncomp(job, s, cpu, plan, c.timing);
-  } else {
-    std::vector<float> scores = buffer<float>(rows, "the scores of " + job.context());
-    // kvc::compress is kvc::score then kvc::select; they are called one by one so that --time reports each. Each
-    // scorer compiles the two selections with_selection yields (TopKSelector, AdaKVSelector over ToolBudget).
-    job.run([&](auto const& scorer, Selection sel, auto const& cache, auto const& obs) {
-      with_selection(s.alloc, job.params, sel, s.ratio, s.budget, e.tokens, [&](auto const& selector) {
-        Scratch const score_ws = workspace(kvc::score_workspace_bytes(cpu, scorer, e, obs), job);
-        Scratch const select_ws =
-            workspace(kvc::select_workspace_bytes(cpu, selector, e.batch, e.heads, e.tokens), job);
-        kvc::ScoreSpan<> span{scores.data(), e.batch, e.heads, e.tokens, cache.lengths};
-        auto score_once = [&] {
-          check_status(kvc::score(cpu, scorer, cache, obs, span, score_ws.span()), job.context());
-        };
-        auto select_once = [&] {
-          check_status(kvc::select(cpu, selector, span, plan, select_ws.span()), job.context());
-        };
-        score_once();
-        select_once();
-        if (s.time)
-          c.timing = {median_seconds(timing_repeats, score_once),
-                      median_seconds(timing_repeats, select_once),
-                      score_ws.size + select_ws.size,
-                      s.threads,
-                      job.bytes_read(),
-                      std::nullopt};
-      });
+  std::vector<kvc::Index> budgets;  // uncomp
+  kvc::Index input_bytes = 0;
+  with_cache(keys, &values, key_range(job.policy), [&](auto const& plain) {
+    auto const cache =
+        kvc::make_cache(plain.keys, plain.values, kvc::head_lengths(c.counts.data(), e.heads), slots.data());
+    restart();
+    input_bytes = kvc::store_report(plain).held_bytes;  // K and V (not the tables compress adds)
+    with_press(job, s, budgets, [&](auto const& press) {
+      using P = std::remove_cvref_t<decltype(press)>;
+      std::string const what = "policy " + std::string(job.policy.name) + " over " + job.context();
+      // The query rows the policy reads, in place: the last `used` of [B, Hq, R, d], and their positions [B, used].
+      kvc::Index const used = job.policy.reads_queries ? rows_used(press.scorer, q.ext.tokens) : 0;
+      if (job.policy.reads_queries)
+        check_rows_used(used, job.policy.name, e.tokens, q, keys.path);
+      std::vector<kvc::Index> positions =
+          buffer<kvc::Index>(static_cast<std::size_t>(e.batch * used), "the positions of " + job.context());
+      for (kvc::Index b = 0; b < e.batch; ++b)
+        for (kvc::Index i = 0; i < used; ++i)
+          positions[static_cast<std::size_t>(b * used + i)] =
+              q.positions.empty() ? e.tokens - used + i
+                                  : q.positions[static_cast<std::size_t>(b * q.ext.tokens + q.ext.tokens - used + i)];
+      kvc::StridedLayout window = kvc::bhtd_layout(q.ext);
+      window.ext.tokens = used;
+      kvc::LayerQueries<float> const queries{
+          {used > 0 ? q.rows.data() + (q.ext.tokens - used) * q.ext.dim : nullptr, window}, positions.data()};
+
+      kvc::LayerCompressor<P, kvc::Cpu> compressor{cpu, press};
+      std::vector<float> rope_storage;
+      compressor.options.rope = compressor_rope(press.scorer, job, rope_storage);
+      check_status(compressor.plan(cache, kvc::QueryShape{used > 0 ? q.ext.heads : e.heads, used, 1, 1}), what);
+      Scratch const state = workspace(compressor.state_bytes(), "the state of " + what);
+      Scratch const ws = workspace(compressor.workspace_bytes(), job);
+      check_status(compressor.bind(state.data.get(), state.size), what);
+      auto once = [&] {
+        check_status(compressor.reset(), what);
+        check_status(compressor.prefill(cache, queries, ws.span()), job.context());
+      };
+      once();
+      if (s.time) {
+        std::vector<double> seconds;
+        for (int r = 0; r < timing_repeats; ++r) {
+          auto* kp = job.keys.array.data.data();
+          auto* vp = job.values->array.data.data();
+          std::copy(keys0.begin(), keys0.end(), kp);
+          std::copy(values0.begin(), values0.end(), vp);
+          restart();
+          seconds.push_back(median_seconds(1, once));
+        }
+        std::sort(seconds.begin(), seconds.end());
+        c.timing = {seconds[seconds.size() / 2], -1, ws.size, s.threads, job.bytes_read(), std::nullopt};
+        c.timing.state_bytes = state.size;
+      }
+      if constexpr (requires { press.scorer.prefill_rounds; })  // MomentKV: the moments of the evicted sets
+        c.moments = moment_files(compressor.moments(), job);
     });
-  }
+  });
   for (kvc::Index n : c.counts)
     c.kept_max = std::max(c.kept_max, n);
 
-  // The ragged store (each head exactly its kept rows, gathered from the uncompacted cache), then the compaction
-  // (kept rows to the front of each head); both measured by kvc::store_report.
+  // The ragged store (each head exactly its kept rows, appended from the compacted cache), measured with the
+  // compacted cache cut to the longest head (what keys.npy and values.npy hold) by kvc::store_report.
   c.offsets = buffer<kvc::Index>(heads + 1, "the ragged offsets of " + job.context());
   check_status(kvc::ragged_offsets(c.counts.data(), e.batch * e.heads, 0, c.offsets.data(), c.ragged),
                "the ragged store of " + job.context());
@@ -1900,23 +1907,20 @@ Compressed compress_job(Job& job, CompressSettings const& s) {
       buffer<std::byte>(ragged_rows * static_cast<std::size_t>(e.dim) * item, "the ragged store of " + keys.path);
   std::vector<std::byte> ragged_v =
       buffer<std::byte>(ragged_rows * static_cast<std::size_t>(c.dim_v) * item, "the ragged store of " + values.path);
-  std::vector<kvc::Index> lengths = buffer<kvc::Index>(heads, "the lengths of " + job.context(), e.tokens);
   std::vector<kvc::Index> ragged_lengths = buffer<kvc::Index>(heads, "the lengths of " + job.context());
   Memory m;
+  m.input_bytes = input_bytes;
   with_element(keys, [&](auto tag) {
     using T = decltype(tag);
     kvc::KVExtents const ev{e.batch, e.heads, e.tokens, c.dim_v};
-    auto* kp = const_cast<T*>(keys.array.as<T>());  // compaction writes to a copy owned by this program
+    auto* kp = const_cast<T*>(keys.array.as<T>());
     auto* vp = const_cast<T*>(values.array.as<T>());
     auto const cache =
-        kvc::make_cache(kvc::bhtd_rows(kp, e), kvc::bhtd_rows(vp, ev), kvc::head_lengths(lengths.data(), e.heads));
+        kvc::make_cache(kvc::bhtd_rows(kp, e), kvc::bhtd_rows(vp, ev), kvc::head_lengths(c.counts.data(), e.heads));
     auto const store = kvc::ragged_cache(reinterpret_cast<T*>(ragged_k.data()), reinterpret_cast<T*>(ragged_v.data()),
                                          e.batch, e.heads, e.dim, c.dim_v, c.ragged, c.offsets.data(),
                                          kvc::head_lengths(ragged_lengths.data(), e.heads));
-    m.input_bytes = kvc::store_report(cache).held_bytes;
-    check_status(kvc::gather(cpu, plan, cache, store), "the ragged store of " + job.context());
-    check_status(kvc::compact(cpu, plan, cache), "compact");
-    // What keys.npy and values.npy hold: each head's first kept_max slots of the compacted cache.
+    check_status(kvc::append(cpu, store, cache), "the ragged store of " + job.context());
     kvc::StridedLayout pk = kvc::bhtd_layout(e), pv = kvc::bhtd_layout(ev);
     pk.ext.tokens = pv.ext.tokens = c.kept_max;
     m.padded_bytes = kvc::store_report(kvc::make_cache(kvc::TokenRows<T, kvc::StridedLayout>{kp, pk},
@@ -1951,9 +1955,8 @@ Compressed compress_job(Job& job, CompressSettings const& s) {
   c.v_dtype = npy_dtype(values);
   c.indices =
       buffer<kvc::Index>(heads * static_cast<std::size_t>(c.kept_max), "the kept indices of " + job.context(), -1);
-  std::vector<kvc::Index> const& kept = slots.empty() ? index : slots;
   for (kvc::Index bh = 0; bh < e.batch * e.heads; ++bh)
-    std::copy_n(kept.data() + bh * e.tokens, c.counts[static_cast<std::size_t>(bh)],
+    std::copy_n(slots.data() + bh * e.tokens, c.counts[static_cast<std::size_t>(bh)],
                 c.indices.data() + bh * c.kept_max);
   c.keys = repack(keys);
   c.values = repack(values);
@@ -2279,7 +2282,7 @@ int cmd_compress(Options const& o) {
     Timing total = timings.front();
     total.memory = Memory{};
     total.seconds = total.select_seconds = 0;
-    total.bytes_read = total.workspace_bytes = 0;
+    total.bytes_read = total.workspace_bytes = total.state_bytes = 0;
     for (std::size_t i = 0; i < timings.size(); ++i) {
       Timing const& t = timings[i];
       print_time("compress", setup.policy, alloc, d ? ", \"layer\": " + std::to_string(i) : std::string(), t);
@@ -2287,6 +2290,7 @@ int cmd_compress(Options const& o) {
       total.select_seconds += t.select_seconds;
       total.bytes_read += t.bytes_read;
       total.workspace_bytes = std::max(total.workspace_bytes, t.workspace_bytes);
+      total.state_bytes += t.state_bytes;
       *total.memory += *t.memory;
     }
     if (d)

@@ -11,7 +11,7 @@
 //            kvc::allocate_bits. KIVI: kvc::kivi_bit_plan), the newest `residual`
 //            valid tokens of each head kept in the engine's cache (compacted to its front: the fp16 tail, zone C),
 //            every other kept token packed into the state (kvc::pack_into). The allocation is static (the paper's):
-//            a second prefill before reset() is an error.
+//            a second prefill before reset() is an error. bit_plan(ws) reads the plan back from the workspace.
 //   decode   nothing to run: the engine appends decoded tokens to its cache, the tail (options.decode is refused).
 //   attend   kvc::attend_packed over the packed store and kvc::attend over the tail, merged through their
 //            log-sum-exps (kvc::merge_attention): exact attention over the union of the two token sets. Before
@@ -162,12 +162,7 @@ class LayerCompressor<P, B, Q> {
               "kvc::LayerCompressor::prefill: the cache needs a per-head length table (the tail's lengths)"};
     KVExtents const e = cache.keys.extents();
     WorkspaceCarver carve(ws);
-    BitPlan<memory_space> const bits{carve.take<std::int8_t>(e.rows()),
-                                     carve.take<std::int8_t>(e.batch * e.heads * e.dim),
-                                     e.batch,
-                                     e.heads,
-                                     e.tokens,
-                                     e.dim};
+    BitPlan<memory_space> const bits = carve_plan(carve, e);
     KeepPlan<memory_space> const tail{carve.take<Index>(e.rows()), carve.take<Index>(e.batch * e.heads), e.batch,
                                       e.heads, e.tokens};
     if constexpr (std::is_same_v<P, KIVIPress>) {
@@ -215,7 +210,19 @@ class LayerCompressor<P, B, Q> {
     KVC_RETURN_IF_ERROR(pack_into(backend, cache, bits, pack_options(), store_, carve.rest(), error_));
     KVC_RETURN_IF_ERROR(compact(backend, tail, cache));
     prefilled_ = true;
+    prefill_extents_ = e;
     return {};
+  }
+
+  /// The bit plan of the last prefill(), where it left it: at the front of `ws`, the workspace prefill was given
+  /// (backend memory; valid until a call reuses that workspace). v_bits [batch, heads, tokens]: each packed token's
+  /// bits, 0 for evicted tokens, for the fp16 tail (it stays in the cache) and past each head's length; k_bits
+  /// [batch, heads, d]. Empty (null tables) before prefill.
+  BitPlan<memory_space> bit_plan(Workspace ws) const noexcept {
+    if (!prefilled_ || ws.bytes < workspace_bytes_)
+      return {};
+    WorkspaceCarver carve(ws);
+    return carve_plan(carve, prefill_extents_);
   }
 
   /// Nothing to run while decoding (the engine appends to the tail); checks its arguments like every call.
@@ -261,6 +268,15 @@ class LayerCompressor<P, B, Q> {
   int const* pack_error() const noexcept { return error_; }
 
  private:
+  /// The bit plan at the front of prefill's workspace: v_bits [batch, heads, tokens], k_bits [batch, heads, d].
+  static BitPlan<memory_space> carve_plan(WorkspaceCarver& carve, KVExtents const& e) noexcept {
+    return {carve.take<std::int8_t>(e.rows()),
+            carve.take<std::int8_t>(e.batch * e.heads * e.dim),
+            e.batch,
+            e.heads,
+            e.tokens,
+            e.dim};
+  }
   PackedQuant quant() const noexcept {
     PackOptions const o = pack_options();
     return {o.zero_point, o.v_group, o.k_group};
@@ -377,6 +393,7 @@ class LayerCompressor<P, B, Q> {
   bool planned_ = false;
   detail::BindingFlag bound_, ready_;
   bool prefilled_ = false;
+  KVExtents prefill_extents_{};  // the cache prefill compressed (the bit plan's shape)
   void* state_ = nullptr;
   PackedStore<memory_space> store_{};  // the layer's packed store (in the bound state)
   int* error_ = nullptr;               // the state's error word
