@@ -425,3 +425,23 @@ TEST_CASE("expected_attention: a NaN or Inf key gets probability 0, the others a
     CHECK(ea_scores(s, c.view(), st) == std::vector<float>{0.25f, 0.25f, 0.0f, 0.25f, 0.25f});
   }
 }
+
+TEST_CASE("expected_attention: the slot and sink formulas both backends call, by hand",
+          "[scorers][expected_attention]") {
+  ExpectedAttentionScorer s;
+  s.epsilon = 0.01f;
+  s.use_vnorm = true;
+  s.gqa = kvc::GqaReduce::mean;
+  // Two query heads' probabilities 0.2 and 0.3 (summed by gqa_combine), ||v|| = 2: (0.25 + 0.01) * 2.
+  float const sum = kvc::gqa_combine(s.gqa, 1, kvc::gqa_combine(s.gqa, 0, 123.0f, 0.2f), 0.3f);
+  CHECK(sum == 0.2f + 0.3f);
+  CHECK_THAT(kvc::expected_attention_score(s, 2, sum, 2.0f), WithinAbs(0.52, 1e-6));
+  s.gqa = kvc::GqaReduce::max;
+  float const top = kvc::gqa_combine(s.gqa, 1, kvc::gqa_combine(s.gqa, 0, 0.0f, 0.2f), 0.3f);
+  CHECK(top == 0.3f);
+  CHECK_THAT(kvc::expected_attention_score(s, 2, top, 2.0f), WithinAbs(0.62, 1e-6));
+  s.use_vnorm = false;
+  CHECK(kvc::expected_attention_score(s, 2, top, 2.0f) == 0.3f);  // the norm is not read
+  CHECK(kvc::expected_attention_sink_score(2.5f) == 3.5f);
+  CHECK(kvc::expected_attention_sink_score(-std::numeric_limits<float>::infinity()) == 1.0f);  // nothing else scored
+}

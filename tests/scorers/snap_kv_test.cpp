@@ -706,3 +706,41 @@ TEST_CASE("snap_kv: a NaN or Inf key gets attention 0, the others a softmax over
     CHECK_THAT(got.scores[5], WithinAbs(1.45, 1e-6));
   }
 }
+
+TEST_CASE("snap_kv: the formulas both backends call, by hand (pooling, group reduction, slot score, protection)",
+          "[scorers][snap_kv]") {
+  std::vector<float> const x = {1, 5, 2, 8, 3};
+  auto at = [&](Pooling p, Index k, Index j) {
+    return kvc::pooled_at(p, k, 5, j, [&](Index t) { return x[static_cast<std::size_t>(t)]; });
+  };
+  // max, k = 3: windows [0, 2), [1, 4), [3, 5); avg divides by k with the padding counted; chunk_mean, k = 2:
+  // chunks {1, 5}, {2, 8}, {3} (the last over its own slot).
+  CHECK(at(Pooling::max, 3, 0) == 5.0f);
+  CHECK(at(Pooling::max, 3, 2) == 8.0f);
+  CHECK(at(Pooling::max, 3, 4) == 8.0f);
+  CHECK(at(Pooling::avg, 3, 0) == 2.0f);
+  CHECK(at(Pooling::avg, 3, 4) == 11.0f / 3.0f);
+  CHECK(at(Pooling::chunk_mean, 2, 1) == 3.0f);
+  CHECK(at(Pooling::chunk_mean, 2, 3) == 5.0f);
+  CHECK(at(Pooling::chunk_mean, 2, 4) == 3.0f);
+
+  std::vector<float> const votes = {2, 7, 4};
+  auto vote = [&](Index q) { return votes[static_cast<std::size_t>(q)]; };
+  CHECK(kvc::reduce_group(GqaReduce::mean, 3, vote) == 13.0f / 3.0f);
+  CHECK(kvc::reduce_group(GqaReduce::max, 3, vote) == 7.0f);
+  CHECK(kvc::reduce_group(GqaReduce::sum, 3, vote) == 13.0f);
+
+  // Two query heads' votes over a prefix of m = 3 slots.
+  std::vector<float> const col = {1, 2, 3, /* q1 */ 3, 0, 1};
+  auto c = [&](Index q, Index t) { return col[static_cast<std::size_t>(q * 3 + t)]; };
+  SnapKVScorer authors{Reference::authors, 2, 3, Pooling::max, GqaReduce::max};
+  CHECK(kvc::snap_kv_score(authors, 2, 3, 1, c) == 3.0f);  // reduced {3, 2, 3}, then max-pooled
+  authors.gqa = GqaReduce::mean;
+  CHECK(kvc::snap_kv_score(authors, 2, 3, 1, c) == 2.0f);  // reduced {2, 1, 2}
+  SnapKVScorer const kvpress{Reference::kvpress, 2, 3, Pooling::avg, GqaReduce::mean};
+  // Each head avg-pooled at slot 1 (2 and 4/3), times 1 / (w g) = 1/4, summed in head order.
+  CHECK_THAT(kvc::snap_kv_score(kvpress, 2, 3, 1, c), WithinAbs(2.0 / 4 + 4.0 / 3 / 4, 1e-7));
+
+  CHECK(kvc::protected_score(4.5f, 3) == 5.5f);
+  CHECK(kvc::protected_score(-7.0f, 0) == 1.0f);  // an empty prefix
+}

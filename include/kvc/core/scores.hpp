@@ -30,4 +30,10 @@ struct ScoreSpan {
   KVC_HOST_DEVICE constexpr Index size() const noexcept { return batch * heads * tokens; }
 };
 
+/// The score of a head's protected slots (kvpress's protection padding, e.g. SnapKV's window): above every one of the
+/// m scores before them (`prefix_max` their largest), 1 when there are none. Host and device.
+KVC_HOST_DEVICE constexpr float protected_score(float prefix_max, Index m) noexcept {
+  return m > 0 ? prefix_max + 1.0f : 1.0f;
+}
+
 }  // namespace kvc

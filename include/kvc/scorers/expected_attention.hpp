@@ -62,4 +62,19 @@ struct ExpectedAttentionScorer {
   }
 };
 
+/// The score of a non-sink slot from its group's probabilities combined by gqa_combine (`combined`: their sum, or
+/// their maximum) and its value norm ||v_j|| (read only with use_vnorm): ā = the sum / g for gqa=mean, then
+/// (ā + ε) ||v_j|| (the file comment). Host and device: both backends' last step.
+KVC_HOST_DEVICE constexpr float expected_attention_score(ExpectedAttentionScorer const& s, Index g, float combined,
+                                                         float value_norm) noexcept {
+  float const a = s.gqa == GqaReduce::mean ? combined / static_cast<float>(g) : combined;
+  return s.use_vnorm ? (a + s.epsilon) * value_norm : a;
+}
+
+/// The sinks' score: above every other slot of every head (`top` their largest, -inf when there is none): kvpress's
+/// max + 1, 0 + 1 when nothing else is scored.
+KVC_HOST_DEVICE constexpr float expected_attention_sink_score(float top) noexcept {
+  return (top == -INFINITY ? 0.0f : top) + 1.0f;  // the macro: numeric_limits is host-only under nvcc
+}
+
 }  // namespace kvc

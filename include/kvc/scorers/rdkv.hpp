@@ -60,6 +60,20 @@ enum class RDKVTokenWeight : std::uint8_t {
   derived,      ///< E_window[a²] summed over the group, reflect-pooled, times d_v · var(v_j) (spec A1 option)
 };
 
+/// Slot j of PyTorch's AvgPool1d(kernel k', stride 1) over F.pad(x, (r, r), mode="reflect") of x(0 .. n - 1), with
+/// k' = min(k, 2n - 1) and r = k' / 2 (the authors' apply_score_pooling: the kernel shrinks so that the reflection
+/// exists, r <= n - 1). Reflection mirrors without repeating the edge: x(-o) = x(o), x(n - 1 + o) = x(n - 1 - o).
+/// Every window holds k' real values, so the mean always divides by k'. k odd, n >= 1. Host and device: both
+/// backends' RDKV token weights call it.
+template <class X>
+KVC_HOST_DEVICE float reflect_avg_pooled_at(Index n, Index k, Index j, X const& x) noexcept {
+  Index const kk = k < 2 * n - 1 ? k : 2 * n - 1, r = kk / 2;
+  float sum = 0.0f;
+  for (Index t = j - r; t <= j + r; ++t)  // left to right, as the pooled window lies
+    sum += x(t < 0 ? -t : (t >= n ? 2 * (n - 1) - t : t));
+  return sum * (1.0f / static_cast<float>(kk));
+}
+
 /// RDKV's V-token weights w_j [batch, Hkv, tokens] fp32 (kvc::score; padding slots -inf). Higher = more distortion
 /// when the token is compressed. `needs` names values for `derived` (attn_linear reads only keys and queries).
 struct RDKVTokenScorer {

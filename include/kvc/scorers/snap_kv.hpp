@@ -41,6 +41,49 @@ enum class GqaReduce : std::uint8_t {
   per_query_head,  ///< no reduction: the authors' expanded storage, for caches with one KV head per query head
 };
 
+/// The pooled value of slot j of a prefix of m slots, x(t) the values (the Pooling definitions above; max is the first
+/// largest, as std::max_element). Host and device: both backends' SnapKV, UNComp and MomentKV base scores call it.
+template <class X>
+KVC_HOST_DEVICE float pooled_at(Pooling pooling, Index k, Index m, Index j, X const& x) noexcept {
+  Index lo = 0, hi = 0;
+  float divisor = static_cast<float>(k);
+  if (pooling == Pooling::chunk_mean) {  // the aligned chunk holding j, over its own slots
+    lo = j / k * k;
+    hi = lo + k < m ? lo + k : m;
+    divisor = static_cast<float>(hi - lo);
+  } else {  // centred on j, padding k / 2 (avg counts the padding: it divides by k)
+    Index const r = k / 2;
+    lo = j - r < 0 ? 0 : j - r;
+    hi = j + r + 1 < m ? j + r + 1 : m;
+  }
+  if (pooling == Pooling::max) {
+    float v = x(lo);
+    for (Index t = lo + 1; t < hi; ++t)
+      v = v < x(t) ? x(t) : v;
+    return v;
+  }
+  float sum = 0.0f;
+  for (Index t = lo; t < hi; ++t)
+    sum += x(t);
+  return sum / divisor;
+}
+
+/// One step of a group reduction in query-head order: `acc` so far and query head q's value x (q = 0 starts it).
+/// max keeps the larger (std::max's order), mean and sum add (the division is the caller's, once).
+KVC_HOST_DEVICE constexpr float gqa_combine(GqaReduce gqa, Index q, float acc, float x) noexcept {
+  return q == 0 ? x : (gqa == GqaReduce::max ? (acc < x ? x : acc) : acc + x);
+}
+
+/// The votes v(q) of the g query heads of a KV head combined by `gqa` (per_query_head: g = 1, the vote itself), in
+/// query-head order.
+template <class V>
+KVC_HOST_DEVICE float reduce_group(GqaReduce gqa, Index g, V const& v) noexcept {
+  float acc = 0.0f;
+  for (Index q = 0; q < g; ++q)
+    acc = gqa_combine(gqa, q, acc, v(q));
+  return gqa == GqaReduce::mean ? acc / static_cast<float>(g) : acc;
+}
+
 /// SnapKV parameters (field names follow kvpress's SnapKVPress where the concept is the same).
 struct SnapKVScorer {
   static constexpr Needs needs = Needs::keys | Needs::window_queries;
@@ -68,5 +111,20 @@ struct SnapKVScorer {
     return {};
   }
 };
+
+/// SnapKV's score of prefix slot j < m (the file comment's formulas, in this order of operations on every backend):
+/// col(q, t) is the window's vote for slot t of query head q of the group (the sum over the w window rows of
+/// P(q, i, t)), g the query heads per KV head. The window slots [m, n) then get protected_score.
+template <class Col>
+KVC_HOST_DEVICE float snap_kv_score(SnapKVScorer const& s, Index g, Index m, Index j, Col const& col) noexcept {
+  if (s.reference == Reference::authors)  // the group's votes reduced, then pooled
+    return pooled_at(s.pooling, s.kernel_size, m, j,
+                     [&](Index t) { return reduce_group(s.gqa, g, [&](Index q) { return col(q, t); }); });
+  float const per_vote = 1.0f / static_cast<float>(s.window_size * g);  // kvpress: each head's mean pooled, averaged
+  float v = 0.0f;
+  for (Index q = 0; q < g; ++q)
+    v += pooled_at(s.pooling, s.kernel_size, m, j, [&](Index t) { return col(q, t); }) * per_vote;
+  return v;
+}
 
 }  // namespace kvc

@@ -14,9 +14,10 @@
 #include <kvc/backend/cpu/detail/rows.hpp>
 #include <kvc/core/kv_view.hpp>
 #include <kvc/core/observations.hpp>
+#include <kvc/core/scores.hpp>
 #include <kvc/core/status.hpp>
 #include <kvc/core/workspace.hpp>
-#include <kvc/scorers/snap_kv.hpp>  // Pooling (pool1d)
+#include <kvc/scorers/snap_kv.hpp>  // Pooling, pooled_at (pool1d)
 
 #include <Eigen/Core>
 
@@ -204,37 +205,15 @@ void window_attention_columns(WindowQueries<T, HostSpace> const& wq, C const& ca
   window_attention_columns(wq, cache, b, h, first, wq.window(), scale, colsum, stride, scratch, false);
 }
 
-/// 1-D pooling of x[0, m) into out[0, m) (out != x): stride 1, padding k / 2; max pads with -inf, avg pads with
-/// zeros and always divides by k (PyTorch's count_include_pad), so edges are damped. chunk_mean: the mean of each
-/// aligned chunk of k slots (the last chunk over its own slots), broadcast to them.
+/// 1-D pooling of x[0, m) into out[0, m) (out != x): kvc::pooled_at of every slot.
 inline void pool1d(float const* x, Index m, Index k, Pooling pooling, float* out) noexcept {
-  if (pooling == Pooling::chunk_mean) {
-    for (Index c0 = 0; c0 < m; c0 += k) {
-      Index const c1 = std::min(m, c0 + k);
-      float sum = 0.0f;
-      for (Index t = c0; t < c1; ++t)
-        sum += x[t];
-      std::fill(out + c0, out + c1, sum / static_cast<float>(c1 - c0));
-    }
-    return;
-  }
-  Index const r = k / 2;
-  for (Index j = 0; j < m; ++j) {
-    Index const lo = std::max<Index>(0, j - r), hi = std::min(m, j + r + 1);
-    if (pooling == Pooling::max) {
-      out[j] = *std::max_element(x + lo, x + hi);
-    } else {
-      float sum = 0.0f;
-      for (Index t = lo; t < hi; ++t)
-        sum += x[t];
-      out[j] = sum / static_cast<float>(k);
-    }
-  }
+  for (Index j = 0; j < m; ++j)
+    out[j] = pooled_at(pooling, k, m, j, [x](Index t) { return x[t]; });
 }
 
-/// Slots [from, n) of a head get max(score[0, from)) + 1 (1 for an empty prefix): kvpress's protection padding.
+/// Slots [from, n) of a head get kvc::protected_score over score[0, from).
 inline void protect_tail(float* score, Index from, Index n) noexcept {
-  float const top = from > 0 ? *std::max_element(score, score + from) + 1.0f : 1.0f;
+  float const top = protected_score(from > 0 ? *std::max_element(score, score + from) : 0.0f, from);
   std::fill(score + from, score + n, top);
 }
 

@@ -200,17 +200,12 @@ struct Kernel<ExpectedAttentionScorer, Cpu> {
         float const inv = total > 0.0f ? 1.0f / total : 0.0f;
         for (Index j = sink_end; j < n; ++j) {
           float const p = lg[j] * inv;
-          score[j] = s.gqa == GqaReduce::max ? (lq == 0 ? p : std::max(score[j], p)) : score[j] + p;
+          score[j] = gqa_combine(s.gqa, lq, score[j], p);
         }
       }
-      for (Index j = sink_end; j < n; ++j) {
-        float a = s.gqa == GqaReduce::mean ? score[j] / static_cast<float>(g) : score[j];
-        if (s.use_vnorm) {
-          auto const* v = cache.values.row(b, h, j);
-          a = (a + s.epsilon) * std::sqrt(detail::sum_squares(v, dv));
-        }
-        score[j] = a;
-      }
+      for (Index j = sink_end; j < n; ++j)  // the formula both backends share (scorers/expected_attention.hpp)
+        score[j] = expected_attention_score(
+            s, g, score[j], s.use_vnorm ? std::sqrt(detail::sum_squares(cache.values.row(b, h, j), dv)) : 0.0f);
       std::fill(score, score + sink_end, neg_inf);  // set below, once every head is scored
     }));
 
@@ -223,7 +218,7 @@ struct Kernel<ExpectedAttentionScorer, Cpu> {
         for (Index j = std::min(s.n_sink, n); j < n; ++j)
           top = row[j] > top ? row[j] : top;  // NaN never wins
       }
-    float const sink_score = (top == neg_inf ? 0.0f : top) + 1.0f;
+    float const sink_score = expected_attention_sink_score(top);
     for (Index b = 0; b < e.batch; ++b)
       for (Index h = 0; h < e.heads; ++h)
         std::fill(out.row(b, h), out.row(b, h) + std::min(s.n_sink, cache.length(b, h)), sink_score);

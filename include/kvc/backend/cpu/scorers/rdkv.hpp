@@ -19,21 +19,10 @@ namespace kvc {
 
 namespace detail {
 
-/// PyTorch's AvgPool1d(kernel k', stride 1) over F.pad(x, (r, r), mode="reflect") of x[0, n), into out[0, n)
-/// (out != x), with k' = min(k, 2n − 1) and r = k' / 2 (the authors' apply_score_pooling: the kernel shrinks so that
-/// the reflection exists, r <= n − 1). Reflection mirrors without repeating the edge: x[−o] = x[o],
-/// x[n − 1 + o] = x[n − 1 − o]. Every window holds k' real values, so the mean always divides by k'. k odd.
+/// kvc::reflect_avg_pooled_at of every slot of x[0, n), into out[0, n) (out != x).
 inline void reflect_avg_pool(float const* x, Index n, Index k, float* out) noexcept {
-  if (n <= 0)
-    return;
-  Index const kk = std::min(k, 2 * n - 1), r = kk / 2;
-  float const inv = 1.0f / static_cast<float>(kk);
-  for (Index j = 0; j < n; ++j) {
-    float sum = 0.0f;
-    for (Index t = j - r; t <= j + r; ++t)  // left to right, as the pooled window lies
-      sum += x[t < 0 ? -t : (t >= n ? 2 * (n - 1) - t : t)];
-    out[j] = sum * inv;
-  }
+  for (Index j = 0; j < n; ++j)
+    out[j] = reflect_avg_pooled_at(n, k, j, [x](Index t) { return x[t]; });
 }
 
 /// n_j of the head's n slots (see scorers/rdkv.hpp): the window rows [first, w) whose position is >= pos(j). A row at

@@ -16,15 +16,14 @@ namespace kvc {
 
 template <>
 struct Kernel<SnapKVScorer, Cpu> {
-  /// Per worker: the window attention's scratch, column sums [g, tokens] and one pooled row [tokens].
+  /// Per worker: the window attention's scratch and its column sums [g, tokens].
   static std::size_t worker_bytes(SnapKVScorer const& s, KVExtents const& keys, Index query_heads) {
     Index const g = keys.heads > 0 ? std::max<Index>(1, query_heads / keys.heads) : 1;
     Index rows = 0;  // g * w query rows; w < 1 is rejected by run()
     if (__builtin_mul_overflow(g, std::max<Index>(s.window_size, 0), &rows))
       return saturated_bytes;
     return bytes_sum(detail::window_attention_bytes(rows, keys.dim),
-                     workspace_round(bytes_product(g, keys.tokens, sizeof(float))),
-                     workspace_round(bytes_product(keys.tokens, sizeof(float))));
+                     workspace_round(bytes_product(g, keys.tokens, sizeof(float))));
   }
   template <class Obs>
   static std::size_t workspace_bytes(Cpu const& cpu, SnapKVScorer const& s, KVExtents const& keys, Obs const& obs) {
@@ -51,34 +50,17 @@ struct Kernel<SnapKVScorer, Cpu> {
     if (base == nullptr)
       return {Errc::out_of_capacity, "kvc::score(snap_kv): workspace smaller than score_workspace_bytes()"};
     float const scale = 1.0f / std::sqrt(static_cast<float>(e.dim));
-    bool const authors = s.reference == Reference::authors;
 
     return detail::for_each_head(cpu, out, [&](Index b, Index h, Index n, float* score, Index worker) {
       std::byte* mine = base + static_cast<std::size_t>(worker) * per_worker;
       WorkspaceCarver carve({mine + detail::window_attention_bytes(g * s.window_size, e.dim),
                              per_worker - detail::window_attention_bytes(g * s.window_size, e.dim)});
       float* colsum = carve.take<float>(g * e.tokens);
-      float* row = carve.take<float>(e.tokens);
       detail::window_attention_columns(wq, cache, b, h, first, scale, colsum, e.tokens, mine);
       Index const end = wq.positions ? 0 : context_end(cache, b);
       Index const m = slots_before(cache, b, h, detail::window_query_position(wq, b, end, first));
-      if (authors) {  // sum over the window, reduce the group, then pool
-        for (Index j = 0; j < m; ++j) {
-          float acc = colsum[j];
-          for (Index q = 1; q < g; ++q)
-            acc = s.gqa == GqaReduce::max ? std::max(acc, colsum[q * e.tokens + j]) : acc + colsum[q * e.tokens + j];
-          row[j] = s.gqa == GqaReduce::mean ? acc / static_cast<float>(g) : acc;
-        }
-        detail::pool1d(row, m, s.kernel_size, s.pooling, score);
-      } else {  // kvpress: mean over the window, pool each query head, then mean over the group
-        std::fill(score, score + m, 0.0f);
-        float const per_vote = 1.0f / static_cast<float>(s.window_size * g);
-        for (Index q = 0; q < g; ++q) {
-          detail::pool1d(colsum + q * e.tokens, m, s.kernel_size, s.pooling, row);
-          for (Index j = 0; j < m; ++j)
-            score[j] += row[j] * per_vote;
-        }
-      }
+      for (Index j = 0; j < m; ++j)  // the formula both backends share (scorers/snap_kv.hpp)
+        score[j] = snap_kv_score(s, g, m, j, [&](Index q, Index t) { return colsum[q * e.tokens + t]; });
       detail::protect_tail(score, m, n);
     });
   }

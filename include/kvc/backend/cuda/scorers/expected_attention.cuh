@@ -287,12 +287,10 @@ __global__ void __launch_bounds__(ea_score_warps* warp_size)
       int const here = g - base < warp_size ? static_cast<int>(g - base) : warp_size;
       for (int k = 0; k < here; ++k) {
         float const pk = __shfl_sync(full_mask, p, k);
-        acc = s.gqa == GqaReduce::max ? (base + k == 0 ? pk : fmaxf(acc, pk)) : acc + pk;
+        acc = gqa_combine(s.gqa, base + k, acc, pk);
       }
     }
-    float a = s.gqa == GqaReduce::mean ? acc / static_cast<float>(g) : acc;
-    if (s.use_vnorm)
-      a = (a + s.epsilon) * norm;
+    float const a = expected_attention_score(s, g, acc, norm);
     if (lane == 0)
       out(b, h, j) = a;
     local = fmaxf(local, a);
@@ -312,7 +310,7 @@ __global__ void __launch_bounds__(ea_softmax_threads)
   for (Index i = threadIdx.x; i < e.batch * e.heads * blocks; i += blockDim.x)
     top = fmaxf(top, ws.block_max[i]);
   top = block_max(top, scratch);
-  float const sink = (top == -CUDART_INF_F ? 0.0f : top) + 1.0f;
+  float const sink = expected_attention_sink_score(top);
   for (Index bh = 0; bh < e.batch * e.heads; ++bh) {
     Index const n = cache.clamped_length(bh / e.heads, bh % e.heads);
     Index const sink_end = s.n_sink < n ? s.n_sink : n;

@@ -16,6 +16,7 @@
 // plan handed to on_evict must come from kvc::select (as for kvc::compact).
 #pragma once
 
+#include <kvc/backend/cuda/detail/tracked.cuh>
 #include <kvc/backend/cuda/detail/window_attention.cuh>
 #include <kvc/core/keep_plan.hpp>
 #include <kvc/core/scores.hpp>
@@ -51,7 +52,7 @@ __global__ void h2o_score_kernel(Acc acc, Index const* tracked, ScoreSpan<Device
 
 /// Grid (slot blocks, Hkv, B): acc[j] = (j < tracked ? acc[j] : 0) + cols[q0][j] / g + ... + cols[q0 + g - 1][j] / g
 /// for every valid slot, the query heads of h's group in order (the CPU's zeroing, then its adds). `cols` is
-/// [B, col_heads, col_tokens]. Reads `tracked`; h2o_track_kernel, ordered after it, writes it.
+/// [B, col_heads, col_tokens]. Reads `tracked`; track_lengths_kernel (detail/tracked.cuh), ordered after it, writes it.
 template <class C, class Acc>
 __global__ void h2o_add_kernel(C cache, Acc acc, Index const* tracked, float const* cols, Index col_heads,
                                Index col_tokens) {
@@ -65,15 +66,6 @@ __global__ void h2o_add_kernel(C cache, Acc acc, Index const* tracked, float con
       a += cols[(b * col_heads + h * g + lq) * col_tokens + j] / static_cast<float>(g);
     acc(b, h, j) = a;
   }
-}
-
-/// tracked[b, h] = the head's (clamped) length: every valid slot now holds accumulated attention.
-template <class C>
-__global__ void h2o_track_kernel(C cache, Index* tracked) {
-  KVExtents const e = cache.keys.extents();
-  Index const i = static_cast<Index>(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (i < e.batch * e.heads)
-    tracked[i] = cache.clamped_length(i / e.heads, i % e.heads);
 }
 
 /// tracked[b, h] = plan.count[b, h] (clamped to the plan's capacity, as kvc::compact clamps it).
@@ -197,9 +189,9 @@ struct Kernel<H2OScorer<DeviceSpace>, Cuda> {
           bc::launch(KVC_CUDA_KERNEL("kvc::update(h2o, Cuda)", (bc::h2o_add_kernel<C, decltype(s.state.accumulated)>)),
                      bc::h2o_slot_grid(e), bc::h2o_threads, 0, cuda.stream, cache, s.state.accumulated, s.state.tracked,
                      cols, col_heads, col_tokens));
-      KVC_RETURN_IF_ERROR(bc::launch(KVC_CUDA_KERNEL("kvc::update(h2o, Cuda)", bc::h2o_track_kernel),
-                                     bc::grid_dim((e.batch * e.heads + 255) / 256), 256, 0, cuda.stream, cache,
-                                     s.state.tracked));
+      KVC_RETURN_IF_ERROR(bc::launch(KVC_CUDA_KERNEL("kvc::update(h2o, Cuda)", bc::track_lengths_kernel<C>),
+                                     bc::grid_dim((e.batch * e.heads + bc::track_threads - 1) / bc::track_threads),
+                                     bc::track_threads, 0, cuda.stream, cache, s.state.tracked));
       return {};
     };
     if constexpr (HasAttention<Obs>) {

@@ -16,6 +16,7 @@
 // clamped to the head's length, and the plan must come from kvc::select (as for kvc::compact).
 #pragma once
 
+#include <kvc/backend/cuda/detail/tracked.cuh>
 #include <kvc/backend/cuda/scorers/snap_kv.cuh>
 #include <kvc/core/keep_plan.hpp>
 #include <kvc/core/scores.hpp>
@@ -181,7 +182,8 @@ __global__ void __launch_bounds__(moment_threads)
 }
 
 /// Grid (slot blocks, Hkv, B), one warp per new slot j in [tracked, n) (all of [0, n) when tracked is outside it):
-/// u_j = C k_j from `prep` (tau = 0). Reads `tracked`; moment_track_kernel, ordered after it, writes it.
+/// u_j = C k_j from `prep` (tau = 0). Reads `tracked`; track_lengths_kernel (detail/tracked.cuh), ordered after it,
+/// writes it.
 template <class C>
 __global__ void __launch_bounds__(moment_threads)
     moment_fill_kernel(C cache, MomentResiduals<DeviceSpace> res, MomentPrep prep) {
@@ -204,15 +206,6 @@ __global__ void __launch_bounds__(moment_threads)
       u[a] = moment_matvec(ct, k, dk, dv, a);
     __syncwarp();
   }
-}
-
-/// tracked[b, h] = the head's (clamped) length.
-template <class C>
-__global__ void moment_track_kernel(C cache, Index* tracked) {
-  KVExtents const e = cache.keys.extents();
-  Index const i = static_cast<Index>(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (i < e.batch * e.heads)
-    tracked[i] = cache.clamped_length(i / e.heads, i % e.heads);
 }
 
 /// Grid (Hkv, B): the slots of [0, n) the plan does not keep, ascending, and m = their count. Slot t is evicted
@@ -549,9 +542,9 @@ struct Kernel<MomentKVScorer<DeviceSpace, T>, Cuda> {
     KVC_RETURN_IF_ERROR(bc::launch(KVC_CUDA_KERNEL("kvc::update(moment_kv, Cuda)", bc::moment_fill_kernel),
                                    bc::moment_slot_grid(e), bc::moment_threads, smem, cuda.stream, cache, s.residuals,
                                    prep));
-    KVC_RETURN_IF_ERROR(bc::launch(KVC_CUDA_KERNEL("kvc::update(moment_kv, Cuda)", bc::moment_track_kernel),
-                                   bc::grid_dim((e.batch * e.heads + 255) / 256), 256, 0, cuda.stream, cache,
-                                   s.residuals.tracked));
+    KVC_RETURN_IF_ERROR(bc::launch(KVC_CUDA_KERNEL("kvc::update(moment_kv, Cuda)", bc::track_lengths_kernel<C>),
+                                   bc::grid_dim((e.batch * e.heads + bc::track_threads - 1) / bc::track_threads),
+                                   bc::track_threads, 0, cuda.stream, cache, s.residuals.tracked));
     return {};
   }
 

@@ -44,14 +44,8 @@ __global__ void __launch_bounds__(rdkv_finish_threads)
   }
   __syncthreads();
   float* score = out.row(b, h);
-  Index const kk = s.kernel_size < 2 * n - 1 ? s.kernel_size : 2 * n - 1, r = kk / 2;
-  float const inv = 1.0f / static_cast<float>(kk > 0 ? kk : 1);
-  for (Index j = threadIdx.x; j < n; j += blockDim.x) {
-    float sum = 0.0f;
-    for (Index t = j - r; t <= j + r; ++t)
-      sum += col[t < 0 ? -t : (t >= n ? 2 * (n - 1) - t : t)];
-    score[j] = sum * inv;
-  }
+  for (Index j = threadIdx.x; j < n; j += blockDim.x)
+    score[j] = reflect_avg_pooled_at(n, s.kernel_size, j, [col](Index t) { return col[t]; });
   for (Index j = n + threadIdx.x; j < e.tokens; j += blockDim.x)
     score[j] = -CUDART_INF_F;
 }

@@ -12,8 +12,8 @@
 
 namespace kvc::backend::cuda {
 
-/// One block per (h, b): votes from the column sums, GQA reduction and pooling in the order `reference` asks,
-/// window slots at max(prefix) + 1, padding at -inf. Same definition as the CPU kernel.
+/// One block per (h, b): each prefix slot's kvc::snap_kv_score from the group's column sums (the CPU's formula),
+/// window slots at kvc::protected_score, padding at -inf.
 template <class C>
 __global__ void __launch_bounds__(finish_threads)
     snap_kv_finish_kernel(SnapKVScorer s, C cache, Index query_heads, Index rows, WindowScratch ws,
@@ -25,43 +25,16 @@ __global__ void __launch_bounds__(finish_threads)
   if (threadIdx.x == 0)
     m_shared = slots_before(cache, b, h, ws.q_pos[b * rows]);
   __syncthreads();
-  Index const m = m_shared, r = s.kernel_size / 2;
+  Index const m = m_shared;
   float const* col = ws.colsum + (b * query_heads + h * g) * e.tokens;  // [g, tokens] of this group
-  auto reduced = [&](Index t) {  // authors: the group's votes combined before pooling
-    float acc = col[t];
-    for (Index q = 1; q < g; ++q)
-      acc = s.gqa == GqaReduce::max ? fmaxf(acc, col[q * e.tokens + t]) : acc + col[q * e.tokens + t];
-    return s.gqa == GqaReduce::mean ? acc / static_cast<float>(g) : acc;
-  };
   float* score = out.row(b, h);
   float local_max = -CUDART_INF_F;
   for (Index j = threadIdx.x; j < m; j += blockDim.x) {
-    // Sliding windows are centred on j (avg divides by the kernel, padding counted); chunk_mean averages the
-    // aligned chunk holding j over its own slots (the last chunk may be short).
-    bool const chunk = s.pooling == Pooling::chunk_mean;
-    Index const c0 = j / s.kernel_size * s.kernel_size, c1 = c0 + s.kernel_size < m ? c0 + s.kernel_size : m;
-    Index const lo = chunk ? c0 : (j - r < 0 ? 0 : j - r), hi = chunk ? c1 : (j + r + 1 < m ? j + r + 1 : m);
-    float const divisor = static_cast<float>(chunk ? c1 - c0 : s.kernel_size);
-    float v = 0.0f;
-    if (s.reference == Reference::authors) {
-      float pooled = s.pooling == Pooling::max ? -CUDART_INF_F : 0.0f;
-      for (Index t = lo; t < hi; ++t)
-        pooled = s.pooling == Pooling::max ? fmaxf(pooled, reduced(t)) : pooled + reduced(t);
-      v = s.pooling == Pooling::max ? pooled : pooled / divisor;
-    } else {  // kvpress: pool each query head's mean vote, then the mean over the group
-      for (Index q = 0; q < g; ++q) {
-        float pooled = s.pooling == Pooling::max ? -CUDART_INF_F : 0.0f;
-        for (Index t = lo; t < hi; ++t)
-          pooled = s.pooling == Pooling::max ? fmaxf(pooled, col[q * e.tokens + t]) : pooled + col[q * e.tokens + t];
-        v += (s.pooling == Pooling::max ? pooled : pooled / divisor);
-      }
-      v /= static_cast<float>(s.window_size * g);
-    }
+    float const v = snap_kv_score(s, g, m, j, [&](Index q, Index t) { return col[q * e.tokens + t]; });
     score[j] = v;
     local_max = fmaxf(local_max, v);
   }
-  float const top = block_max(local_max, scratch);
-  float const protect = m > 0 ? top + 1.0f : 1.0f;
+  float const protect = protected_score(block_max(local_max, scratch), m);
   for (Index j = m + threadIdx.x; j < e.tokens; j += blockDim.x)
     score[j] = j < n ? protect : -CUDART_INF_F;
 }

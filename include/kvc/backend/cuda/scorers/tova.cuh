@@ -36,9 +36,9 @@ __global__ void __launch_bounds__(finish_threads)
     if (j < m)
       local_max = fmaxf(local_max, score[j]);
   }
-  float const top = block_max(local_max, scratch);
+  float const protect = protected_score(block_max(local_max, scratch), m);
   for (Index j = m + threadIdx.x; j < n; j += blockDim.x)
-    score[j] = m > 0 ? top + 1.0f : 1.0f;
+    score[j] = protect;
   for (Index j = n + threadIdx.x; j < e.tokens; j += blockDim.x)
     score[j] = -CUDART_INF_F;
   __syncthreads();

@@ -6,11 +6,11 @@
 //              uncomp_pool_kernel, one thread per slot: the pooled score of the prefix (max: the first largest, as
 //              std::max_element; avg: the in-order sum / k), -inf padding, and one max per block into the workspace;
 //              then uncomp_protect_kernel, one block per head: max over its blocks' maxima, window slots [m, n) get
-//              max + 1 (1 for an empty prefix), as detail::protect_tail.
+//              max + 1 (1 for an empty prefix): kvc::protected_score.
 //   update:    the shared window attention in ColumnSums::per_window_row mode over the newest min(R, w) window rows
 //              (colsum [B, Hkv, min(R, w), N], each row summed over the group's query heads in order), then
 //              uncomp_rows_kernel, one thread per slot: tracked slots shift their rows by min(R, w) (the oldest fall
-//              out), the others start at 0, and the new rows are written; then uncomp_track_kernel: tracked = length.
+//              out), the others start at 0, and the new rows are written; then track_lengths_kernel: tracked = length.
 //   on_evict:  one thread per (b, h): tracked = lower_bound(plan row, tracked) (the kept slots below the old count).
 // No atomics: every value is written by one thread in a fixed order, so results are deterministic. Kernels never
 // allocate. Device tables are not validated on the host: lengths and `tracked` are clamped to [0, capacity], and a
@@ -18,6 +18,7 @@
 #pragma once
 
 #include <kvc/backend/cuda/detail/block_reduce.cuh>
+#include <kvc/backend/cuda/detail/tracked.cuh>
 #include <kvc/backend/cuda/detail/window_attention.cuh>
 #include <kvc/core/keep_plan.hpp>
 #include <kvc/core/scores.hpp>
@@ -71,14 +72,14 @@ __global__ void uncomp_sum_kernel(S s, ScoreSpan<DeviceSpace> out, float* sums) 
   }
 }
 
-/// Grid (slot blocks, Hkv, B): the pooled prefix scores (detail::pool1d), -inf padding, window slots left to
+/// Grid (slot blocks, Hkv, B): the pooled prefix scores (kvc::pooled_at), -inf padding, window slots left to
 /// uncomp_protect_kernel; each block's maximum of the scores it wrote goes to maxima[b, h, block].
 template <class S>
 __global__ void __launch_bounds__(uncomp_threads)
     uncomp_pool_kernel(S s, ScoreSpan<DeviceSpace> out, float const* sums, float* maxima) {
   __shared__ float scratch[uncomp_threads / warp_size];
   Index const b = blockIdx.z, h = blockIdx.y, w = s.window_size, n = clamp_length(out.length(b, h), out.tokens);
-  Index const m = n - (w < n ? w : n), r = s.kernel_size / 2;
+  Index const m = n - (w < n ? w : n);
   float const* sum = sums + (b * out.heads + h) * out.tokens;
   float* score = out.row(b, h);
   float local_max = -CUDART_INF_F;
@@ -90,17 +91,7 @@ __global__ void __launch_bounds__(uncomp_threads)
     }
     if (j >= m)
       continue;  // window slots: uncomp_protect_kernel
-    Index const lo = j - r < 0 ? 0 : j - r, hi = j + r + 1 < m ? j + r + 1 : m;
-    float v = sum[lo];
-    if (s.pooling == Pooling::max) {
-      for (Index t = lo + 1; t < hi; ++t)  // the first largest, as std::max_element
-        v = v < sum[t] ? sum[t] : v;
-    } else {
-      v = 0.0f;
-      for (Index t = lo; t < hi; ++t)
-        v += sum[t];
-      v /= static_cast<float>(s.kernel_size);
-    }
+    float const v = pooled_at(s.pooling, s.kernel_size, m, j, [sum](Index t) { return sum[t]; });
     score[j] = v;
     local_max = fmaxf(local_max, v);
   }
@@ -110,7 +101,7 @@ __global__ void __launch_bounds__(uncomp_threads)
 }
 
 /// Grid (Hkv, B): the head's prefix maximum from its blocks' maxima (`blocks` per head); slots [m, n) get it + 1
-/// (1 for an empty prefix), as detail::protect_tail.
+/// (1 for an empty prefix): kvc::protected_score.
 template <class S>
 __global__ void __launch_bounds__(uncomp_threads)
     uncomp_protect_kernel(S s, ScoreSpan<DeviceSpace> out, float const* maxima, Index blocks) {
@@ -120,8 +111,7 @@ __global__ void __launch_bounds__(uncomp_threads)
   float local_max = -CUDART_INF_F;
   for (Index i = threadIdx.x; i < blocks; i += blockDim.x)
     local_max = fmaxf(local_max, maxima[(b * out.heads + h) * blocks + i]);
-  float const top = block_max(local_max, scratch);
-  float const protect = m > 0 ? top + 1.0f : 1.0f;
+  float const protect = protected_score(block_max(local_max, scratch), m);
   float* score = out.row(b, h);
   for (Index j = m + threadIdx.x; j < n; j += blockDim.x)
     score[j] = protect;
@@ -129,7 +119,7 @@ __global__ void __launch_bounds__(uncomp_threads)
 
 /// Grid (slot blocks, Hkv, B): for every valid slot j, rows [0, w - fresh) = the old rows [fresh, w) when j was
 /// tracked, else 0; rows [w - fresh, w) = the new window rows' group sums `colsum` [B, Hkv, fresh, N]. Reads
-/// `tracked`; uncomp_track_kernel, ordered after it, writes it.
+/// `tracked`; track_lengths_kernel (detail/tracked.cuh), ordered after it, writes it.
 template <class C, class S>
 __global__ void uncomp_rows_kernel(C cache, S s, Index fresh, float const* colsum) {
   KVExtents const e = cache.keys.extents();
@@ -145,15 +135,6 @@ __global__ void uncomp_rows_kernel(C cache, S s, Index fresh, float const* colsu
     for (Index i = 0; i < fresh; ++i)
       a[keep + i] = fresh_rows[i * e.tokens + j];
   }
-}
-
-/// tracked[b, h] = the head's (clamped) length: every valid slot now holds rows.
-template <class C>
-__global__ void uncomp_track_kernel(C cache, Index* tracked) {
-  KVExtents const e = cache.keys.extents();
-  Index const i = static_cast<Index>(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (i < e.batch * e.heads)
-    tracked[i] = cache.clamped_length(i / e.heads, i % e.heads);
 }
 
 /// tracked[b, h] = the number of kept slots below the old tracked count (lower_bound on the ascending plan row,
@@ -263,9 +244,9 @@ struct Kernel<UNCompScorer<DeviceSpace>, Cuda> {
     KVC_RETURN_IF_ERROR(bc::launch(KVC_CUDA_KERNEL("kvc::update(uncomp, Cuda)", (bc::uncomp_rows_kernel<C, Scorer>)),
                                    bc::uncomp_slot_grid(e), bc::uncomp_threads, 0, cuda.stream, cache, s, fresh,
                                    scratch.colsum));
-    KVC_RETURN_IF_ERROR(bc::launch(KVC_CUDA_KERNEL("kvc::update(uncomp, Cuda)", bc::uncomp_track_kernel<C>),
-                                   bc::grid_dim((e.batch * e.heads + 255) / 256), 256, 0, cuda.stream, cache,
-                                   s.state.tracked));
+    KVC_RETURN_IF_ERROR(bc::launch(KVC_CUDA_KERNEL("kvc::update(uncomp, Cuda)", bc::track_lengths_kernel<C>),
+                                   bc::grid_dim((e.batch * e.heads + bc::track_threads - 1) / bc::track_threads),
+                                   bc::track_threads, 0, cuda.stream, cache, s.state.tracked));
     return {};
   }
 
