@@ -1578,7 +1578,8 @@ TEST_CASE("uncomp's stage variant: hidden states pruned at stage boundaries keep
 }
 
 // ---------------------------------------------------------------------------------------------------------------
-// RDKV and KIVI rows: a packed store (kvc::pack) attended by kvc::attend_packed, merged with the fp16 tail.
+// RDKV and KIVI rows: the packed compressor's store (kvc::pack_into) attended by kvc::attend_packed, merged with
+// the fp16 tail.
 
 namespace {
 

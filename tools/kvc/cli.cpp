@@ -173,7 +173,8 @@ std::vector<CommandInfo> const& commands() {
        "R: floor(N_tokens (1 - R)) of them) or --policy kivi (neither: its memory is what its bits give): the bit\n"
        "plans instead, v_bits.npy (int8 [B, Hkv, N]: each token's V bits, 0 = evicted) and k_bits.npy (int8\n"
        "[B, Hkv, d]: each channel's K bits, 0 = pruned), bits in {0, 2, 4, 8, 16}; the cache is packed\n"
-       "(kvc::pack) to measure its memory (--time). All files are written, or none.\n",
+       "to measure its memory (--time). Every policy runs through its kvc::LayerCompressor, as in an engine.\n"
+       "All files are written, or none.\n",
        "  --ratio R              the fraction of tokens removed, in [0, 1]: kept = floor(N * (1 - R))\n"
        "  --budget N             tokens kept per head\n"
        "  --allocator A          ada_kv (head-adaptive budgets inside a layer), pyramid_kv (per-layer budgets)\n"
