@@ -1197,6 +1197,86 @@ kvc::RopeTable<> compressor_rope(S const& s, Job const& job, std::vector<float>&
   }
 }
 
+/// The last `used` query rows of a job, in place ([B, Hq, used, d] inside the file's [B, Hq, R, d]), and their
+/// positions [B, used]: --positions', or N - used .. N - 1. What a compressor's prefill is handed.
+struct LastRows {
+  std::vector<kvc::Index> positions;
+  kvc::LayerQueries<float> queries{};
+};
+
+LastRows last_rows(Job const& job, kvc::Index used) {
+  Queries const& q = job.queries;
+  kvc::Index const batch = extents_of(job.keys).batch, tokens = extents_of(job.keys).tokens, r = q.ext.tokens;
+  LastRows l;
+  l.positions = buffer<kvc::Index>(static_cast<std::size_t>(batch * used), "the positions of " + job.context());
+  for (kvc::Index b = 0; b < batch; ++b)
+    for (kvc::Index i = 0; i < used; ++i)
+      l.positions[static_cast<std::size_t>(b * used + i)] =
+          q.positions.empty() ? tokens - used + i : q.positions[static_cast<std::size_t>(b * r + r - used + i)];
+  kvc::StridedLayout window = kvc::bhtd_layout(q.ext);
+  window.ext.tokens = used;
+  l.queries = {{used > 0 ? q.rows.data() + (r - used) * q.ext.dim : nullptr, window}, l.positions.data()};
+  return l;
+}
+
+/// A compressor's caller-owned memory: its state (bound) and its workspace.
+struct CompressorMemory {
+  Scratch state, ws;
+};
+
+/// What an engine does once per layer: plans `c` for the job's cache and `rows` query rows per sequence, allocates
+/// its state and workspace and binds the state. `what` names the policy and the files in errors.
+template <class P, class C>
+CompressorMemory start_compressor(kvc::LayerCompressor<P, kvc::Cpu>& c, C const& cache, Job const& job, kvc::Index rows,
+                                  std::string const& what) {
+  kvc::Index const heads = rows > 0 ? job.queries.ext.heads : cache.keys.extents().heads;
+  check_status(c.plan(cache, kvc::QueryShape{heads, rows, 1, 1}), what);
+  CompressorMemory m{workspace(c.state_bytes(), "the state of " + what), workspace(c.workspace_bytes(), job)};
+  check_status(c.bind(m.state.data.get(), m.state.size), what);
+  return m;
+}
+
+/// A job's original keys and values, kept for --time when its compression works in place: every timed repeat
+/// starts from them again.
+struct SavedInput {
+  std::vector<std::byte> keys, values;
+
+  explicit SavedInput(Job const& job)
+      : keys(buffer<std::byte>(job.keys.array.data.size(), "a copy of " + job.keys.path)),
+        values(buffer<std::byte>(job.values->array.data.size(), "a copy of " + job.values->path)) {
+    std::copy(job.keys.array.data.begin(), job.keys.array.data.end(), keys.begin());
+    std::copy(job.values->array.data.begin(), job.values->array.data.end(), values.begin());
+  }
+};
+
+/// The median of timing_repeats calls of `once` (a compressor's reset + prefill), each over the original input:
+/// before each, untimed, the input is restored from `saved` and `restart` resets what goes with it (the lengths and
+/// positions tables).
+template <class Restart, class Once>
+double median_from_original(Job& job, SavedInput const& saved, Restart&& restart, Once&& once) {
+  std::vector<double> seconds;
+  for (int r = 0; r < timing_repeats; ++r) {
+    std::copy(saved.keys.begin(), saved.keys.end(), job.keys.array.data.begin());
+    std::copy(saved.values.begin(), saved.values.end(), job.values->array.data.begin());
+    restart();
+    seconds.push_back(median_seconds(1, once));
+  }
+  std::sort(seconds.begin(), seconds.end());
+  return seconds[seconds.size() / 2];
+}
+
+/// compress --time's line for a compressor run with `threads` workers: the median of `once` over the original input
+/// (with --time: `saved` is set) and the compressor's workspace and state.
+template <class Restart, class Once>
+Timing compressor_timing(Job& job, std::optional<SavedInput> const& saved, CompressorMemory const& memory,
+                         kvc::Index threads, Restart&& restart, Once&& once) {
+  Timing t;
+  if (saved)
+    t = {median_from_original(job, *saved, restart, once), -1, memory.ws.size, threads, job.bytes_read(), std::nullopt};
+  t.state_bytes = memory.state.size;
+  return t;
+}
+
 /// What every job of one compress call shares.
 struct CompressSettings {
   AllocatorChoice alloc;
@@ -1522,13 +1602,8 @@ PackedCompressed compress_packed(Job& job, CompressSettings const& s, kvc::tools
   c.v_bits = buffer<std::int8_t>(static_cast<std::size_t>(e.rows()), "the bit plan of " + job.context());
   c.k_bits = buffer<std::int8_t>(heads * static_cast<std::size_t>(e.dim), "the bit plan of " + job.context());
   std::vector<kvc::Index> lengths = buffer<kvc::Index>(heads, "the lengths of " + job.context());
-  std::vector<std::byte> keys0, values0;  // the input, restored before each timed repeat
-  if (s.time) {
-    keys0 = buffer<std::byte>(keys.array.data.size(), "a copy of " + keys.path);
-    values0 = buffer<std::byte>(values.array.data.size(), "a copy of " + values.path);
-    std::copy(keys.array.data.begin(), keys.array.data.end(), keys0.begin());
-    std::copy(values.array.data.begin(), values.array.data.end(), values0.begin());
-  }
+  auto const restart = [&] { std::fill(lengths.begin(), lengths.end(), e.tokens); };  // every token valid
+  std::optional<SavedInput> const saved = s.time ? std::optional<SavedInput>(std::in_place, job) : std::nullopt;
   kvc::ThreadPool pool(s.threads);
   kvc::Cpu const cpu = s.threads > 1 ? pool.cpu() : kvc::Cpu{};
   kvc::Index const tail = kvc::tail_tokens(e.tokens, cfg.residual);
@@ -1551,41 +1626,20 @@ PackedCompressed compress_packed(Job& job, CompressSettings const& s, kvc::tools
           check_rows_used(rows_used(press.scorer, rows), S::name, e.tokens, q, keys.path);
         rope = compressor_rope(press.scorer, job, rope_storage);
       }
-      std::vector<kvc::Index> positions =
-          buffer<kvc::Index>(static_cast<std::size_t>(e.batch * rows), "the positions of " + job.context());
-      for (std::size_t i = 0; i < positions.size(); ++i)
-        positions[i] = q.positions.empty() ? e.tokens - rows + static_cast<kvc::Index>(i) % rows : q.positions[i];
-      kvc::LayerQueries<float> const queries{
-          {rows > 0 ? q.rows.data() : nullptr, kvc::bhtd_layout(rows > 0 ? q.ext : kvc::KVExtents{})},
-          positions.data()};
-
+      LastRows const window = last_rows(job, rows);
       kvc::LayerCompressor<P, kvc::Cpu> compressor{cpu, press};
       compressor.options.rope = rope;
-      check_status(compressor.plan(cache, kvc::QueryShape{rows > 0 ? q.ext.heads : e.heads, rows, 1, 1}), what);
-      Scratch const state = workspace(compressor.state_bytes(), "the state of " + what);
-      Scratch const ws = workspace(compressor.workspace_bytes(), job);
-      check_status(compressor.bind(state.data.get(), state.size), what);
+      CompressorMemory const memory = start_compressor(compressor, cache, job, rows, what);
       auto once = [&] {
         check_status(compressor.reset(), what);
-        check_status(compressor.prefill(cache, queries, ws.span()),
+        check_status(compressor.prefill(cache, window.queries, memory.ws.span()),
                      "keys file " + keys.path + " / values file " + values.path);
       };
-      std::fill(lengths.begin(), lengths.end(), e.tokens);
+      restart();
       once();
-      if (s.time) {
-        std::vector<double> seconds;
-        for (int r = 0; r < timing_repeats; ++r) {
-          std::copy(keys0.begin(), keys0.end(), job.keys.array.data.begin());
-          std::copy(values0.begin(), values0.end(), job.values->array.data.begin());
-          std::fill(lengths.begin(), lengths.end(), e.tokens);
-          seconds.push_back(median_seconds(1, once));
-        }
-        std::sort(seconds.begin(), seconds.end());
-        c.timing = {seconds[seconds.size() / 2], -1, ws.size, s.threads, job.bytes_read(), std::nullopt};
-      }
-      c.timing.state_bytes = state.size;
+      c.timing = compressor_timing(job, saved, memory, s.threads, restart, once);
       // The plan packed by, the tail's slots back at 16 bits (kvc::split_tail took them out of it).
-      kvc::BitPlan<> const plan = compressor.bit_plan(ws.span());
+      kvc::BitPlan<> const plan = compressor.bit_plan(memory.ws.span());
       std::copy_n(plan.v_bits, c.v_bits.size(), c.v_bits.begin());
       std::copy_n(plan.k_bits, c.k_bits.size(), c.k_bits.begin());
       for (std::size_t bh = 0; bh < heads; ++bh)
@@ -1829,13 +1883,7 @@ Compressed compress_job(Job& job, CompressSettings const& s) {
     for (std::size_t i = 0; i < rows; ++i)
       slots[i] = static_cast<kvc::Index>(i) % e.tokens;
   };
-  std::vector<std::byte> keys0, values0;  // the input, restored before each timed repeat
-  if (s.time) {
-    keys0 = buffer<std::byte>(keys.array.data.size(), "a copy of " + keys.path);
-    values0 = buffer<std::byte>(values.array.data.size(), "a copy of " + values.path);
-    std::copy(keys.array.data.begin(), keys.array.data.end(), keys0.begin());
-    std::copy(values.array.data.begin(), values.array.data.end(), values0.begin());
-  }
+  std::optional<SavedInput> const saved = s.time ? std::optional<SavedInput>(std::in_place, job) : std::nullopt;
   kvc::ThreadPool pool(s.threads);
   kvc::Cpu const cpu = s.threads > 1 ? pool.cpu() : kvc::Cpu{};
   std::vector<kvc::Index> budgets;  // uncomp
@@ -1852,44 +1900,17 @@ Compressed compress_job(Job& job, CompressSettings const& s) {
       kvc::Index const used = job.policy.reads_queries ? rows_used(press.scorer, q.ext.tokens) : 0;
       if (job.policy.reads_queries)
         check_rows_used(used, job.policy.name, e.tokens, q, keys.path);
-      std::vector<kvc::Index> positions =
-          buffer<kvc::Index>(static_cast<std::size_t>(e.batch * used), "the positions of " + job.context());
-      for (kvc::Index b = 0; b < e.batch; ++b)
-        for (kvc::Index i = 0; i < used; ++i)
-          positions[static_cast<std::size_t>(b * used + i)] =
-              q.positions.empty() ? e.tokens - used + i
-                                  : q.positions[static_cast<std::size_t>(b * q.ext.tokens + q.ext.tokens - used + i)];
-      kvc::StridedLayout window = kvc::bhtd_layout(q.ext);
-      window.ext.tokens = used;
-      kvc::LayerQueries<float> const queries{
-          {used > 0 ? q.rows.data() + (q.ext.tokens - used) * q.ext.dim : nullptr, window}, positions.data()};
-
+      LastRows const window = last_rows(job, used);
       kvc::LayerCompressor<P, kvc::Cpu> compressor{cpu, press};
       std::vector<float> rope_storage;
       compressor.options.rope = compressor_rope(press.scorer, job, rope_storage);
-      check_status(compressor.plan(cache, kvc::QueryShape{used > 0 ? q.ext.heads : e.heads, used, 1, 1}), what);
-      Scratch const state = workspace(compressor.state_bytes(), "the state of " + what);
-      Scratch const ws = workspace(compressor.workspace_bytes(), job);
-      check_status(compressor.bind(state.data.get(), state.size), what);
+      CompressorMemory const memory = start_compressor(compressor, cache, job, used, what);
       auto once = [&] {
         check_status(compressor.reset(), what);
-        check_status(compressor.prefill(cache, queries, ws.span()), job.context());
+        check_status(compressor.prefill(cache, window.queries, memory.ws.span()), job.context());
       };
       once();
-      if (s.time) {
-        std::vector<double> seconds;
-        for (int r = 0; r < timing_repeats; ++r) {
-          auto* kp = job.keys.array.data.data();
-          auto* vp = job.values->array.data.data();
-          std::copy(keys0.begin(), keys0.end(), kp);
-          std::copy(values0.begin(), values0.end(), vp);
-          restart();
-          seconds.push_back(median_seconds(1, once));
-        }
-        std::sort(seconds.begin(), seconds.end());
-        c.timing = {seconds[seconds.size() / 2], -1, ws.size, s.threads, job.bytes_read(), std::nullopt};
-        c.timing.state_bytes = state.size;
-      }
+      c.timing = compressor_timing(job, saved, memory, s.threads, restart, once);
       if constexpr (requires { press.scorer.prefill_rounds; })  // MomentKV: the moments of the evicted sets
         c.moments = moment_files(compressor.moments(), job);
     });
