@@ -36,7 +36,9 @@ inline void token_dim_grid(benchmark::internal::Benchmark* b) {
   b->ArgNames({"tokens", "dim"})->ArgsProduct({{4096, 32768, 131072}, {64, 128}})->Unit(benchmark::kMillisecond);
 }
 
-/// A [1, 8, tokens, dim] host cache of T with N(0.3, 1) keys and N(0, 1) values, cached across benchmarks.
+/// A [1, 8, tokens, dim] host cache of T with N(0.3, 1) keys and N(0, 1) values, cached across benchmarks. fp8
+/// caches hold them under one scale of 1 per tensor: every element is still multiplied by it (the scale is a runtime
+/// value), so the timing is that of any calibrated scale.
 template <class T>
 tools::HostCache<T> const& cache(Index tokens, Index dim) {
   static std::unique_ptr<tools::HostCache<T>> held;
@@ -78,15 +80,24 @@ void score_cpu(benchmark::State& state, S scorer, Cpu const& cpu = Cpu{}) {
          static_cast<double>(c.ext.rows()));
 }
 
-/// Registers `<name>/fp32` and `<name>/fp16` scoring benchmarks over the token x dim grid.
+/// Registers `<name>/fp32`, `<name>/fp16` and, with `fp8`, `<name>/fp8_e4m3` and `<name>/fp8_e5m2` scoring benchmarks
+/// over the token x dim grid.
 template <class S>
-int register_scorer(std::string const& name, S scorer) {
+int register_scorer(std::string const& name, S scorer, bool fp8 = false) {
   benchmark::RegisterBenchmark((name + "/fp32").c_str(), [scorer](benchmark::State& st) {
     score_cpu<float>(st, scorer);
   })->Apply(token_dim_grid);
   benchmark::RegisterBenchmark((name + "/fp16").c_str(), [scorer](benchmark::State& st) {
     score_cpu<half>(st, scorer);
   })->Apply(token_dim_grid);
+  if (fp8) {
+    benchmark::RegisterBenchmark((name + "/fp8_e4m3").c_str(), [scorer](benchmark::State& st) {
+      score_cpu<float8_e4m3>(st, scorer);
+    })->Apply(token_dim_grid);
+    benchmark::RegisterBenchmark((name + "/fp8_e5m2").c_str(), [scorer](benchmark::State& st) {
+      score_cpu<float8_e5m2>(st, scorer);
+    })->Apply(token_dim_grid);
+  }
   return 0;
 }
 

@@ -32,3 +32,5 @@ static void BM_Attend_Cpu(benchmark::State& state) {
 }
 BENCHMARK(BM_Attend_Cpu<float>)->Apply(kvc::bench::token_dim_grid)->Name("BM_Attend_Cpu/fp32");
 BENCHMARK(BM_Attend_Cpu<kvc::half>)->Apply(kvc::bench::token_dim_grid)->Name("BM_Attend_Cpu/fp16");
+BENCHMARK(BM_Attend_Cpu<kvc::float8_e4m3>)->Apply(kvc::bench::token_dim_grid)->Name("BM_Attend_Cpu/fp8_e4m3");
+BENCHMARK(BM_Attend_Cpu<kvc::float8_e5m2>)->Apply(kvc::bench::token_dim_grid)->Name("BM_Attend_Cpu/fp8_e5m2");

@@ -6,7 +6,7 @@
 
 #include "bench_support.hpp"
 
-static int const registered = kvc::bench::register_scorer("BM_KeyDiff_Cpu", kvc::KeyDiffScorer{});
+static int const registered = kvc::bench::register_scorer("BM_KeyDiff_Cpu", kvc::KeyDiffScorer{}, /*fp8=*/true);
 
 // Scaling over (sequence, head) items: fp16, 8 heads x 32K tokens, d = 128, on a kvc::ThreadPool of 1 or 2 threads.
 static int const registered_pool = [] {

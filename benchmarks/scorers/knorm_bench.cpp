@@ -5,4 +5,4 @@
 
 #include "bench_support.hpp"
 
-static int const registered = kvc::bench::register_scorer("BM_Knorm_Cpu", kvc::KnormScorer{});
+static int const registered = kvc::bench::register_scorer("BM_Knorm_Cpu", kvc::KnormScorer{}, /*fp8=*/true);

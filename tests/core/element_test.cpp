@@ -1,5 +1,6 @@
 // SPDX-License-Identifier: Apache-2.0
-// tests/core/element_test.cpp mirrors include/kvc/core/element.hpp: fp16/bf16 round-to-nearest-even.
+// tests/core/element_test.cpp mirrors include/kvc/core/element.hpp: fp16/bf16/fp8 round-to-nearest-even and exact
+// widening.
 #include <kvc/core/element.hpp>
 
 #include "support/catch.hpp"
@@ -89,4 +90,93 @@ TEST_CASE("bfloat16: round to nearest even, NaN stays NaN", "[core][element]") {
   CHECK(bf(3.4028235e38f) == 0x7f80);                // rounds up to Inf
   CHECK((bf(std::numeric_limits<float>::quiet_NaN()) & 0x7fff) > 0x7f80);
   CHECK(static_cast<float>(kvc::bfloat16::from_bits(0xc0a0)) == -5.0f);
+}
+
+namespace {
+/// The OCP formula (docs: ../shared/specs/fp8_kv_cache.md), written independently of element.hpp's bit arithmetic:
+/// exponent 0 is m * 2^(1 - bias - M); otherwise (1 + m / 2^M) * 2^(e - bias).
+float ocp_value(std::uint32_t b, int exponent_bits, int mantissa_bits) {
+  int const bias = (1 << (exponent_bits - 1)) - 1;
+  int const e = static_cast<int>((b >> mantissa_bits) & ((1u << exponent_bits) - 1u));
+  int const m = static_cast<int>(b & ((1u << mantissa_bits) - 1u));
+  double const magnitude =
+      e == 0 ? std::ldexp(m, 1 - bias - mantissa_bits) : std::ldexp(1.0 + std::ldexp(m, -mantissa_bits), e - bias);
+  return static_cast<float>((b & 0x80u) ? -magnitude : magnitude);
+}
+float e4m3(std::uint32_t b) {
+  return static_cast<float>(kvc::float8_e4m3::from_bits(static_cast<std::uint8_t>(b)));
+}
+float e5m2(std::uint32_t b) {
+  return static_cast<float>(kvc::float8_e5m2::from_bits(static_cast<std::uint8_t>(b)));
+}
+std::uint8_t q4(float f) {
+  return kvc::float8_e4m3(f).bits;
+}
+std::uint8_t q5(float f) {
+  return kvc::float8_e5m2(f).bits;
+}
+}  // namespace
+
+TEST_CASE("float8_e4m3: every byte widens to the OCP formula's value, NaN at 0x7F and 0xFF only", "[core][element]") {
+  for (std::uint32_t b = 0; b < 256; ++b) {
+    if ((b & 0x7fu) == 0x7fu) {
+      CHECK(std::isnan(e4m3(b)));
+      continue;
+    }
+    REQUIRE(e4m3(b) == ocp_value(b, 4, 3));
+    REQUIRE(std::signbit(e4m3(b)) == ((b & 0x80u) != 0));  // -0 keeps its sign
+    REQUIRE(q4(e4m3(b)) == b);                             // and encodes back to the same byte
+  }
+  CHECK(e4m3(0x7e) == 448.0f);                  // largest finite
+  CHECK(e4m3(0x01) == std::ldexp(1.0f, -9));    // smallest subnormal
+  CHECK(e4m3(0x08) == std::ldexp(1.0f, -6));    // smallest normal
+  CHECK(e4m3(0x38) == 1.0f);                    // e = 7, m = 0
+  CHECK(e4m3(0xbd) == -std::ldexp(13.0f, -3));  // 1.0111.101: -(1 + 5/8) * 2^0
+  CHECK(e4m3(0xb5) == -std::ldexp(13.0f, -4));  // 1.0110.101: -(1 + 5/8) * 2^-1
+}
+
+TEST_CASE("float8_e4m3: round to nearest even, saturating, NaN stays NaN", "[core][element]") {
+  CHECK(q4(1.0f + 1.0f / 16) == 0x38);          // tie between 1 and 1.125: even (1)
+  CHECK(q4(1.125f + 1.0f / 16) == 0x3a);        // tie between 1.125 and 1.25: even (1.25)
+  CHECK(q4(1.0f + 1.0f / 16 + 1e-6f) == 0x39);  // above the tie
+  CHECK(q4(464.0f) == 0x7e);                    // beyond 448 saturates (no Inf in E4M3FN)
+  CHECK(q4(-1e30f) == 0xfe);
+  CHECK(q4(std::numeric_limits<float>::infinity()) == 0x7e);
+  CHECK(q4(std::ldexp(1.0f, -10)) == 0x00);          // half the smallest subnormal: tie to even 0
+  CHECK(q4(std::ldexp(3.0f, -11)) == 0x01);          // 0.75 of it rounds up
+  CHECK(q4(std::ldexp(3.0f, -10)) == 0x02);          // 1.5 units: tie to even (2)
+  CHECK(q4(std::ldexp(15.0f, -10)) == 0x08);         // 7.5 units: rounds into the smallest normal
+  CHECK(q4(std::ldexp(1.0f, -126) * 0.5f) == 0x00);  // a float subnormal
+  CHECK((q4(std::numeric_limits<float>::quiet_NaN()) & 0x7f) == 0x7f);
+  CHECK(q4(-0.0f) == 0x80);
+}
+
+TEST_CASE("float8_e5m2: every byte widens to the OCP formula's value, Inf and NaN as binary16's", "[core][element]") {
+  for (std::uint32_t b = 0; b < 256; ++b) {
+    std::uint32_t const em = b & 0x7fu;
+    if (em > 0x7cu) {
+      CHECK(std::isnan(e5m2(b)));
+      continue;
+    }
+    if (em == 0x7cu) {
+      CHECK(e5m2(b) ==
+            ((b & 0x80u) ? -std::numeric_limits<float>::infinity() : std::numeric_limits<float>::infinity()));
+      continue;
+    }
+    REQUIRE(e5m2(b) == ocp_value(b, 5, 2));
+    REQUIRE(q5(e5m2(b)) == b);
+  }
+  CHECK(e5m2(0x7b) == 57344.0f);
+  CHECK(e5m2(0x01) == std::ldexp(1.0f, -16));
+}
+
+TEST_CASE("float8_e5m2: round to nearest even, saturating, NaN stays NaN", "[core][element]") {
+  CHECK(q5(1.0f + 1.0f / 8) == 0x3c);   // tie between 1 and 1.25: even (1)
+  CHECK(q5(1.25f + 1.0f / 8) == 0x3e);  // tie between 1.25 and 1.5: even (1.5)
+  CHECK(q5(61440.0f) == 0x7b);          // the midpoint to Inf saturates
+  CHECK(q5(std::numeric_limits<float>::infinity()) == 0x7b);
+  CHECK(q5(-std::numeric_limits<float>::infinity()) == 0xfb);
+  CHECK(q5(std::ldexp(1.0f, -17)) == 0x00);  // tie to even 0
+  CHECK(q5(std::ldexp(3.0f, -17)) == 0x02);  // 1.5 units: tie to even (2)
+  CHECK((q5(std::numeric_limits<float>::quiet_NaN()) & 0x7f) > 0x7c);
 }

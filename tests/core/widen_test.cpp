@@ -110,3 +110,43 @@ TEST_CASE("widen: dot and sum_squares of fp16 rows equal the fp64 sums of the ex
   CHECK(kvc::detail::dot(a.data(), b.data(), 45) == static_cast<float>(dot));
   CHECK(kvc::detail::sum_squares(a.data(), 45) == static_cast<float>(squares));
 }
+
+TEST_CASE("widen: every fp8 byte widens to element.hpp's exact value, and dot and sum_squares read it scaled",
+          "[core][widen][fp8]") {
+  KVC_SKIP_WITHOUT_INSTRUCTIONS();
+  // element_test checks element.hpp's conversions against the OCP formula; here the widening paths (F16C where
+  // compiled) must give their bits, NaN for NaN, over every byte and a tail.
+  auto check = [](auto tag) {
+    using T = decltype(tag);
+    std::vector<T> all(256 + 5);
+    for (std::uint32_t i = 0; i < all.size(); ++i)
+      all[i] = T::from_bits(static_cast<std::uint8_t>(i & 0xff));
+    std::vector<float> wide(all.size());
+    kvc::detail::widen(all.data(), wide.data(), static_cast<Index>(all.size()));
+    Index mismatches = 0;
+    for (std::uint32_t i = 0; i < all.size(); ++i) {
+      float const expected = kvc::to_float(all[i]);
+      mismatches += (std::isnan(expected) ? std::isnan(wide[i]) : bits_of(wide[i]) == bits_of(expected)) ? 0 : 1;
+    }
+    CHECK(mismatches == 0);
+    // dot and sum_squares under a scale: each element is to_float * scale, summed in the lanes' order; with
+    // values whose products are exact (small multiples of powers of two) the fp64 sum is the answer.
+    std::vector<T> a(45);
+    std::vector<float> b(45);
+    for (std::size_t i = 0; i < a.size(); ++i) {
+      a[i] = T(static_cast<float>(i % 7) * 0.25f - 0.75f);
+      b[i] = static_cast<float>(i % 5) - 2.0f;
+    }
+    float const scale = 0.5f;
+    double dot = 0, squares = 0;
+    for (std::size_t i = 0; i < a.size(); ++i) {
+      double const x = static_cast<double>(kvc::to_float(a[i])) * scale;
+      dot += x * b[i];
+      squares += x * x;
+    }
+    CHECK(kvc::detail::dot(a.data(), b.data(), 45, scale) == static_cast<float>(dot));
+    CHECK(kvc::detail::sum_squares(a.data(), 45, scale) == static_cast<float>(squares));
+  };
+  check(kvc::float8_e4m3{});
+  check(kvc::float8_e5m2{});
+}

@@ -201,8 +201,10 @@ TEST_CASE("safetensors: tensor entries: fields, dtypes and shapes", "[io][safete
                  "tensor 'a': missing field 'shape'"));
   CHECK(contains(error_of(handmade("{\"a\":{\"dtype\":\"F32\",\"shape\":[],\"data_offsets\":[0,4],\"x\":1}}", four)),
                  "tensor 'a': unexpected field 'x'"));
-  CHECK(contains(error_of(handmade("{" + entry("a", "[4]", 0, 4, "F8_E4M3") + "}", four)),
-                 "tensor 'a': unsupported dtype 'F8_E4M3'"));
+  CHECK(contains(error_of(handmade("{" + entry("a", "[4]", 0, 4, "F8_E8M0") + "}", four)),
+                 "tensor 'a': unsupported dtype 'F8_E8M0'"));
+  CHECK(contains(error_of(handmade("{" + entry("a", "[4]", 0, 4, "F8_E4M3FNUZ") + "}", four)),
+                 "tensor 'a': unsupported dtype 'F8_E4M3FNUZ'"));  // never guessed to be the OCP format
   CHECK(contains(error_of(handmade("{" + entry("a", "[1]", 0, 4, "f32") + "}", four)), "unsupported dtype 'f32'"));
   CHECK(contains(error_of(handmade("{" + entry("a", "[1]", 0, 4, "C64") + "}", four)), "unsupported dtype 'C64'"));
   CHECK(contains(error_of(handmade("{\"a\":{\"dtype\":5,\"shape\":[],\"data_offsets\":[0,4]}}", four)),
@@ -329,22 +331,22 @@ TEST_CASE("safetensors: the writer's bytes are the reference layout, and read ba
   }
 
   // Every dtype, no metadata: the "__metadata__" key is omitted and each tensor reads back.
-  std::vector<std::byte> const blob(8 * 13, std::byte{0x5A});
+  std::vector<std::byte> const blob(8 * 15, std::byte{0x5A});
   std::vector<kvc::SafetensorsView> all;
-  for (int d = 0; d <= static_cast<int>(SafetensorsDtype::f64); ++d)
+  for (int d = 0; d <= static_cast<int>(SafetensorsDtype::f8_e5m2); ++d)
     all.push_back({std::string("t").append(std::to_string(d)), static_cast<SafetensorsDtype>(d), {1}, blob.data()});
   REQUIRE(kvc::write_safetensors(path, all, error));
   kvc::SafetensorsFile f;
   REQUIRE(kvc::read_safetensors(path, f, error));
   CHECK(f.header.metadata.empty());
-  REQUIRE(f.header.tensors.size() == 13);
+  REQUIRE(f.header.tensors.size() == 15);
   std::uint64_t sum = 0;
-  for (std::size_t i = 0; i < 13; ++i) {
+  for (std::size_t i = 0; i < 15; ++i) {
     CHECK(f.header.tensors[i].dtype == static_cast<SafetensorsDtype>(i));
     CHECK(f.header.tensors[i].bytes == kvc::safetensors_dtype_bytes(static_cast<SafetensorsDtype>(i)));
     sum += f.header.tensors[i].bytes;
   }
-  CHECK(sum == 1 + 1 + 1 + 2 + 2 + 4 + 4 + 8 + 8 + 2 + 2 + 4 + 8);
+  CHECK(sum == 1 + 1 + 1 + 2 + 2 + 4 + 4 + 8 + 8 + 2 + 2 + 4 + 8 + 1 + 1);
   CHECK((f.header.data_begin - 8) % 8 == 0);
   CHECK(f.bytes.size() == f.header.data_begin + sum);
   fs::remove_all(dir);
@@ -354,6 +356,9 @@ TEST_CASE("safetensors: dtype names and sizes", "[io][safetensors]") {
   CHECK(kvc::safetensors_dtype_name(SafetensorsDtype::boolean) == "BOOL");
   CHECK(kvc::safetensors_dtype_name(SafetensorsDtype::bf16) == "BF16");
   CHECK(kvc::safetensors_dtype_name(SafetensorsDtype::u64) == "U64");
+  CHECK(kvc::safetensors_dtype_name(SafetensorsDtype::f8_e4m3) == "F8_E4M3");
+  CHECK(kvc::safetensors_dtype_name(SafetensorsDtype::f8_e5m2) == "F8_E5M2");
+  CHECK(kvc::safetensors_dtype_bytes(SafetensorsDtype::f8_e5m2) == 1);
   CHECK(kvc::safetensors_dtype_bytes(SafetensorsDtype::boolean) == 1);
   CHECK(kvc::safetensors_dtype_bytes(SafetensorsDtype::bf16) == 2);
   CHECK(kvc::safetensors_dtype_bytes(SafetensorsDtype::i32) == 4);

@@ -67,6 +67,13 @@ inline std::vector<std::string> const& scenario_packed_policies() {
   return names;
 }
 
+/// How the session's cache holds K and V.
+enum class CacheFormat {
+  fp32,  ///< the values themselves
+  e4m3,  ///< float8_e4m3 under a scale per (sequence, KV head) (or, in a float cache, the values that reads back)
+  e5m2,  ///< float8_e5m2, likewise
+};
+
 /// The session: batch 2 (prompts of 40 and 29 tokens), 2 KV heads, 4 query heads, d = 16, a cache of 64 slots, the
 /// prompt's last 8 queries, then `steps` decode tokens (compressions every 8 steps, or
 /// every step for MomentKV and UNComp). Values come from a fixed integer hash (no RNG).
@@ -74,6 +81,38 @@ struct Scenario {
   Index batch = 2, kv_heads = 2, q_heads = 4, capacity = 64, dim = 16, window = 8, steps = 17;
   std::vector<Index> prompt = {40, 29};
   Index rope_positions = 1024;  ///< ExpectedAttention averages RoPE up to 512 positions past the context
+  CacheFormat format = CacheFormat::fp32;
+
+  /// fp8 formats: head (b, h)'s K and V scales [B, Hkv], different per head (values in [-1, 1) then span up to
+  /// about 100 stored units: inside both formats' range, with subnormals for the smallest).
+  std::vector<float> k_scales() const { return scales(0.01f); }
+  std::vector<float> v_scales() const { return scales(0.0125f); }
+  std::vector<float> scales(float first) const {
+    std::vector<float> s;
+    for (Index i = 0; i < batch * kv_heads; ++i)
+      s.push_back(first * (1.0f + 0.25f * static_cast<float>(i)));
+    return s;
+  }
+  /// `x` ([B, Hkv, rows, d] values) as a cache of element type CT holds it under the format: the values (fp32); fp8
+  /// elements stored under each head's scale; or, for a float cache of an fp8 format, the values those elements
+  /// read back (the dequantised cache, which an fp8 cache must equal).
+  template <class CT>
+  std::vector<CT> stored(std::vector<float> const& x, std::vector<float> const& head_scales) const {
+    std::size_t const per_head = x.size() / head_scales.size();
+    std::vector<CT> out(x.size());
+    for (std::size_t i = 0; i < x.size(); ++i) {
+      float const s = head_scales[i / per_head];
+      if constexpr (is_fp8<CT>)
+        out[i] = store<CT>(x[i], s);
+      else if (format == CacheFormat::e4m3)
+        out[i] = load(store<float8_e4m3>(x[i], s), s);
+      else if (format == CacheFormat::e5m2)
+        out[i] = load(store<float8_e5m2>(x[i], s), s);
+      else
+        out[i] = x[i];
+    }
+    return out;
+  }
 
   KVExtents keys() const { return {batch, kv_heads, capacity, dim}; }
   /// A value in [-1, 1) from (stream, index).
@@ -296,21 +335,30 @@ void packed_result(Mem& mem, Compressor const& layer, ScenarioResult& r) {
 /// Runs the session with `policy` on `backend` (layer index 1 of 4, for PyramidKV). Mem: upload(vector) -> pointer
 /// in the backend's space, alloc<T>(n), download(pointer, n) -> vector, sync() -> "" or an error, and
 /// before_decode() / after_decode() around each decode() call (where a device memory counts what the call did).
-template <Backend B, class Mem, class Policy>
+/// CT: the cache's element type (float, or the fp8 type of sc.format, whose views carry the scenario's scales).
+template <class CT = float, Backend B, class Mem, class Policy>
 std::string run_scenario(B const& backend, Mem& mem, Policy const& policy,
                          CompressorOptions<typename B::memory_space> options, Scenario const& sc, ScenarioResult& r) {
   using Space = typename B::memory_space;
+  using Rows = TokenRows<CT, StridedLayout, Space>;
   KVExtents const e = sc.keys();
   auto fail = [](Status const& st) { return std::string(st.message()); };
+  std::vector<float> const k_scales = sc.k_scales(), v_scales = sc.v_scales();
+  auto access = [&](std::vector<float> const& scales) {  // fp8: one scale per (sequence, KV head)
+    if constexpr (is_fp8<CT>)
+      return sequence_head_scales(mem.upload(scales), e.heads);
+    else
+      return PlainAccess{};
+  };
+  auto const k_access = access(k_scales), v_access = access(v_scales);
   // The prompt's K and V (every slot filled; slots past a sequence's prompt are overwritten by appends).
-  float* k = mem.upload(sc.prompt_keys());
-  float* v = mem.upload(sc.prompt_values());
+  CT* k = mem.upload(sc.stored<CT>(sc.prompt_keys(), k_scales));
+  CT* v = mem.upload(sc.stored<CT>(sc.prompt_values(), v_scales));
   std::vector<Index> const lengths_host = sc.prompt_lengths(), positions_host = sc.slot_positions();
   Index* lengths = mem.upload(lengths_host);
   Index* positions = mem.upload(positions_host);
-  auto const cache =
-      make_cache(TokenRows<float, StridedLayout, Space>(k, bhtd_layout(e)),
-                 TokenRows<float, StridedLayout, Space>(v, bhtd_layout(e)), head_lengths(lengths, e.heads), positions);
+  auto const cache = make_cache(Rows(k, bhtd_layout(e), k_access), Rows(v, bhtd_layout(e), v_access),
+                                head_lengths(lengths, e.heads), positions);
   // RoPE (neox, theta 10000) for the queries, which are pre-RoPE.
   RopeSpec spec;
   std::vector<float> rope_host(static_cast<std::size_t>(rope_table_floats(sc.rope_positions, e.dim)));
@@ -356,13 +404,13 @@ std::string run_scenario(B const& backend, Mem& mem, Policy const& policy,
       for (Index h = 0; h < e.heads; ++h)
         token_pos.push_back(sc.prompt[static_cast<std::size_t>(b)] + s);
     }
-    float* k1 =
-        mem.upload(sc.fill(100 + 2 * static_cast<std::uint64_t>(s), static_cast<std::size_t>(one.rows() * e.dim)));
-    float* v1 =
-        mem.upload(sc.fill(101 + 2 * static_cast<std::uint64_t>(s), static_cast<std::size_t>(one.rows() * e.dim)));
-    auto const fresh =
-        make_cache(TokenRows<float, StridedLayout, Space>(k1, bhtd_layout(one)),
-                   TokenRows<float, StridedLayout, Space>(v1, bhtd_layout(one)), Lengths{}, mem.upload(token_pos));
+    // The new token arrives as the cache stores it (fp8: already quantised under the head's scale).
+    CT* k1 = mem.upload(sc.stored<CT>(
+        sc.fill(100 + 2 * static_cast<std::uint64_t>(s), static_cast<std::size_t>(one.rows() * e.dim)), k_scales));
+    CT* v1 = mem.upload(sc.stored<CT>(
+        sc.fill(101 + 2 * static_cast<std::uint64_t>(s), static_cast<std::size_t>(one.rows() * e.dim)), v_scales));
+    auto const fresh = make_cache(Rows(k1, bhtd_layout(one), k_access), Rows(v1, bhtd_layout(one), v_access), Lengths{},
+                                  mem.upload(token_pos));
     if (Status const st = append(backend, cache, fresh); !st.ok())
       return fail(st);
     // The step's query, pre-RoPE for the compressor; rotated on the host for attention (post-RoPE).
@@ -397,12 +445,15 @@ std::string run_scenario(B const& backend, Mem& mem, Policy const& policy,
   }
   r.lengths = mem.download(lengths, lengths_host.size());
   r.positions = mem.download(positions, positions_host.size());
-  std::vector<float> const keys = mem.download(k, static_cast<std::size_t>(e.rows() * e.dim));
+  std::vector<CT> const keys = mem.download(k, static_cast<std::size_t>(e.rows() * e.dim));
   r.keys.assign(keys.size(), 0.0f);
   for (Index row = 0; row < e.rows(); ++row)
     if (row % e.tokens < r.lengths[static_cast<std::size_t>(row / e.tokens)])
-      for (Index c = 0; c < e.dim; ++c)
-        r.keys[static_cast<std::size_t>(row * e.dim + c)] = keys[static_cast<std::size_t>(row * e.dim + c)];
+      for (Index c = 0; c < e.dim; ++c) {  // the values the cache holds (fp8: under the head's scale)
+        float const x = to_float(keys[static_cast<std::size_t>(row * e.dim + c)]);
+        r.keys[static_cast<std::size_t>(row * e.dim + c)] =
+            is_fp8<CT> ? x * k_scales[static_cast<std::size_t>(row / e.tokens)] : x;
+      }
   return {};
 }
 

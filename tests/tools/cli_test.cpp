@@ -1003,6 +1003,96 @@ TEST_CASE("cli: bfloat16 .safetensors keys score as their exact float32 values, 
               exact[static_cast<std::size_t>((h * n + idx[static_cast<std::size_t>(h * 5 + j)]) * 4 + d)]);
 }
 
+/// An fp8 cache in .safetensors (keys scaled by 0.02, values by 0.05) and the float32 .npy of the values it holds.
+struct Fp8Files {
+  static constexpr Index n = 40, w = 32;
+  static constexpr float k_scale = 0.02f, v_scale = 0.05f;
+  std::string fp8, keys, values;
+  explicit Fp8Files(std::string const& tag, kvc::SafetensorsDtype dtype) {
+    std::vector<std::uint8_t> kb, vb;
+    std::vector<float> kx, vx;
+    auto quantise = [&](std::vector<float> const& x, float scale, std::vector<std::uint8_t>& bytes,
+                        std::vector<float>& exact) {
+      for (float v : x) {
+        if (dtype == kvc::SafetensorsDtype::f8_e4m3) {
+          kvc::float8_e4m3 const q(v / scale);
+          bytes.push_back(q.bits);
+          exact.push_back(static_cast<float>(q) * scale);  // the dequantised value, rounded once
+        } else {
+          kvc::float8_e5m2 const q(v / scale);
+          bytes.push_back(q.bits);
+          exact.push_back(static_cast<float>(q) * scale);
+        }
+      }
+    };
+    quantise(randoms(2 * n * 4, 2), k_scale, kb, kx);
+    quantise(randoms(2 * n * 4, 3), v_scale, vb, vx);
+    fp8 =
+        write_st(tag + ".safetensors", {{"k", dtype, {1, 2, n, 4}, kb.data()}, {"v", dtype, {1, 2, n, 4}, vb.data()}});
+    keys = write_npy(tag + "_k.npy", kvc::NpyDtype::f32, {1, 2, n, 4}, kx);
+    values = write_npy(tag + "_v.npy", kvc::NpyDtype::f32, {1, 2, n, 4}, vx);
+  }
+  std::string fp8_kv() const { return " --keys " + fp8 + ":k --values " + fp8 + ":v --k-scale 0.02 --v-scale 0.05"; }
+  std::string f32_kv() const { return " --keys " + keys + " --values " + values; }
+};
+
+TEST_CASE("cli: fp8 .safetensors caches give the outputs of their dequantised float32 values",
+          "[tools][cli][safetensors][fp8]") {
+  for (auto const dtype : {kvc::SafetensorsDtype::f8_e4m3, kvc::SafetensorsDtype::f8_e5m2}) {
+    std::string const tag = dtype == kvc::SafetensorsDtype::f8_e4m3 ? "e4m3" : "e5m2";
+    Fp8Files const f("fp8_" + tag, dtype);
+    std::string const q = " --queries " + write_npy("fp8_q.npy", kvc::NpyDtype::f32, {1, 4, Fp8Files::w, 4},
+                                                    randoms(4 * Fp8Files::w * 4, 4));
+    for (std::string const& policy : all_policies) {
+      INFO(tag << " " << policy);
+      std::string const queries = reads_queries(policy) ? q : std::string();
+      // score: the same scores bit for bit (every element reads as decode(byte) * scale, exactly the .npy's value).
+      REQUIRE(run("score --policy " + policy + f.fp8_kv() + queries + " --out " + work("fp8_a.npy")).code == 0);
+      REQUIRE(run("score --policy " + policy + f.f32_kv() + queries + " --out " + work("fp8_b.npy")).code == 0);
+      CHECK(file_bytes(work("fp8_a.npy")) == file_bytes(work("fp8_b.npy")));
+      // compress: the same kept rows, written as float32 values.
+      REQUIRE(run("compress --policy " + policy + " --budget 9 --allocator ada_kv" + f.fp8_kv() + queries +
+                  " --out-dir " + work("fp8_c"))
+                  .code == 0);
+      REQUIRE(run("compress --policy " + policy + " --budget 9 --allocator ada_kv" + f.f32_kv() + queries +
+                  " --out-dir " + work("fp8_d"))
+                  .code == 0);
+      for (char const* file : {"keys.npy", "values.npy", "indices.npy", "counts.npy", "ragged_keys.npy",
+                               "ragged_values.npy", "offsets.npy"})
+        CHECK(file_bytes(work(std::string("fp8_c/") + file)) == file_bytes(work(std::string("fp8_d/") + file)));
+    }
+    // attend: the same outputs.
+    REQUIRE(run("attend" + f.fp8_kv() + q + " --out-dir " + work("fp8_e")).code == 0);
+    REQUIRE(run("attend" + f.f32_kv() + q + " --out-dir " + work("fp8_f")).code == 0);
+    CHECK(file_bytes(work("fp8_e/out.npy")) == file_bytes(work("fp8_f/out.npy")));
+    CHECK(file_bytes(work("fp8_e/lse.npy")) == file_bytes(work("fp8_f/lse.npy")));
+    // The scale is applied: without it the scores differ.
+    REQUIRE(run("score --policy knorm --keys " + f.fp8 + ":k --out " + work("fp8_g.npy")).code == 0);
+    REQUIRE(run("score --policy knorm --keys " + f.fp8 + ":k --k-scale 0.02 --out " + work("fp8_h.npy")).code == 0);
+    CHECK(file_bytes(work("fp8_g.npy")) != file_bytes(work("fp8_h.npy")));
+  }
+}
+
+TEST_CASE("cli: fp8 scale errors exit 3 naming the option and the file", "[tools][cli][safetensors][fp8]") {
+  auto expect3 = [](std::string const& args, std::string const& needle) {
+    auto const r = run(args);
+    INFO(args << "\n" << r.output);
+    CHECK(r.code == 3);
+    CHECK(r.output.find(needle) != std::string::npos);
+  };
+  Fp8Files const f("fp8_err", kvc::SafetensorsDtype::f8_e4m3);
+  std::string const out = " --out " + work("fp8_err.npy");
+  expect3("score --policy knorm --keys " + f.keys + " --k-scale 2" + out,
+          "--k-scale given, but keys file " + f.keys + " holds <f4: a scale applies to F8_E4M3 and F8_E5M2 tensors");
+  for (char const* bad : {"0", "-1", "nan", "inf", "x"})
+    expect3("score --policy knorm --keys " + f.fp8 + ":k --k-scale " + bad + out,
+            std::string("--k-scale '") + bad + "': expected a finite number > 0");
+  expect3("score --policy knorm --keys " + f.fp8 + ":k --v-scale 2" + out, "--v-scale given without --values");
+  expect3("score --policy knorm --keys " + f.fp8 + ":k --values " + f.values + out, "must equal the keys' dtype");
+  expect3("score --policy snap_kv --keys " + f.fp8 + ":k --queries " + f.fp8 + ":k" + out,
+          "queries file " + f.fp8 + ":k: field 'dtype' is F8_E4M3, expected F32, F16 or BF16");
+}
+
 TEST_CASE("cli: .safetensors input errors exit 3 naming the file, the tensor and what was expected",
           "[tools][cli][safetensors]") {
   auto expect3 = [](std::string const& args, std::string const& needle) {
@@ -1023,7 +1113,7 @@ TEST_CASE("cli: .safetensors input errors exit 3 naming the file, the tensor and
   expect3("score --policy knorm --keys " + two + out,
           "keys file " + two + ": the file holds 4 tensors ('a', 'b', 'c64', 'flat'); name one as " + two + ":TENSOR");
   expect3("score --policy knorm --keys " + two + ":c64" + out,
-          "keys file " + two + ":c64: field 'dtype' is F64, expected F32, F16 or BF16");
+          "keys file " + two + ":c64: field 'dtype' is F64, expected F32, F16, BF16, F8_E4M3 or F8_E5M2");
   expect3("score --policy knorm --keys " + two + ":flat" + out,
           "field 'shape' has 1 dimensions, expected 4 ([batch, kv_heads, tokens, head_dim])");
   // Not a .safetensors file: .npy bytes, text, a truncated header.

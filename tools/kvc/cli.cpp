@@ -101,8 +101,8 @@ char const* const overview_text =
     "  kvc policies        every policy and allocator with its parameters and defaults\n"
     "  kvc COMMAND --help  the options of one command\n"
     "Keys and values are [B, Hkv, N, d] float32 or float16 .npy (C order), post-RoPE as an engine caches them, or\n"
-    "a tensor of a .safetensors file (FILE.safetensors:TENSOR, or FILE.safetensors holding one tensor; F32, F16\n"
-    "or BF16). Outputs are .npy.\n"
+    "a tensor of a .safetensors file (FILE.safetensors:TENSOR, or FILE.safetensors holding one tensor; F32, F16,\n"
+    "BF16, or the fp8 caches F8_E4M3 and F8_E5M2 with --k-scale / --v-scale). Outputs are .npy.\n"
     "Exit codes: 0 success, 2 usage error, 3 invalid input (the message names the file, the field and what was\n"
     "expected).\n";
 
@@ -112,8 +112,11 @@ char const* const input_details =
     "  --keys K.npy           [B, Hkv, N, d] float32 or float16, C order, post-RoPE as an engine caches them;\n"
     "                         slot t holds position t. Every input may instead be FILE.safetensors:TENSOR (split\n"
     "                         at the last ':' after \".safetensors\"), or FILE.safetensors when it holds one\n"
-    "                         tensor; F32, F16 or BF16 (I64 for --positions)\n"
+    "                         tensor; F32, F16 or BF16 (I64 for --positions); keys and values also F8_E4M3 or\n"
+    "                         F8_E5M2 (an fp8 cache; kept rows are written as their float32 values)\n"
     "  --values V.npy         [B, Hkv, N, d_v], the keys' dtype\n"
+    "  --k-scale S            fp8 keys: each element's value is decode(byte) * S (vLLM's k_scale; default 1)\n"
+    "  --v-scale S            fp8 values: likewise (vLLM's v_scale; default 1)\n"
     "  --queries Q.npy        [B, Hq, w, d] float32 or float16 (Hq a multiple of Hkv; query head q reads KV head\n"
     "                         q / (Hq / Hkv)): the last w queries of the context. Required by the policies that\n"
     "                         read queries (snap_kv, tova), rejected by the others. Pre-RoPE unless\n"
@@ -152,7 +155,7 @@ std::vector<CommandInfo> const& commands() {
        "  --out scores.npy       the scores\n"
        "  --channel-out C.npy    --policy rdkv: the channel weights [B, Hkv, d] too\n",
        {"--policy", "--param", "--keys", "--values", "--queries", "--positions", "--rope", "--out", "--channel-out",
-        "--time", "--threads"}},
+        "--time", "--threads", "--k-scale", "--v-scale"}},
       {"compress",
        "usage: kvc compress --policy NAME (--ratio R | --budget N) [--allocator ada_kv|pyramid_kv|pyramid_kv+ada_kv]\n"
        "                    [--param NAME=VALUE]... (--keys K.npy --values V.npy [--queries Q.npy\n"
@@ -206,7 +209,8 @@ std::vector<CommandInfo> const& commands() {
        "                         (the compressor's state: the packed store as reserved) and \"retention\"\n"
        "                         (payload / (2 N d 16))\n",
        {"--policy", "--param", "--keys", "--values", "--queries", "--positions", "--rope", "--ratio", "--budget",
-        "--allocator", "--dump", "--out-dir", "--time", "--threads", "--calibration", "--layer"}},
+        "--allocator", "--dump", "--out-dir", "--time", "--threads", "--calibration", "--layer", "--k-scale",
+        "--v-scale"}},
       {"attend",
        "usage: kvc attend --keys K.npy --values V.npy --queries Q.npy [--positions P.npy] [--rope theta=T,style=S]\n"
        "                  [--indices I.npy] [--moments DIR] [--param NAME=VALUE]... --out-dir DIR [--time]\n"
@@ -217,8 +221,11 @@ std::vector<CommandInfo> const& commands() {
        "DIR: out.npy (float32 [B, Hq, n, d_v]) and lse.npy (float32 [B, Hq, n], the softmax's log-sum-exp,\n"
        "-inf for a query that sees nothing); with --moments out.npy and lse.npy are the corrected ones and\n"
        "plain_out.npy and plain_lse.npy the uncorrected. All files are written, or none.\n",
-       "  --keys K.npy           [B, Hkv, N, d] float32 or float16 (or a .safetensors tensor, also BF16)\n"
+       "  --keys K.npy           [B, Hkv, N, d] float32 or float16 (or a .safetensors tensor, also BF16, F8_E4M3\n"
+       "                         and F8_E5M2)\n"
        "  --values V.npy         [B, Hkv, N, d_v], the keys' dtype\n"
+       "  --k-scale S            fp8 keys: each element's value is decode(byte) * S (default 1)\n"
+       "  --v-scale S            fp8 values: likewise (default 1)\n"
        "  --queries Q.npy        [B, Hq, n, d]: POST-RoPE by default (as the attention sees them); with --rope or\n"
        "                         --param queries=pre_rope they are rotated to their positions first\n"
        "  --positions P.npy      int64 [B, n]: each query's position, for the causal mask (and RoPE); default:\n"
@@ -237,7 +244,7 @@ std::vector<CommandInfo> const& commands() {
        "                         \"corrected_seconds\" (kvc::attend_corrected), \"repeats\", \"bytes_read\",\n"
        "                         \"workspace_bytes\", \"moment_bytes\", \"threads\"\n",
        {"--keys", "--values", "--queries", "--positions", "--rope", "--indices", "--moments", "--param", "--out-dir",
-        "--time", "--threads"}},
+        "--time", "--threads", "--k-scale", "--v-scale"}},
       {"policies",
        "usage: kvc policies\n",
        "Lists every policy with every parameter (--param NAME=DEFAULT) and what it reads, then the allocators\n"
@@ -585,7 +592,8 @@ void make_folders(std::string const& dir, std::vector<std::string>& made) {
 // Inputs.
 
 /// The element types the tool reads; `other` is any dtype it does not (named in messages by Array::dtype_text).
-enum class Elem : std::uint8_t { f32, f16, bf16, i64, other };
+/// The fp8 types come from .safetensors only (F8_E4M3, F8_E5M2), for keys and values.
+enum class Elem : std::uint8_t { f32, f16, bf16, f8_e4m3, f8_e5m2, i64, other };
 
 /// An array read from a .npy file or from one tensor of a .safetensors file: C order, little-endian.
 struct Array {
@@ -602,7 +610,10 @@ struct Array {
     return n;
   }
   kvc::Index itemsize() const noexcept {
-    return elem == Elem::f16 || elem == Elem::bf16 ? 2 : elem == Elem::f32 ? 4 : 8;
+    return elem == Elem::f8_e4m3 || elem == Elem::f8_e5m2 ? 1
+           : elem == Elem::f16 || elem == Elem::bf16      ? 2
+           : elem == Elem::f32                            ? 4
+                                                          : 8;
   }
   template <class T>
   T const* as() const noexcept {
@@ -662,11 +673,13 @@ void read_array(std::string const& arg, std::string const& where, Array& out) {
     t = &f.header.tensors[0];
   }
   using kvc::SafetensorsDtype;
-  out.elem = t->dtype == SafetensorsDtype::f32    ? Elem::f32
-             : t->dtype == SafetensorsDtype::f16  ? Elem::f16
-             : t->dtype == SafetensorsDtype::bf16 ? Elem::bf16
-             : t->dtype == SafetensorsDtype::i64  ? Elem::i64
-                                                  : Elem::other;
+  out.elem = t->dtype == SafetensorsDtype::f32       ? Elem::f32
+             : t->dtype == SafetensorsDtype::f16     ? Elem::f16
+             : t->dtype == SafetensorsDtype::bf16    ? Elem::bf16
+             : t->dtype == SafetensorsDtype::f8_e4m3 ? Elem::f8_e4m3
+             : t->dtype == SafetensorsDtype::f8_e5m2 ? Elem::f8_e5m2
+             : t->dtype == SafetensorsDtype::i64     ? Elem::i64
+                                                     : Elem::other;
   out.safetensors = true;
   out.dtype_text = std::string(kvc::safetensors_dtype_name(t->dtype));
   out.shape = t->shape;
@@ -680,12 +693,15 @@ void read_array(std::string const& arg, std::string const& where, Array& out) {
 struct Input {
   std::string path;  ///< the argument as given (FILE, or FILE.safetensors:TENSOR), for messages
   Array array;
+  float scale = 1.0f;  ///< fp8 tensors: the value of an element is decode(byte) * scale (--k-scale, --v-scale)
+
+  bool fp8() const noexcept { return array.elem == Elem::f8_e4m3 || array.elem == Elem::f8_e5m2; }
 };
 
-/// Reads a rank-4 float32/float16 (or bfloat16, from .safetensors) tensor; `role` names it in messages ("keys file
-/// K.npy: ..."). The file's size bounds the array, and every dimension must be >= 1, so that no size derived from
-/// the shape (scores, plans, workspaces) exceeds what the file holds.
-Input load_tensor(std::string const& path, char const* role, char const* dims) {
+/// Reads a rank-4 float32/float16 (or, from .safetensors, bfloat16 and with `fp8` F8_E4M3 / F8_E5M2) tensor; `role`
+/// names it in messages ("keys file K.npy: ..."). The file's size bounds the array, and every dimension must be >= 1,
+/// so that no size derived from the shape (scores, plans, workspaces) exceeds what the file holds.
+Input load_tensor(std::string const& path, char const* role, char const* dims, bool fp8 = false) {
   Input in{path, {}};
   std::string const where = std::string(role) + " file " + path + ": ";
   read_array(path, where, in.array);
@@ -693,8 +709,11 @@ Input load_tensor(std::string const& path, char const* role, char const* dims) {
   if (s.size() != 4)
     fail(exit_invalid,
          where + "field 'shape' has " + std::to_string(s.size()) + " dimensions, expected 4 (" + dims + ")");
-  if (in.array.elem != Elem::f32 && in.array.elem != Elem::f16 && in.array.elem != Elem::bf16)
-    fail(exit_invalid, where + in.array.dtype_error("'<f4' (float32) or '<f2' (float16)", "F32, F16 or BF16"));
+  bool const accepted =
+      in.array.elem == Elem::f32 || in.array.elem == Elem::f16 || in.array.elem == Elem::bf16 || (fp8 && in.fp8());
+  if (!accepted)
+    fail(exit_invalid, where + in.array.dtype_error("'<f4' (float32) or '<f2' (float16)",
+                                                    fp8 ? "F32, F16, BF16, F8_E4M3 or F8_E5M2" : "F32, F16 or BF16"));
   if (std::find(s.begin(), s.end(), 0) != s.end())
     fail(exit_invalid, where + "field 'shape' is (" + std::to_string(s[0]) + ", " + std::to_string(s[1]) + ", " +
                            std::to_string(s[2]) + ", " + std::to_string(s[3]) +
@@ -751,15 +770,28 @@ void check_key_norms(Rows const& rows, std::string const& path) {
   }
 }
 
-/// Calls fn(T{}) with the element type of `in` (float, kvc::half or kvc::bfloat16).
+/// Calls fn(T{}) with the element type of `in` (float, kvc::half, kvc::bfloat16 or an fp8 type).
 template <class Fn>
 void with_element(Input const& in, Fn&& fn) {
   if (in.array.elem == Elem::f16)
     fn(kvc::half{});
   else if (in.array.elem == Elem::bf16)
     fn(kvc::bfloat16{});
+  else if (in.array.elem == Elem::f8_e4m3)
+    fn(kvc::float8_e4m3{});
+  else if (in.array.elem == Elem::f8_e5m2)
+    fn(kvc::float8_e5m2{});
   else
     fn(float{});
+}
+
+/// The accessor of a view over `in`'s elements of type T: its scale for fp8 (core/access.hpp), plain otherwise.
+template <class T>
+kvc::default_access<T> access_of(Input const& in) {
+  if constexpr (kvc::is_fp8<T>)
+    return kvc::tensor_scale(in.scale);
+  else
+    return {};
 }
 
 /// Runs fn(cache) with a typed host view over keys (and values, or keys again when absent), once the data passed
@@ -783,7 +815,8 @@ void with_cache(Input const& keys, Input const* values, KeyRange range, Fn&& fn)
     using T = decltype(tag);
     auto* kp = const_cast<T*>(keys.array.as<T>());  // compaction writes to a copy owned by this program
     auto* vp = const_cast<T*>(v.array.as<T>());
-    auto const cache = kvc::make_cache(kvc::bhtd_rows(kp, ek), kvc::bhtd_rows(vp, ev));
+    auto const cache =
+        kvc::make_cache(kvc::bhtd_rows(kp, ek, access_of<T>(keys)), kvc::bhtd_rows(vp, ev, access_of<T>(v)));
     // Without --values the cache views K twice (scoring reads keys only), so only the keys are validated.
     kvc::Status const st =
         values ? kvc::validate(cache, {.check_finite = true}) : kvc::validate_rows(cache.keys, {.check_finite = true});
@@ -1079,6 +1112,29 @@ kvc::Index thread_count(Options const& o) {
   return n;
 }
 
+/// --k-scale / --v-scale S: the fp32 scale of fp8 keys / values (vLLM's k_scale, v_scale: an element's value is
+/// decode(byte) * S); finite and > 0. Absent: 1 for fp8 tensors.
+std::optional<float> scale_option(Options const& o, char const* name) {
+  if (!o.has(name))
+    return std::nullopt;
+  std::string const& text = o.get(name);
+  char* end = nullptr;
+  float const s = std::strtof(text.c_str(), &end);
+  if (text.empty() || *end != '\0' || !std::isfinite(s) || !(s > 0.0f))
+    fail(exit_invalid, std::string(name) + " '" + text + "': expected a finite number > 0 (the fp8 tensor's scale)");
+  return s;
+}
+
+/// Gives `in` the scale of option `name`, which only an fp8 tensor takes.
+void set_scale(Input& in, std::optional<float> scale, char const* name, char const* role) {
+  if (!scale)
+    return;
+  if (!in.fp8())
+    fail(exit_invalid, std::string(name) + " given, but " + role + " file " + in.path + " holds " +
+                           in.array.dtype_text + ": a scale applies to F8_E4M3 and F8_E5M2 tensors only");
+  in.scale = *scale;
+}
+
 void check_status(kvc::Status st, std::string const& context) {
   if (!st.ok())
     fail(exit_invalid, context + ": " + st.message());
@@ -1103,6 +1159,7 @@ struct Job {
   Input keys;
   std::optional<Input> values;
   Queries queries;
+  std::optional<float> k_scale, v_scale;  ///< --k-scale, --v-scale (fp8 keys and values)
 
   explicit Job(PolicyInfo p) : policy(std::move(p)) {}
 
@@ -1134,6 +1191,8 @@ struct Job {
 void check_job(Options const& o, bool compress, Job& job) {
   job.params = resolve_params(job.policy, o.params, compress);
   check_query_options(job.policy, o, job.params);
+  job.k_scale = scale_option(o, "--k-scale");
+  job.v_scale = scale_option(o, "--v-scale");
   if (o.has("--rope"))
     job.rope = parse_rope(o.get("--rope"));
   job.rotate = job.policy.reads_queries && pre_rope(job.params);
@@ -1141,9 +1200,14 @@ void check_job(Options const& o, bool compress, Job& job) {
 
 /// Reads the keys, the values and the queries.
 void load_job(JobFiles const& files, Job& job) {
-  job.keys = load_tensor(files.keys, "keys", kv_dims);
-  if (!files.values.empty())
-    job.values = load_tensor(files.values, "values", kv_dims);
+  job.keys = load_tensor(files.keys, "keys", kv_dims, /*fp8=*/true);
+  set_scale(job.keys, job.k_scale, "--k-scale", "keys");
+  if (!files.values.empty()) {
+    job.values = load_tensor(files.values, "values", kv_dims, /*fp8=*/true);
+    set_scale(*job.values, job.v_scale, "--v-scale", "values");
+  } else if (job.v_scale) {
+    fail(exit_invalid, "--v-scale given without --values");
+  }
   kvc::KVExtents const keys_ext = extents_of(job.keys);
   if (job.policy.reads_queries)
     load_queries(files.queries, files.positions, &keys_ext, job.keys.path, job.rotate, job.rope, job.queries);
@@ -1807,19 +1871,28 @@ struct Compressed {
   }
 };
 
-/// bfloat16 rows (from .safetensors) widened to float32, exactly, since .npy has no bfloat16; other dtypes as they
-/// are.
-std::vector<std::byte> npy_bytes(std::vector<std::byte> raw, Elem elem, std::string const& what) {
-  if (elem != Elem::bf16)
+/// bfloat16 rows (from .safetensors) widened to float32, exactly, since .npy has no bfloat16, and fp8 rows as the
+/// float32 values they hold (decode(byte) * scale, exactly: kvc::load); other dtypes as they are.
+std::vector<std::byte> npy_bytes(std::vector<std::byte> raw, Elem elem, float scale, std::string const& what) {
+  if (elem != Elem::bf16 && elem != Elem::f8_e4m3 && elem != Elem::f8_e5m2)
     return raw;
-  std::size_t const n = raw.size() / 2;
+  std::size_t const item = elem == Elem::bf16 ? 2 : 1, n = raw.size() / item;
   std::vector<std::byte> out = buffer<std::byte>(n * 4, what);
-  for (std::size_t i = 0; i < n; ++i) {
-    kvc::bfloat16 x;
-    std::memcpy(&x, raw.data() + 2 * i, 2);
-    float const f = kvc::to_float(x);
-    std::memcpy(out.data() + 4 * i, &f, 4);
-  }
+  auto widen = [&](auto tag) {
+    using T = decltype(tag);
+    for (std::size_t i = 0; i < n; ++i) {
+      T x;
+      std::memcpy(&x, raw.data() + item * i, item);
+      float const f = kvc::is_fp8<T> ? kvc::load(x, scale) : kvc::to_float(x);
+      std::memcpy(out.data() + 4 * i, &f, 4);
+    }
+  };
+  if (elem == Elem::bf16)
+    widen(kvc::bfloat16{});
+  else if (elem == Elem::f8_e4m3)
+    widen(kvc::float8_e4m3{});
+  else
+    widen(kvc::float8_e5m2{});
   return out;
 }
 
@@ -1938,10 +2011,12 @@ Compressed compress_job(Job& job, CompressSettings const& s) {
     auto* kp = const_cast<T*>(keys.array.as<T>());
     auto* vp = const_cast<T*>(values.array.as<T>());
     auto const cache =
-        kvc::make_cache(kvc::bhtd_rows(kp, e), kvc::bhtd_rows(vp, ev), kvc::head_lengths(c.counts.data(), e.heads));
+        kvc::make_cache(kvc::bhtd_rows(kp, e, access_of<T>(keys)), kvc::bhtd_rows(vp, ev, access_of<T>(values)),
+                        kvc::head_lengths(c.counts.data(), e.heads));
     auto const store = kvc::ragged_cache(reinterpret_cast<T*>(ragged_k.data()), reinterpret_cast<T*>(ragged_v.data()),
                                          e.batch, e.heads, e.dim, c.dim_v, c.ragged, c.offsets.data(),
-                                         kvc::head_lengths(ragged_lengths.data(), e.heads));
+                                         kvc::head_lengths(ragged_lengths.data(), e.heads), nullptr, access_of<T>(keys),
+                                         access_of<T>(values));
     check_status(kvc::append(cpu, store, cache), "the ragged store of " + job.context());
     kvc::StridedLayout pk = kvc::bhtd_layout(e), pv = kvc::bhtd_layout(ev);
     pk.ext.tokens = pv.ext.tokens = c.kept_max;
@@ -1970,7 +2045,7 @@ Compressed compress_job(Job& job, CompressSettings const& s) {
     for (kvc::Index bh = 0; bh < e.batch * e.heads; ++bh)
       std::copy_n(in.array.data.data() + bh * e.tokens * d * in_item,
                   c.counts[static_cast<std::size_t>(bh)] * d * in_item, out.data() + bh * c.kept_max * d * in_item);
-    return npy_bytes(std::move(out), in.array.elem, "the compressed copy of " + in.path);
+    return npy_bytes(std::move(out), in.array.elem, in.scale, "the compressed copy of " + in.path);
   };
   auto npy_dtype = [](Input const& in) { return in.array.elem == Elem::f16 ? kvc::NpyDtype::f16 : kvc::NpyDtype::f32; };
   c.k_dtype = npy_dtype(keys);
@@ -1983,8 +2058,9 @@ Compressed compress_job(Job& job, CompressSettings const& s) {
   c.keys = repack(keys);
   c.values = repack(values);
   if (s.ragged) {
-    c.ragged_keys = npy_bytes(std::move(ragged_k), keys.array.elem, "the ragged store of " + keys.path);
-    c.ragged_values = npy_bytes(std::move(ragged_v), values.array.elem, "the ragged store of " + values.path);
+    c.ragged_keys = npy_bytes(std::move(ragged_k), keys.array.elem, keys.scale, "the ragged store of " + keys.path);
+    c.ragged_values =
+        npy_bytes(std::move(ragged_v), values.array.elem, values.scale, "the ragged store of " + values.path);
   }
   return c;
 }
@@ -2256,6 +2332,8 @@ int cmd_compress(Options const& o) {
       job.params = setup.params;
       job.rope = d && d->rope ? *d->rope : setup.rope;
       job.rotate = setup.rotate;
+      job.k_scale = setup.k_scale;
+      job.v_scale = setup.v_scale;
       if (d && s.alloc.pyramid_kv) {  // PyramidKV's schedule: this layer of the dump's
         job.params["layer"] = std::to_string(i);
         job.params["num_layers"] = std::to_string(d->layers);
@@ -2514,8 +2592,10 @@ int cmd_attend(Options const& o) {
   check_outputs(inputs, outputs, "output file");
   kvc::Index const threads = thread_count(o);
 
-  Input const keys = load_tensor(o.get("--keys"), "keys", kv_dims);
-  Input const values = load_tensor(o.get("--values"), "values", kv_dims);
+  Input keys = load_tensor(o.get("--keys"), "keys", kv_dims, /*fp8=*/true);
+  Input values = load_tensor(o.get("--values"), "values", kv_dims, /*fp8=*/true);
+  set_scale(keys, scale_option(o, "--k-scale"), "--k-scale", "keys");
+  set_scale(values, scale_option(o, "--v-scale"), "--v-scale", "values");
   kvc::KVExtents const k = extents_of(keys);
   kvc::Index const dv = values.array.shape[3];
   std::vector<kvc::Index> lengths, key_positions;  // --indices

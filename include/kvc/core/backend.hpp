@@ -35,6 +35,7 @@ struct ParallelFor {
 /// (see kvc::ThreadPool in <kvc/backend/cpu/thread_pool.hpp> for a small std::thread one).
 struct Cpu {
   using memory_space = HostSpace;
+  static constexpr bool reads_scaled_elements = true;  ///< fp8 caches (core/access.hpp)
   ParallelFor parallel{};
 
   /// Scratch copies a kernel needs: one per worker.
@@ -44,7 +45,8 @@ struct Cpu {
 /// The CUDA backend. Kernels are enqueued on `stream` and never synchronise it.
 struct Cuda {
   using memory_space = DeviceSpace;
-  CUstream_st* stream = nullptr;  ///< nullptr = the legacy default stream
+  static constexpr bool reads_scaled_elements = false;  ///< fp8 caches: not yet (its kernels ignore the scale)
+  CUstream_st* stream = nullptr;                        ///< nullptr = the legacy default stream
 };
 
 /// A backend is a trivially copyable tag that names the memory space it can read.

@@ -2,6 +2,7 @@
 // kvc/core/kv_view.hpp: non-owning views of K or V rows and of a KV cache (keys, values, lengths, positions).
 #pragma once
 
+#include <kvc/core/access.hpp>
 #include <kvc/core/backend.hpp>
 #include <kvc/core/element.hpp>
 #include <kvc/core/layout.hpp>
@@ -9,36 +10,44 @@
 
 #include <concepts>
 #include <type_traits>
+#include <utility>
 
 namespace kvc {
 
-/// Non-owning view of one K *or* V tensor. `T` is float, half or bfloat16 (const for read-only views);
-/// `Space` records who may dereference the pointer (HostSpace or DeviceSpace). A mutable view converts to a
-/// read-only one.
-template <Element T, TokenLayout Layout, class Space = HostSpace>
+/// Non-owning view of one K *or* V tensor. `T` is float, half, bfloat16 or an 8-bit float (const for read-only
+/// views); `Space` records who may dereference the pointer (HostSpace or DeviceSpace); `Access` turns stored elements
+/// into fp32 values (core/access.hpp: element c of row (b, h, t) is load(row(b, h, t)[c], scale(b, h)); fp8 views
+/// carry their scales). A mutable view converts to a read-only one.
+template <CacheElement T, TokenLayout Layout, class Space = HostSpace, class Access = default_access<T>>
 class TokenRows {
  public:
   using element_type = T;
   using value_type = std::remove_const_t<T>;
   using layout_type = Layout;
   using memory_space = Space;
+  using access_type = Access;
 
   TokenRows() = default;
-  KVC_HOST_DEVICE constexpr TokenRows(T* data, Layout const& layout) noexcept : data_(data), layout_(layout) {}
+  KVC_HOST_DEVICE constexpr TokenRows(T* data, Layout const& layout, Access const& access = {}) noexcept
+      : data_(data), layout_(layout), access_(access) {}
   template <class U>
   requires(std::is_const_v<T>&& std::same_as<U const, T>)
-      KVC_HOST_DEVICE constexpr TokenRows(TokenRows<U, Layout, Space> const& other) noexcept  // NOLINT: implicit
-      : data_(other.data()), layout_(other.layout()) {}
+      KVC_HOST_DEVICE constexpr TokenRows(TokenRows<U, Layout, Space, Access> const& other) noexcept  // NOLINT
+      : data_(other.data()), layout_(other.layout()), access_(other.access()) {}
 
   KVC_HOST_DEVICE constexpr KVExtents const& extents() const noexcept { return layout_.ext; }
   KVC_HOST_DEVICE constexpr Layout const& layout() const noexcept { return layout_; }
+  KVC_HOST_DEVICE constexpr Access const& access() const noexcept { return access_; }
   KVC_HOST_DEVICE constexpr T* data() const noexcept { return data_; }
   /// First of `extents().dim` contiguous elements of row (b, h, t).
   KVC_HOST_DEVICE constexpr T* row(Index b, Index h, Index t) const noexcept { return data_ + layout_.offset(b, h, t); }
+  /// The scale of head (b, h)'s elements: kvc::Unit for unscaled views, an fp32 value for scaled ones.
+  KVC_HOST_DEVICE constexpr auto scale(Index b, Index h) const noexcept { return access_.scale(b, h); }
 
  private:
   T* data_ = nullptr;
   Layout layout_{};
+  [[no_unique_address]] Access access_{};
 };
 
 template <class R>
@@ -47,7 +56,12 @@ concept TokenRowsView = std::is_trivially_copyable_v<R> && requires(R const& r, 
   typename R::memory_space;
   { r.extents() } -> std::convertible_to<KVExtents>;
   { r.row(i, i, i) } -> std::same_as<typename R::element_type*>;
+  { load(*r.row(i, i, i), r.scale(i, i)) } -> std::same_as<float>;
 };
+
+/// Whether a view's elements carry a scale (fp8 caches).
+template <TokenRowsView R>
+inline constexpr bool scaled_rows = !std::is_same_v<decltype(std::declval<R const&>().scale(0, 0)), Unit>;
 
 /// Valid token counts of a cache, in the cache's memory space: per (sequence, KV head) `[batch, heads]` (heads
 /// differ after per-head eviction), per sequence `[batch]` (the convenient special case: every head of sequence b
@@ -192,9 +206,11 @@ constexpr Status check_length_table(Lengths const& lengths, Index heads, char co
   return lengths.data && lengths.per_head() && lengths.heads != heads ? Status{Errc::invalid_argument, what} : Status{};
 }
 
-/// Whether backend B can read cache C (the memory spaces match). Checked at compile time by every entry point.
+/// Whether backend B can read cache C: the memory spaces match, and B reads scaled (fp8) elements where C has them.
+/// Checked at compile time by every entry point.
 template <class C, class B>
-concept AccessibleFrom = KVCacheView<C> && ReadableBy<C, B>;
+concept AccessibleFrom = KVCacheView<C> && ReadableBy<C, B> &&
+    (!(scaled_rows<typename C::keys_type> || scaled_rows<typename C::values_type>) || B::reads_scaled_elements);
 
 /// Builds a cache from two row views (deduces the types).
 template <TokenRowsView K, TokenRowsView V>
@@ -202,16 +218,18 @@ constexpr KVCache<K, V> make_cache(K keys, V values, Lengths lengths = {}, Index
   return {keys, values, lengths, positions};
 }
 
-/// Contiguous BHTD rows over host memory: the common case in tests, tools and the Hugging Face layout.
-template <Element T>
-constexpr TokenRows<T, StridedLayout> bhtd_rows(T* data, KVExtents e) noexcept {
-  return {data, bhtd_layout(e)};
+/// Contiguous BHTD rows over host memory: the common case in tests, tools and the Hugging Face layout. fp8 rows take
+/// their scales (core/access.hpp; default: one scale of 1).
+template <CacheElement T>
+constexpr TokenRows<T, StridedLayout> bhtd_rows(T* data, KVExtents e, default_access<T> const& access = {}) noexcept {
+  return {data, bhtd_layout(e), access};
 }
 
 /// Same as bhtd_rows, for device memory.
-template <Element T>
-constexpr TokenRows<T, StridedLayout, DeviceSpace> bhtd_device_rows(T* data, KVExtents e) noexcept {
-  return {data, bhtd_layout(e)};
+template <CacheElement T>
+constexpr TokenRows<T, StridedLayout, DeviceSpace> bhtd_device_rows(T* data, KVExtents e,
+                                                                    default_access<T> const& access = {}) noexcept {
+  return {data, bhtd_layout(e), access};
 }
 
 /// A dense BHTD cache over host K and V buffers of the same head dim (no copy).

@@ -194,7 +194,7 @@ Status rows_finite(R const& rows, Lengths const& lengths, bool check_range) noex
       for (Index t = 0; t < lengths.at(b, h, e.tokens); ++t) {
         auto const* r = rows.row(b, h, t);
         for (Index i = 0; i < e.dim; ++i) {
-          double const x = to_float(r[i]);
+          double const x = load(r[i], rows.scale(b, h));
           if (!std::isfinite(x))
             return {Errc::non_finite, "kvc::validate: K or V holds NaN or Inf"};
           if (check_range && !in_exact_range(x, e.dim))

@@ -33,16 +33,35 @@ namespace kvc {
 
 static_assert(std::endian::native == std::endian::little, "kvc::io assumes a little-endian host");
 
-/// The element types kvc reads and writes (the safetensors names are in safetensors_dtype_name). The reference's
-/// F8_*, F4, F6_* and complex types are refused by the reader, naming the dtype.
-enum class SafetensorsDtype : std::uint8_t { boolean, u8, i8, u16, i16, u32, i32, u64, i64, f16, bf16, f32, f64 };
+/// The element types kvc reads and writes (the safetensors names are in safetensors_dtype_name), including the OCP
+/// 8-bit floats F8_E4M3 and F8_E5M2 (kvc::float8_e4m3, kvc::float8_e5m2). The reference's other F8_* (E8M0, the FNUZ
+/// variants), F4, F6_* and complex types are refused by the reader, naming the dtype.
+enum class SafetensorsDtype : std::uint8_t {
+  boolean,
+  u8,
+  i8,
+  u16,
+  i16,
+  u32,
+  i32,
+  u64,
+  i64,
+  f16,
+  bf16,
+  f32,
+  f64,
+  f8_e4m3,
+  f8_e5m2
+};
 
 /// Bytes per element of `d` (BOOL is one byte).
 constexpr std::size_t safetensors_dtype_bytes(SafetensorsDtype d) noexcept {
   switch (d) {
     case SafetensorsDtype::boolean:
     case SafetensorsDtype::u8:
-    case SafetensorsDtype::i8: return 1;
+    case SafetensorsDtype::i8:
+    case SafetensorsDtype::f8_e4m3:
+    case SafetensorsDtype::f8_e5m2: return 1;
     case SafetensorsDtype::u16:
     case SafetensorsDtype::i16:
     case SafetensorsDtype::f16:
@@ -58,7 +77,7 @@ constexpr std::size_t safetensors_dtype_bytes(SafetensorsDtype d) noexcept {
 }
 
 /// The header's spelling of `d`: "BOOL", "U8", "I8", "U16", "I16", "U32", "I32", "U64", "I64", "F16", "BF16", "F32",
-/// "F64" ("?" for a value outside the enum).
+/// "F64", "F8_E4M3", "F8_E5M2" ("?" for a value outside the enum).
 constexpr std::string_view safetensors_dtype_name(SafetensorsDtype d) noexcept {
   switch (d) {
     case SafetensorsDtype::boolean: return "BOOL";
@@ -74,6 +93,8 @@ constexpr std::string_view safetensors_dtype_name(SafetensorsDtype d) noexcept {
     case SafetensorsDtype::bf16: return "BF16";
     case SafetensorsDtype::f32: return "F32";
     case SafetensorsDtype::f64: return "F64";
+    case SafetensorsDtype::f8_e4m3: return "F8_E4M3";
+    case SafetensorsDtype::f8_e5m2: return "F8_E5M2";
   }
   return "?";
 }
@@ -130,7 +151,7 @@ inline std::string st_quoted(std::string_view name) {
 }
 
 inline bool st_dtype(std::string_view name, SafetensorsDtype& out) noexcept {
-  for (int d = 0; d <= static_cast<int>(SafetensorsDtype::f64); ++d) {
+  for (int d = 0; d <= static_cast<int>(SafetensorsDtype::f8_e5m2); ++d) {
     auto const dt = static_cast<SafetensorsDtype>(d);
     if (safetensors_dtype_name(dt) == name) {
       out = dt;

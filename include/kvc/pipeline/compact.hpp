@@ -45,8 +45,8 @@ template <class A>
 inline constexpr bool is_token_array = false;
 template <class T, class S>
 inline constexpr bool is_token_array<TokenArray<T, S>> = !std::is_const_v<T>;
-template <class T, class L, class S>
-inline constexpr bool is_token_array<TokenRows<T, L, S>> = !std::is_const_v<T>;  // per-token rows (MomentKV's u_j)
+template <class T, class L, class S, class A>
+inline constexpr bool is_token_array<TokenRows<T, L, S, A>> = !std::is_const_v<T>;  // per-token rows (MomentKV's u_j)
 template <class A>
 inline constexpr bool is_carried_array = false;
 template <class T, class S>
@@ -60,8 +60,8 @@ constexpr bool extra_mismatch(TokenArray<T, S> const& a, KVExtents const& e) noe
   return a.batch != e.batch || a.heads != e.heads || a.tokens < e.tokens ||
          !checked_product(n, a.batch, a.heads, a.tokens) || (a.data == nullptr && n > 0);
 }
-template <class T, class L, class S>
-constexpr bool extra_mismatch(TokenRows<T, L, S> const& a, KVExtents const& e) noexcept {
+template <class T, class L, class S, class A>
+constexpr bool extra_mismatch(TokenRows<T, L, S, A> const& a, KVExtents const& e) noexcept {
   KVExtents const x = a.extents();
   return a.data() != nullptr && (x.batch != e.batch || x.heads != e.heads || x.tokens < e.tokens || !extents_fit(x));
 }
@@ -81,7 +81,9 @@ ByteRange bytes_of(TokenArray<T, S> const& a) noexcept {
 template <Backend B, KVCacheView C, class... Extra>
 Status compact(B const& backend, KeepPlan<typename B::memory_space> const& plan, C const& cache,
                Extra const&... extra) {
-  static_assert(AccessibleFrom<C, B>, "kvc::compact: the cache lives in a memory space this backend cannot read");
+  static_assert(AccessibleFrom<C, B>,
+                "kvc::compact: the cache lives in a memory space this backend cannot read, or holds fp8 elements it "
+                "cannot read yet");
   static_assert(
       !std::is_const_v<typename C::keys_type::element_type> && !std::is_const_v<typename C::values_type::element_type>,
       "kvc::compact: in-place compaction needs writable K and V views");
@@ -115,7 +117,8 @@ template <Backend B, KVCacheView Src, KVCacheView Dst, class... Carried>
 Status gather(B const& backend, KeepPlan<typename B::memory_space> const& plan, Src const& src, Dst const& dst,
               Carried const&... carried) {
   static_assert(AccessibleFrom<Src, B> && AccessibleFrom<Dst, B>,
-                "kvc::gather: the caches live in a memory space this backend cannot read");
+                "kvc::gather: the caches live in a memory space this backend cannot read, or hold fp8 elements it "
+                "cannot read yet");
   static_assert((detail::is_carried_array<Carried> && ...) && (ReadableBy<Carried, B> && ...),
                 "kvc::gather: carried arrays must be kvc::CarriedArray views in the backend's memory space");
   static_assert(HasKernel<GatherStep, B>,
@@ -158,7 +161,8 @@ Status gather(B const& backend, KeepPlan<typename B::memory_space> const& plan, 
 template <Backend B, KVCacheView Dst, KVCacheView Src>
 Status append(B const& backend, Dst const& dst, Src const& src, Index begin, Index count) {
   static_assert(AccessibleFrom<Src, B> && AccessibleFrom<Dst, B>,
-                "kvc::append: the caches live in a memory space this backend cannot read");
+                "kvc::append: the caches live in a memory space this backend cannot read, or hold fp8 elements it "
+                "cannot read yet");
   static_assert(HasKernel<AppendStep, B>,
                 "kvc::append: include <kvc/backend/cpu/pipeline/compact.hpp> (kvc::Cpu) or "
                 "<kvc/backend/cuda/pipeline/compact.cuh> (kvc::Cuda)");

@@ -195,7 +195,7 @@ Status fill_packed_head(C const& cache, Index b, Index h, PackOptions const& opt
     auto const* src = cache.keys.row(b, h, s.slots[t]);
     float* dst = s.rows + t * dk;
     for (Index c = 0; c < dk; ++c)
-      dst[c] = to_float(src[c]);
+      dst[c] = load(src[c], cache.keys.scale(b, h));
     for (Index i = 0; i < channels; ++i)  // only what is stored must fit FP16 (pruned channels are never read)
       if (s.perm[i] >= 0 && !detail::fits_half(dst[s.perm[i]]))
         return bad_key;
@@ -257,7 +257,7 @@ Status fill_packed_head(C const& cache, Index b, Index h, PackOptions const& opt
     for (Index j = 0; j < d.v_count[seg]; ++j) {
       auto const* src = cache.values.row(b, h, s.slots[t0 + j]);
       for (Index c = 0; c < dv; ++c) {
-        s.row[c] = to_float(src[c]);
+        s.row[c] = load(src[c], cache.values.scale(b, h));
         if (!detail::fits_half(s.row[c]))
           return bad_value;
       }
@@ -369,7 +369,9 @@ template <Backend B, KVCacheView C>
 Status pack_into(B const& backend, C const& cache, BitPlan<typename B::memory_space> const& plan,
                  PackOptions const& opt, PackedStore<typename B::memory_space> out, Workspace ws,
                  int* error = nullptr) {
-  static_assert(AccessibleFrom<C, B>, "kvc::pack_into: the cache lives in a memory space this backend cannot read");
+  static_assert(AccessibleFrom<C, B>,
+                "kvc::pack_into: the cache lives in a memory space this backend cannot read, or holds fp8 elements it "
+                "cannot read yet");
   static_assert(HasKernel<PackStep, B>,
                 "kvc::pack_into: include <kvc/backend/cpu/pipeline/pack.hpp> (kvc::Cpu) or "
                 "<kvc/backend/cuda/pipeline/pack.cuh> (kvc::Cuda)");

@@ -50,14 +50,16 @@ inline Status ragged_offsets(Index const* counts, Index n, Index reserve, Index*
 
 /// A ragged cache over K rows [shape.rows, dim_k] and V rows [shape.rows, dim_v] (contiguous, in memory space
 /// `Space`) sharing `offsets` ([batch * heads + 1]), with a per-head length table and optional positions
-/// ([shape.rows], one per row).
-template <class Space = HostSpace, Element TK, Element TV>
+/// ([shape.rows], one per row). fp8 rows take their scales (core/access.hpp): give the store its cache's, so that
+/// appending moves bytes.
+template <class Space = HostSpace, CacheElement TK, CacheElement TV>
 constexpr auto ragged_cache(TK* k, TV* v, Index batch, Index heads, Index dim_k, Index dim_v, RaggedShape shape,
-                            Index const* offsets, Lengths lengths, Index* positions = nullptr) noexcept {
+                            Index const* offsets, Lengths lengths, Index* positions = nullptr,
+                            default_access<TK> const& k_access = {}, default_access<TV> const& v_access = {}) noexcept {
   return make_cache(
-      TokenRows<TK, RaggedLayout, Space>{k, ragged_layout(batch, heads, dim_k, shape.max_capacity, offsets)},
-      TokenRows<TV, RaggedLayout, Space>{v, ragged_layout(batch, heads, dim_v, shape.max_capacity, offsets)}, lengths,
-      positions);
+      TokenRows<TK, RaggedLayout, Space>{k, ragged_layout(batch, heads, dim_k, shape.max_capacity, offsets), k_access},
+      TokenRows<TV, RaggedLayout, Space>{v, ragged_layout(batch, heads, dim_v, shape.max_capacity, offsets), v_access},
+      lengths, positions);
 }
 
 /// Bytes a host cache holds for K, V and positions, against what its tokens would need in a uniform cache.

@@ -130,6 +130,17 @@ inline void lanes_load(Lanes& a, T const* src) noexcept {
                                                 24, 0, 25, 0, 26, 0, 27, 0, 28, 0, 29, 0, 30, 0, 31);
     std::memcpy(&a, &wide, sizeof(Lanes));
 #endif
+#if defined(KVC_ATTEND_SHUFFLE) && KVC_CPU_F16_CONVERT == 1
+  } else if constexpr (is_fp8<T>) {
+    // Two 8-wide F16C conversions joined in registers: through a 16-float array, two 32-byte stores feed one 64-byte
+    // load under AVX-512, which store forwarding cannot serve (measured: fp8 attention slower than fp16).
+    using Lanes8 = float __attribute__((vector_size(8 * sizeof(float))));
+    Lanes8 lo, hi;
+    __m256 const x = f16c_load8(src), y = f16c_load8(src + 8);
+    std::memcpy(&lo, &x, sizeof lo);
+    std::memcpy(&hi, &y, sizeof hi);
+    a = __builtin_shufflevector(lo, hi, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+#endif
   } else {
     float wide[reduce_lanes];
 #if KVC_CPU_F16_CONVERT == 1 && defined(__AVX512F__)
@@ -141,6 +152,14 @@ inline void lanes_load(Lanes& a, T const* src) noexcept {
         widen8(src + l, wide + l);
     std::memcpy(&a, wide, sizeof(Lanes));
   }
+}
+/// lanes_load of a cache row's elements under its view's scale (core/access.hpp): one product per lane for scaled
+/// views, the dequantised values exactly; nothing more for Unit.
+template <class T, class S>
+inline void lanes_load(Lanes& a, T const* src, S scale) noexcept {
+  lanes_load(a, src);
+  if constexpr (!std::is_same_v<S, Unit>)
+    a *= scale;
 }
 inline void lanes_store(float* dst, Lanes const& a) noexcept {
   std::memcpy(dst, &a, sizeof(Lanes));
@@ -290,8 +309,8 @@ inline float tile_sum(float const* x) noexcept {
 /// key rows. Two slots at a time (2·RG independent accumulators in registers, enough to cover the FMA latency); each
 /// key chunk is read and widened once for the RG rows; each row's products go into reduce_lanes partial sums reduced
 /// by the tree of detail::dot, the same arithmetic whatever RG is. Asks for `ahead`'s rows as it goes.
-template <Index RG, class T, class VT>
-inline void attend_logits(float const* q, Index dim, T const* const* keys, Index tn, float* s,
+template <Index RG, class T, class VT, class S>
+inline void attend_logits(float const* q, Index dim, T const* const* keys, S scale, Index tn, float* s,
                           TileAhead<T, VT> const& ahead) noexcept {
   // Bounds computed up front (not carried from one loop to the next), so that GCC does not warn about the tail
   // loops when the shapes are constants.
@@ -304,8 +323,8 @@ inline void attend_logits(float const* q, Index dim, T const* const* keys, Index
     Lanes acc0[static_cast<std::size_t>(RG)] = {}, acc1[static_cast<std::size_t>(RG)] = {};
     for (Index c = 0; c < full; c += reduce_lanes) {
       Lanes x0, x1;
-      lanes_load(x0, k0 + c);
-      lanes_load(x1, k1 + c);
+      lanes_load(x0, k0 + c, scale);
+      lanes_load(x1, k1 + c, scale);
       for (Index r = 0; r < RG; ++r) {
         Lanes qc;
         lanes_load(qc, q + r * dim + c);
@@ -315,8 +334,8 @@ inline void attend_logits(float const* q, Index dim, T const* const* keys, Index
     }
     for (Index c = full; c < dim; ++c)
       for (Index r = 0; r < RG; ++r) {
-        acc0[r][c % reduce_lanes] += to_float(k0[c]) * q[r * dim + c];
-        acc1[r][c % reduce_lanes] += to_float(k1[c]) * q[r * dim + c];
+        acc0[r][c % reduce_lanes] += load(k0[c], scale) * q[r * dim + c];
+        acc1[r][c % reduce_lanes] += load(k1[c], scale) * q[r * dim + c];
       }
     lanes_sums2<RG>(acc0, acc1, s + j, attend_tile);
   }
@@ -327,7 +346,7 @@ inline void attend_logits(float const* q, Index dim, T const* const* keys, Index
     Lanes acc0[static_cast<std::size_t>(RG)] = {};
     for (Index c = 0; c < full; c += reduce_lanes) {
       Lanes x0;
-      lanes_load(x0, k0 + c);
+      lanes_load(x0, k0 + c, scale);
       for (Index r = 0; r < RG; ++r) {
         Lanes qc;
         lanes_load(qc, q + r * dim + c);
@@ -336,7 +355,7 @@ inline void attend_logits(float const* q, Index dim, T const* const* keys, Index
     }
     for (Index c = full; c < dim; ++c)
       for (Index r = 0; r < RG; ++r)
-        acc0[r][c % reduce_lanes] += to_float(k0[c]) * q[r * dim + c];
+        acc0[r][c % reduce_lanes] += load(k0[c], scale) * q[r * dim + c];
     lanes_sums<RG>(acc0, s + j, attend_tile);
   }
 }
@@ -344,8 +363,8 @@ inline void attend_logits(float const* q, Index dim, T const* const* keys, Index
 /// o[r * dim + c, +CH·reduce_lanes) += sum_j p[r * attend_tile + j] * v_j[c, ...) for the RG rows, slots in order:
 /// RG·CH accumulators stay in registers across the tile's slots (RG·CH independent FMA chains), and each value
 /// chunk is read and widened once for the RG rows.
-template <Index RG, Index CH, class T>
-inline void attend_values_chunks(float const* p, T const* const* values, Index tn, Index dim, Index c,
+template <Index RG, Index CH, class T, class S>
+inline void attend_values_chunks(float const* p, T const* const* values, S scale, Index tn, Index dim, Index c,
                                  float* o) noexcept {
   Lanes acc[static_cast<std::size_t>(RG)][static_cast<std::size_t>(CH)];
   for (Index r = 0; r < RG; ++r)
@@ -354,7 +373,7 @@ inline void attend_values_chunks(float const* p, T const* const* values, Index t
   for (Index j = 0; j < tn; ++j) {
     Lanes x[static_cast<std::size_t>(CH)];
     for (Index u = 0; u < CH; ++u)
-      lanes_load(x[u], values[j] + c + u * reduce_lanes);
+      lanes_load(x[u], values[j] + c + u * reduce_lanes, scale);
     for (Index r = 0; r < RG; ++r) {
       float const w = p[r * attend_tile + j];
       for (Index u = 0; u < CH; ++u)
@@ -369,19 +388,19 @@ inline void attend_values_chunks(float const* p, T const* const* values, Index t
 /// o[r * dim + c] += sum_j p[r * attend_tile + j] * v_j[c] for the RG rows and every column: 4 chunks of
 /// reduce_lanes columns per pass over the tile, then single chunks, then single columns; each column's sum takes the
 /// slots in order, so a row's arithmetic does not depend on RG.
-template <Index RG, class T>
-inline void attend_values(float const* p, T const* const* values, Index tn, Index dim, float* o) noexcept {
+template <Index RG, class T, class S>
+inline void attend_values(float const* p, T const* const* values, S scale, Index tn, Index dim, float* o) noexcept {
   constexpr Index wide = 4 * reduce_lanes;
   Index const wide_end = dim - dim % wide, full = dim - dim % reduce_lanes;
   for (Index c = 0; c < wide_end; c += wide)
-    attend_values_chunks<RG, 4>(p, values, tn, dim, c, o);
+    attend_values_chunks<RG, 4>(p, values, scale, tn, dim, c, o);
   for (Index c = wide_end; c < full; c += reduce_lanes)
-    attend_values_chunks<RG, 1>(p, values, tn, dim, c, o);
+    attend_values_chunks<RG, 1>(p, values, scale, tn, dim, c, o);
   for (Index c = full; c < dim; ++c)
     for (Index r = 0; r < RG; ++r) {
       float a = o[r * dim + c];
       for (Index j = 0; j < tn; ++j)
-        a += p[r * attend_tile + j] * to_float(values[j][c]);
+        a += p[r * attend_tile + j] * load(values[j][c], scale);
       o[r * dim + c] = a;
     }
 }
@@ -389,14 +408,14 @@ inline void attend_values(float const* p, T const* const* values, Index tn, Inde
 /// o[r * dim + c] += sum_j p[r * attend_tile + j] * v_j[c] for `rows` rows, leaving out the slots of weight 0 (so a
 /// non-finite value of a skipped or masked slot does not enter): the rare path of a tile with a non-finite logit.
 /// Each column sums its slots in order, as attend_values does.
-template <class T>
-inline void attend_values_nonzero(float const* p, T const* const* values, Index tn, Index dim, float* o,
+template <class T, class S>
+inline void attend_values_nonzero(float const* p, T const* const* values, S scale, Index tn, Index dim, float* o,
                                   Index rows) noexcept {
   for (Index r = 0; r < rows; ++r)
     for (Index j = 0; j < tn; ++j)
       if (float const w = p[r * attend_tile + j]; w != 0.0f)
         for (Index c = 0; c < dim; ++c)
-          o[r * dim + c] += w * to_float(values[j][c]);
+          o[r * dim + c] += w * load(values[j][c], scale);
 }
 
 }  // namespace detail
@@ -499,6 +518,8 @@ struct Kernel<Attention, Cpu> {
 
     detail::parallel_for(cpu, k.batch * k.heads, [&](Index item, Index worker) {
       Index const b = item / k.heads, h = item % k.heads, n = cache.length(b, h);
+      auto const k_scale = cache.keys.scale(b, h);
+      auto const v_scale = cache.values.scale(b, h);
       WorkspaceCarver carve({base + static_cast<std::size_t>(worker) * per_worker, per_worker});
       float* qs = carve.take<float>(max_rows * dk);
       float* o = carve.take<float>(max_rows * dv);
@@ -565,9 +586,9 @@ struct Kernel<Attention, Cpu> {
           filled[next] = t0 + tile;
           Index r = 0;
           for (; r + rg <= rows; r += rg, ahead.n = 0)
-            detail::attend_logits<rg>(qs + r * dk, dk, key_rows[cur], tn, s + r * tile, ahead);
+            detail::attend_logits<rg>(qs + r * dk, dk, key_rows[cur], k_scale, tn, s + r * tile, ahead);
           for (; r < rows; ++r, ahead.n = 0)
-            detail::attend_logits<1>(qs + r * dk, dk, key_rows[cur], tn, s + r * tile, ahead);
+            detail::attend_logits<1>(qs + r * dk, dk, key_rows[cur], k_scale, tn, s + r * tile, ahead);
           // 4. Online softmax: skip non-finite logits, mask, pad the tile to its full width with -inf, rescale,
           // exponentiate. A NaN or Inf logit (a non-finite key) is skipped like a masked slot, so one bad token
           // leaves the softmax over the others instead of turning the whole row into NaN.
@@ -604,12 +625,12 @@ struct Kernel<Attention, Cpu> {
           // scalar path that leaves out zero weights: the skipped token's value is usually as bad as its key, and
           // 0 x NaN would still be NaN.
           if (skipped) [[unlikely]] {
-            detail::attend_values_nonzero(s, value_rows[cur], tn, dv, o, rows);
+            detail::attend_values_nonzero(s, value_rows[cur], v_scale, tn, dv, o, rows);
           } else {
             for (r = 0; r + rg <= rows; r += rg)
-              detail::attend_values<rg>(s + r * tile, value_rows[cur], tn, dv, o + r * dv);
+              detail::attend_values<rg>(s + r * tile, value_rows[cur], v_scale, tn, dv, o + r * dv);
             for (; r < rows; ++r)
-              detail::attend_values<1>(s + r * tile, value_rows[cur], tn, dv, o + r * dv);
+              detail::attend_values<1>(s + r * tile, value_rows[cur], v_scale, tn, dv, o + r * dv);
           }
         }
 

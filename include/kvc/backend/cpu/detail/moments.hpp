@@ -33,7 +33,7 @@ template <class View>
 void load_rows(View const& view, Index b, Index h, Index const* slots, Index t0, Index count, Index dim,
                float* dst) noexcept {
   for (Index i = 0; i < count; ++i)
-    widen(view.row(b, h, slots ? slots[i] : t0 + i), dst + i * dim, dim);
+    widen(view.row(b, h, slots ? slots[i] : t0 + i), dst + i * dim, dim, view.scale(b, h));
 }
 
 /// One head's moments in fp32: a view of a float state, or a widened copy of a 16-bit one (`scratch`).

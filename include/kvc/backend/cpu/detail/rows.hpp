@@ -17,14 +17,15 @@ namespace kvc::detail {
 
 using FloatRow = Eigen::Map<Eigen::VectorXf const>;
 
-/// A float view of `dim` elements at `src`: a zero-copy map for float rows; 16-bit rows are widened into
-/// `scratch` (caller-owned, `dim` floats) by detail::widen (exact; the hardware conversion where compiled).
-template <class T>
-inline FloatRow float_row(T const* src, Index dim, float* scratch) noexcept {
-  if constexpr (std::is_same_v<std::remove_const_t<T>, float>) {
+/// A float view of `dim` elements at `src` under a view's scale (core/access.hpp): a zero-copy map for unscaled
+/// float rows; other rows are loaded into `scratch` (caller-owned, `dim` floats) by detail::widen (exact; the hardware
+/// conversion where compiled; then the scale's one product).
+template <class T, class S = Unit>
+inline FloatRow float_row(T const* src, Index dim, float* scratch, S scale = {}) noexcept {
+  if constexpr (std::is_same_v<std::remove_const_t<T>, float> && std::is_same_v<S, Unit>) {
     return FloatRow(src, dim);
   } else {
-    widen(src, scratch, dim);
+    widen(src, scratch, dim, scale);
     return FloatRow(scratch, dim);
   }
 }
@@ -34,41 +35,41 @@ inline FloatRow float_row(T const* src, Index dim, float* scratch) noexcept {
 inline constexpr Index reduce_lanes = 16;
 static_assert(reduce_lanes == 16, "f16c_lanes() (widen.hpp) holds the 16 lanes as two 8-wide vectors");
 
-/// sum_i a[i] * b[i] in fp32 with reduce_lanes partial sums; `a` may hold 16-bit elements, widened in registers
-/// (no scratch round trip).
-template <class T>
-inline float dot(T const* a, float const* b, Index dim) noexcept {
+/// sum_i a[i] * b[i] in fp32 with reduce_lanes partial sums; `a` may hold 16-bit or 8-bit elements under a view's
+/// scale (core/access.hpp), loaded in registers (no scratch round trip).
+template <class T, class S = Unit>
+inline float dot(T const* a, float const* b, Index dim, S scale = {}) noexcept {
   float acc[reduce_lanes] = {};
   Index i = 0;
-  if constexpr (hardware_lanes<T>) {  // fp16 widened by F16C, same lanes and order
-    i = f16c_lanes(a, b, dim, acc);
+  if constexpr (hardware_lanes<T>) {  // fp16 and fp8 widened by F16C, same lanes and order
+    i = f16c_lanes(a, b, dim, acc, scale);
   } else {
     for (; i + reduce_lanes <= dim; i += reduce_lanes)
       for (Index j = 0; j < reduce_lanes; ++j)
-        acc[j] += to_float(a[i + j]) * b[i + j];
+        acc[j] += load(a[i + j], scale) * b[i + j];
   }
   for (; i < dim; ++i)
-    acc[i % reduce_lanes] += to_float(a[i]) * b[i];
+    acc[i % reduce_lanes] += load(a[i], scale) * b[i];
   for (Index width = reduce_lanes / 2; width > 0; width /= 2)  // a tree: log2(16) dependent adds, not 16
     for (Index j = 0; j < width; ++j)
       acc[j] += acc[j + width];
   return acc[0];
 }
 
-/// sum_i a[i]^2 in fp32 (a may hold 16-bit elements, widened in registers).
-template <class T>
-inline float sum_squares(T const* a, Index dim) noexcept {
+/// sum_i a[i]^2 in fp32 (a may hold 16-bit or 8-bit elements under a view's scale, loaded in registers).
+template <class T, class S = Unit>
+inline float sum_squares(T const* a, Index dim, S scale = {}) noexcept {
   float acc[reduce_lanes] = {};
   Index i = 0;
   if constexpr (hardware_lanes<T>) {
-    i = f16c_lanes(a, nullptr, dim, acc);
+    i = f16c_lanes(a, nullptr, dim, acc, scale);
   } else {
     for (; i + reduce_lanes <= dim; i += reduce_lanes)
       for (Index j = 0; j < reduce_lanes; ++j)
-        acc[j] += to_float(a[i + j]) * to_float(a[i + j]);
+        acc[j] += load(a[i + j], scale) * load(a[i + j], scale);
   }
   for (; i < dim; ++i)
-    acc[i % reduce_lanes] += to_float(a[i]) * to_float(a[i]);
+    acc[i % reduce_lanes] += load(a[i], scale) * load(a[i], scale);
   for (Index width = reduce_lanes / 2; width > 0; width /= 2)
     for (Index j = 0; j < width; ++j)
       acc[j] += acc[j + width];
@@ -76,11 +77,11 @@ inline float sum_squares(T const* a, Index dim) noexcept {
 }
 
 /// sum_i a[i]^2 in fp64, in index order: the rare path for rows outside sum_squares_in_range().
-template <class T>
-inline double sum_squares_fp64(T const* a, Index dim) noexcept {
+template <class T, class S = Unit>
+inline double sum_squares_fp64(T const* a, Index dim, S scale = {}) noexcept {
   double acc = 0.0;
   for (Index i = 0; i < dim; ++i) {
-    double const x = to_float(a[i]);
+    double const x = load(a[i], scale);
     acc += x * x;
   }
   return acc;
@@ -90,23 +91,24 @@ inline double sum_squares_fp64(T const* a, Index dim) noexcept {
 struct DotSquares {
   double dot, squares;
 };
-template <class T>
-inline DotSquares dot_squares_fp64(T const* a, float const* b, Index dim) noexcept {
+template <class T, class S = Unit>
+inline DotSquares dot_squares_fp64(T const* a, float const* b, Index dim, S scale = {}) noexcept {
   DotSquares r{0.0, 0.0};
   for (Index i = 0; i < dim; ++i) {
-    double const x = to_float(a[i]);
+    double const x = load(a[i], scale);
     r.dot += x * b[i];
     r.squares += x * x;
   }
   return r;
 }
 
-/// Whether every element of a row is finite (no NaN, no Inf): |x| <= FLT_MAX is false for both.
-template <class T>
-inline bool all_finite(T const* a, Index dim) noexcept {
+/// Whether every element of a row (under its view's scale) is finite (no NaN, no Inf): |x| <= FLT_MAX is false for
+/// both.
+template <class T, class S = Unit>
+inline bool all_finite(T const* a, Index dim, S scale = {}) noexcept {
   bool finite = true;
   for (Index i = 0; i < dim; ++i)
-    finite = finite && std::abs(to_float(a[i])) <= std::numeric_limits<float>::max();
+    finite = finite && std::abs(load(a[i], scale)) <= std::numeric_limits<float>::max();
   return finite;
 }
 

@@ -139,7 +139,7 @@ void window_attention_columns(WindowQueries<T, HostSpace> const& wq, C const& ca
   // finite slots, so one bad token cannot turn every probability of the head into NaN.
   auto tile_logits = [&](Index t0, Index cols) {
     for (Index c = 0; c < cols; ++c) {  // widened copy even for fp32: measured faster than mapping rows in place
-      widen(cache.keys.row(b, h, t0 + c), tile + c * d, d);
+      widen(cache.keys.row(b, h, t0 + c), tile + c * d, d, cache.keys.scale(b, h));
     }
     Eigen::Map<RowMatrix const> const km(tile, cols, d);
     for (Index r0 = 0; r0 < rows; r0 += row_chunk) {  // both packed operands fit Eigen's stack buffers

@@ -12,13 +12,19 @@ namespace kvc {
 
 namespace detail {
 
-template <class Dst, class Src>
-inline void copy_row(Dst* dst, Src const* src, Index dim) noexcept {
-  if constexpr (std::is_same_v<std::remove_const_t<Src>, Dst>)
-    std::copy_n(src, dim, dst);
+/// Row t of head (b, h) of `src` into row `at` of `dst` (core/access.hpp's copy_elements: bytes when the types and
+/// scales match).
+template <class DstRows, class SrcRows>
+inline void copy_row(DstRows const& dst, Index at, SrcRows const& src, Index t, Index b, Index h) noexcept {
+  using Dst = typename DstRows::value_type;
+  using Src = typename SrcRows::value_type;
+  Dst* d = dst.row(b, h, at);
+  auto const* s = src.row(b, h, t);
+  Index const dim = dst.extents().dim;
+  if constexpr (std::is_same_v<Src, Dst> && !scaled_rows<DstRows> && !scaled_rows<SrcRows>)
+    std::copy_n(s, dim, d);
   else
-    for (Index i = 0; i < dim; ++i)
-      dst[i] = from_float<Dst>(to_float(src[i]));
+    copy_elements(d, dst.scale(b, h), s, src.scale(b, h), dim);
 }
 
 /// Checks that a per-sequence table can record `count(b, h)` (every head of a sequence equal); per-head or absent
@@ -91,7 +97,6 @@ struct Kernel<GatherStep, Cpu> {
   static Status run(Cpu const& cpu, KeepPlan<HostSpace> const& plan, Src const& src, Dst const& dst,
                     Carried const&... carried) {
     KVC_RETURN_IF_ERROR(validate_plan(plan, src));
-    KVExtents const dk = dst.keys.extents();
     for (Index b = 0; b < plan.batch; ++b)
       for (Index h = 0; h < plan.heads; ++h)
         if (plan.kept(b, h) > dst.capacity(b, h))
@@ -103,8 +108,8 @@ struct Kernel<GatherStep, Cpu> {
       Index const b = item / plan.heads, h = item % plan.heads;
       Index const* idx = plan.indices(b, h);
       for (Index j = 0; j < plan.kept(b, h); ++j) {
-        detail::copy_row(dst.keys.row(b, h, j), src.keys.row(b, h, idx[j]), dk.dim);
-        detail::copy_row(dst.values.row(b, h, j), src.values.row(b, h, idx[j]), dst.values.extents().dim);
+        detail::copy_row(dst.keys, j, src.keys, idx[j], b, h);
+        detail::copy_row(dst.values, j, src.values, idx[j], b, h);
         if (dst.positions)
           dst.position_ref(b, h, j) = src.position(b, h, idx[j]);
         ((carried.to(b, h, j) = carried.from(b, h, idx[j])), ...);
@@ -138,8 +143,8 @@ struct Kernel<AppendStep, Cpu> {
     detail::parallel_for(cpu, de.batch * de.heads, [&](Index item, Index) {
       Index const b = item / de.heads, h = item % de.heads, at = dst.length(b, h);
       for (Index j = 0; j < added(b, h); ++j) {
-        detail::copy_row(dst.keys.row(b, h, at + j), src.keys.row(b, h, begin + j), de.dim);
-        detail::copy_row(dst.values.row(b, h, at + j), src.values.row(b, h, begin + j), dst.values.extents().dim);
+        detail::copy_row(dst.keys, at + j, src.keys, begin + j, b, h);
+        detail::copy_row(dst.values, at + j, src.values, begin + j, b, h);
         if (dst.positions)
           dst.position_ref(b, h, at + j) = src.position(b, h, begin + j);
       }

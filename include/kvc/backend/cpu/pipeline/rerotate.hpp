@@ -38,12 +38,13 @@ struct Kernel<RerotateStep, Cpu> {
         if (from == j)
           continue;
         T* k = cache.keys.row(b, h, j);
+        auto const scale = cache.keys.scale(b, h);  // a scaled (fp8) key is rounded again under its scale
         for (Index i = 0; i < e.dim; ++i)
-          row[i] = to_float(k[i]);
+          row[i] = load(k[i], scale);
         table.rotate(row, from, /*inverse=*/true);
         table.rotate(row, j);
         for (Index i = 0; i < e.dim; ++i)
-          k[i] = from_float<T>(row[i]);
+          k[i] = store<T>(row[i], scale);
         if (cache.positions)
           cache.position_ref(b, h, j) = j;
       }

@@ -158,7 +158,7 @@ struct Kernel<ExpectedAttentionScorer, Cpu> {
       for (Index t0 = 0; t0 < n; t0 += t) {  // λ[lq, j] for the tile's keys
         Index const cols = std::min(t, n - t0);
         for (Index c = 0; c < cols; ++c)
-          detail::widen(cache.keys.row(b, h, t0 + c), ktile + c * d, d);
+          detail::widen(cache.keys.row(b, h, t0 + c), ktile + c * d, d, cache.keys.scale(b, h));
         Eigen::Map<RowMatrix const> const km(ktile, cols, d);
         Eigen::Map<RowMatrix> lm(lin, cols, g);
         lm.noalias() = km * mum.transpose();
@@ -205,7 +205,9 @@ struct Kernel<ExpectedAttentionScorer, Cpu> {
       }
       for (Index j = sink_end; j < n; ++j)  // the formula both backends share (scorers/expected_attention.hpp)
         score[j] = expected_attention_score(
-            s, g, score[j], s.use_vnorm ? std::sqrt(detail::sum_squares(cache.values.row(b, h, j), dv)) : 0.0f);
+            s, g, score[j],
+            s.use_vnorm ? std::sqrt(detail::sum_squares(cache.values.row(b, h, j), dv, cache.values.scale(b, h)))
+                        : 0.0f);
       std::fill(score, score + sink_end, neg_inf);  // set below, once every head is scored
     }));
 

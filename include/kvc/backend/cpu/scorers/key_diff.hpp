@@ -91,6 +91,7 @@ struct Kernel<KeyDiffScorer, Cpu> {
       double* total = carve.take<double>(e.dim);
       std::fill(total, total + e.dim, 0.0);
       Index skipped = 0;  // non-finite keys, left out of the anchor's mean
+      auto const scale = keys.scale(b, h);
       for (Index t0 = 0; t0 < n; t0 += block_tokens) {
         std::fill(block_sum, block_sum + e.dim, 0.0f);
         for (Index tile = t0; tile < std::min(n, t0 + block_tokens); tile += tile_rows) {
@@ -98,7 +99,7 @@ struct Kernel<KeyDiffScorer, Cpu> {
           float const* k[tile_rows];
           float weight[tile_rows];
           for (Index r = 0; r < rows; ++r) {
-            k[r] = detail::float_row(keys.row(b, h, tile + r), e.dim, scratch + r * e.dim).data();
+            k[r] = detail::float_row(keys.row(b, h, tile + r), e.dim, scratch + r * e.dim, scale).data();
             float const sq = detail::dot(k[r], k[r], e.dim);
             if (detail::sum_squares_in_range(sq)) [[likely]] {
               float const norm = std::sqrt(sq);
@@ -129,9 +130,9 @@ struct Kernel<KeyDiffScorer, Cpu> {
       for (Index t = 0; t < n; ++t) {
         auto const* row = keys.row(b, h, t);
         if (detail::norm_in_range(score[t])) [[likely]] {
-          score[t] = -detail::dot(row, anchor, e.dim) / (mu_norm * std::max(score[t], s.cosine_eps));
+          score[t] = -detail::dot(row, anchor, e.dim, scale) / (mu_norm * std::max(score[t], s.cosine_eps));
         } else {
-          auto const [dot, squares] = detail::dot_squares_fp64(row, anchor, e.dim);
+          auto const [dot, squares] = detail::dot_squares_fp64(row, anchor, e.dim, scale);
           score[t] =
               std::isfinite(squares)  // a NaN or Inf key has no direction: evicted first
                   ? static_cast<float>(-dot / (double{mu_norm} * std::max(std::sqrt(squares), double{s.cosine_eps})))

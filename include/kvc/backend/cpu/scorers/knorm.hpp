@@ -31,13 +31,14 @@ struct Kernel<KnormScorer, Cpu> {
     auto const& keys = cache.keys;
     Index const dim = keys.extents().dim;
     return detail::for_each_head(cpu, out, [&](Index b, Index h, Index n, float* score, Index) {
+      auto const scale = keys.scale(b, h);
       for (Index t = 0; t < n; ++t) {
-        float const sq = detail::sum_squares(keys.row(b, h, t), dim);
+        float const sq = detail::sum_squares(keys.row(b, h, t), dim, scale);
         score[t] = detail::sum_squares_in_range(sq) ? -std::sqrt(sq) : 1.0f;  // every real score is <= 0
       }
       for (Index t = 0; t < n; ++t)
         if (score[t] > 0.0f) [[unlikely]] {  // an Inf key's norm is +inf; a NaN key is given one too (not NaN)
-          double const sq = detail::sum_squares_fp64(keys.row(b, h, t), dim);
+          double const sq = detail::sum_squares_fp64(keys.row(b, h, t), dim, scale);
           score[t] = std::isnan(sq) ? -std::numeric_limits<float>::infinity() : -static_cast<float>(std::sqrt(sq));
         }
     });

@@ -275,7 +275,8 @@ struct Kernel<MomentKVScorer<HostSpace, T>, Cpu> {
         ++evicted;
         // A row with a NaN or Inf element is dropped, not folded: it would make the head's moments (and so every
         // later score and corrected output of the head) NaN.
-        if (detail::all_finite(cache.keys.row(b, h, t), dk) && detail::all_finite(cache.values.row(b, h, t), dv))
+        if (detail::all_finite(cache.keys.row(b, h, t), dk, cache.keys.scale(b, h)) &&
+            detail::all_finite(cache.values.row(b, h, t), dv, cache.values.scale(b, h)))
           slots[m++] = t;
       }
     }
@@ -358,9 +359,10 @@ struct Kernel<MomentKVScorer<HostSpace, T>, Cpu> {
       float const w = static_cast<float>(n_a) / static_cast<float>(n_a + 1);
       for (Index j = 0; j < kept; ++j) {
         auto const* k = cache.keys.row(b, h, keep[j]);
+        auto const k_scale = cache.keys.scale(b, h);
         float dot = 0.0f;  // (k* − k̄_a)ᵀ k_j
         for (Index c = 0; c < dk; ++c)
-          dot += (k_star[c] - old_kmean[c]) * to_float(k[c]);
+          dot += (k_star[c] - old_kmean[c]) * load(k[c], k_scale);
         float* u = s.residuals.rows.row(b, h, keep[j]);
         float const coef = w * dot;
         for (Index a = 0; a < dv; ++a)

@@ -133,7 +133,7 @@ struct Kernel<RDKVTokenScorer, Cpu> {
             qrow[c] *= scale;
           float peak = -std::numeric_limits<float>::infinity();
           for (Index j = 0; j < m; ++j) {  // a NaN or Inf logit (a non-finite key) gets probability 0
-            float const x = detail::dot(cache.keys.row(b, h, j), qrow, e.dim);
+            float const x = detail::dot(cache.keys.row(b, h, j), qrow, e.dim, cache.keys.scale(b, h));
             prob[j] = std::abs(x) <= std::numeric_limits<float>::max() ? x : -std::numeric_limits<float>::infinity();
             peak = std::max(peak, prob[j]);
           }
@@ -156,12 +156,13 @@ struct Kernel<RDKVTokenScorer, Cpu> {
       detail::reflect_avg_pool(acc, n, s.kernel_size, score);
       for (Index j = 0; j < n; ++j) {  // times d_v · sigma_j² (population variance, two passes in fp64)
         auto const* v = cache.values.row(b, h, j);
+        auto const v_scale = cache.values.scale(b, h);
         double mean = 0.0, var = 0.0;
         for (Index c = 0; c < dv; ++c)
-          mean += static_cast<double>(to_float(v[c]));
+          mean += static_cast<double>(load(v[c], v_scale));
         mean = dv > 0 ? mean / static_cast<double>(dv) : 0.0;
         for (Index c = 0; c < dv; ++c) {
-          double const x = static_cast<double>(to_float(v[c])) - mean;
+          double const x = static_cast<double>(load(v[c], v_scale)) - mean;
           var += x * x;
         }
         score[j] = static_cast<float>(static_cast<double>(score[j]) * var);  // d_v · (var / d_v)
@@ -220,11 +221,12 @@ struct Kernel<ThinKChannelScorer, Cpu> {
       Index finite = 0;  // a key with a NaN or Inf element is left out of the mean (it would poison every channel)
       for (Index j = 0; j < n; ++j) {
         auto const* k = cache.keys.row(b, h, j);
-        if (!detail::all_finite(k, d))
+        auto const k_scale = cache.keys.scale(b, h);
+        if (!detail::all_finite(k, d, k_scale))
           continue;
         ++finite;
         for (Index c = 0; c < d; ++c) {
-          double const x = static_cast<double>(to_float(k[c]));
+          double const x = static_cast<double>(load(k[c], k_scale));
           ksq[c] += x * x;
         }
       }
