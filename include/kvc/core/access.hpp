@@ -43,13 +43,11 @@ KVC_HOST_DEVICE constexpr bool same_scale(float a, Unit) noexcept {
 
 /// Access of float, half and bfloat16 views: value = to_float(stored).
 struct PlainAccess {
-  static constexpr bool scaled = false;
   KVC_HOST_DEVICE static constexpr Unit scale(Index, Index) noexcept { return {}; }
 };
 
 /// Access of fp8 views: value = to_float(stored) * scale(b, h). The scales are fp32 in the view's memory space.
 struct ScaledAccess {
-  static constexpr bool scaled = true;
   float value = 1.0f;            ///< the per-tensor scale, used when `table` is null (1: uncalibrated, as vLLM)
   float const* table = nullptr;  ///< per-head scales: table[b * batch_stride + h]
   Index batch_stride = 0;  ///< 0: one scale per KV head ([heads]); heads: per (sequence, KV head) ([batch, heads])

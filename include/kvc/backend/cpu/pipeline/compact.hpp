@@ -16,15 +16,7 @@ namespace detail {
 /// scales match).
 template <class DstRows, class SrcRows>
 inline void copy_row(DstRows const& dst, Index at, SrcRows const& src, Index t, Index b, Index h) noexcept {
-  using Dst = typename DstRows::value_type;
-  using Src = typename SrcRows::value_type;
-  Dst* d = dst.row(b, h, at);
-  auto const* s = src.row(b, h, t);
-  Index const dim = dst.extents().dim;
-  if constexpr (std::is_same_v<Src, Dst> && !scaled_rows<DstRows> && !scaled_rows<SrcRows>)
-    std::copy_n(s, dim, d);
-  else
-    copy_elements(d, dst.scale(b, h), s, src.scale(b, h), dim);
+  copy_elements(dst.row(b, h, at), dst.scale(b, h), src.row(b, h, t), src.scale(b, h), dst.extents().dim);
 }
 
 /// Checks that a per-sequence table can record `count(b, h)` (every head of a sequence equal); per-head or absent
