@@ -1,17 +1,15 @@
 // SPDX-License-Identifier: Apache-2.0
 // tests/core/widen_test.cpp: 16-bit -> fp32 widening on the CPU is exact on whichever path this translation unit
 // compiled: the portable one (default flags) or the hardware ones (tests/CMakeLists.txt builds this file again as
-// kvc.core.widen_f16c with -mf16c -mavx and as kvc.core.widen_avx512 with -mf16c -mfma -mavx512f, and checks that the
-// F16C path was really taken).
+// kvc.core.widen_f16c with -mf16c -mavx, kvc.core.widen_avx2 with -mavx2 -mfma too and kvc.core.widen_avx512 with
+// -mavx512f too, and checks that the F16C path was really taken).
 #include <kvc/backend/cpu/detail/rows.hpp>
 #include <kvc/backend/cpu/detail/widen.hpp>
 
 #include "support/catch.hpp"
+#include "support/instructions.hpp"
 
 #include <cmath>
-#ifdef KVC_EXPECT_F16_CONVERSION
-#  include <cpuid.h>
-#endif
 #include <cstdint>
 #include <cstring>
 #include <string_view>
@@ -38,34 +36,7 @@ double half_value(std::uint16_t h) {
   return sign * std::ldexp(1024 + mantissa, exponent - 25);
 }
 
-/// Why this CPU cannot run the instructions this translation unit was built for ("" when it can). Every test case
-/// asks first: the hardware builds (-mf16c, -mavx512f) may use those instructions anywhere in a test's body.
-std::string_view missing_instructions() {
-#ifdef KVC_EXPECT_F16_CONVERSION
-  unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;  // CPUID leaf 1: ECX bit 28 AVX, bit 29 F16C
-  if (!__get_cpuid(1, &eax, &ebx, &ecx, &edx) || !(ecx & (1u << 28)) || !(ecx & (1u << 29)))
-    return "SKIPPED: this CPU has no F16C";
-#  ifdef __FMA__  // CPUID leaf 1: ECX bit 12
-  if (!(ecx & (1u << 12)))
-    return "SKIPPED: this CPU has no FMA";
-#  endif
-#  ifdef __AVX512F__  // the 16-wide conversion: CPUID leaf 7, EBX bit 16
-  if (!__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx) || !(ebx & (1u << 16)))
-    return "SKIPPED: this CPU has no AVX-512";
-#  endif
-#endif
-  return {};
-}
-
 }  // namespace
-
-#define KVC_SKIP_WITHOUT_INSTRUCTIONS()                          \
-  do {                                                           \
-    if (auto const why = missing_instructions(); !why.empty()) { \
-      WARN(why);                                                 \
-      return;                                                    \
-    }                                                            \
-  } while (false)
 
 TEST_CASE("widen: every binary16 pattern widens to its exact value", "[core][widen]") {
   KVC_SKIP_WITHOUT_INSTRUCTIONS();
@@ -146,6 +117,38 @@ TEST_CASE("widen: every fp8 byte widens to element.hpp's exact value, and dot an
     }
     CHECK(kvc::detail::dot(a.data(), b.data(), 45, scale) == static_cast<float>(dot));
     CHECK(kvc::detail::sum_squares(a.data(), 45, scale) == static_cast<float>(squares));
+
+    // Every byte through the reductions' lanes (in lane byte % 16 of a block of 16, the others zero; against a
+    // one-hot row for dot), under scales that make E4M3's folded 2^8 matter: not a power of two, subnormal, and one
+    // whose product with 2^8 overflows (the reductions then read the elements one at a time). Each must be
+    // load(byte, scale), one rounding of the exact product (== compares values exactly; -0 sums to +0), NaN for NaN.
+    for (float const s : {0.3f, 3e-39f, 0x1p120f}) {
+      std::vector<float> scaled(all.size());
+      kvc::detail::widen(all.data(), scaled.data(), static_cast<Index>(all.size()), s);
+      Index wrong = 0;
+      for (std::size_t i = 0; i < all.size(); ++i) {
+        float const expected = kvc::load(all[i], s);
+        wrong += (std::isnan(expected) ? std::isnan(scaled[i]) : bits_of(scaled[i]) == bits_of(expected)) ? 0 : 1;
+      }
+      CHECK(wrong == 0);
+      for (std::uint32_t byte = 0; byte < 256; ++byte) {
+        INFO("byte " << byte << " scale " << s);
+        std::vector<T> row(16, T::from_bits(0));
+        row[byte % 16] = T::from_bits(static_cast<std::uint8_t>(byte));
+        std::vector<float> one_hot(16, 0.0f);
+        one_hot[byte % 16] = 1.0f;
+        float const expected = kvc::load(row[byte % 16], s);
+        float const got = kvc::detail::dot(row.data(), one_hot.data(), 16, s);
+        float const squared = kvc::detail::sum_squares(row.data(), 16, s);
+        if (std::isnan(expected)) {
+          CHECK(std::isnan(got));
+          CHECK(std::isnan(squared));
+        } else {
+          CHECK(got == expected);
+          CHECK(squared == expected * expected);
+        }
+      }
+    }
   };
   check(kvc::float8_e4m3{});
   check(kvc::float8_e5m2{});

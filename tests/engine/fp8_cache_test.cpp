@@ -3,7 +3,8 @@
 // scale per (sequence, KV head)) read through its view's accessor by every policy's engine session (scorers,
 // selection, compaction, append, attention, decode-time compression, packing) gives exactly what the same session
 // gives on the dequantised fp32 cache: the same kept tokens, the same attention outputs bit for bit; and every scorer's
-// scores equal bit for bit (the sessions alone would miss a scale a policy's ranking does not depend on).
+// scores equal bit for bit (the sessions alone would miss a scale a policy's ranking does not depend on). Built again
+// with F16C + AVX2 and with AVX-512 (tests/CMakeLists.txt), whose kernels read fp8 through the hardware paths.
 #include <kvc/backend/cpu/attention/attend.hpp>
 #include <kvc/backend/cpu/attention/corrected.hpp>
 #include <kvc/backend/cpu/attention/merge.hpp>
@@ -32,8 +33,10 @@
 #include "support/catch.hpp"
 #include "support/compressor_scenario.hpp"
 #include "support/helpers.hpp"
+#include "support/instructions.hpp"
 
 #include <string>
+#include <string_view>
 #include <vector>
 
 using kvc::Index;
@@ -155,15 +158,21 @@ void check_scores_equal_dequantised(CacheFormat format) {
 }  // namespace
 
 TEST_CASE("fp8 caches: every scorer's scores equal the dequantised fp32 cache's", "[engine][fp8]") {
+  KVC_SKIP_WITHOUT_INSTRUCTIONS();
+#if defined(KVC_EXPECT_F16_CONVERSION)  // a hardware build: its kernels really took the F16C path
+  REQUIRE(std::string_view(kvc::detail::f16_conversion) == KVC_EXPECT_F16_CONVERSION);
+#endif
   check_scores_equal_dequantised<kvc::float8_e4m3>(CacheFormat::e4m3);
   check_scores_equal_dequantised<kvc::float8_e5m2>(CacheFormat::e5m2);
 }
 
 TEST_CASE("fp8 caches: every policy's session equals the dequantised fp32 cache's (E4M3)", "[engine][fp8]") {
+  KVC_SKIP_WITHOUT_INSTRUCTIONS();
   check_equals_dequantised<kvc::float8_e4m3>(CacheFormat::e4m3);
 }
 
 TEST_CASE("fp8 caches: every policy's session equals the dequantised fp32 cache's (E5M2)", "[engine][fp8]") {
+  KVC_SKIP_WITHOUT_INSTRUCTIONS();
   check_equals_dequantised<kvc::float8_e5m2>(CacheFormat::e5m2);
 }
 
@@ -225,6 +234,7 @@ std::vector<float> attention(CacheFormat format) {
 }  // namespace
 
 TEST_CASE("fp8 caches: attention over GQA groups and partial lanes equals the dequantised cache's", "[engine][fp8]") {
+  KVC_SKIP_WITHOUT_INSTRUCTIONS();
   CHECK(attention<kvc::float8_e4m3>(CacheFormat::e4m3) == attention<float>(CacheFormat::e4m3));
   CHECK(attention<kvc::float8_e5m2>(CacheFormat::e5m2) == attention<float>(CacheFormat::e5m2));
   CHECK(attention<float>(CacheFormat::e4m3) != attention<float>(CacheFormat::fp32));
@@ -232,6 +242,7 @@ TEST_CASE("fp8 caches: attention over GQA groups and partial lanes equals the de
 
 TEST_CASE("fp8 caches: gather and append move bytes between fp8 views, and dequantise into fp32 ones",
           "[engine][fp8]") {
+  KVC_SKIP_WITHOUT_INSTRUCTIONS();
   using F8 = kvc::float8_e4m3;
   kvc::KVExtents const e{2, 2, 20, 16};
   HashCache<F8> src(CacheFormat::e4m3, e, 16, {20, 11, 7, 20});

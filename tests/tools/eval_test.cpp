@@ -69,6 +69,14 @@ RunOptions options_for(std::vector<std::string> const& names, std::vector<double
   return o;
 }
 
+Record const& record_of(std::vector<Record> const& records, std::string const& policy, double ratio) {
+  for (Record const& r : records)
+    if (r.policy == policy && r.ratio == ratio)
+      return r;
+  FAIL("no record " << policy << " at " << ratio);
+  return records.front();
+}
+
 /// A row `scorer+allocators` with `given` parameters (as kvc-eval's --policies and --param build it).
 PolicyRun allocator_run(std::string const& scorer, std::string const& allocators,
                         std::vector<std::string> const& given = {}) {
@@ -572,6 +580,46 @@ TEST_CASE("an fp16 cache moves the numbers by what its rounding implies") {
   CHECK(std::abs(f16[0].perplexity - f32[0].perplexity) <= 1e-4 * f32[0].perplexity);  // measured 1.5e-5
 }
 
+TEST_CASE("fp8 caches: half the bytes of fp16, their own full cache is exact at ratio 0, the quantisation's KL") {
+  if (!have(tinystories))
+    return;
+  Model const model = load(tinystories);
+  auto const fp16 = CacheOptions{CacheType::f16, CacheLayout::dense};
+  std::vector<std::vector<std::int32_t>> const samples{sample_tokens(model, fp16, 65, 1, 21, {1, 2})};
+  double kl[2] = {};
+  for (CacheType type : {CacheType::f8_e4m3, CacheType::f8_e5m2})
+    for (CacheLayout layout : {CacheLayout::dense, CacheLayout::paged}) {
+      INFO(cache_type_name(type) << (layout == CacheLayout::dense ? " dense" : " paged"));
+      // Every engine path on an fp8 cache: uniform, ragged (AdaKV), MomentKV's moments, packed (RDKV, KIVI).
+      RunOptions opts = options_for({"streaming_llm", "snap_kv", "h2o", "expected_attention", "moment_kv", "rdkv"},
+                                    {0.0, 0.5}, {type, layout});
+      opts.policies.push_back(allocator_run("key_diff", "ada_kv"));
+      auto const own = evaluate(model, opts, samples);
+      for (Record const& r : own) {
+        INFO(r.policy << " at " << r.ratio);
+        CHECK(std::isfinite(r.kl));
+        CHECK(std::isfinite(r.perplexity));
+        if (r.ratio == 0.0 && r.policy != "rdkv")  // rdkv packs at 16 bits: not the fp8 values
+          CHECK(r.kl == 0.0);
+        if (r.ratio > 0.0)
+          CHECK(r.kl > 0.0);
+      }
+      // 2 layers x 4 KV heads x 48 prompt tokens x (K + V) x d 16, one byte each; at 0.5, 24 tokens.
+      Record const& full = record_of(own, "streaming_llm", 0.0);
+      CHECK(full.kv_bytes == 2 * 4 * 48 * 2 * 16);
+      CHECK(record_of(own, "streaming_llm", 0.5).kv_bytes == 2 * 4 * 24 * 2 * 16);
+      // Against a full fp16 cache: ratio 0 measures the quantisation alone, twice the bytes in the reference.
+      opts.reference_type = CacheType::f16;
+      auto const against_fp16 = evaluate(model, opts, samples);
+      Record const& q = record_of(against_fp16, "streaming_llm", 0.0);
+      CHECK(q.kv_bytes_full == 2 * full.kv_bytes);
+      CHECK(q.kl > 0.0);
+      CHECK(q.kl < 0.05);
+      kl[type == CacheType::f8_e5m2] = q.kl;
+    }
+  CHECK(kl[1] > kl[0]);  // E5M2 keeps 2 mantissa bits, E4M3 3: four times the squared rounding error
+}
+
 TEST_CASE("a llama2.c checkpoint runs through the same engine, and compression at ratio 0 changes nothing") {
   if (!have(stories260k))
     return;
@@ -606,7 +654,8 @@ TEST_CASE("results.json holds every field docs/eval.md lists") {
   r.samples = 4;
   auto const& info = kvc::tools::find_policy("snap_kv");
   std::vector<PolicyRun> const runs{{&info, kvc::tools::resolve_params(info, {}, true)}};
-  std::string const text = results_json({r}, runs, RunInfo{"m\"odel", "fp16", "dense", 256, 64, 7, "sampled"});
+  std::string const text =
+      results_json({r}, runs, RunInfo{"m\"odel", "fp8_e4m3", "fp16", "dense", 256, 64, 7, "sampled"});
   kvc::json::Value v;
   std::string error;
   REQUIRE(kvc::json::parse(text, v, error));
@@ -632,10 +681,13 @@ TEST_CASE("results.json holds every field docs/eval.md lists") {
                             "params",
                             "model",
                             "cache",
+                            "reference_cache",
                             "layout"})
     CHECK(rec.find(field) != nullptr);
   CHECK(rec.find("kl")->as_double() == 0.125);
   CHECK(rec.find("model")->as_string() == "m\"odel");
+  CHECK(rec.find("cache")->as_string() == "fp8_e4m3");
+  CHECK(rec.find("reference_cache")->as_string() == "fp16");
   CHECK(rec.find("layer_error")->items()[1].is_null());  // NaN is not JSON: null
   CHECK(results_csv({r}).rfind(
             "policy,ratio,kl,top1,perplexity,perplexity_full,kv_bytes,kv_bytes_full,seconds,"
@@ -1580,18 +1632,6 @@ TEST_CASE("uncomp's stage variant: hidden states pruned at stage boundaries keep
 // ---------------------------------------------------------------------------------------------------------------
 // RDKV and KIVI rows: the packed compressor's store (kvc::pack_into) attended by kvc::attend_packed, merged with
 // the fp16 tail.
-
-namespace {
-
-Record const& record_of(std::vector<Record> const& records, std::string const& policy, double ratio) {
-  for (Record const& r : records)
-    if (r.policy == policy && r.ratio == ratio)
-      return r;
-  FAIL("no record " << policy << " at " << ratio);
-  return records.front();
-}
-
-}  // namespace
 
 TEST_CASE("rdkv rows: ratio 0 is lossless through the packed path, and the payload fits the eviction rows' memory") {
   if (!have(tinystories))

@@ -17,10 +17,11 @@ template <class T>
 struct HostRaggedStore {
   Index batch = 0, heads = 0, dim = 0, dim_v = 0;
   RaggedShape shape;
-  std::vector<Index> offsets;    ///< [batch * heads + 1]
-  std::vector<Index> lengths;    ///< [batch, heads], valid tokens
-  std::vector<Index> positions;  ///< [shape.rows], one per row
-  std::vector<T> k, v;           ///< [shape.rows, dim], [shape.rows, dim_v]
+  std::vector<Index> offsets;                ///< [batch * heads + 1]
+  std::vector<Index> lengths;                ///< [batch, heads], valid tokens
+  std::vector<Index> positions;              ///< [shape.rows], one per row
+  std::vector<T> k, v;                       ///< [shape.rows, dim], [shape.rows, dim_v]
+  default_access<T> k_access{}, v_access{};  ///< fp8: the scales of the cache the store holds (appends move bytes)
 
   HostRaggedStore() = default;
   /// Head i = b * heads + h gets room for counts[i] + reserve tokens; every head starts empty.
@@ -42,12 +43,12 @@ struct HostRaggedStore {
 
   auto view() {
     return ragged_cache(k.data(), v.data(), batch, heads, dim, dim_v, shape, offsets.data(),
-                        head_lengths(lengths.data(), heads), positions.data());
+                        head_lengths(lengths.data(), heads), positions.data(), k_access, v_access);
   }
   auto view() const {
     return ragged_cache(static_cast<T const*>(k.data()), static_cast<T const*>(v.data()), batch, heads, dim, dim_v,
                         shape, offsets.data(), head_lengths(const_cast<Index*>(lengths.data()), heads),
-                        const_cast<Index*>(positions.data()));
+                        const_cast<Index*>(positions.data()), k_access, v_access);
   }
 };
 
@@ -56,6 +57,8 @@ struct HostRaggedStore {
 template <class T>
 HostRaggedStore<T> relayout(HostRaggedStore<T>& store, Index reserve) {
   HostRaggedStore<T> out(store.batch, store.heads, store.dim, store.dim_v, store.lengths.data(), reserve);
+  out.k_access = store.k_access;
+  out.v_access = store.v_access;
   if (auto const st = append(Cpu{}, out.view(), store.view()); !st.ok())
     throw std::logic_error(std::string("kvc: ragged re-layout failed: ") + st.message());
   return out;

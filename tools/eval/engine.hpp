@@ -6,8 +6,10 @@
 // last forward call's pre-RoPE queries handed to it with their positions (rotated by a RopeTable built by
 // kvc::fill_rope_table).
 //
-// One sequence (batch 1). Storage fp32, fp16 or bf16; layout dense ([Hkv, capacity, d] per layer, the Hugging Face
-// cache) or paged (vLLM-style NHD pages of 16 tokens found through a block table whose page order is reversed, so
+// One sequence (batch 1). Storage fp32, fp16, bf16 or fp8 (E4M3, E5M2: per-layer K and V scales, vLLM's k_scale and
+// v_scale, set at the layer's first forward call to the amax of its K (V) over the format's largest finite value, and
+// fixed from then on: later tokens beyond that amax saturate); layout dense ([Hkv, capacity, d] per layer, the Hugging
+// Face cache) or paged (vLLM-style NHD pages of 16 tokens found through a block table whose page order is reversed, so
 // that a layout bug cannot hide behind contiguous pages). Activations and attention accumulate in fp32.
 //
 // After the prompt (compress): each layer's compressor of a kvc::Press{scorer, selection} runs prefill() in place on
@@ -83,7 +85,7 @@ namespace kvc::eval {
 
 using RowMatrix = Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
 
-enum class CacheType : std::uint8_t { f32, f16, bf16 };
+enum class CacheType : std::uint8_t { f32, f16, bf16, f8_e4m3, f8_e5m2 };
 enum class CacheLayout : std::uint8_t { dense, paged };
 
 struct CacheOptions {
@@ -93,7 +95,14 @@ struct CacheOptions {
 };
 
 inline char const* cache_type_name(CacheType t) noexcept {
-  return t == CacheType::f32 ? "fp32" : (t == CacheType::f16 ? "fp16" : "bf16");
+  switch (t) {
+    case CacheType::f32: return "fp32";
+    case CacheType::f16: return "fp16";
+    case CacheType::bf16: return "bf16";
+    case CacheType::f8_e4m3: return "fp8_e4m3";
+    case CacheType::f8_e5m2: return "fp8_e5m2";
+  }
+  return "?";
 }
 
 /// One layer's projections of the tokens of a forward call, head-major as a Hugging Face dump: keys and values
@@ -372,6 +381,9 @@ class Engine final : public Session {
           make_cache(TokenRows<float const, StridedLayout>(expanded ? kx_.data() : k_.data(), bthd_layout(new_ext)),
                      TokenRows<float const, StridedLayout>(expanded ? vx_.data() : v_.data(), bthd_layout(new_ext)),
                      Lengths{}, expanded ? src_positions_x_.data() : src_positions_.data());
+      if constexpr (is_fp8<T>)
+        if (!layer.scaled)  // the prompt's call: the layer's scales (see the file comment)
+          set_scales(layer);
       make_room(layer, n);
       AttendQueries<float> const queries{TokenRows<float const, StridedLayout>(q_.data(), bthd_layout({1, hq, n, d})),
                                          positions_.data()};
@@ -650,6 +662,8 @@ class Engine final : public Session {
 
   struct Layer {
     std::vector<T> k, v;                             // dense: [Hkv, capacity, d]; paged: pool [pages, page, Hkv, d]
+    default_access<T> k_access{}, v_access{};        // fp8: the layer's K and V scales (tensor_scale)
+    bool scaled = false;                             // fp8: the scales are set (at the first forward call)
     std::vector<Index> lengths;                      // [Hkv] valid tokens
     std::vector<Index> positions;                    // [Hkv, capacity] absolute position of each slot
     RowMatrix queries;                               // the last forward call's pre-RoPE queries [n, Hq * d]
@@ -726,8 +740,8 @@ class Engine final : public Session {
   template <class P>
   Status start_compressor(LayerCompressor<P, Cpu>& c, std::vector<std::byte>& state, Index heads, std::size_t li) {
     ModelConfig const& mc = model_->config;
-    auto const shape = dense_cache(static_cast<T*>(nullptr), static_cast<T*>(nullptr),
-                                   KVExtents{1, heads, 2 * capacity_, ext_.dim});  // extents only: nothing is read
+    auto const shape = dense_view(layers_[li], nullptr, nullptr, KVExtents{1, heads, 2 * capacity_, ext_.dim}, {},
+                                  nullptr);  // extents only: nothing is read
     Index const rows = static_cast<Index>(layers_[li].query_positions.size());
     KVC_RETURN_IF_ERROR(c.plan(shape, QueryShape{mc.heads, rows, 1, 1}));
     state.resize(c.state_bytes());
@@ -764,11 +778,31 @@ class Engine final : public Session {
     if constexpr (Paged) {
       Index const pages = static_cast<Index>(block_table_.size());
       auto const layout = paged_layout(ext_, options_.page_size, PageOrder::nhd, block_table_.data(), pages, pages);
-      return make_cache(TokenRows<T, PagedLayout>(l.k.data(), layout), TokenRows<T, PagedLayout>(l.v.data(), layout),
+      return make_cache(TokenRows<T, PagedLayout>(l.k.data(), layout, l.k_access),
+                        TokenRows<T, PagedLayout>(l.v.data(), layout, l.v_access),
                         head_lengths(l.lengths.data(), ext_.heads), l.positions.data());
     } else {
-      return dense_cache(l.k.data(), l.v.data(), ext_, head_lengths(l.lengths.data(), ext_.heads), l.positions.data());
+      return dense_view(l, l.k.data(), l.v.data(), ext_, head_lengths(l.lengths.data(), ext_.heads),
+                        l.positions.data());
     }
+  }
+  /// A dense BHTD cache over K and V rows of element type T read with layer l's accessors (its fp8 scales).
+  static auto dense_view(Layer const& l, T* k, T* v, KVExtents e, Lengths lengths, Index* positions) {
+    return make_cache(TokenRows<T, StridedLayout>(k, bhtd_layout(e), l.k_access),
+                      TokenRows<T, StridedLayout>(v, bhtd_layout(e), l.v_access), lengths, positions);
+  }
+
+  /// fp8: layer l's K and V scales from this forward call's K and V (k_, v_, post-RoPE): amax over the format's
+  /// largest finite value, so that no value of the call saturates (1 when the amax is 0 or not finite).
+  void set_scales(Layer& l) const {
+    constexpr float largest = std::is_same_v<T, float8_e4m3> ? 448.0f : 57344.0f;  // docs/fp8.md, "Formats"
+    auto const scale = [&](RowMatrix const& x) {
+      float const amax = x.size() > 0 ? x.cwiseAbs().maxCoeff() : 0.0f;
+      return amax > 0.0f && std::isfinite(amax) ? amax / largest : 1.0f;
+    };
+    l.k_access = tensor_scale(scale(k_));
+    l.v_access = tensor_scale(scale(v_));
+    l.scaled = true;
   }
   auto view(Layer& l) const { return const_cast<Engine*>(this)->view(l); }
 
@@ -822,6 +856,8 @@ class Engine final : public Session {
   template <class Cache>
   Status to_ragged(Layer& l, Cache const& cache) {
     tools::HostRaggedStore<T> store(1, cache.keys.extents().heads, ext_.dim, ext_.dim, cache.lengths.data, reserve_);
+    store.k_access = l.k_access;  // the same scales: the tokens move as bytes
+    store.v_access = l.v_access;
     KVC_RETURN_IF_ERROR(append(Cpu{}, store.view(), cache));
     adopt(l, std::move(store));
     return {};
@@ -1021,7 +1057,7 @@ class Engine final : public Session {
             xpos[static_cast<std::size_t>(h * n + t)] = slot_position(static_cast<Index>(li), h / g, t);
           }
         }
-        status = run(dense_cache(xk.data(), xv.data(), xe, head_lengths(xlen.data(), heads), xpos.data()));
+        status = run(dense_view(layer, xk.data(), xv.data(), xe, head_lengths(xlen.data(), heads), xpos.data()));
       }
       if (decode)
         decode->layers.push_back(std::move(l));
@@ -1146,6 +1182,8 @@ inline std::unique_ptr<Session> make_session(Model const& model, CacheOptions co
     case CacheType::f32: return detail::make_typed<float>(model, options, capacity);
     case CacheType::f16: return detail::make_typed<half>(model, options, capacity);
     case CacheType::bf16: return detail::make_typed<bfloat16>(model, options, capacity);
+    case CacheType::f8_e4m3: return detail::make_typed<float8_e4m3>(model, options, capacity);
+    case CacheType::f8_e5m2: return detail::make_typed<float8_e5m2>(model, options, capacity);
   }
   return nullptr;
 }

@@ -2,7 +2,7 @@
 // tools/eval/main.cpp: `kvc-eval`, what each policy costs and preserves on a real model (docs/eval.md).
 //
 //   kvc-eval run    --model DIR --out-dir D [--policies a,b] [--ratios r,...] [--prompt-tokens N] [--decode ...]
-//                   [--continuation M] [--samples S] [--seed X] [--prompt-file F] [--cache fp16|bf16|fp32]
+//                   [--continuation M] [--samples S] [--seed X] [--prompt-file F] [--cache TYPE]
 //                   [--layout dense|paged] [--param POLICY.NAME=VALUE]... [--show POLICY@RATIO] [--generate G]
 //   kvc-eval logits --model DIR --tokens T.npy --out L.npy [--cache ...] [--layout ...]
 //   kvc-eval dump   --model DIR --tokens T.npy --out-dir D
@@ -55,12 +55,13 @@ using kvc::tools::fail;
 constexpr char usage_text[] =
     "usage:\n"
     "  kvc-eval run    --model DIR --out-dir D [--policies P[+ALLOC],...] [--ratios R,...] [--prompt-tokens N]\n"
-    "                  [--continuation M] [--samples S] [--seed X] [--prompt-file TEXT] [--cache fp16|bf16|fp32]\n"
+    "                  [--continuation M] [--samples S] [--seed X] [--prompt-file TEXT] [--cache TYPE]\n"
     "                  [--layout dense|paged] [--schedule prefill] [--param POLICY.NAME=VALUE]...\n"
     "                  [--show POLICY@RATIO] [--generate G] [--no-progress] [--calibration calib.json]\n"
+    "                  [--reference-cache TYPE] (the full cache KL is measured against; default: --cache)\n"
     "  kvc-eval run    ... --decode interval=I,target=T[,buffer=B][,relayout=fill|compress] [--show POLICY]\n"
     "                  (no --ratios: compression while decoding the continuation, every I tokens back to T per head)\n"
-    "  kvc-eval logits --model DIR --tokens T.npy --out L.npy [--cache fp32|fp16|bf16] [--layout dense|paged]\n"
+    "  kvc-eval logits --model DIR --tokens T.npy --out L.npy [--cache TYPE] [--layout dense|paged]\n"
     "  kvc-eval dump   --model DIR --tokens T.npy --out-dir D\n"
     "  kvc-eval correction --model DIR [--policies ROW,...] [--ratios R,...] [--prompt-tokens N] [--continuation M]\n"
     "                  [--samples S] [--seed X] [--param ROW.NAME=VALUE]... [--out F.json]\n"
@@ -76,6 +77,8 @@ constexpr char usage_text[] =
     "--param 'moment_kv(mi=false)+ada_kv.n_sink=1'.\n"
     "rdkv rows pack the cache at the eviction rows' memory (floor(N (1 - ratio)) fp16-equivalent tokens per head),\n"
     "e.g. rdkv,'rdkv(reference=authors)'; kivi rows ('kivi(bits=2)', 'kivi(bits=4)') run once, at their own memory.\n"
+    "TYPE: the KV cache's element type: fp16 (run's default), bf16, fp32 (logits' default), fp8_e4m3 or fp8_e5m2\n"
+    "(per-layer K and V scales: the amax of the layer's prompt K or V over the format's largest value).\n"
     "DIR: a Hugging Face Llama directory (config.json, model.safetensors, tokenizer.json) or a llama2.c checkpoint\n"
     "(a .bin file, or a directory with one checkpoint .bin and its tok*.bin tokenizer). See docs/eval.md.\n";
 
@@ -202,17 +205,19 @@ std::pair<std::string, std::string> param_target(std::string const& text) {
   return {text.substr(0, dot), text.substr(dot + 1)};
 }
 
+/// The cache element type named `type` (given as `option`); a usage error naming the choices otherwise.
+kvc::eval::CacheType cache_type(std::string const& type, std::string const& option) {
+  for (auto const t : {kvc::eval::CacheType::f16, kvc::eval::CacheType::bf16, kvc::eval::CacheType::f32,
+                       kvc::eval::CacheType::f8_e4m3, kvc::eval::CacheType::f8_e5m2})
+    if (type == kvc::eval::cache_type_name(t))
+      return t;
+  fail(exit_usage, option + " '" + type + "': expected fp16, bf16, fp32, fp8_e4m3 or fp8_e5m2");
+}
+
 kvc::eval::CacheOptions cache_options(Options const& o, std::string const& default_type) {
   kvc::eval::CacheOptions c;
-  std::string const type = o.get("--cache", default_type), layout = o.get("--layout", "dense");
-  if (type == "fp16")
-    c.type = kvc::eval::CacheType::f16;
-  else if (type == "bf16")
-    c.type = kvc::eval::CacheType::bf16;
-  else if (type == "fp32")
-    c.type = kvc::eval::CacheType::f32;
-  else
-    fail(exit_usage, "--cache '" + type + "': expected fp16, bf16 or fp32");
+  std::string const layout = o.get("--layout", "dense");
+  c.type = cache_type(o.get("--cache", default_type), "--cache");
   if (layout == "dense")
     c.layout = kvc::eval::CacheLayout::dense;
   else if (layout == "paged")
@@ -847,11 +852,12 @@ std::string schedule_text(kvc::eval::RunOptions const& run) {
 }
 
 int command_run(int argc, char** argv) {
-  Options const o = parse_options(argc, argv,
-                                  {"--model", "--out-dir", "--policies", "--ratios", "--prompt-tokens",
-                                   "--continuation", "--samples", "--seed", "--prompt-file", "--cache", "--layout",
-                                   "--schedule", "--decode", "--param", "--show", "--generate", "--calibration"},
-                                  {"--no-progress"});
+  Options const o =
+      parse_options(argc, argv,
+                    {"--model", "--out-dir", "--policies", "--ratios", "--prompt-tokens", "--continuation", "--samples",
+                     "--seed", "--prompt-file", "--cache", "--layout", "--schedule", "--decode", "--param", "--show",
+                     "--generate", "--calibration", "--reference-cache"},
+                    {"--no-progress"});
   std::string const model_path = o.need("--model"), dir = o.need("--out-dir");
   if (o.get("--schedule", "prefill") != "prefill")
     fail(exit_usage, "--schedule '" + o.get("--schedule") +
@@ -865,6 +871,8 @@ int command_run(int argc, char** argv) {
     run.decode = parse_decode(o.get("--decode"), run.relayout_on_compress);
   }
   run.cache = cache_options(o, "fp16");
+  if (o.has("--reference-cache"))
+    run.reference_type = cache_type(o.get("--reference-cache"), "--reference-cache");
   run.prompt_tokens = count_option(o, "--prompt-tokens", 256, 1, 1 << 20);
   run.continuation = count_option(o, "--continuation", 64, 1, 1 << 20);
   Index const samples = count_option(o, "--samples", 4, 1, 1 << 16);
@@ -937,20 +945,21 @@ int command_run(int argc, char** argv) {
                              ": no BOS token id (config.json bos_token_id) to sample prompts from; give "
                              "--prompt-file");
     for (Index s = 0; s < samples; ++s)
-      data.push_back(kvc::eval::sample_tokens(
-          model, run.cache, length, bos, seed * 0x9E3779B97F4A7C15ull + static_cast<std::uint64_t>(s), {bos, c.eos}));
+      data.push_back(kvc::eval::sample_tokens(model, run.reference_cache(), length, bos,
+                                              seed * 0x9E3779B97F4A7C15ull + static_cast<std::uint64_t>(s),
+                                              {bos, c.eos}));
   }
   make_directory(dir);
 
   bool const progress_bar = !o.has("--no-progress") && isatty(STDERR_FILENO);
   std::printf(
-      "kvc-eval: %s (%s, %lld layers, %lld/%lld heads, d %lld), %s %s cache, %lld samples x (%lld prompt + "
-      "%lld continuation tokens), prompts %s\n",
+      "kvc-eval: %s (%s, %lld layers, %lld/%lld heads, d %lld), %s %s cache (against a full %s cache), %lld samples "
+      "x (%lld prompt + %lld continuation tokens), prompts %s\n",
       model_path.c_str(), c.format.c_str(), static_cast<long long>(c.layers), static_cast<long long>(c.heads),
       static_cast<long long>(c.kv_heads), static_cast<long long>(c.head_dim),
       kvc::eval::cache_type_name(run.cache.type), run.cache.layout == kvc::eval::CacheLayout::paged ? "paged" : "dense",
-      static_cast<long long>(samples), static_cast<long long>(run.prompt_tokens),
-      static_cast<long long>(run.continuation), source.c_str());
+      kvc::eval::cache_type_name(run.reference_cache().type), static_cast<long long>(samples),
+      static_cast<long long>(run.prompt_tokens), static_cast<long long>(run.continuation), source.c_str());
   std::fputs(calibration_source.c_str(), stdout);
   std::fflush(stdout);
   auto const records =
@@ -1015,6 +1024,7 @@ int command_run(int argc, char** argv) {
 
   kvc::eval::RunInfo const info{model_path,
                                 kvc::eval::cache_type_name(run.cache.type),
+                                kvc::eval::cache_type_name(run.reference_cache().type),
                                 run.cache.layout == kvc::eval::CacheLayout::paged ? "paged" : "dense",
                                 run.prompt_tokens,
                                 run.continuation,

@@ -45,8 +45,9 @@ inline std::string json_number(double x) {
 /// Facts about the run every record carries.
 struct RunInfo {
   std::string model;
-  std::string cache;   ///< fp16, bf16, fp32
-  std::string layout;  ///< dense, paged
+  std::string cache;            ///< fp16, bf16, fp32, fp8_e4m3, fp8_e5m2
+  std::string reference_cache;  ///< the full cache's type: KL, top-1 and the full perplexity are against it
+  std::string layout;           ///< dense, paged
   Index prompt_tokens = 0;
   Index continuation = 0;
   std::uint64_t seed = 0;
@@ -88,7 +89,8 @@ inline std::string results_json(std::vector<Record> const& records, std::vector<
            ", \"overhead_bytes\": " + json_number(r.overhead_bytes) + ", \"layer_error\": [" + errors +
            "], \"samples\": " + std::to_string(r.samples) + ", \"params\": " + json_string(params[r.policy]) +
            ", \"model\": " + json_string(info.model) + ", \"cache\": " + json_string(info.cache) +
-           ", \"layout\": " + json_string(info.layout) + ", \"prompt_tokens\": " + std::to_string(info.prompt_tokens) +
+           ", \"reference_cache\": " + json_string(info.reference_cache) + ", \"layout\": " + json_string(info.layout) +
+           ", \"prompt_tokens\": " + std::to_string(info.prompt_tokens) +
            ", \"continuation\": " + std::to_string(info.continuation) + ", \"seed\": " + std::to_string(info.seed) +
            ", \"prompt_source\": " + json_string(info.prompt_source) + ", \"schedule\": " + json_string(info.schedule) +
            (steps.empty() ? std::string() : ", \"kv_bytes_steps\": [" + steps + "]") + "}" +

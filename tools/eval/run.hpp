@@ -31,6 +31,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <span>
 #include <string>
 #include <vector>
@@ -73,6 +74,15 @@ struct RunOptions {
   Index prompt_tokens = 256;
   Index continuation = 64;
   CacheOptions cache;
+  /// The element type of the full cache every row is measured against (KL, top-1, the full perplexity and bytes) and
+  /// prompts are sampled with: `cache`'s unless given (e.g. fp8 rows against an fp16 full cache: quantisation and
+  /// compression together).
+  std::optional<CacheType> reference_type;
+  CacheOptions reference_cache() const {
+    CacheOptions c = cache;
+    c.type = reference_type.value_or(cache.type);
+    return c;
+  }
   Schedule schedule = Schedule::prefill;
   DecodeSchedule decode{};  ///< Schedule::decode: interval, target and buffer (protections come from the policy)
   bool relayout_on_compress = false;  ///< Schedule::decode: ragged stores are also re-laid out after compressions
@@ -315,12 +325,18 @@ inline std::vector<Record> evaluate(Model const& model, RunOptions const& option
     prefilled->set_calibration(options.calibration);
     RowMatrix logits;
     check(prefilled->forward(prompt, logits), "prefill");
+    std::unique_ptr<Session> other;  // the reference's own prefill when its cache type differs
+    if (options.reference_cache().type != options.cache.type) {
+      other = make_session(model, options.reference_cache(), n + m);
+      check(other->forward(prompt, logits), "reference prefill");
+    }
+    Session const& reference = other ? *other : *prefilled;
     Reference ref;
-    StoreBytes const prompt_bytes = prefilled->store_bytes();
+    StoreBytes const prompt_bytes = reference.store_bytes();
     ref.kv_bytes = static_cast<double>(prompt_bytes.kv);
     ref.held = static_cast<double>(prompt_bytes.held);
     {
-      auto full = prefilled->clone();
+      auto full = reference.clone();
       if (decode) {  // token by token, as the decode runs go: the same fp32 arithmetic, so no eviction = exactly equal
         // Memory: means over the steps of what the full cache holds, its store sized by the decode runs' rule.
         full->set_reserve(options.decode.compression_interval);

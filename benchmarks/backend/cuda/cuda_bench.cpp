@@ -29,12 +29,12 @@ double time_packed(PackedBench& p);
 double packed_bench_bytes(PackedBench const& p);
 }  // namespace kvc::bench::cuda
 
-static void run(benchmark::State& state, kb::Op op, bool fp16) {
+static void run(benchmark::State& state, kb::Op op, kb::Elem elem) {
   if (!kb::device_available()) {
     state.SkipWithError("no CUDA device");
     return;
   }
-  auto ctx = kb::make_context(state.range(0), state.range(1), fp16, op);
+  auto ctx = kb::make_context(state.range(0), state.range(1), elem, op);
   if (!ctx) {
     state.SkipWithError("CUDA allocation or setup failed");
     return;
@@ -108,62 +108,81 @@ static void grid_packed(benchmark::internal::Benchmark* b) {
   b->ArgNames({"tokens"})->ArgsProduct({contexts})->UseManualTime()->Unit(benchmark::kMicrosecond);
 }
 
-BENCHMARK_CAPTURE(run, KeyDiff_fp32, kb::Op::key_diff, false)->Apply(grid)->Name("BM_KeyDiff_Cuda/fp32");
-BENCHMARK_CAPTURE(run, KeyDiff_fp16, kb::Op::key_diff, true)->Apply(grid)->Name("BM_KeyDiff_Cuda/fp16");
-BENCHMARK_CAPTURE(run, Knorm_fp32, kb::Op::knorm, false)->Apply(grid)->Name("BM_Knorm_Cuda/fp32");
-BENCHMARK_CAPTURE(run, Knorm_fp16, kb::Op::knorm, true)->Apply(grid)->Name("BM_Knorm_Cuda/fp16");
-BENCHMARK_CAPTURE(run, SnapKV_fp16, kb::Op::snap_kv, true)->Apply(grid)->Name("BM_SnapKV_Cuda/fp16");
-BENCHMARK_CAPTURE(run, TOVA_fp16, kb::Op::tova, true)->Apply(grid)->Name("BM_TOVA_Cuda/fp16");
-BENCHMARK_CAPTURE(run, TopK, kb::Op::top_k, false)->Apply(grid)->Name("BM_TopK_Cuda");
-BENCHMARK_CAPTURE(run, Compact_fp16, kb::Op::compact, true)->Apply(grid)->Name("BM_Compact_Cuda/fp16");
-BENCHMARK_CAPTURE(run, EA_fp32, kb::Op::expected_attention, false)
+BENCHMARK_CAPTURE(run, KeyDiff_fp32, kb::Op::key_diff, kb::Elem::f32)->Apply(grid)->Name("BM_KeyDiff_Cuda/fp32");
+BENCHMARK_CAPTURE(run, KeyDiff_fp16, kb::Op::key_diff, kb::Elem::f16)->Apply(grid)->Name("BM_KeyDiff_Cuda/fp16");
+BENCHMARK_CAPTURE(run, Knorm_fp32, kb::Op::knorm, kb::Elem::f32)->Apply(grid)->Name("BM_Knorm_Cuda/fp32");
+BENCHMARK_CAPTURE(run, Knorm_fp16, kb::Op::knorm, kb::Elem::f16)->Apply(grid)->Name("BM_Knorm_Cuda/fp16");
+BENCHMARK_CAPTURE(run, SnapKV_fp16, kb::Op::snap_kv, kb::Elem::f16)->Apply(grid)->Name("BM_SnapKV_Cuda/fp16");
+// fp8 caches (E4M3, E5M2): half the bytes of fp16 for the memory-bound scorers, compaction and decode attention.
+BENCHMARK_CAPTURE(run, KeyDiff_e4m3, kb::Op::key_diff, kb::Elem::e4m3)->Apply(grid)->Name("BM_KeyDiff_Cuda/e4m3");
+BENCHMARK_CAPTURE(run, KeyDiff_e5m2, kb::Op::key_diff, kb::Elem::e5m2)->Apply(grid)->Name("BM_KeyDiff_Cuda/e5m2");
+BENCHMARK_CAPTURE(run, Knorm_e4m3, kb::Op::knorm, kb::Elem::e4m3)->Apply(grid)->Name("BM_Knorm_Cuda/e4m3");
+BENCHMARK_CAPTURE(run, Knorm_e5m2, kb::Op::knorm, kb::Elem::e5m2)->Apply(grid)->Name("BM_Knorm_Cuda/e5m2");
+BENCHMARK_CAPTURE(run, SnapKV_e4m3, kb::Op::snap_kv, kb::Elem::e4m3)->Apply(grid)->Name("BM_SnapKV_Cuda/e4m3");
+BENCHMARK_CAPTURE(run, Compact_e4m3, kb::Op::compact, kb::Elem::e4m3)->Apply(grid)->Name("BM_Compact_Cuda/e4m3");
+BENCHMARK_CAPTURE(run, RaggedAttend_e4m3, kb::Op::ragged_attend, kb::Elem::e4m3)
+    ->Apply(grid128)
+    ->Name("BM_RaggedAttend_Cuda/e4m3");
+BENCHMARK_CAPTURE(run, RaggedAttend_e5m2, kb::Op::ragged_attend, kb::Elem::e5m2)
+    ->Apply(grid128)
+    ->Name("BM_RaggedAttend_Cuda/e5m2");
+BENCHMARK_CAPTURE(run, TOVA_fp16, kb::Op::tova, kb::Elem::f16)->Apply(grid)->Name("BM_TOVA_Cuda/fp16");
+BENCHMARK_CAPTURE(run, TopK, kb::Op::top_k, kb::Elem::f32)->Apply(grid)->Name("BM_TopK_Cuda");
+BENCHMARK_CAPTURE(run, Compact_fp16, kb::Op::compact, kb::Elem::f16)->Apply(grid)->Name("BM_Compact_Cuda/fp16");
+BENCHMARK_CAPTURE(run, EA_fp32, kb::Op::expected_attention, kb::Elem::f32)
     ->Apply(grid128)
     ->Name("BM_ExpectedAttention_Cuda/fp32");
-BENCHMARK_CAPTURE(run, EA_fp16, kb::Op::expected_attention, true)
+BENCHMARK_CAPTURE(run, EA_fp16, kb::Op::expected_attention, kb::Elem::f16)
     ->Apply(grid128)
     ->Name("BM_ExpectedAttention_Cuda/fp16");
-BENCHMARK_CAPTURE(run, Stats_fp32, kb::Op::query_statistics, false)
+BENCHMARK_CAPTURE(run, Stats_fp32, kb::Op::query_statistics, kb::Elem::f32)
     ->Apply(grid128)
     ->Name("BM_QueryStatistics_Cuda/fp32");
-BENCHMARK_CAPTURE(run, Stats_fp16, kb::Op::query_statistics, true)
+BENCHMARK_CAPTURE(run, Stats_fp16, kb::Op::query_statistics, kb::Elem::f16)
     ->Apply(grid128)
     ->Name("BM_QueryStatistics_Cuda/fp16");
-BENCHMARK_CAPTURE(run, H2O_fp32, kb::Op::h2o_update, false)->Apply(grid128)->Name("BM_H2OUpdate_Cuda/fp32");
-BENCHMARK_CAPTURE(run, H2O_fp16, kb::Op::h2o_update, true)->Apply(grid128)->Name("BM_H2OUpdate_Cuda/fp16");
-BENCHMARK_CAPTURE(run, Observed_fp32, kb::Op::observed_attention, false)
+BENCHMARK_CAPTURE(run, H2O_fp32, kb::Op::h2o_update, kb::Elem::f32)->Apply(grid128)->Name("BM_H2OUpdate_Cuda/fp32");
+BENCHMARK_CAPTURE(run, H2O_fp16, kb::Op::h2o_update, kb::Elem::f16)->Apply(grid128)->Name("BM_H2OUpdate_Cuda/fp16");
+BENCHMARK_CAPTURE(run, Observed_fp32, kb::Op::observed_attention, kb::Elem::f32)
     ->Apply(grid128)
     ->Name("BM_ObservedAttention_Cuda/fp32");
-BENCHMARK_CAPTURE(run, Observed_fp16, kb::Op::observed_attention, true)
+BENCHMARK_CAPTURE(run, Observed_fp16, kb::Op::observed_attention, kb::Elem::f16)
     ->Apply(grid128)
     ->Name("BM_ObservedAttention_Cuda/fp16");
-BENCHMARK_CAPTURE(run, AdaKVAllocate, kb::Op::ada_kv_allocate, false)->Apply(grid128)->Name("BM_AdaKVAllocate_Cuda");
-BENCHMARK_CAPTURE(run, AdaKVSelect, kb::Op::ada_kv_select, false)->Apply(grid128)->Name("BM_AdaKVSelect_Cuda");
-BENCHMARK_CAPTURE(run, RaggedAttend_fp16, kb::Op::ragged_attend, true)
+BENCHMARK_CAPTURE(run, AdaKVAllocate, kb::Op::ada_kv_allocate, kb::Elem::f32)
+    ->Apply(grid128)
+    ->Name("BM_AdaKVAllocate_Cuda");
+BENCHMARK_CAPTURE(run, AdaKVSelect, kb::Op::ada_kv_select, kb::Elem::f32)->Apply(grid128)->Name("BM_AdaKVSelect_Cuda");
+BENCHMARK_CAPTURE(run, RaggedAttend_fp16, kb::Op::ragged_attend, kb::Elem::f16)
     ->Apply(grid128)
     ->Name("BM_RaggedAttend_Cuda/fp16");
-BENCHMARK_CAPTURE(run, RaggedAttend_fp32, kb::Op::ragged_attend, false)
+BENCHMARK_CAPTURE(run, RaggedAttend_fp32, kb::Op::ragged_attend, kb::Elem::f32)
     ->Apply(grid128)
     ->Name("BM_RaggedAttend_Cuda/fp32");
-BENCHMARK_CAPTURE(run, MomentScore_fp16, kb::Op::moment_score, true)
+BENCHMARK_CAPTURE(run, MomentScore_fp16, kb::Op::moment_score, kb::Elem::f16)
     ->Apply(grid128)
     ->Name("BM_MomentKVScore_Cuda/fp16");
-BENCHMARK_CAPTURE(run, MomentFold_fp16, kb::Op::moment_fold, true)->Apply(grid128)->Name("BM_MomentKVFold_Cuda/fp16");
-BENCHMARK_CAPTURE(run, MomentAttend_fp16, kb::Op::moment_attend, true)
+BENCHMARK_CAPTURE(run, MomentFold_fp16, kb::Op::moment_fold, kb::Elem::f16)
+    ->Apply(grid128)
+    ->Name("BM_MomentKVFold_Cuda/fp16");
+BENCHMARK_CAPTURE(run, MomentAttend_fp16, kb::Op::moment_attend, kb::Elem::f16)
     ->Apply(grid128)
     ->Name("BM_MomentKVAttend_Cuda/fp16");
-BENCHMARK_CAPTURE(run, UNCompUpdate_fp16, kb::Op::uncomp_update, true)
+BENCHMARK_CAPTURE(run, UNCompUpdate_fp16, kb::Op::uncomp_update, kb::Elem::f16)
     ->Apply(grid_uncomp)
     ->Name("BM_UNCompUpdate_Cuda/fp16");
-BENCHMARK_CAPTURE(run, UNCompUpdate_fp32, kb::Op::uncomp_update, false)
+BENCHMARK_CAPTURE(run, UNCompUpdate_fp32, kb::Op::uncomp_update, kb::Elem::f32)
     ->Apply(grid_uncomp)
     ->Name("BM_UNCompUpdate_Cuda/fp32");
-BENCHMARK_CAPTURE(run, UNCompScore, kb::Op::uncomp_score, true)->Apply(grid_uncomp)->Name("BM_UNCompScore_Cuda");
+BENCHMARK_CAPTURE(run, UNCompScore, kb::Op::uncomp_score, kb::Elem::f16)
+    ->Apply(grid_uncomp)
+    ->Name("BM_UNCompScore_Cuda");
 BENCHMARK_CAPTURE(run_packed, Packed2, 2)->Apply(grid_packed)->Name("BM_PackedAttend_Cuda/2bit");
 BENCHMARK_CAPTURE(run_packed, Packed4, 4)->Apply(grid_packed)->Name("BM_PackedAttend_Cuda/4bit");
 BENCHMARK_CAPTURE(run_packed, Packed8, 8)->Apply(grid_packed)->Name("BM_PackedAttend_Cuda/8bit");
 BENCHMARK_CAPTURE(run_packed, Fp16, 16)->Apply(grid_packed)->Name("BM_PackedAttend_Cuda/fp16_attend");
-BENCHMARK_CAPTURE(run, Read_fp32, kb::Op::read, false)->Apply(grid)->Name("BM_Cuda_MemoryRead");
-BENCHMARK_CAPTURE(run, Fma, kb::Op::fma_peak, false)
+BENCHMARK_CAPTURE(run, Read_fp32, kb::Op::read, kb::Elem::f32)->Apply(grid)->Name("BM_Cuda_MemoryRead");
+BENCHMARK_CAPTURE(run, Fma, kb::Op::fma_peak, kb::Elem::f32)
     ->ArgNames({"tokens", "dim"})
     ->Args({4096, 128})
     ->UseManualTime()

@@ -43,7 +43,10 @@ enum class Op {
   uncomp_score,        ///< UNComp's kvc::score (w = 8, max pooling, kernel 7) over tracked window rows [1, 8, N, 8]
 };
 
-ContextPtr make_context(Index tokens, Index dim, bool fp16, Op op);
+/// The cache's element type. fp8 caches (a tensor scale of 1, docs/fp8.md) take fp16 queries.
+enum class Elem { f32, f16, e4m3, e5m2 };
+
+ContextPtr make_context(Index tokens, Index dim, Elem elem, Op op);
 
 /// Seconds of one `op` call on the device (cudaEvent pair around the launch), or a negative value on error.
 double time_op(Context& ctx, Op op);

@@ -31,7 +31,7 @@ namespace kvc::bench::cuda {
 
 struct Context {
   KVExtents e;
-  bool fp16 = false;
+  Elem elem = Elem::f32;
   void* k = nullptr;
   void* v = nullptr;
   void* queries = nullptr;  // [1, 32, 32, dim] window queries, post-RoPE
@@ -187,22 +187,39 @@ MomentKVScorer<DeviceSpace, float> moment_scorer(Context const& c) {
   return s;
 }
 
+/// The queries' element type beside a cache of T: T, or fp16 beside an fp8 cache (queries are never fp8).
+template <class T>
+using query_type = std::conditional_t<is_fp8<T>, half, T>;
+
+/// fn(T{}) with the cache element type `elem` names.
+template <class Fn>
+decltype(auto) with_elem(Elem elem, Fn&& fn) {
+  switch (elem) {
+    case Elem::f16: return fn(half{});
+    case Elem::e4m3: return fn(float8_e4m3{});
+    case Elem::e5m2: return fn(float8_e5m2{});
+    case Elem::f32: break;
+  }
+  return fn(float{});
+}
+
 template <class T>
 Status run(Context& c, Op op) {
+  using Q = query_type<T>;
   auto const rows = bhtd_device_rows(static_cast<T*>(c.k), c.e);
   auto const cache = make_cache(rows, bhtd_device_rows(static_cast<T*>(c.v), c.e));
   ScoreSpan<DeviceSpace> const span{c.scores, c.e.batch, c.e.heads, c.e.tokens};
   KeepPlan<DeviceSpace> const plan{c.index, c.count, c.e.batch, c.e.heads, c.e.tokens};
   Workspace const ws{c.ws, c.ws_bytes};
-  auto const obs = observe(WindowQueries<T, DeviceSpace>{TokenRows<T const, StridedLayout, DeviceSpace>(
-      static_cast<T const*>(c.queries), bhtd_layout(window_extents(c.e)))});
+  auto const obs = observe(WindowQueries<Q, DeviceSpace>{TokenRows<Q const, StridedLayout, DeviceSpace>(
+      static_cast<Q const*>(c.queries), bhtd_layout(window_extents(c.e)))});
   Index const hq = 4 * c.e.heads, half = c.e.dim / 2;
   auto const stats = observe(QueryStatistics<DeviceSpace>{
       c.mean, c.cov, c.e.batch, hq, c.e.dim,
       RopeTable<DeviceSpace>{c.rope, c.rope + c.rope_positions * half, c.rope_positions, c.e.dim, RopeStyle::neox}});
   H2OScorer<DeviceSpace> const h2o{{{c.acc, c.e.batch, c.e.heads, c.e.tokens}, c.tracked}, 256};
-  auto const tile = observe(WindowQueries<T, DeviceSpace>{TokenRows<T const, StridedLayout, DeviceSpace>(
-      static_cast<T const*>(c.tile_queries), bhtd_layout(tile_extents(c.e)))});
+  auto const tile = observe(WindowQueries<Q, DeviceSpace>{TokenRows<Q const, StridedLayout, DeviceSpace>(
+      static_cast<Q const*>(c.tile_queries), bhtd_layout(tile_extents(c.e)))});
   switch (op) {
     case Op::key_diff: return score(Cuda{}, KeyDiffScorer{}, cache, span, ws);
     case Op::knorm: return score(Cuda{}, KnormScorer{}, cache, span, ws);
@@ -218,7 +235,7 @@ Status run(Context& c, Op op) {
     case Op::query_statistics:
       return query_statistics(
           Cuda{},
-          TokenRows<T const, StridedLayout, DeviceSpace>(static_cast<T const*>(c.rows), bhtd_layout(rows_extents(c.e))),
+          TokenRows<Q const, StridedLayout, DeviceSpace>(static_cast<Q const*>(c.rows), bhtd_layout(rows_extents(c.e))),
           nullptr, StatisticsRows{.n_sink = 4}, c.rows_mean, c.rows_cov, ws);
     case Op::h2o_update: return update(Cuda{}, h2o, cache, obs, ws);
     case Op::observed_attention: return score(Cuda{}, ObservedAttentionScorer{256}, cache, tile, span, ws);
@@ -228,21 +245,21 @@ Status run(Context& c, Op op) {
       auto const store =
           ragged_cache<DeviceSpace>(static_cast<T*>(c.k), static_cast<T*>(c.v), 1, c.e.heads, c.e.dim, c.e.dim, c.shape,
                                     c.offsets, head_lengths(c.ragged_lengths, c.e.heads));
-      AttendQueries<T, DeviceSpace> const q{TokenRows<T const, StridedLayout, DeviceSpace>(
-          static_cast<T const*>(c.decode_queries), bhtd_layout({1, hq, 1, c.e.dim}))};
+      AttendQueries<Q, DeviceSpace> const q{TokenRows<Q const, StridedLayout, DeviceSpace>(
+          static_cast<Q const*>(c.decode_queries), bhtd_layout({1, hq, 1, c.e.dim}))};
       return attend(Cuda{}, Attention{}, q, store, AttendOutput<DeviceSpace>{c.attn_out, c.attn_lse}, ws);
     }
     case Op::moment_score: return score(Cuda{}, moment_scorer(c), cache, obs, span, ws);
     case Op::moment_fold: return on_evict(Cuda{}, moment_scorer(c), cache, plan, ws);
     case Op::moment_attend: {
-      AttendQueries<T, DeviceSpace> const q{TokenRows<T const, StridedLayout, DeviceSpace>(
-          static_cast<T const*>(c.decode_queries), bhtd_layout({1, hq, 1, c.e.dim}))};
+      AttendQueries<Q, DeviceSpace> const q{TokenRows<Q const, StridedLayout, DeviceSpace>(
+          static_cast<Q const*>(c.decode_queries), bhtd_layout({1, hq, 1, c.e.dim}))};
       return attend_corrected(Cuda{}, CorrectedAttention{}, q, cache, moment_scorer(c).state,
                               AttendOutput<DeviceSpace>{c.attn_out, c.attn_lse}, ws);
     }
     case Op::uncomp_update: {
-      auto const decode = observe(WindowQueries<T, DeviceSpace>{TokenRows<T const, StridedLayout, DeviceSpace>(
-          static_cast<T const*>(c.decode_queries), bhtd_layout({1, hq, 1, c.e.dim}))});
+      auto const decode = observe(WindowQueries<Q, DeviceSpace>{TokenRows<Q const, StridedLayout, DeviceSpace>(
+          static_cast<Q const*>(c.decode_queries), bhtd_layout({1, hq, 1, c.e.dim}))});
       return update(Cuda{}, uncomp_scorer(c), cache, decode, ws);
     }
     case Op::uncomp_score: return score(Cuda{}, uncomp_scorer(c), cache, span, ws);
@@ -256,6 +273,7 @@ Status run(Context& c, Op op) {
 /// Allocates and fills what `op` needs besides the cache (false on failure).
 template <class T>
 bool prepare(Context& c, Op op) {
+  using Q = query_type<T>;
   auto alloc = [](auto** p, Index n, std::size_t item) {
     return cudaMalloc(reinterpret_cast<void**>(p), static_cast<std::size_t>(n) * item) == cudaSuccess;
   };
@@ -278,17 +296,17 @@ bool prepare(Context& c, Op op) {
       return false;
   }
   if (op == Op::observed_attention) {
-    if (!alloc(&c.tile_queries, tile_extents(c.e).rows() * d, sizeof(T)))
+    if (!alloc(&c.tile_queries, tile_extents(c.e).rows() * d, sizeof(Q)))
       return false;
-    if (!fill(static_cast<T*>(c.tile_queries), tile_extents(c.e).rows() * d, 6u))
+    if (!fill(static_cast<Q*>(c.tile_queries), tile_extents(c.e).rows() * d, 6u))
       return false;
   }
   if (op == Op::query_statistics) {
     KVExtents const re = rows_extents(c.e);
-    if (!alloc(&c.rows, re.rows() * d, sizeof(T)) || !alloc(&c.rows_mean, hq * d, sizeof(float)) ||
+    if (!alloc(&c.rows, re.rows() * d, sizeof(Q)) || !alloc(&c.rows_mean, hq * d, sizeof(float)) ||
         !alloc(&c.rows_cov, hq * d * d, sizeof(float)))
       return false;
-    if (!fill(static_cast<T*>(c.rows), re.rows() * d, 7u))
+    if (!fill(static_cast<Q*>(c.rows), re.rows() * d, 7u))
       return false;
   }
   if (op == Op::ada_kv_allocate && !alloc(&c.table, c.e.batch * c.e.heads, sizeof(Index)))
@@ -299,13 +317,13 @@ bool prepare(Context& c, Op op) {
       counts.push_back(c.e.tokens * (h + 1) / 9);
     if (!ragged_offsets(counts.data(), c.e.heads, 0, offsets.data(), c.shape).ok() ||
         !alloc(&c.offsets, c.e.heads + 1, sizeof(Index)) || !alloc(&c.ragged_lengths, c.e.heads, sizeof(Index)) ||
-        !alloc(&c.decode_queries, hq * d, sizeof(T)) || !alloc(&c.attn_out, hq * d, sizeof(float)) ||
+        !alloc(&c.decode_queries, hq * d, sizeof(Q)) || !alloc(&c.attn_out, hq * d, sizeof(float)) ||
         !alloc(&c.attn_lse, hq, sizeof(float)) ||
         cudaMemcpy(c.offsets, offsets.data(), offsets.size() * sizeof(Index), cudaMemcpyHostToDevice) != cudaSuccess ||
         cudaMemcpy(c.ragged_lengths, counts.data(), counts.size() * sizeof(Index), cudaMemcpyHostToDevice) !=
             cudaSuccess)
       return false;
-    if (!fill(static_cast<T*>(c.decode_queries), hq * d, 8u))
+    if (!fill(static_cast<Q*>(c.decode_queries), hq * d, 8u))
       return false;
   }
   if (op == Op::moment_score || op == Op::moment_fold || op == Op::moment_attend) {
@@ -313,7 +331,7 @@ bool prepare(Context& c, Op op) {
     std::vector<Index> const count(static_cast<std::size_t>(heads), 1000);
     if (!alloc(&c.moment_count, heads, sizeof(Index)) || !alloc(&c.moment_means, 2 * heads * d, sizeof(float)) ||
         !alloc(&c.comoment, heads * d * d, sizeof(float)) || !alloc(&c.fixed_base, c.e.rows(), sizeof(float)) ||
-        !alloc(&c.decode_queries, hq * d, sizeof(T)) || !alloc(&c.attn_out, hq * d, sizeof(float)) ||
+        !alloc(&c.decode_queries, hq * d, sizeof(Q)) || !alloc(&c.attn_out, hq * d, sizeof(float)) ||
         !alloc(&c.attn_lse, hq, sizeof(float)) ||
         cudaMemcpy(c.moment_count, count.data(), count.size() * sizeof(Index), cudaMemcpyHostToDevice) != cudaSuccess)
       return false;
@@ -323,19 +341,19 @@ bool prepare(Context& c, Op op) {
       return false;
     if (!fill(c.fixed_base, c.e.rows(), 11u))
       return false;
-    if (!fill(static_cast<T*>(c.decode_queries), hq * d, 12u))
+    if (!fill(static_cast<Q*>(c.decode_queries), hq * d, 12u))
       return false;
   }
   if (op == Op::uncomp_update || op == Op::uncomp_score) {
     std::vector<Index> const tracked(static_cast<std::size_t>(c.e.heads), c.e.tokens);  // every slot holds rows
     if (!alloc(&c.uncomp_rows, c.e.rows() * uncomp_window, sizeof(float)) ||
-        !alloc(&c.uncomp_tracked, c.e.heads, sizeof(Index)) || !alloc(&c.decode_queries, hq * d, sizeof(T)) ||
+        !alloc(&c.uncomp_tracked, c.e.heads, sizeof(Index)) || !alloc(&c.decode_queries, hq * d, sizeof(Q)) ||
         cudaMemcpy(c.uncomp_tracked, tracked.data(), tracked.size() * sizeof(Index), cudaMemcpyHostToDevice) !=
             cudaSuccess)
       return false;
     if (!fill(c.uncomp_rows, c.e.rows() * uncomp_window, 13u))
       return false;
-    if (!fill(static_cast<T*>(c.decode_queries), hq * d, 14u))
+    if (!fill(static_cast<Q*>(c.decode_queries), hq * d, 14u))
       return false;
   }
   return cudaDeviceSynchronize() == cudaSuccess;
@@ -383,12 +401,13 @@ void ContextDeleter::operator()(Context* c) const {
   delete c;
 }
 
-ContextPtr make_context(Index tokens, Index dim, bool fp16, Op op) {
+ContextPtr make_context(Index tokens, Index dim, Elem elem, Op op) {
   ContextPtr c(new Context);
   c->e = {1, 8, tokens, dim};
-  c->fp16 = fp16;
+  c->elem = elem;
   auto const elems = c->e.rows() * dim;
-  auto const item = fp16 ? sizeof(half) : sizeof(float);
+  auto const item = with_elem(elem, [](auto t) { return sizeof(t); });
+  auto const query_item = with_elem(elem, [](auto t) { return sizeof(query_type<decltype(t)>); });
   KVExtents const qe = window_extents(c->e);
   auto const obs = observe(
       WindowQueries<float, DeviceSpace>{TokenRows<float const, StridedLayout, DeviceSpace>(nullptr, bhtd_layout(qe))});
@@ -420,40 +439,29 @@ ContextPtr make_context(Index tokens, Index dim, bool fp16, Op op) {
   bool ok = cudaMalloc(&c->k, static_cast<std::size_t>(elems) * item) == cudaSuccess &&
             cudaMalloc(&c->v, static_cast<std::size_t>(elems) * item) == cudaSuccess &&
             cudaMalloc(&c->scores, static_cast<std::size_t>(c->e.rows()) * sizeof(float)) == cudaSuccess &&
-            cudaMalloc(&c->queries, static_cast<std::size_t>(qe.rows() * dim) * item) == cudaSuccess &&
+            cudaMalloc(&c->queries, static_cast<std::size_t>(qe.rows() * dim) * query_item) == cudaSuccess &&
             cudaMalloc(&c->index, static_cast<std::size_t>(c->e.rows()) * sizeof(Index)) == cudaSuccess &&
             cudaMalloc(&c->count, static_cast<std::size_t>(c->e.batch * c->e.heads) * sizeof(Index)) == cudaSuccess &&
             cudaMalloc(&c->ws, c->ws_bytes) == cudaSuccess && cudaMalloc(&c->sink, sizeof(float)) == cudaSuccess &&
             cudaEventCreate(&c->start) == cudaSuccess && cudaEventCreate(&c->stop) == cudaSuccess;
   if (!ok)
     return nullptr;
-  if (fp16) {
-    if (!fill(static_cast<half*>(c->k), elems, 1u))
-      return nullptr;
-    if (!fill(static_cast<half*>(c->v), elems, 2u))
-      return nullptr;
-    if (!fill(static_cast<half*>(c->queries), qe.rows() * dim, 3u))
-      return nullptr;
-  } else {
-    if (!fill(static_cast<float*>(c->k), elems, 1u))
-      return nullptr;
-    if (!fill(static_cast<float*>(c->v), elems, 2u))
-      return nullptr;
-    if (!fill(static_cast<float*>(c->queries), qe.rows() * dim, 3u))
-      return nullptr;
-  }
-  // A plan for compaction and scores for top-k: score once with KeyDiff, select half.
-  if (!(c->fp16 ? run<half>(*c, Op::key_diff) : run<float>(*c, Op::key_diff)).ok() ||
-      !(c->fp16 ? run<half>(*c, Op::top_k) : run<float>(*c, Op::top_k)).ok() || cudaDeviceSynchronize() != cudaSuccess)
-    return nullptr;
-  if (!(c->fp16 ? prepare<half>(*c, op) : prepare<float>(*c, op)))
+  bool const ready = with_elem(elem, [&](auto t) {
+    using T = decltype(t);
+    using Q = query_type<T>;
+    // A plan for compaction and scores for top-k: score once with KeyDiff, select half.
+    return fill(static_cast<T*>(c->k), elems, 1u) && fill(static_cast<T*>(c->v), elems, 2u) &&
+           fill(static_cast<Q*>(c->queries), qe.rows() * dim, 3u) && run<T>(*c, Op::key_diff).ok() &&
+           run<T>(*c, Op::top_k).ok() && cudaDeviceSynchronize() == cudaSuccess && prepare<T>(*c, op);
+  });
+  if (!ready)
     return nullptr;
   return c;
 }
 
 double time_op(Context& c, Op op) {
   cudaEventRecord(c.start);
-  Status const st = c.fp16 ? run<half>(c, op) : run<float>(c, op);
+  Status const st = with_elem(c.elem, [&](auto t) { return run<decltype(t)>(c, op); });
   cudaEventRecord(c.stop);
   if (!st.ok() || cudaEventSynchronize(c.stop) != cudaSuccess)
     return -1.0;
@@ -463,7 +471,8 @@ double time_op(Context& c, Op op) {
 }
 
 double bytes_of(Context const& c, Op op) {
-  double const kbytes = static_cast<double>(c.e.rows() * c.e.dim) * (c.fp16 ? 2.0 : 4.0);
+  double const item = static_cast<double>(with_elem(c.elem, [](auto t) { return sizeof(t); }));
+  double const kbytes = static_cast<double>(c.e.rows() * c.e.dim) * item;
   switch (op) {
     case Op::key_diff:
     case Op::knorm:

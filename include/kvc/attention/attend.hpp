@@ -65,9 +65,7 @@ std::size_t attend_workspace_bytes(B const& backend, Attention const& op,
 template <Backend B, KVCacheView C, Element T>
 Status attend(B const& backend, Attention const& op, AttendQueries<T, typename B::memory_space> const& queries,
               C const& cache, AttendOutput<typename B::memory_space> out, Workspace ws) {
-  static_assert(AccessibleFrom<C, B>,
-                "kvc::attend: the cache lives in a memory space this backend cannot read, or holds fp8 elements it "
-                "cannot read yet");
+  static_assert(AccessibleFrom<C, B>, "kvc::attend: the cache lives in a memory space this backend cannot read");
   static_assert(HasKernel<Attention, B>,
                 "kvc::attend: include <kvc/backend/cpu/attention/attend.hpp> (kvc::Cpu) or "
                 "<kvc/backend/cuda/attention/attend.cuh> (kvc::Cuda)");

@@ -35,7 +35,6 @@ struct ParallelFor {
 /// (see kvc::ThreadPool in <kvc/backend/cpu/thread_pool.hpp> for a small std::thread one).
 struct Cpu {
   using memory_space = HostSpace;
-  static constexpr bool reads_scaled_elements = true;  ///< fp8 caches (core/access.hpp)
   ParallelFor parallel{};
 
   /// Scratch copies a kernel needs: one per worker.
@@ -45,8 +44,7 @@ struct Cpu {
 /// The CUDA backend. Kernels are enqueued on `stream` and never synchronise it.
 struct Cuda {
   using memory_space = DeviceSpace;
-  static constexpr bool reads_scaled_elements = false;  ///< fp8 caches: not yet (its kernels ignore the scale)
-  CUstream_st* stream = nullptr;                        ///< nullptr = the legacy default stream
+  CUstream_st* stream = nullptr;  ///< nullptr = the legacy default stream
 };
 
 /// A backend is a trivially copyable tag that names the memory space it can read.

@@ -206,11 +206,9 @@ constexpr Status check_length_table(Lengths const& lengths, Index heads, char co
   return lengths.data && lengths.per_head() && lengths.heads != heads ? Status{Errc::invalid_argument, what} : Status{};
 }
 
-/// Whether backend B can read cache C: the memory spaces match, and B reads scaled (fp8) elements where C has them.
-/// Checked at compile time by every entry point.
+/// Whether backend B can read cache C: the memory spaces match. Checked at compile time by every entry point.
 template <class C, class B>
-concept AccessibleFrom = KVCacheView<C> && ReadableBy<C, B> &&
-    (!(scaled_rows<typename C::keys_type> || scaled_rows<typename C::values_type>) || B::reads_scaled_elements);
+concept AccessibleFrom = KVCacheView<C> && ReadableBy<C, B>;
 
 /// Builds a cache from two row views (deduces the types).
 template <TokenRowsView K, TokenRowsView V>

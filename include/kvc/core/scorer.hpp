@@ -113,9 +113,7 @@ std::size_t score_workspace_bytes(B const& backend, S const& scorer, KVExtents c
 template <Backend B, Scorer S, KVCacheView C, ObservationSet Obs>
 Status score(B const& backend, S const& scorer, C const& cache, Obs const& obs, ScoreSpan<typename B::memory_space> out,
              Workspace ws) {
-  static_assert(AccessibleFrom<C, B>,
-                "kvc::score: the cache lives in a memory space this backend cannot read, or holds fp8 elements it "
-                "cannot read yet");
+  static_assert(AccessibleFrom<C, B>, "kvc::score: the cache lives in a memory space this backend cannot read");
   static_assert(ObservationsReadableBy<Obs, B>,
                 "kvc::score: the observations live in a memory space this backend cannot read");
   static_assert(HasKernel<S, B>,
@@ -177,9 +175,7 @@ std::size_t update_workspace_bytes(B const& backend, S const& scorer, KVExtents 
 template <Backend B, Scorer S, KVCacheView C, ObservationSet Obs>
 Status update(B const& backend, S const& scorer, C const& cache, Obs const& obs, Workspace ws) {
   if constexpr (StatefulScorer<S>) {
-    static_assert(AccessibleFrom<C, B>,
-                  "kvc::update: the cache lives in a memory space this backend cannot read, or holds fp8 elements it "
-                  "cannot read yet");
+    static_assert(AccessibleFrom<C, B>, "kvc::update: the cache lives in a memory space this backend cannot read");
     static_assert(ObservationsReadableBy<Obs, B>,
                   "kvc::update: the observations live in a memory space this backend cannot read");
     KVC_RETURN_IF_ERROR(detail::check_cache(cache, KVC_CACHE_MESSAGES("kvc::update", "the cache")));

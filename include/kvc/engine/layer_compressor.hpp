@@ -139,8 +139,7 @@ class LayerCompressor<Press<S, Sel>, B, Q> {
   template <KVCacheView C>
   Status plan(C const& cache, QueryShape const& shape) {
     static_assert(AccessibleFrom<C, B>,
-                  "kvc::LayerCompressor: the cache lives in a memory space this backend cannot read, or holds fp8 "
-                  "elements it cannot read yet");
+                  "kvc::LayerCompressor: the cache lives in a memory space this backend cannot read");
     planned_ = false;
     bound_.on = ready_.on = false;  // a new plan needs its state bound and reset again
     KVExtents const e = cache.keys.extents();

@@ -81,9 +81,7 @@ ByteRange bytes_of(TokenArray<T, S> const& a) noexcept {
 template <Backend B, KVCacheView C, class... Extra>
 Status compact(B const& backend, KeepPlan<typename B::memory_space> const& plan, C const& cache,
                Extra const&... extra) {
-  static_assert(AccessibleFrom<C, B>,
-                "kvc::compact: the cache lives in a memory space this backend cannot read, or holds fp8 elements it "
-                "cannot read yet");
+  static_assert(AccessibleFrom<C, B>, "kvc::compact: the cache lives in a memory space this backend cannot read");
   static_assert(
       !std::is_const_v<typename C::keys_type::element_type> && !std::is_const_v<typename C::values_type::element_type>,
       "kvc::compact: in-place compaction needs writable K and V views");
@@ -117,8 +115,7 @@ template <Backend B, KVCacheView Src, KVCacheView Dst, class... Carried>
 Status gather(B const& backend, KeepPlan<typename B::memory_space> const& plan, Src const& src, Dst const& dst,
               Carried const&... carried) {
   static_assert(AccessibleFrom<Src, B> && AccessibleFrom<Dst, B>,
-                "kvc::gather: the caches live in a memory space this backend cannot read, or hold fp8 elements it "
-                "cannot read yet");
+                "kvc::gather: the caches live in a memory space this backend cannot read");
   static_assert((detail::is_carried_array<Carried> && ...) && (ReadableBy<Carried, B> && ...),
                 "kvc::gather: carried arrays must be kvc::CarriedArray views in the backend's memory space");
   static_assert(HasKernel<GatherStep, B>,
@@ -161,8 +158,7 @@ Status gather(B const& backend, KeepPlan<typename B::memory_space> const& plan, 
 template <Backend B, KVCacheView Dst, KVCacheView Src>
 Status append(B const& backend, Dst const& dst, Src const& src, Index begin, Index count) {
   static_assert(AccessibleFrom<Src, B> && AccessibleFrom<Dst, B>,
-                "kvc::append: the caches live in a memory space this backend cannot read, or hold fp8 elements it "
-                "cannot read yet");
+                "kvc::append: the caches live in a memory space this backend cannot read");
   static_assert(HasKernel<AppendStep, B>,
                 "kvc::append: include <kvc/backend/cpu/pipeline/compact.hpp> (kvc::Cpu) or "
                 "<kvc/backend/cuda/pipeline/compact.cuh> (kvc::Cuda)");

@@ -369,9 +369,7 @@ template <Backend B, KVCacheView C>
 Status pack_into(B const& backend, C const& cache, BitPlan<typename B::memory_space> const& plan,
                  PackOptions const& opt, PackedStore<typename B::memory_space> out, Workspace ws,
                  int* error = nullptr) {
-  static_assert(AccessibleFrom<C, B>,
-                "kvc::pack_into: the cache lives in a memory space this backend cannot read, or holds fp8 elements it "
-                "cannot read yet");
+  static_assert(AccessibleFrom<C, B>, "kvc::pack_into: the cache lives in a memory space this backend cannot read");
   static_assert(HasKernel<PackStep, B>,
                 "kvc::pack_into: include <kvc/backend/cpu/pipeline/pack.hpp> (kvc::Cpu) or "
                 "<kvc/backend/cuda/pipeline/pack.cuh> (kvc::Cuda)");

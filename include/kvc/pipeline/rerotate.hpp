@@ -26,9 +26,7 @@ struct RerotateStep {};
 /// rotation (RopeSpec::scaling == 1). Errors: the table is too short or malformed (invalid_argument).
 template <Backend B, KVCacheView C>
 Status rerotate_keys(B const& backend, RopeTable<typename B::memory_space> const& table, C const& cache) {
-  static_assert(AccessibleFrom<C, B>,
-                "kvc::rerotate_keys: the cache lives in a memory space this backend cannot read, or holds fp8 elements "
-                "it cannot read yet");
+  static_assert(AccessibleFrom<C, B>, "kvc::rerotate_keys: the cache lives in a memory space this backend cannot read");
   static_assert(!std::is_const_v<typename C::keys_type::element_type>, "kvc::rerotate_keys: keys must be writable");
   static_assert(HasKernel<RerotateStep, B>, "kvc::rerotate_keys: include <kvc/backend/cpu/pipeline/rerotate.hpp>");
   KVC_RETURN_IF_ERROR(detail::check_cache(cache, KVC_CACHE_MESSAGES("kvc::rerotate_keys", "the cache")));

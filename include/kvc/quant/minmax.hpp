@@ -27,6 +27,7 @@
 #pragma once
 
 #include <kvc/config.hpp>
+#include <kvc/core/access.hpp>
 #include <kvc/core/element.hpp>
 #include <kvc/core/extents.hpp>
 
@@ -115,8 +116,8 @@ KVC_HOST_DEVICE inline QuantParams range_params(float mn, float mx, int bits, Ze
   return p;
 }
 
-/// Parameters of one group: `count` values x[0], x[stride], ..., x[(count - 1) * stride] (T = float, half or
-/// bfloat16; stride in elements, may be any non-zero value), bits in {2, 4, 8}.
+/// Parameters of one group: `count` values load(x[0], scale), load(x[stride], scale), ... (T = float, half, bfloat16
+/// or fp8 under its view's scale, core/access.hpp; stride in elements, may be any non-zero value), bits in {2, 4, 8}.
 ///   float_min: scale = half((max - min) / (2^b - 1)), offset = half(min). max == min gives scale 0 and x̂ = offset
 ///              = half(min): exact when min is representable in FP16.
 ///   integer:   s = max((max - min) / (2^b - 1), 1e-8), scale = half(s), offset = zp =
@@ -124,15 +125,15 @@ KVC_HOST_DEVICE inline QuantParams range_params(float mn, float mx, int bits, Ze
 ///              1e-8 rounds to 0 in FP16, so a constant group gets scale 0 and dequantises to 0 (the reference
 ///              reconstructs it as 3e-8 * ... ~ 0 too).
 /// count <= 0 gives zero params (dequantise to 0).
-template <class T>
-KVC_HOST_DEVICE inline QuantParams minmax_params(T const* x, Index count, Index stride, int bits,
-                                                 ZeroPoint zero_point) noexcept {
+template <class T, class S = Unit>
+KVC_HOST_DEVICE inline QuantParams minmax_params(T const* x, Index count, Index stride, int bits, ZeroPoint zero_point,
+                                                 S scale = {}) noexcept {
   if (count <= 0)
     return QuantParams{};
-  float mn = to_float(x[0]);
+  float mn = load(x[0], scale);
   float mx = mn;
   for (Index i = 1; i < count; ++i) {
-    float const v = to_float(x[i * stride]);
+    float const v = load(x[i * stride], scale);
     mn = v < mn ? v : mn;
     mx = v > mx ? v : mx;
   }

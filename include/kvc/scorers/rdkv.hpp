@@ -138,8 +138,7 @@ template <Backend B, KVCacheView C, ObservationSet Obs>
 Status score_channels(B const& backend, ThinKChannelScorer const& scorer, C const& cache, Obs const& obs, float* out,
                       Workspace ws) {
   static_assert(AccessibleFrom<C, B>,
-                "kvc::score_channels: the cache lives in a memory space this backend cannot read, or holds fp8 "
-                "elements it cannot read yet");
+                "kvc::score_channels: the cache lives in a memory space this backend cannot read");
   static_assert(ObservationsReadableBy<Obs, B>,
                 "kvc::score_channels: the observations live in a memory space this backend cannot read");
   static_assert(HasKernel<ThinKChannelScorer, B>,

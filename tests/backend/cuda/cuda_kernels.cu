@@ -368,8 +368,35 @@ std::string by_dtype(Dtype d, Fn&& fn) {
   return fn(float{});
 }
 
-template <class S, class T>
-std::string score_with(S scorer, Mirror<T>& m, std::vector<float>& out) {
+/// A BHTD case's K and V stored on the device as fp8 F8 under per-(sequence, KV head) scales [B, Hkv] (kvc::store),
+/// beside the fp32 mirror of everything else (tables, queries, RoPE).
+template <class F8>
+struct Fp8Mirror : Mirror<float> {
+  DeviceBuffer<F8> k8, v8;
+  DeviceBuffer<float> k_scale, v_scale;
+
+  static std::vector<F8> quantised(std::vector<float> const& x, std::vector<float> const& scales) {
+    std::vector<F8> out(x.size());
+    std::size_t const per_head = x.size() / scales.size();
+    for (std::size_t i = 0; i < x.size(); ++i)
+      out[i] = store<F8>(x[i], scales[i / per_head]);
+    return out;
+  }
+  Fp8Mirror(Case const& cs, std::vector<float> const& ks, std::vector<float> const& vs)
+      : Mirror<float>(cs), k8(quantised(cs.k, ks)), v8(quantised(cs.v, vs)), k_scale(ks), v_scale(vs) {}
+
+  template <class Fn>
+  std::string with_cache(Fn&& fn) {
+    KVExtents const ve{c.e.batch, c.e.heads, c.e.tokens, dim_v()};
+    return fn(make_cache(bhtd_device_rows(k8.ptr, c.e, sequence_head_scales(k_scale.ptr, c.e.heads)),
+                         bhtd_device_rows(v8.ptr, ve, sequence_head_scales(v_scale.ptr, c.e.heads)), length_table(),
+                         positions.get_or_null(!c.positions.empty())));
+  }
+};
+
+/// Scores of `scorer` over a mirror's cache (Mirror or Fp8Mirror) into `out`.
+template <class S, class M>
+std::string score_with(S scorer, M& m, std::vector<float>& out) {
   Case const& c = m.c;
   DeviceBuffer<float> o(static_cast<std::size_t>(c.e.rows()));
   std::string const err = m.with_cache([&](auto const& cache) {
@@ -474,46 +501,68 @@ bool device_available() {
   return cudaGetDeviceCount(&n) == cudaSuccess && n > 0;
 }
 
+/// The named policy's scores over a mirror (see scores() in cuda_kernels.hpp).
+template <class M>
+std::string named_scores(std::string const& policy, M& m, std::vector<float>& out) {
+  Index const w = m.c.q_ext.tokens;
+  if (policy == "key_diff")
+    return score_with(KeyDiffScorer{}, m, out);
+  if (policy == "key_diff_raw")
+    return score_with(KeyDiffScorer{.anchor = KeyDiffAnchor::raw_mean}, m, out);
+  if (policy == "knorm")
+    return score_with(KnormScorer{}, m, out);
+  if (policy == "streaming_llm")
+    return score_with(StreamingLLMScorer{4}, m, out);
+  if (policy == "random")
+    return score_with(RandomScorer{11}, m, out);
+  if (policy == "snap_kv")
+    return score_with(SnapKVScorer{.window_size = w, .kernel_size = 5}, m, out);
+  if (policy == "snap_kv_kvpress") {
+    SnapKVScorer s = SnapKVScorer::kvpress();
+    s.window_size = w;
+    return score_with(s, m, out);
+  }
+  if (policy == "snap_kv_chunk")  // MomentKV's base: aligned chunks of 4 (the last one partial), group mean
+    return score_with(SnapKVScorer{Reference::authors, w, 4, Pooling::chunk_mean, GqaReduce::mean}, m, out);
+  if (policy == "snap_kv_chunk_kvpress") {
+    SnapKVScorer s = SnapKVScorer::kvpress();
+    s.window_size = w;
+    s.kernel_size = 6;
+    s.pooling = Pooling::chunk_mean;
+    return score_with(s, m, out);
+  }
+  if (policy == "tova")
+    return score_with(TOVAScorer{}, m, out);
+  if (policy == "tova_kvpress")
+    return score_with(TOVAScorer{Reference::kvpress}, m, out);
+  if (policy == "observed_attention")
+    return score_with(ObservedAttentionScorer{7}, m, out);
+  if (policy == "observed_attention_one_tile")
+    return score_with(ObservedAttentionScorer{256}, m, out);
+  return std::string("unknown policy ") + policy;
+}
+
 std::string scores(std::string const& policy, Case const& c, std::vector<float>& out) {
   return by_dtype(c.dtype, [&](auto tag) {
     Mirror<decltype(tag)> m(c);
-    Index const w = c.q_ext.tokens;
-    if (policy == "key_diff")
-      return score_with(KeyDiffScorer{}, m, out);
-    if (policy == "key_diff_raw")
-      return score_with(KeyDiffScorer{.anchor = KeyDiffAnchor::raw_mean}, m, out);
-    if (policy == "knorm")
-      return score_with(KnormScorer{}, m, out);
-    if (policy == "streaming_llm")
-      return score_with(StreamingLLMScorer{4}, m, out);
-    if (policy == "random")
-      return score_with(RandomScorer{11}, m, out);
-    if (policy == "snap_kv")
-      return score_with(SnapKVScorer{.window_size = w, .kernel_size = 5}, m, out);
-    if (policy == "snap_kv_kvpress") {
-      SnapKVScorer s = SnapKVScorer::kvpress();
-      s.window_size = w;
-      return score_with(s, m, out);
-    }
-    if (policy == "snap_kv_chunk")  // MomentKV's base: aligned chunks of 4 (the last one partial), group mean
-      return score_with(SnapKVScorer{Reference::authors, w, 4, Pooling::chunk_mean, GqaReduce::mean}, m, out);
-    if (policy == "snap_kv_chunk_kvpress") {
-      SnapKVScorer s = SnapKVScorer::kvpress();
-      s.window_size = w;
-      s.kernel_size = 6;
-      s.pooling = Pooling::chunk_mean;
-      return score_with(s, m, out);
-    }
-    if (policy == "tova")
-      return score_with(TOVAScorer{}, m, out);
-    if (policy == "tova_kvpress")
-      return score_with(TOVAScorer{Reference::kvpress}, m, out);
-    if (policy == "observed_attention")
-      return score_with(ObservedAttentionScorer{7}, m, out);
-    if (policy == "observed_attention_one_tile")
-      return score_with(ObservedAttentionScorer{256}, m, out);
-    return std::string("unknown policy ") + policy;
+    return named_scores(policy, m, out);
   });
+}
+
+std::string fp8_scores(std::string const& policy, Case const& c, CacheFormat format, std::vector<float> const& k_scales,
+                       std::vector<float> const& v_scales, std::vector<float>& out) {
+  if (c.layout != Layout::bhtd || c.dtype != Dtype::f32 ||
+      k_scales.size() != static_cast<std::size_t>(c.e.batch * c.e.heads) || v_scales.size() != k_scales.size())
+    return "fp8_scores: a BHTD fp32 case and one K and V scale per (sequence, KV head)";
+  if (format == CacheFormat::e4m3) {
+    Fp8Mirror<float8_e4m3> m(c, k_scales, v_scales);
+    return named_scores(policy, m, out);
+  }
+  if (format == CacheFormat::e5m2) {
+    Fp8Mirror<float8_e5m2> m(c, k_scales, v_scales);
+    return named_scores(policy, m, out);
+  }
+  return "fp8_scores: an fp8 format";
 }
 
 std::string attend(Case const& c, std::vector<float>& out, std::vector<float>& lse) {
@@ -1334,15 +1383,21 @@ struct DeviceMemory {
 
 }  // namespace
 
-std::string compressor_scenario(std::string const& policy, ScenarioResult& out) {
+std::string compressor_scenario(std::string const& policy, ScenarioResult& out, CacheFormat format, bool dequantised) {
   StreamScope scope;  // every call on a stream of its own, as an engine runs a layer
   if (!scope.ok())
     return "cudaStreamCreate failed";
-  Scenario const sc;
+  Scenario sc;
+  sc.format = format;
   DeviceMemory mem;
-  std::string const err = with_any_scenario_policy<DeviceSpace>(
-      policy, sc, mem,
-      [&](auto const& p, auto const& options) { return run_scenario(dev(), mem, p, options, sc, out); });
+  std::string const err =
+      with_any_scenario_policy<DeviceSpace>(policy, sc, mem, [&](auto const& p, auto const& options) {
+        if (format == CacheFormat::e4m3 && !dequantised)
+          return run_scenario<float8_e4m3>(dev(), mem, p, options, sc, out);
+        if (format == CacheFormat::e5m2 && !dequantised)
+          return run_scenario<float8_e5m2>(dev(), mem, p, options, sc, out);
+        return run_scenario<float>(dev(), mem, p, options, sc, out);
+      });
   if (op_counts().available) {
     out.decode_synchronizations = mem.synchronizations;
     out.decode_allocations = mem.allocations;

@@ -73,6 +73,11 @@ bool device_available();
 /// last one short) and observed_attention_one_tile (query_tile 256).
 std::string scores(std::string const& policy, Case const& c, std::vector<float>& out);
 
+/// The same scores over the case's K and V stored as fp8 (`format`: e4m3 or e5m2) under per-(sequence, KV head)
+/// scales `k_scales`, `v_scales` ([B, Hkv]): kvc::store of each value. The case must be BHTD and fp32.
+std::string fp8_scores(std::string const& policy, Case const& c, CacheFormat format, std::vector<float> const& k_scales,
+                       std::vector<float> const& v_scales, std::vector<float>& out);
+
 /// kvc::query_statistics on the device: rows [B, Hq, R, d] (fp32, narrowed to `dtype`; token-major [B, R, Hq, d]
 /// in device memory when `token_major`), positions [B, R] (empty: none); covariance skipped when `covariance` is
 /// false. Returns mean [B, Hq, d] and covariance [B, Hq, d, d].
@@ -322,7 +327,9 @@ std::string decode(Case const& c, DecodeRun const& run, bool on_stream, DecodeRe
 void decode_driver_builds_for_cuda(Cuda const& cuda, Workspace ws);
 
 /// The layer compressor's session (tests/support/compressor_scenario.hpp) on the device with the named policy
-/// (scenario_policies), every call through kvc::LayerCompressor<Press, Cuda> on the wrappers' stream.
-std::string compressor_scenario(std::string const& policy, ScenarioResult& out);
+/// (scenario_policies), every call through kvc::LayerCompressor<Press, Cuda> on the wrappers' stream. `format`: the
+/// scenario's cache format; `dequantised`: for an fp8 format, run on the float cache of the values it reads back.
+std::string compressor_scenario(std::string const& policy, ScenarioResult& out, CacheFormat format = CacheFormat::fp32,
+                                bool dequantised = false);
 
 }  // namespace kvc::test::cuda

@@ -266,6 +266,43 @@ TEST_CASE(
 }
 
 TEST_CASE(
+    "cuda: every scorer reads an fp8 cache (E4M3, E5M2, a scale per sequence and KV head) as its dequantised fp32 "
+    "cache, bit for bit",
+    "[cuda][scorers][fp8]") {
+  // Scores, not only kept sets: a per-head scale leaves Knorm's and KeyDiff's ranking unchanged, so a kernel that
+  // forgot it would still keep the same tokens. The dequantised case holds load(store(x, s), s) of every value.
+  KVC_REQUIRE_DEVICE();
+  for (auto const format : {kvc::test::CacheFormat::e4m3, kvc::test::CacheFormat::e5m2})
+    for (char const* policy :
+         {"key_diff", "key_diff_raw", "knorm", "streaming_llm", "snap_kv", "tova", "observed_attention"}) {
+      bool const tova = std::string(policy) == "tova";
+      auto c = random_case({2, 2, 300, 64}, 4, 8, !tova, 19);
+      std::vector<float> k_scales, v_scales;
+      for (Index i = 0; i < c.e.batch * c.e.heads; ++i) {
+        k_scales.push_back(0.004f * static_cast<float>(1 + i));  // the values span up to ~1,000 stored units
+        v_scales.push_back(0.003f * static_cast<float>(2 + i));
+      }
+      kc::Case dequantised = c;
+      auto const read_back = [&](std::vector<float>& x, std::vector<float> const& scales) {
+        std::size_t const per_head = x.size() / scales.size();
+        for (std::size_t i = 0; i < x.size(); ++i) {
+          float const sc = scales[i / per_head];
+          x[i] = format == kvc::test::CacheFormat::e4m3 ? kvc::load(kvc::store<kvc::float8_e4m3>(x[i], sc), sc)
+                                                        : kvc::load(kvc::store<kvc::float8_e5m2>(x[i], sc), sc);
+        }
+      };
+      read_back(dequantised.k, k_scales);
+      read_back(dequantised.v, v_scales);
+      INFO(policy << (format == kvc::test::CacheFormat::e4m3 ? " e4m3" : " e5m2"));
+      REQUIRE(dequantised.k != c.k);  // quantisation changed the keys: the check below can fail
+      std::vector<float> fp8, plain;
+      REQUIRE(kc::fp8_scores(policy, c, format, k_scales, v_scales, fp8) == "");
+      REQUIRE(kc::scores(policy, dequantised, plain) == "");
+      CHECK(fp8 == plain);
+    }
+}
+
+TEST_CASE(
     "cuda: Knorm and KeyDiff (both anchors) match the CPU on their range paths: fp32 keys at 1e20, 3e38 and "
     "1e-25, bf16 keys at 1e30 (1e-5 / 1e-4 relative)",
     "[cuda][scorers][range]") {
@@ -2889,43 +2926,102 @@ TEST_CASE(
   require_close_in_head(grr.rows, crr.rows, c.e.tokens * 24, 1e-5f, 1e-1f);
 }
 
+namespace {
+
+/// The device's session equals the CPU's: the schedule's compressions, the kept sets (lengths, each head's kept
+/// positions) and rows, the packed stores (empty for the other policies), attention within the fp32 tolerance of
+/// attend; under the emulator, no decode() call synchronises or allocates (a decode step is capturable into a graph).
+void check_same_session(kvc::test::ScenarioResult const& cpu, kvc::test::ScenarioResult const& gpu,
+                        kvc::Index capacity) {
+  CHECK(gpu.compressions == cpu.compressions);
+  CHECK(gpu.prefill_lengths == cpu.prefill_lengths);
+  CHECK(gpu.lengths == cpu.lengths);
+  for (std::size_t head = 0; head < cpu.lengths.size(); ++head) {
+    auto const first = static_cast<std::ptrdiff_t>(head) * capacity;
+    CHECK(std::equal(cpu.prefill_positions.begin() + first,
+                     cpu.prefill_positions.begin() + first + cpu.prefill_lengths[head],
+                     gpu.prefill_positions.begin() + first));
+    CHECK(std::equal(cpu.positions.begin() + first, cpu.positions.begin() + first + cpu.lengths[head],
+                     gpu.positions.begin() + first));
+  }
+  CHECK(gpu.keys == cpu.keys);
+  CHECK(gpu.pack_error == cpu.pack_error);
+  CHECK(gpu.packed_tokens == cpu.packed_tokens);
+  CHECK(gpu.packed_bits == cpu.packed_bits);
+  CHECK(gpu.packed_positions == cpu.packed_positions);
+  CHECK(gpu.packed_keys == cpu.packed_keys);
+  CHECK(gpu.packed_values == cpu.packed_values);
+  if (gpu.decode_synchronizations >= 0) {
+    CHECK(gpu.decode_synchronizations == 0);
+    CHECK(gpu.decode_allocations == 0);
+  }
+  REQUIRE(gpu.attention.size() == cpu.attention.size());
+  for (std::size_t i = 0; i < cpu.attention.size(); ++i)
+    REQUIRE(std::fabs(gpu.attention[i] - cpu.attention[i]) <= 1e-5f + 1e-4f * std::fabs(cpu.attention[i]));
+}
+
+/// The CPU's session with `name` (any scenario policy) on a cache of element type CT.
+template <class CT = float>
+kvc::test::ScenarioResult cpu_session(std::string const& name, kvc::test::Scenario const& sc) {
+  kvc::test::HostMemory mem;
+  kvc::test::ScenarioResult r;
+  std::string const err =
+      kvc::test::with_any_scenario_policy<kvc::HostSpace>(name, sc, mem, [&](auto const& policy, auto const& options) {
+        return kvc::test::run_scenario<CT>(kvc::Cpu{}, mem, policy, options, sc, r);
+      });
+  INFO(err);
+  REQUIRE(err.empty());
+  return r;
+}
+
+}  // namespace
+
 TEST_CASE("parity: every policy's session through the layer compressor", "[cuda][parity][compressor]") {
-  // One engine path for all: prefill after the prompt, then attend and decode per token, on each backend. The kept
-  // sets, the rows and the schedule's compressions are equal; attention within the fp32 tolerance of attend; under the
-  // emulator, no decode() call synchronises or allocates.
+  // One engine path for all: prefill after the prompt, then attend and decode per token, on each backend.
   KVC_REQUIRE_DEVICE();
   for (std::string const& name : kvc::test::scenario_policies()) {
     INFO(name);
     kvc::test::Scenario const sc;
-    kvc::test::HostMemory mem;
-    kvc::test::ScenarioResult cpu, gpu;
-    std::string const err =
-        kvc::test::with_scenario_policy<kvc::HostSpace>(name, sc, mem, [&](auto const& policy, auto const& options) {
-          return kvc::test::run_scenario(kvc::Cpu{}, mem, policy, options, sc, cpu);
-        });
-    REQUIRE(err.empty());
+    kvc::test::ScenarioResult const cpu = cpu_session(name, sc);
+    kvc::test::ScenarioResult gpu;
     std::string const device_err = kc::compressor_scenario(name, gpu);
     INFO(device_err);
     REQUIRE(device_err.empty());
-    CHECK(gpu.compressions == cpu.compressions);
-    CHECK(gpu.prefill_lengths == cpu.prefill_lengths);
-    CHECK(gpu.lengths == cpu.lengths);
-    for (std::size_t head = 0; head < cpu.lengths.size(); ++head) {
-      auto const first = static_cast<std::ptrdiff_t>(head) * sc.capacity;
-      CHECK(std::equal(cpu.prefill_positions.begin() + first,
-                       cpu.prefill_positions.begin() + first + cpu.prefill_lengths[head],
-                       gpu.prefill_positions.begin() + first));
-      CHECK(std::equal(cpu.positions.begin() + first, cpu.positions.begin() + first + cpu.lengths[head],
-                       gpu.positions.begin() + first));
+    check_same_session(cpu, gpu, sc.capacity);
+  }
+}
+
+TEST_CASE("parity: every policy's session on an fp8 cache (E4M3 and E5M2, a scale per sequence and KV head)",
+          "[cuda][parity][compressor][fp8]") {
+  // The device reads an fp8 cache through its view's accessor, as the CPU does: the session equals the CPU's on the
+  // same fp8 cache; and on the device itself it equals bit for bit the session on the dequantised fp32 cache (each
+  // element is read as decode(byte) * scale: an exact decode and one rounding), packed stores included.
+  KVC_REQUIRE_DEVICE();
+  std::vector<std::string> names = kvc::test::scenario_policies();
+  for (std::string const& p : kvc::test::scenario_packed_policies())
+    names.push_back(p);
+  for (auto const format : {kvc::test::CacheFormat::e4m3, kvc::test::CacheFormat::e5m2}) {
+    kvc::test::Scenario sc;
+    sc.format = format;
+    for (std::string const& name : names) {
+      INFO(name << (format == kvc::test::CacheFormat::e4m3 ? " e4m3" : " e5m2"));
+      kvc::test::ScenarioResult const cpu = format == kvc::test::CacheFormat::e4m3
+                                                ? cpu_session<kvc::float8_e4m3>(name, sc)
+                                                : cpu_session<kvc::float8_e5m2>(name, sc);
+      kvc::test::ScenarioResult gpu, dequantised;
+      std::string device_err = kc::compressor_scenario(name, gpu, format);
+      INFO(device_err);
+      REQUIRE(device_err.empty());
+      device_err = kc::compressor_scenario(name, dequantised, format, true);
+      REQUIRE(device_err.empty());
+      check_same_session(cpu, gpu, sc.capacity);
+      CHECK(gpu.lengths == dequantised.lengths);
+      CHECK(gpu.positions == dequantised.positions);
+      CHECK(gpu.keys == dequantised.keys);
+      CHECK(gpu.attention == dequantised.attention);
+      CHECK(gpu.packed_keys == dequantised.packed_keys);
+      CHECK(gpu.packed_values == dequantised.packed_values);
     }
-    CHECK(gpu.keys == cpu.keys);
-    if (gpu.decode_synchronizations >= 0) {  // counted by the emulator: a decode step is capturable into a graph
-      CHECK(gpu.decode_synchronizations == 0);
-      CHECK(gpu.decode_allocations == 0);
-    }
-    REQUIRE(gpu.attention.size() == cpu.attention.size());
-    for (std::size_t i = 0; i < cpu.attention.size(); ++i)
-      REQUIRE(std::fabs(gpu.attention[i] - cpu.attention[i]) <= 1e-5f + 1e-4f * std::fabs(cpu.attention[i]));
   }
 }
 
@@ -2954,33 +3050,13 @@ TEST_CASE("parity: the packed policies' session through the layer compressor", "
   for (std::string const& name : kvc::test::scenario_packed_policies()) {
     INFO(name);
     kvc::test::Scenario const sc;
-    kvc::test::HostMemory mem;
-    kvc::test::ScenarioResult cpu, gpu;
-    std::string const err = kvc::test::with_scenario_packed_policy<kvc::HostSpace>(
-        name, sc, mem, [&](auto const& policy, auto const& options) {
-          return kvc::test::run_scenario(kvc::Cpu{}, mem, policy, options, sc, cpu);
-        });
-    REQUIRE(err.empty());
+    kvc::test::ScenarioResult const cpu = cpu_session(name, sc);
+    kvc::test::ScenarioResult gpu;
     std::string const device_err = kc::compressor_scenario(name, gpu);
     INFO(device_err);
     REQUIRE(device_err.empty());
     CHECK(cpu.pack_error == 0);
-    CHECK(gpu.pack_error == 0);
-    CHECK(gpu.packed_tokens == cpu.packed_tokens);
-    CHECK(gpu.packed_bits == cpu.packed_bits);
-    CHECK(gpu.packed_positions == cpu.packed_positions);
-    CHECK(gpu.packed_keys == cpu.packed_keys);
-    CHECK(gpu.packed_values == cpu.packed_values);
-    CHECK(gpu.prefill_lengths == cpu.prefill_lengths);
     CHECK(gpu.prefill_positions == cpu.prefill_positions);
-    CHECK(gpu.lengths == cpu.lengths);
-    CHECK(gpu.keys == cpu.keys);
-    if (gpu.decode_synchronizations >= 0) {
-      CHECK(gpu.decode_synchronizations == 0);
-      CHECK(gpu.decode_allocations == 0);
-    }
-    REQUIRE(gpu.attention.size() == cpu.attention.size());
-    for (std::size_t i = 0; i < cpu.attention.size(); ++i)
-      REQUIRE(std::fabs(gpu.attention[i] - cpu.attention[i]) <= 1e-5f + 1e-4f * std::fabs(cpu.attention[i]));
+    check_same_session(cpu, gpu, sc.capacity);
   }
 }

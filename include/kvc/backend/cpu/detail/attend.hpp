@@ -157,6 +157,16 @@ inline void lanes_load(Lanes& a, T const* src) noexcept {
 /// views, the dequantised values exactly; nothing more for Unit.
 template <class T, class S>
 inline void lanes_load(Lanes& a, T const* src, S scale) noexcept {
+#if KVC_CPU_F16_CONVERT == 1 && defined(__AVX512F__)
+  if constexpr (is_fp8<T> && !std::is_same_v<S, Unit>) {  // one 16-wide conversion, E4M3's 2^8 folded into the scale
+    float const s = scale * f16c_unbias<T>;
+    if (folds_exactly(s, scale)) [[likely]] {
+      __m512 const x = _mm512_mul_ps(_mm512_maskz_cvtph_ps(0xffff, f16c_bits16(src)), _mm512_set1_ps(s));
+      std::memcpy(&a, &x, sizeof(Lanes));
+      return;
+    }
+  }
+#endif
   lanes_load(a, src);
   if constexpr (!std::is_same_v<S, Unit>)
     a *= scale;

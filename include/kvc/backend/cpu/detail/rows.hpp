@@ -33,7 +33,7 @@ inline FloatRow float_row(T const* src, Index dim, float* scratch, S scale = {})
 /// Lanes of independent fp32 accumulators: reductions vectorise without -ffast-math (no reassociation needed),
 /// and 16 lanes hide the add latency at 8-wide AVX. The summation order is fixed, so results are deterministic.
 inline constexpr Index reduce_lanes = 16;
-static_assert(reduce_lanes == 16, "f16c_lanes() (widen.hpp) holds the 16 lanes as two 8-wide vectors");
+static_assert(reduce_lanes == 16, "f16c_lanes() (widen.hpp) holds the 16 lanes in one zmm or two ymm registers");
 
 /// sum_i a[i] * b[i] in fp32 with reduce_lanes partial sums; `a` may hold 16-bit or 8-bit elements under a view's
 /// scale (core/access.hpp), loaded in registers (no scratch round trip).

@@ -16,6 +16,7 @@
 #include <kvc/core/element.hpp>
 #include <kvc/core/extents.hpp>
 
+#include <cmath>
 #include <cstring>
 #include <limits>
 #include <type_traits>
@@ -43,29 +44,72 @@ inline constexpr bool f16c_widens = KVC_CPU_F16_CONVERT == 1 &&
                                     (std::is_same_v<std::remove_const_t<T>, half> || is_fp8<T>);
 
 #if KVC_CPU_F16_CONVERT == 1
+/// The factor a binary16 from f16c_bits8 / f16c_bits16 must be multiplied by to be the element's value: 2^8 for E4M3
+/// (exponent bias 7 against binary16's 15), 1 for fp16 and E5M2. The reductions fold it into the view's scale.
+template <class T>
+inline constexpr float f16c_unbias = std::is_same_v<std::remove_const_t<T>, float8_e4m3> ? 256.0f : 1.0f;
+
+/// Whether `folded` (a scale times f16c_unbias) is exact: false only when a finite scale overflowed (never in practice:
+/// a scale near 2^120), where the caller reads the elements one at a time instead.
+inline bool folds_exactly(float folded, float scale) noexcept {
+  constexpr float top = std::numeric_limits<float>::max();
+  return std::fabs(folded) <= top || !(std::fabs(scale) <= top);
+}
+
+// E4M3 bytes sign-extended to 16 bits and shifted left by 7 are s.s.eeee.mmm.0000000; with bit 14 cleared, that is
+// the binary16 of the same number times 2^-8 (E4M3's subnormals m * 2^-9 become binary16 subnormals m * 2^-17), which
+// F16C widens exactly. NaN (magnitude 0x7F: 0x3F80 here, which would read as 1.875) is the only value that carries
+// into bit 14 when 0x80 is added; or-ing that carry in gives 0x7F80 (0xFF80), a binary16 NaN. No compare, no blend.
+inline __m128i e4m3_binary16(__m128i widened) noexcept {
+  __m128i const b = _mm_and_si128(_mm_slli_epi16(widened, 7), _mm_set1_epi16(static_cast<short>(0xbf80)));
+  return _mm_or_si128(b, _mm_and_si128(_mm_add_epi16(b, _mm_set1_epi16(0x80)), _mm_set1_epi16(0x4000)));
+}
+
+/// src[0, 8) as binary16 bits of value / f16c_unbias<T>, for T with f16c_widens<T>.
+template <class T>
+inline __m128i f16c_bits8(T const* src) noexcept {
+  using E = std::remove_const_t<T>;
+  static_assert(f16c_widens<E>, "kvc: f16c_bits8 converts fp16, E4M3 and E5M2");
+  if constexpr (std::is_same_v<E, half>)
+    return _mm_loadu_si128(reinterpret_cast<__m128i const*>(src));
+  else if constexpr (std::is_same_v<E, float8_e5m2>)  // the top half of a binary16: b << 8, by interleaving zeros
+    return _mm_unpacklo_epi8(_mm_setzero_si128(), _mm_loadl_epi64(reinterpret_cast<__m128i const*>(src)));
+  else
+    return e4m3_binary16(_mm_cvtepi8_epi16(_mm_loadl_epi64(reinterpret_cast<__m128i const*>(src))));
+}
+
 /// src[0, 8) widened into one register by F16C (exact), for T with f16c_widens<T>.
 template <class T>
 inline __m256 f16c_load8(T const* src) noexcept {
+  __m256 const x = _mm256_cvtph_ps(f16c_bits8(src));
+  if constexpr (f16c_unbias<T> != 1.0f)
+    return _mm256_mul_ps(x, _mm256_set1_ps(f16c_unbias<T>));  // a power of two: exact
+  else
+    return x;
+}
+
+#  if defined(__AVX2__)
+inline __m256i e4m3_binary16(__m256i widened) noexcept {  // as the 8-wide one above
+  __m256i const b = _mm256_and_si256(_mm256_slli_epi16(widened, 7), _mm256_set1_epi16(static_cast<short>(0xbf80)));
+  return _mm256_or_si256(b, _mm256_and_si256(_mm256_add_epi16(b, _mm256_set1_epi16(0x80)), _mm256_set1_epi16(0x4000)));
+}
+
+/// src[0, 16) as binary16 bits of value / f16c_unbias<T> (AVX2: one widening of 16 bytes for fp8).
+template <class T>
+inline __m256i f16c_bits16(T const* src) noexcept {
   using E = std::remove_const_t<T>;
-  static_assert(f16c_widens<E>, "kvc: f16c_load8 widens fp16, E4M3 and E5M2");
+  static_assert(f16c_widens<E>, "kvc: f16c_bits16 converts fp16, E4M3 and E5M2");
   if constexpr (std::is_same_v<E, half>) {
-    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<__m128i const*>(src)));
+    return _mm256_loadu_si256(reinterpret_cast<__m256i const*>(src));
   } else {
-    // Each byte into the top half of a 16-bit lane (interleaved with zeros: one instruction, b << 8).
-    __m128i const high = _mm_unpacklo_epi8(_mm_setzero_si128(), _mm_loadl_epi64(reinterpret_cast<__m128i const*>(src)));
+    __m128i const bytes = _mm_loadu_si128(reinterpret_cast<__m128i const*>(src));
     if constexpr (std::is_same_v<E, float8_e5m2>)
-      return _mm256_cvtph_ps(high);  // E5M2 is the top half of a binary16
-    // s.eeee.mmm placed as the binary16 s.0eeee.mmm0000000 (an arithmetic shift right by one, the copied sign bit
-    // cleared) is the same number times 2^-8 (exponent bias 15 against 7; E4M3's subnormals m * 2^-9 become binary16
-    // subnormals m * 2^-17), which F16C widens exactly; the product by 256 is exact. NaN (magnitude 0x7F, which would
-    // read as 480) gets the binary16 exponent's ones first (0x3F80 | 0x7E00 is a quiet NaN; NaN x 256 is NaN).
-    __m128i const nan = _mm_and_si128(
-        _mm_cmpeq_epi16(_mm_and_si128(high, _mm_set1_epi16(0x7f00)), _mm_set1_epi16(0x7f00)), _mm_set1_epi16(0x7e00));
-    __m128i const bits =
-        _mm_or_si128(_mm_and_si128(_mm_srai_epi16(high, 1), _mm_set1_epi16(static_cast<short>(0xbf80))), nan);
-    return _mm256_mul_ps(_mm256_cvtph_ps(bits), _mm256_set1_ps(256.0f));
+      return _mm256_slli_epi16(_mm256_cvtepu8_epi16(bytes), 8);
+    else
+      return e4m3_binary16(_mm256_cvtepi8_epi16(bytes));
   }
 }
+#  endif
 #endif
 
 /// Widens src[0, 8) into dst[0, 8).
@@ -102,9 +146,12 @@ inline void widen(T const* src, float* dst, Index n, S scale) noexcept {
   } else {
     Index i = 0;
 #if KVC_CPU_F16_CONVERT == 1
-    if constexpr (f16c_widens<T>)  // the product in the register: one pass over dst
-      for (; i + 8 <= n; i += 8)
-        _mm256_storeu_ps(dst + i, _mm256_mul_ps(f16c_load8(src + i), _mm256_set1_ps(scale)));
+    if constexpr (f16c_widens<T>) {  // the product in the register (one pass over dst), E4M3's 2^8 folded into it
+      float const s = scale * f16c_unbias<T>;
+      if (folds_exactly(s, scale))
+        for (; i + 8 <= n; i += 8)
+          _mm256_storeu_ps(dst + i, _mm256_mul_ps(_mm256_cvtph_ps(f16c_bits8(src + i)), _mm256_set1_ps(s)));
+    }
 #endif
     widen(src + i, dst + i, n - i);
     for (; i < n; ++i)
@@ -134,25 +181,53 @@ template <class T>
 inline constexpr bool hardware_lanes = f16c_widens<T>;
 
 /// The 16 accumulator lanes of rows.hpp's reductions over whole blocks of 16 fp16 or fp8 elements under a view's
-/// scale, as two 8-wide vectors widened by F16C: acc[j] += (a[i + j] * scale) * b[i + j] (or (a[i + j] * scale)^2),
-/// in the same order as the portable loop, with separate multiplies and adds (the portable loop may be contracted to
-/// FMAs; see the top of this file). Returns the index after the last whole block.
+/// scale, widened by F16C: acc[j] += (a[i + j] * scale) * b[i + j] (or (a[i + j] * scale)^2), in the same order as the
+/// portable loop, with separate multiplies and adds (the portable loop may be contracted to FMAs; see the top of this
+/// file). E4M3's f16c_unbias joins the scale: (v / 2^8) * (scale * 2^8) is the same real number as v * scale, so it
+/// rounds to the same float, with one product instead of two (scale * 2^8 is exact; when it overflows, the caller's
+/// portable loop does the block). One 16-wide conversion and zmm arithmetic with AVX-512, two 8-wide ones with AVX2
+/// (one 16-byte widening for fp8), 8-bit loads one at a time with F16C alone. Returns the index after the last whole
+/// block.
 #if KVC_CPU_F16_CONVERT == 1
 template <class T, class S>
 inline Index f16c_lanes(T const* a, float const* b, Index dim, float* acc, S scale) noexcept {
-  __m256 lo = _mm256_loadu_ps(acc), hi = _mm256_loadu_ps(acc + 8);
+  constexpr bool multiply = !std::is_same_v<S, Unit> || f16c_unbias<T> != 1.0f;
+  float s = f16c_unbias<T>;
+  if constexpr (!std::is_same_v<S, Unit>) {
+    s *= scale;
+    if (!folds_exactly(s, scale))
+      return 0;
+  }
   Index i = 0;
+#  if defined(__AVX512F__)
+  __m512 sum = _mm512_loadu_ps(acc);
   for (; i + 16 <= dim; i += 16) {
-    __m256 x = f16c_load8(a + i), y = f16c_load8(a + i + 8);
-    if constexpr (!std::is_same_v<S, Unit>) {  // the dequantised values: one rounding each
-      x = _mm256_mul_ps(x, _mm256_set1_ps(scale));
-      y = _mm256_mul_ps(y, _mm256_set1_ps(scale));
+    // maskz with a full mask: see widen() below (GCC 12's maybe-uninitialized warning on _mm512_cvtph_ps).
+    __m512 x = _mm512_maskz_cvtph_ps(0xffff, f16c_bits16(a + i));
+    if constexpr (multiply)  // the dequantised values: one rounding each
+      x = _mm512_mul_ps(x, _mm512_set1_ps(s));
+    sum = _mm512_add_ps(sum, _mm512_mul_ps(x, b ? _mm512_loadu_ps(b + i) : x));
+  }
+  _mm512_storeu_ps(acc, sum);
+#  else
+  __m256 lo = _mm256_loadu_ps(acc), hi = _mm256_loadu_ps(acc + 8);
+  for (; i + 16 <= dim; i += 16) {
+#    if defined(__AVX2__)
+    __m256i const bits = f16c_bits16(a + i);
+    __m256 x = _mm256_cvtph_ps(_mm256_castsi256_si128(bits)), y = _mm256_cvtph_ps(_mm256_extracti128_si256(bits, 1));
+#    else
+    __m256 x = _mm256_cvtph_ps(f16c_bits8(a + i)), y = _mm256_cvtph_ps(f16c_bits8(a + i + 8));
+#    endif
+    if constexpr (multiply) {
+      x = _mm256_mul_ps(x, _mm256_set1_ps(s));
+      y = _mm256_mul_ps(y, _mm256_set1_ps(s));
     }
     lo = _mm256_add_ps(lo, _mm256_mul_ps(x, b ? _mm256_loadu_ps(b + i) : x));
     hi = _mm256_add_ps(hi, _mm256_mul_ps(y, b ? _mm256_loadu_ps(b + i + 8) : y));
   }
   _mm256_storeu_ps(acc, lo);
   _mm256_storeu_ps(acc + 8, hi);
+#  endif
   return i;
 }
 #else

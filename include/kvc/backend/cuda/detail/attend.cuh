@@ -38,6 +38,7 @@ __global__ void __launch_bounds__(attend_warps* warp_size)
   Index const q_pos = queries.positions ? queries.positions[b * qe.tokens + i] : context_end(cache, b) - qe.tokens + i;
   float const lse = warp_lse(cache, b, h, n, q, q_pos, scale, op.causal);
   float acc[attend_max_chunks] = {};
+  auto const vs = cache.values.scale(b, h);
   if (lse > -CUDART_INF_F)
     for (Index base = 0; base < n; base += warp_size) {
       Index const j = base + lane;
@@ -51,7 +52,7 @@ __global__ void __launch_bounds__(attend_warps* warp_size)
         for (int k = 0; k < attend_max_chunks; ++k) {
           Index const c = lane + k * warp_size;
           if (c < dv)
-            acc[k] += w * to_float(v[c]);
+            acc[k] += w * load(v[c], vs);
         }
       }
     }

@@ -18,9 +18,10 @@ __device__ inline float slot_logit(C const& cache, Index b, Index h, Index j, fl
   if (causal && cache.position(b, h, j) > q_pos)
     return -CUDART_INF_F;
   auto const* k = cache.keys.row(b, h, j);
+  auto const ks = cache.keys.scale(b, h);  // kvc::Unit (no instruction) unless the cache is fp8
   float dot = 0.0f;
   for (Index c = 0; c < cache.keys.extents().dim; ++c)
-    dot += q[c] * to_float(k[c]);
+    dot += q[c] * load(k[c], ks);
   float const logit = scale * dot;
   return isfinite(logit) ? logit : -CUDART_INF_F;
 }

@@ -6,14 +6,14 @@
 
 namespace kvc::backend::cuda {
 
-/// sum_i k[i]^2 in fp64 over a warp, every lane gets it (lane-strided sums, then the shuffle tree: deterministic).
-/// The rare path for rows outside kvc::detail::sum_squares_in_range() (core/norm_range.hpp, the CPU's guard too);
-/// call it warp-uniformly.
-template <class T>
-__device__ double warp_sum_squares_fp64(T const* k, Index dim, int lane) {
+/// sum_i load(k[i], scale)^2 in fp64 over a warp, every lane gets it (lane-strided sums, then the shuffle tree:
+/// deterministic). The rare path for rows outside kvc::detail::sum_squares_in_range() (core/norm_range.hpp, the CPU's
+/// guard too); call it warp-uniformly.
+template <class T, class S>
+__device__ double warp_sum_squares_fp64(T const* k, S scale, Index dim, int lane) {
   double sq = 0.0;
   for (Index i = lane; i < dim; i += warp_size) {
-    double const x = to_float(k[i]);
+    double const x = load(k[i], scale);
     sq += x * x;
   }
   return warp_sum(sq);

@@ -114,13 +114,14 @@ __global__ void gather_lengths_kernel(KeepPlan<DeviceSpace> plan, Dst dst) {
 /// Out of place, fully parallel over the rows of every head: grid (row blocks, heads, batch).
 template <class SrcRows, class DstRows>
 __global__ void gather_rows_kernel(KeepPlan<DeviceSpace> plan, SrcRows src, DstRows dst) {
-  using T = typename DstRows::value_type;
   Index const b = blockIdx.z, h = blockIdx.y, dim = dst.extents().dim;
   Index const count = gathered_rows(plan, dst, b, h);
   Index const* idx = plan.indices(b, h);
+  auto const ss = src.scale(b, h);
+  auto const ds = dst.scale(b, h);
   Index const stride = static_cast<Index>(gridDim.x) * blockDim.x;
   for (Index e = static_cast<Index>(blockIdx.x) * blockDim.x + threadIdx.x; e < count * dim; e += stride)
-    dst.row(b, h, e / dim)[e % dim] = from_float<T>(to_float(src.row(b, h, idx[e / dim])[e % dim]));
+    copy_elements(dst.row(b, h, e / dim) + e % dim, ds, src.row(b, h, idx[e / dim]) + e % dim, ss, 1);
 }
 
 /// Out of place per-token values: dst positions (src's, or src slot numbers) and carried arrays.
@@ -141,21 +142,21 @@ __global__ void gather_tokens_kernel(KeepPlan<DeviceSpace> plan, Src src, Dst ds
 /// heads, batch). Reads dst's old lengths; append_lengths_kernel, ordered after it on the stream, writes the new.
 template <class Dst, class Src>
 __global__ void append_rows_kernel(Dst dst, Src src, Index begin, Index count) {
-  using TK = typename Dst::keys_type::value_type;
-  using TV = typename Dst::values_type::value_type;
   Index const b = blockIdx.z, h = blockIdx.y, cap = dst.capacity(b, h);
   Index const dk = dst.keys.extents().dim, dv = dst.values.extents().dim, width = dk > dv ? dk : dv;
   Index const at = dst.clamped_length(b, h);
   Index left = src.clamped_length(b, h) - begin;
   left = left < 0 ? 0 : (left < count ? left : count);
   Index const m = at + left > cap ? cap - at : left;
+  auto const sks = src.keys.scale(b, h), svs = src.values.scale(b, h);
+  auto const dks = dst.keys.scale(b, h), dvs = dst.values.scale(b, h);
   Index const stride = static_cast<Index>(gridDim.x) * blockDim.x;
   for (Index e = static_cast<Index>(blockIdx.x) * blockDim.x + threadIdx.x; e < m * width; e += stride) {
-    Index const j = e / width, c = e % width;
+    Index const j = e / width, c = e % width;  // one element each: copy_elements of one moves its bytes if it can
     if (c < dk)
-      dst.keys.row(b, h, at + j)[c] = from_float<TK>(to_float(src.keys.row(b, h, begin + j)[c]));
+      copy_elements(dst.keys.row(b, h, at + j) + c, dks, src.keys.row(b, h, begin + j) + c, sks, 1);
     if (c < dv)
-      dst.values.row(b, h, at + j)[c] = from_float<TV>(to_float(src.values.row(b, h, begin + j)[c]));
+      copy_elements(dst.values.row(b, h, at + j) + c, dvs, src.values.row(b, h, begin + j) + c, svs, 1);
     if (c == 0 && dst.positions)
       dst.position_ref(b, h, at + j) = src.position(b, h, begin + j);
   }

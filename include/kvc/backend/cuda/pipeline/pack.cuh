@@ -111,14 +111,16 @@ __global__ void pack_order_kernel(C cache, BitPlan<DeviceSpace> plan, PackOption
   // Every value this head stores must fit FP16: K at its kept channels, V whole.
   Index const tn = d.tokens, channels = d.k_channels();
   int mine = 0;
+  auto const ks = cache.keys.scale(b, h);
+  auto const vs = cache.values.scale(b, h);
   for (Index w = threadIdx.x; w < tn * (channels + dv); w += blockDim.x) {
     Index const t = w / (channels + dv), i = w % (channels + dv);
     float x = 0.0f;
     if (i < channels) {
       if (perm[i] >= 0)
-        x = to_float(cache.keys.row(b, h, slots[t])[perm[i]]);
+        x = load(cache.keys.row(b, h, slots[t])[perm[i]], ks);
     } else {
-      x = to_float(cache.values.row(b, h, slots[t])[i - channels]);
+      x = load(cache.values.row(b, h, slots[t])[i - channels], vs);
     }
     mine |= detail::fits_half(x) ? 0 : 1;
   }
@@ -153,8 +155,10 @@ __global__ void pack_fill_kernel(C cache, PackOptions opt, PackedStore<DeviceSpa
   Index const* kept = ws.slots + bh * slots;  // the order kernel's rows: one per cache slot
   std::int32_t const* perm = ws.perm + bh * (dk + 4);
   std::byte* base = out.arena;
+  auto const ks = cache.keys.scale(b, h);
+  auto const vs = cache.values.scale(b, h);
   auto const key = [&](Index t, Index i) {  // packed token t, packed channel i (a pad reads 0)
-    return perm[i] < 0 ? 0.0f : to_float(cache.keys.row(b, h, kept[t])[perm[i]]);
+    return perm[i] < 0 ? 0.0f : load(cache.keys.row(b, h, kept[t])[perm[i]], ks);
   };
   for (Index i = threadIdx.x; i < channels && tn > 0; i += blockDim.x)
     reinterpret_cast<std::int32_t*>(base + d.k_perm)[i] = perm[i];
@@ -212,7 +216,7 @@ __global__ void pack_fill_kernel(C cache, PackOptions opt, PackedStore<DeviceSpa
     if (seg == 3) {
       auto* raw = reinterpret_cast<half*>(base + d.v_raw) + j * dv;
       for (Index c = 0; c < dv; ++c)
-        raw[c] = half(to_float(src[c]));
+        raw[c] = half(load(src[c], vs));
       continue;
     }
     int const bits = segment_bits(seg);
@@ -221,10 +225,10 @@ __global__ void pack_fill_kernel(C cache, PackOptions opt, PackedStore<DeviceSpa
     auto* params = reinterpret_cast<QuantParams*>(base + d.v_params[seg]) + j * v_groups;
     for (Index g = 0; g < v_groups; ++g) {
       Index const c0 = g * vg, gn = dv - c0 < vg ? dv - c0 : vg;
-      params[g] = minmax_params(src + c0, gn, 1, bits, opt.zero_point);
+      params[g] = minmax_params(src + c0, gn, 1, bits, opt.zero_point, vs);
       float const s = static_cast<float>(params[g].scale), o = static_cast<float>(params[g].offset);
       for (Index c = c0; c < c0 + gn; ++c)
-        codes[c] = detail::quantize_widened(to_float(src[c]), s, o, qmax, opt.zero_point);
+        codes[c] = detail::quantize_widened(load(src[c], vs), s, o, qmax, opt.zero_point);
     }
     for (Index c = dv; c < padded; ++c)
       codes[c] = 0;

@@ -157,11 +157,12 @@ __global__ void __launch_bounds__(ea_threads)
   float* sg = kt + d * ea_key_stride;  // [ea_inner][ea_cols]: a block of Σ̄
   Index const n = cache.clamped_length(b, h);
   int const tx = static_cast<int>(threadIdx.x) % 16, ty = static_cast<int>(threadIdx.x) / 16;
+  auto const ks = cache.keys.scale(b, h);
   for (Index j0 = static_cast<Index>(blockIdx.x) * ea_keys; j0 < n; j0 += static_cast<Index>(gridDim.x) * ea_keys) {
     __syncthreads();  // the previous tile's readers are done
     for (Index x = threadIdx.x; x < ea_keys * d; x += ea_threads) {
       Index const key = x / d, c = x % d;
-      kt[c * ea_key_stride + key] = j0 + key < n ? to_float(cache.keys.row(b, h, j0 + key)[c]) : 0.0f;
+      kt[c * ea_key_stride + key] = j0 + key < n ? load(cache.keys.row(b, h, j0 + key)[c], ks) : 0.0f;
     }
     __syncthreads();
     for (Index lq = 0; lq < g; ++lq) {
@@ -271,7 +272,7 @@ __global__ void __launch_bounds__(ea_score_warps* warp_size)
       auto const* v = cache.values.row(b, h, j);
       float sq = 0.0f;
       for (Index c = lane; c < dv; c += warp_size) {
-        float const x = to_float(v[c]);
+        float const x = load(v[c], cache.values.scale(b, h));
         sq += x * x;
       }
       norm = sqrtf(warp_sum(sq));

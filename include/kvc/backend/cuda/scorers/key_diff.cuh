@@ -40,11 +40,12 @@ __global__ void key_diff_anchor_kernel(Keys keys, KeyDiffScorer s, ScoreSpan<Dev
   Index const t0 = split * per, t1 = t0 + per < n ? t0 + per : n;
   double* mine = warp_rows + warp * dim;
   bool const unit = s.anchor == KeyDiffAnchor::normalized_mean;
+  auto const ks = keys.scale(b, h);
   for (Index t = t0 + warp; t < t1; t += key_diff_warps) {
     auto const* k = keys.row(b, h, t);
     float sq = 0.0f;
     for (Index i = lane; i < dim; i += warp_size) {
-      float const x = to_float(k[i]);
+      float const x = load(k[i], ks);
       sq += x * x;
     }
     sq = warp_sum(sq);
@@ -52,14 +53,14 @@ __global__ void key_diff_anchor_kernel(Keys keys, KeyDiffScorer s, ScoreSpan<Dev
       float const norm = sqrtf(sq);
       float const inv = unit ? 1.0f / fmaxf(norm, s.unit_eps) : 1.0f;
       for (Index i = lane; i < dim; i += warp_size)
-        mine[i] += static_cast<double>(to_float(k[i]) * inv);
+        mine[i] += static_cast<double>(load(k[i], ks) * inv);
       if (lane == 0)
         out(b, h, t) = norm;
     } else {
-      double const norm = sqrt(warp_sum_squares_fp64(k, dim, lane));
+      double const norm = sqrt(warp_sum_squares_fp64(k, ks, dim, lane));
       double const inv = unit ? 1.0 / fmax(norm, static_cast<double>(s.unit_eps)) : 1.0;
       for (Index i = lane; i < dim; i += warp_size)
-        mine[i] += static_cast<double>(to_float(k[i])) * inv;
+        mine[i] += static_cast<double>(load(k[i], ks)) * inv;
       if (lane == 0)
         out(b, h, t) = static_cast<float>(norm);  // +inf above FLT_MAX: pass 2 recomputes it
     }
@@ -144,6 +145,7 @@ __global__ void key_diff_score_kernel(Keys keys, KeyDiffScorer s, ScoreSpan<Devi
 
   Index const per = (out.tokens + splits - 1) / splits;
   Index const t0 = split * per, t1 = t0 + per < out.tokens ? t0 + per : out.tokens;
+  auto const ks = keys.scale(b, h);
   for (Index t = t0 + warp; t < t1; t += key_diff_warps) {
     if (t >= n) {
       if (lane == 0)
@@ -154,14 +156,14 @@ __global__ void key_diff_score_kernel(Keys keys, KeyDiffScorer s, ScoreSpan<Devi
     float const stashed = lane == 0 ? out(b, h, t) : 0.0f;  // lane 0 reads ||k|| (and later overwrites it)
     float dot = 0.0f;
     for (Index i = lane; i < dim; i += warp_size)
-      dot += to_float(k[i]) * anchor[i];
+      dot += load(k[i], ks) * anchor[i];
     dot = warp_sum(dot);
     float const norm = __shfl_sync(full_mask, stashed, 0);  // every lane: the rare branch below is warp-uniform
     float score = -dot / (mu_norm * fmaxf(norm, s.cosine_eps));
     if (!detail::norm_in_range(norm)) [[unlikely]] {
       double dot64 = 0.0, sq_k = 0.0;
       for (Index i = lane; i < dim; i += warp_size) {
-        double const x = to_float(k[i]);
+        double const x = load(k[i], ks);
         dot64 += x * anchor[i];
         sq_k += x * x;
       }

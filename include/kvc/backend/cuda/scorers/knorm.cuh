@@ -23,19 +23,20 @@ __global__ void knorm_kernel(Keys keys, ScoreSpan<DeviceSpace> out) {
   int const lane = static_cast<int>(threadIdx.x) % warp_size;
   Index const n = clamp_length(out.length(b, h), head_capacity(keys.layout(), b, h));
   Index const stride = static_cast<Index>(gridDim.x) * knorm_warps;
+  auto const ks = keys.scale(b, h);
   for (Index t = static_cast<Index>(blockIdx.x) * knorm_warps + threadIdx.x / warp_size; t < out.tokens; t += stride) {
     float sq = 0.0f;
     if (t < n) {
       auto const* k = keys.row(b, h, t);
       for (Index i = lane; i < dim; i += warp_size) {
-        float const x = to_float(k[i]);
+        float const x = load(k[i], ks);
         sq += x * x;
       }
     }
     sq = warp_sum(sq);
     float norm = sqrtf(sq);
     if (t < n && !detail::sum_squares_in_range(sq)) [[unlikely]]
-      norm = static_cast<float>(sqrt(warp_sum_squares_fp64(keys.row(b, h, t), dim, lane)));
+      norm = static_cast<float>(sqrt(warp_sum_squares_fp64(keys.row(b, h, t), ks, dim, lane)));
     if (lane == 0)
       out(b, h, t) = t < n ? -norm : -CUDART_INF_F;
   }

@@ -140,6 +140,8 @@ __global__ void __launch_bounds__(moment_threads)
   float const* vbar = prep.vbar + head * dv;
   float* k = k_rows + warp * dk;
   float* score = out.row(b, h);
+  auto const ks = cache.keys.scale(b, h);
+  auto const vs = cache.values.scale(b, h);
   Index const stride = static_cast<Index>(gridDim.x) * moment_warps;
   for (Index j = static_cast<Index>(blockIdx.x) * moment_warps + warp; j < e.tokens; j += stride) {
     if (j >= n) {  // padding: the base wrote -inf; a fixed base is copied for [0, n) only
@@ -158,22 +160,22 @@ __global__ void __launch_bounds__(moment_threads)
     if (ne > 0 && !cached) {
       auto const* src = cache.keys.row(b, h, j);
       for (Index c = lane; c < dk; c += warp_size)
-        k[c] = to_float(src[c]);
+        k[c] = load(src[c], ks);
       __syncwarp();
       for (Index a = lane; a < dv; a += warp_size) {
-        float const r = to_float(v[a]) - vbar[a] - beta * moment_matvec(ct, k, dk, dv, a);
+        float const r = load(v[a], vs) - vbar[a] - beta * moment_matvec(ct, k, dk, dv, a);
         ss += r * r;
       }
       __syncwarp();  // k is rewritten for the next slot
     } else if (ne > 0) {
       float const* u = res.rows.row(b, h, j);
       for (Index a = lane; a < dv; a += warp_size) {
-        float const r = to_float(v[a]) - vbar[a] - beta * u[a];
+        float const r = load(v[a], vs) - vbar[a] - beta * u[a];
         ss += r * r;
       }
     } else {
       for (Index a = lane; a < dv; a += warp_size)
-        ss += to_float(v[a]) * to_float(v[a]);
+        ss += load(v[a], vs) * load(v[a], vs);
     }
     ss = warp_sum(ss);
     if (lane == 0)
@@ -195,11 +197,12 @@ __global__ void __launch_bounds__(moment_threads)
   Index const t = res.tracked[head], from = t >= 0 && t <= n ? t : 0;
   float const* ct = prep.ct + head * dk * dv;
   float* k = k_rows + warp * dk;
+  auto const ks = cache.keys.scale(b, h);
   Index const stride = static_cast<Index>(gridDim.x) * moment_warps;
   for (Index j = from + static_cast<Index>(blockIdx.x) * moment_warps + warp; j < n; j += stride) {
     auto const* src = cache.keys.row(b, h, j);
     for (Index c = lane; c < dk; c += warp_size)
-      k[c] = to_float(src[c]);
+      k[c] = load(src[c], ks);
     __syncwarp();
     float* u = res.rows.row(b, h, j);
     for (Index a = lane; a < dv; a += warp_size)
@@ -258,11 +261,13 @@ __global__ void moment_sums_kernel(C cache, Index splits, MomentFold fold) {
   moment_split_range(m, splits, s, begin, end);
   Index const* slots = fold.slots + head * e.tokens;
   double* sums = fold.sums + (head * splits + s) * width;
+  auto const ks = cache.keys.scale(b, h);
+  auto const vs = cache.values.scale(b, h);
   for (Index x = threadIdx.x; x < width; x += blockDim.x) {
     double acc = 0.0;
     for (Index i = begin; i < end; ++i) {
       Index const t = moment_slot(slots, i, n);
-      acc += x < dk ? to_float(cache.keys.row(b, h, t)[x]) : to_float(cache.values.row(b, h, t)[x - dk]);
+      acc += x < dk ? load(cache.keys.row(b, h, t)[x], ks) : load(cache.values.row(b, h, t)[x - dk], vs);
     }
     sums[x] = acc;
   }
@@ -303,6 +308,8 @@ __global__ void __launch_bounds__(moment_threads) moment_comoment_kernel(C cache
     for (Index x = threadIdx.x; x < width; x += blockDim.x)
       fold.means[head * 2 * width + x] = mean[x];
   Index const* slots = fold.slots + head * e.tokens;
+  auto const ks = cache.keys.scale(b, h);
+  auto const vs = cache.values.scale(b, h);
   Index const per_pass = static_cast<Index>(blockDim.x) * moment_acc;
   for (Index e0 = 0; e0 < entries; e0 += per_pass) {
     float acc[moment_acc] = {};
@@ -311,9 +318,9 @@ __global__ void __launch_bounds__(moment_threads) moment_comoment_kernel(C cache
       for (Index x = threadIdx.x; x < rows * width; x += blockDim.x) {  // centred in fp32, as the CPU's tiles
         Index const i = x / width, col = x % width, t = moment_slot(slots, r0 + i, n);
         if (col < dk)
-          kt[i * dk + col] = to_float(cache.keys.row(b, h, t)[col]) - mean[col];
+          kt[i * dk + col] = load(cache.keys.row(b, h, t)[col], ks) - mean[col];
         else
-          vt[i * dv + col - dk] = to_float(cache.values.row(b, h, t)[col - dk]) - mean[col];
+          vt[i * dv + col - dk] = load(cache.values.row(b, h, t)[col - dk], vs) - mean[col];
       }
       __syncthreads();
       for (int q = 0; q < moment_acc; ++q) {
@@ -418,6 +425,7 @@ __global__ void __launch_bounds__(moment_threads)
   float const* ct = fold.ct + head * dk * dv;
   float const w = static_cast<float>(fold.info[head * 4 + 1]) / static_cast<float>(fold.info[head * 4 + 1] + 1);
   float* k = k_rows + warp * dk;
+  auto const ks = cache.keys.scale(b, h);
   Index const stride = static_cast<Index>(gridDim.x) * moment_warps;
   for (Index j = static_cast<Index>(blockIdx.x) * moment_warps + warp; j < kept; j += stride) {
     Index const t = keep[j] < 0 ? 0 : (keep[j] >= n ? n - 1 : keep[j]);
@@ -426,13 +434,13 @@ __global__ void __launch_bounds__(moment_threads)
     if (action == 1) {
       float dot = 0.0f;  // (k* − k̄_a)ᵀ k_j
       for (Index c = lane; c < dk; c += warp_size)
-        dot += (star[c] - old[c]) * to_float(src[c]);
+        dot += (star[c] - old[c]) * load(src[c], ks);
       float const coef = w * warp_sum(dot);
       for (Index a = lane; a < dv; a += warp_size)
         u[a] += coef * (star[dk + a] - old[dk + a]);
     } else {
       for (Index c = lane; c < dk; c += warp_size)
-        k[c] = to_float(src[c]);
+        k[c] = load(src[c], ks);
       __syncwarp();
       for (Index a = lane; a < dv; a += warp_size)
         u[a] = moment_matvec(ct, k, dk, dv, a);

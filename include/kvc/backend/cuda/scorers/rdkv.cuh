@@ -63,7 +63,7 @@ __global__ void thinK_channel_kernel(C cache, Index query_heads, Index rows, flo
         qsq += x * x;
       }
     for (Index j = 0; j < n; ++j) {
-      double const x = static_cast<double>(to_float(cache.keys.row(b, h, j)[c]));
+      double const x = static_cast<double>(load(cache.keys.row(b, h, j)[c], cache.keys.scale(b, h)));
       ksq += x * x;
     }
     double const q_rows = static_cast<double>(g * rows), k_rows = n > 0 ? static_cast<double>(n) : 1.0;
