@@ -29,6 +29,7 @@
 #include <fstream>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -618,6 +619,39 @@ TEST_CASE("fp8 caches: half the bytes of fp16, their own full cache is exact at 
       kl[type == CacheType::f8_e5m2] = q.kl;
     }
   CHECK(kl[1] > kl[0]);  // E5M2 keeps 2 mantissa bits, E4M3 3: four times the squared rounding error
+}
+
+TEST_CASE("fp8 caches: each layer's scales are the prompt's K and V amax over the format's largest value") {
+  if (!have(tinystories))
+    return;
+  Model const model = load(tinystories);
+  std::vector<std::int32_t> const prompt = sample_tokens(model, {CacheType::f32}, 40, 1, 23, {1, 2});
+  RowMatrix logits;
+  auto const amax = [](std::vector<float> const& x) {
+    float m = 0.0f;
+    for (float v : x)
+      m = std::max(m, std::abs(v));
+    return m;
+  };
+  for (auto const& [type, largest] : {std::pair{CacheType::f8_e4m3, 448.0f}, std::pair{CacheType::f8_e5m2, 57344.0f}})
+    for (CacheLayout layout : {CacheLayout::dense, CacheLayout::paged}) {
+      // The session's own post-RoPE K and V of the prompt, recorded before they are stored (layers past the first
+      // see the quantised cache's attention, so an fp32 session's would differ).
+      auto fp8 = make_session(model, {type, layout}, 64);
+      ForwardTrace trace;
+      trace.projections = true;
+      REQUIRE(fp8->forward(prompt, logits, &trace).ok());
+      REQUIRE(fp8->forward(std::vector<std::int32_t>{prompt[1]}, logits).ok());  // a later call keeps them
+      REQUIRE(trace.qkv.size() == 2);
+      for (std::size_t li = 0; li < trace.qkv.size(); ++li) {
+        INFO(cache_type_name(type) << " layer " << li);
+        auto const [k_scale, v_scale] = fp8->kv_scales(li);
+        CHECK(k_scale == amax(trace.qkv[li].keys) / largest);
+        CHECK(v_scale == amax(trace.qkv[li].values) / largest);
+        CHECK(k_scale != v_scale);
+      }
+    }
+  CHECK(make_session(model, {CacheType::f16, CacheLayout::dense}, 64)->kv_scales(0) == std::pair{1.0f, 1.0f});
 }
 
 TEST_CASE("a llama2.c checkpoint runs through the same engine, and compression at ratio 0 changes nothing") {

@@ -78,6 +78,7 @@
 #include <string>
 #include <string_view>
 #include <type_traits>
+#include <utility>
 #include <variant>
 #include <vector>
 
@@ -197,6 +198,8 @@ class Session {
   virtual StoreBytes store_bytes() const = 0;
   /// Bytes of MomentKV's moments held (every compressed layer's tools::HostMoments; 0 for other policies).
   virtual std::size_t moment_bytes() const = 0;
+  /// Layer `layer`'s K and V scales (fp8 caches: set at the layer's first forward call; 1 otherwise).
+  virtual std::pair<float, float> kv_scales(std::size_t layer) const = 0;
   /// Bytes of K and V held (valid tokens of every layer and KV head, in the cache's storage type).
   std::size_t kv_bytes() const { return store_bytes().kv; }
   /// From now on a store that fills up is re-sized to its longest head + `reserve` (ragged: re-laid out), and every
@@ -599,6 +602,13 @@ class Engine final : public Session {
     return s;
   }
 
+  std::pair<float, float> kv_scales(std::size_t layer) const override {
+    Layer const& l = layers_.at(layer);
+    if constexpr (is_fp8<T>)
+      return {l.k_access.scale(0, 0), l.v_access.scale(0, 0)};
+    else
+      return {1.0f, 1.0f};
+  }
   std::size_t moment_bytes() const override {
     std::size_t bytes = 0;
     for (Layer const& l : layers_)

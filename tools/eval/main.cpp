@@ -945,7 +945,7 @@ int command_run(int argc, char** argv) {
                              ": no BOS token id (config.json bos_token_id) to sample prompts from; give "
                              "--prompt-file");
     for (Index s = 0; s < samples; ++s)
-      data.push_back(kvc::eval::sample_tokens(model, run.reference_cache(), length, bos,
+      data.push_back(kvc::eval::sample_tokens(model, run.sampling_cache(), length, bos,
                                               seed * 0x9E3779B97F4A7C15ull + static_cast<std::uint64_t>(s),
                                               {bos, c.eos}));
   }

@@ -83,6 +83,14 @@ struct RunOptions {
     c.type = reference_type.value_or(cache.type);
     return c;
   }
+  /// The cache prompts are sampled with: the reference's, fp16 for an fp8 one (sampling feeds one token per call, so
+  /// an fp8 session would take its scales from the first token alone).
+  CacheOptions sampling_cache() const {
+    CacheOptions c = reference_cache();
+    if (c.type == CacheType::f8_e4m3 || c.type == CacheType::f8_e5m2)
+      c.type = CacheType::f16;
+    return c;
+  }
   Schedule schedule = Schedule::prefill;
   DecodeSchedule decode{};  ///< Schedule::decode: interval, target and buffer (protections come from the policy)
   bool relayout_on_compress = false;  ///< Schedule::decode: ragged stores are also re-laid out after compressions

@@ -74,10 +74,18 @@ constexpr ScaledAccess sequence_head_scales(float const* scales, Index heads) no
 template <class T>
 using default_access = std::conditional_t<is_fp8<T>, ScaledAccess, PlainAccess>;
 
-/// The fp32 value of a stored element under a scale (Unit or float): exact decode, then one rounding.
+/// The fp32 value of a stored element under a scale (Unit or float): exact decode, then one rounding. On the device
+/// the product is __fmul_rn, which nvcc never fuses into an FMA with a following add: the value is the dequantised
+/// cache's whatever the caller does with it. (Host compilers fuse only where allowed: -ffp-contract=off keeps every
+/// product rounded; GCC's default for GNU C++, fast, may fuse it into a following add, one rounding fewer.)
 template <class T, class S>
 KVC_HOST_DEVICE constexpr float load(T x, S scale) noexcept {
-  return to_float(x) * scale;
+#if defined(__CUDA_ARCH__)
+  if constexpr (std::is_same_v<S, float>)
+    return __fmul_rn(to_float(x), scale);
+  else
+#endif
+    return to_float(x) * scale;
 }
 
 /// The element of type T that stores fp32 value x under a scale: from_float(x / scale) (round to nearest even; fp8

@@ -375,15 +375,12 @@ struct Fp8Mirror : Mirror<float> {
   DeviceBuffer<F8> k8, v8;
   DeviceBuffer<float> k_scale, v_scale;
 
-  static std::vector<F8> quantised(std::vector<float> const& x, std::vector<float> const& scales) {
-    std::vector<F8> out(x.size());
-    std::size_t const per_head = x.size() / scales.size();
-    for (std::size_t i = 0; i < x.size(); ++i)
-      out[i] = store<F8>(x[i], scales[i / per_head]);
-    return out;
-  }
   Fp8Mirror(Case const& cs, std::vector<float> const& ks, std::vector<float> const& vs)
-      : Mirror<float>(cs), k8(quantised(cs.k, ks)), v8(quantised(cs.v, vs)), k_scale(ks), v_scale(vs) {}
+      : Mirror<float>(cs),
+        k8(Scenario{}.stored<F8>(cs.k, ks)),
+        v8(Scenario{}.stored<F8>(cs.v, vs)),
+        k_scale(ks),
+        v_scale(vs) {}
 
   template <class Fn>
   std::string with_cache(Fn&& fn) {
@@ -785,36 +782,56 @@ std::string query_statistics(Dtype dtype, KVExtents q_ext, std::vector<float> co
   });
 }
 
+/// ExpectedAttention's scores over a mirror's cache (Mirror or Fp8Mirror).
+template <class M>
+std::string ea_scores(M& m, EAInputs const& in, std::vector<float>& out) {
+  Case const& c = m.c;
+  Index const hq = in.query_heads;
+  DeviceBuffer<float> mean(in.mean), cov(in.cov);
+  DeviceBuffer<Index> next(in.next_position);
+  RopeSpec const spec = test_rope_spec(in.style, in.rotary_dim);
+  std::vector<float> table_host(
+      static_cast<std::size_t>(rope_table_floats(test_rope_positions, spec.rotated(c.e.dim))));
+  RopeTable<HostSpace> host_table;
+  if (!fill_rope_table(spec, c.e.dim, test_rope_positions, table_host.data(), host_table).ok())
+    return std::string("bad RopeSpec");
+  DeviceBuffer<float> table(table_host);
+  Index const half = spec.rotated(c.e.dim) / 2;
+  QueryStatistics<DeviceSpace> st{mean.ptr, cov.get_or_null(!in.cov.empty()), c.e.batch, hq, c.e.dim};
+  if (in.rope)
+    st.rope = {table.ptr, table.ptr + test_rope_positions * half, test_rope_positions, 2 * half, in.style};
+  st.next_position = next.get_or_null(!in.next_position.empty());
+  st.observed = in.observed;
+  DeviceBuffer<float> o(static_cast<std::size_t>(c.e.rows()));
+  std::string const err = m.with_cache([&](auto const& cache) {
+    auto const obs = observe(st);
+    std::size_t const bytes = score_workspace_bytes(dev(), in.scorer, c.e, obs);
+    DeviceBuffer<unsigned char> ws(bytes);
+    return finish(score(dev(), in.scorer, cache, obs, ScoreSpan<DeviceSpace>{o.ptr, c.e.batch, c.e.heads, c.e.tokens},
+                        Workspace{ws.ptr, bytes}));
+  });
+  o.to_host(out);
+  return err;
+}
+
 std::string expected_attention(Case const& c, EAInputs const& in, std::vector<float>& out) {
   return by_dtype(c.dtype, [&](auto tag) {
     Mirror<decltype(tag)> m(c);
-    Index const hq = in.query_heads;
-    DeviceBuffer<float> mean(in.mean), cov(in.cov);
-    DeviceBuffer<Index> next(in.next_position);
-    RopeSpec const spec = test_rope_spec(in.style, in.rotary_dim);
-    std::vector<float> table_host(
-        static_cast<std::size_t>(rope_table_floats(test_rope_positions, spec.rotated(c.e.dim))));
-    RopeTable<HostSpace> host_table;
-    if (!fill_rope_table(spec, c.e.dim, test_rope_positions, table_host.data(), host_table).ok())
-      return std::string("bad RopeSpec");
-    DeviceBuffer<float> table(table_host);
-    Index const half = spec.rotated(c.e.dim) / 2;
-    QueryStatistics<DeviceSpace> st{mean.ptr, cov.get_or_null(!in.cov.empty()), c.e.batch, hq, c.e.dim};
-    if (in.rope)
-      st.rope = {table.ptr, table.ptr + test_rope_positions * half, test_rope_positions, 2 * half, in.style};
-    st.next_position = next.get_or_null(!in.next_position.empty());
-    st.observed = in.observed;
-    DeviceBuffer<float> o(static_cast<std::size_t>(c.e.rows()));
-    std::string const err = m.with_cache([&](auto const& cache) {
-      auto const obs = observe(st);
-      std::size_t const bytes = score_workspace_bytes(dev(), in.scorer, c.e, obs);
-      DeviceBuffer<unsigned char> ws(bytes);
-      return finish(score(dev(), in.scorer, cache, obs, ScoreSpan<DeviceSpace>{o.ptr, c.e.batch, c.e.heads, c.e.tokens},
-                          Workspace{ws.ptr, bytes}));
-    });
-    o.to_host(out);
-    return err;
+    return ea_scores(m, in, out);
   });
+}
+
+std::string fp8_expected_attention(Case const& c, CacheFormat format, std::vector<float> const& k_scales,
+                                   std::vector<float> const& v_scales, EAInputs const& in, std::vector<float>& out) {
+  if (c.layout != Layout::bhtd || c.dtype != Dtype::f32 ||
+      k_scales.size() != static_cast<std::size_t>(c.e.batch * c.e.heads) || v_scales.size() != k_scales.size())
+    return "fp8_expected_attention: a BHTD fp32 case and one K and V scale per (sequence, KV head)";
+  if (format == CacheFormat::e4m3) {
+    Fp8Mirror<float8_e4m3> m(c, k_scales, v_scales);
+    return ea_scores(m, in, out);
+  }
+  Fp8Mirror<float8_e5m2> m(c, k_scales, v_scales);
+  return ea_scores(m, in, out);
 }
 
 std::string h2o(Case const& c, Index tile, std::vector<H2OStep> const& steps, std::vector<H2OResult>& results) {

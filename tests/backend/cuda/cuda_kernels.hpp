@@ -100,6 +100,9 @@ struct EAInputs {
 
 /// ExpectedAttention scores of the case's cache on the device.
 std::string expected_attention(Case const& c, EAInputs const& in, std::vector<float>& out);
+/// The same over the case's K and V stored as fp8 under per-(sequence, KV head) scales (as fp8_scores).
+std::string fp8_expected_attention(Case const& c, CacheFormat format, std::vector<float> const& k_scales,
+                                   std::vector<float> const& v_scales, EAInputs const& in, std::vector<float>& out);
 
 /// One step of an H2O run (see h2o()): append, update, score, evict.
 struct H2OStep {

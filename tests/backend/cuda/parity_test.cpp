@@ -266,43 +266,6 @@ TEST_CASE(
 }
 
 TEST_CASE(
-    "cuda: every scorer reads an fp8 cache (E4M3, E5M2, a scale per sequence and KV head) as its dequantised fp32 "
-    "cache, bit for bit",
-    "[cuda][scorers][fp8]") {
-  // Scores, not only kept sets: a per-head scale leaves Knorm's and KeyDiff's ranking unchanged, so a kernel that
-  // forgot it would still keep the same tokens. The dequantised case holds load(store(x, s), s) of every value.
-  KVC_REQUIRE_DEVICE();
-  for (auto const format : {kvc::test::CacheFormat::e4m3, kvc::test::CacheFormat::e5m2})
-    for (char const* policy :
-         {"key_diff", "key_diff_raw", "knorm", "streaming_llm", "snap_kv", "tova", "observed_attention"}) {
-      bool const tova = std::string(policy) == "tova";
-      auto c = random_case({2, 2, 300, 64}, 4, 8, !tova, 19);
-      std::vector<float> k_scales, v_scales;
-      for (Index i = 0; i < c.e.batch * c.e.heads; ++i) {
-        k_scales.push_back(0.004f * static_cast<float>(1 + i));  // the values span up to ~1,000 stored units
-        v_scales.push_back(0.003f * static_cast<float>(2 + i));
-      }
-      kc::Case dequantised = c;
-      auto const read_back = [&](std::vector<float>& x, std::vector<float> const& scales) {
-        std::size_t const per_head = x.size() / scales.size();
-        for (std::size_t i = 0; i < x.size(); ++i) {
-          float const sc = scales[i / per_head];
-          x[i] = format == kvc::test::CacheFormat::e4m3 ? kvc::load(kvc::store<kvc::float8_e4m3>(x[i], sc), sc)
-                                                        : kvc::load(kvc::store<kvc::float8_e5m2>(x[i], sc), sc);
-        }
-      };
-      read_back(dequantised.k, k_scales);
-      read_back(dequantised.v, v_scales);
-      INFO(policy << (format == kvc::test::CacheFormat::e4m3 ? " e4m3" : " e5m2"));
-      REQUIRE(dequantised.k != c.k);  // quantisation changed the keys: the check below can fail
-      std::vector<float> fp8, plain;
-      REQUIRE(kc::fp8_scores(policy, c, format, k_scales, v_scales, fp8) == "");
-      REQUIRE(kc::scores(policy, dequantised, plain) == "");
-      CHECK(fp8 == plain);
-    }
-}
-
-TEST_CASE(
     "cuda: Knorm and KeyDiff (both anchors) match the CPU on their range paths: fp32 keys at 1e20, 3e38 and "
     "1e-25, bf16 keys at 1e30 (1e-5 / 1e-4 relative)",
     "[cuda][scorers][range]") {
@@ -2440,6 +2403,67 @@ TEST_CASE("cuda: Knorm past 32,768 tokens takes a second pass of its capped grid
   std::vector<float> gpu;
   REQUIRE(kc::scores("knorm", c, gpu) == "");
   require_close(gpu, cpu_scores<float>("knorm", c), 1e-5f, 1e-5f);
+}
+
+namespace {
+
+/// A case's fp8 form for the device's fp8 wrappers: K and V scales per (sequence, KV head) (the values span up to
+/// ~1,000 stored units), and the dequantised case, load(store(x, s), s) of every value (Scenario::stored).
+struct Fp8Case {
+  std::vector<float> k_scales, v_scales;
+  kc::Case dequantised;
+};
+Fp8Case fp8_case(kc::Case const& c, kvc::test::CacheFormat format) {
+  Fp8Case f;
+  for (Index i = 0; i < c.e.batch * c.e.heads; ++i) {
+    f.k_scales.push_back(0.004f * static_cast<float>(1 + i));
+    f.v_scales.push_back(0.003f * static_cast<float>(2 + i));
+  }
+  kvc::test::Scenario sc;
+  sc.format = format;
+  f.dequantised = c;
+  f.dequantised.k = sc.stored<float>(c.k, f.k_scales);
+  f.dequantised.v = sc.stored<float>(c.v, f.v_scales);
+  return f;
+}
+
+}  // namespace
+
+TEST_CASE(
+    "cuda: every scorer reads an fp8 cache (E4M3, E5M2, a scale per sequence and KV head) as its dequantised fp32 "
+    "cache, bit for bit",
+    "[cuda][scorers][fp8]") {
+  // Scores, not only kept sets: a per-head scale leaves Knorm's and KeyDiff's ranking unchanged (and
+  // ExpectedAttention's V norms scale within a head alike), so a kernel that forgot it would keep the same tokens.
+  KVC_REQUIRE_DEVICE();
+  for (auto const format : {kvc::test::CacheFormat::e4m3, kvc::test::CacheFormat::e5m2}) {
+    char const* const name = format == kvc::test::CacheFormat::e4m3 ? " e4m3" : " e5m2";
+    for (char const* policy :
+         {"key_diff", "key_diff_raw", "knorm", "streaming_llm", "snap_kv", "tova", "observed_attention"}) {
+      bool const tova = std::string(policy) == "tova";
+      auto const c = random_case({2, 2, 300, 64}, 4, 8, !tova, 19);
+      Fp8Case const f = fp8_case(c, format);
+      INFO(policy << name);
+      REQUIRE(f.dequantised.k != c.k);  // quantisation changed the keys: the check below can fail
+      std::vector<float> fp8, plain;
+      REQUIRE(kc::fp8_scores(policy, c, format, f.k_scales, f.v_scales, fp8) == "");
+      REQUIRE(kc::scores(policy, f.dequantised, plain) == "");
+      CHECK(fp8 == plain);
+    }
+    // ExpectedAttention with its V norms (the one scorer reading V's scales), statistics given.
+    auto const c = random_case({2, 2, 300, 64}, 4, 8, true, 29);
+    Fp8Case const f = fp8_case(c, format);
+    kc::EAInputs in;
+    in.query_heads = 4;
+    REQUIRE(in.scorer.use_vnorm);
+    cpu_statistics<float>({2, 4, 32, 64}, query_rows({2, 4, 32, 64}, 0.0f, 2.5f, 31), {}, {.n_sink = 4}, in.mean,
+                          in.cov);
+    INFO("expected_attention" << name);
+    std::vector<float> fp8, plain;
+    REQUIRE(kc::fp8_expected_attention(c, format, f.k_scales, f.v_scales, in, fp8) == "");
+    REQUIRE(kc::expected_attention(f.dequantised, in, plain) == "");
+    CHECK(fp8 == plain);
+  }
 }
 
 TEST_CASE(

@@ -157,19 +157,33 @@ inline void lanes_load(Lanes& a, T const* src) noexcept {
 /// views, the dequantised values exactly; nothing more for Unit.
 template <class T, class S>
 inline void lanes_load(Lanes& a, T const* src, S scale) noexcept {
-#if KVC_CPU_F16_CONVERT == 1 && defined(__AVX512F__)
-  if constexpr (is_fp8<T> && !std::is_same_v<S, Unit>) {  // one 16-wide conversion, E4M3's 2^8 folded into the scale
-    float const s = scale * f16c_unbias<T>;
-    if (folds_exactly(s, scale)) [[likely]] {
-      __m512 const x = _mm512_mul_ps(_mm512_maskz_cvtph_ps(0xffff, f16c_bits16(src)), _mm512_set1_ps(s));
-      std::memcpy(&a, &x, sizeof(Lanes));
-      return;
+  if constexpr (std::is_same_v<S, Unit>) {
+    lanes_load(a, src);
+#if KVC_CPU_F16_CONVERT == 1 && defined(__AVX2__)
+  } else if constexpr (is_fp8<T> && std::is_same_v<S, LaneScale<std::remove_const_t<T>>>) {
+    // fp8 under a LaneScale (attend's kernels prepare one per head): 16 bytes widened at once, no branch.
+    constexpr bool twice = f16c_unbias<T> != 1.0f;  // E4M3: see LaneScale
+    __m256i const bits = f16c_bits16(src);
+#  if defined(__AVX512F__)
+    __m512 x = _mm512_mul_ps(_mm512_maskz_cvtph_ps(0xffff, bits), _mm512_set1_ps(scale.first));
+    if constexpr (twice)
+      x = _mm512_mul_ps(x, _mm512_set1_ps(scale.second));
+    std::memcpy(&a, &x, sizeof(Lanes));
+#  else  // Lanes is two ymm registers here: each half written in place
+    __m256 lo = _mm256_mul_ps(_mm256_cvtph_ps(_mm256_castsi256_si128(bits)), _mm256_set1_ps(scale.first));
+    __m256 hi = _mm256_mul_ps(_mm256_cvtph_ps(_mm256_extracti128_si256(bits, 1)), _mm256_set1_ps(scale.first));
+    if constexpr (twice) {
+      lo = _mm256_mul_ps(lo, _mm256_set1_ps(scale.second));
+      hi = _mm256_mul_ps(hi, _mm256_set1_ps(scale.second));
     }
-  }
+    std::memcpy(&a, &lo, sizeof lo);
+    std::memcpy(reinterpret_cast<char*>(&a) + sizeof lo, &hi, sizeof hi);
+#  endif
 #endif
-  lanes_load(a, src);
-  if constexpr (!std::is_same_v<S, Unit>)
-    a *= scale;
+  } else {
+    lanes_load(a, src);
+    a *= 1.0f * scale;  // the scale's float value (a LaneScale's or a float)
+  }
 }
 inline void lanes_store(float* dst, Lanes const& a) noexcept {
   std::memcpy(dst, &a, sizeof(Lanes));
@@ -528,8 +542,9 @@ struct Kernel<Attention, Cpu> {
 
     detail::parallel_for(cpu, k.batch * k.heads, [&](Index item, Index worker) {
       Index const b = item / k.heads, h = item % k.heads, n = cache.length(b, h);
-      auto const k_scale = cache.keys.scale(b, h);
-      auto const v_scale = cache.values.scale(b, h);
+      // Prepared once per head for the lanes (E4M3's 2^8 folded in, the overflow check out of the loops).
+      auto const k_scale = detail::lane_scale<typename C::keys_type::value_type>(cache.keys.scale(b, h));
+      auto const v_scale = detail::lane_scale<typename C::values_type::value_type>(cache.values.scale(b, h));
       WorkspaceCarver carve({base + static_cast<std::size_t>(worker) * per_worker, per_worker});
       float* qs = carve.take<float>(max_rows * dk);
       float* o = carve.take<float>(max_rows * dv);

@@ -1,5 +1,9 @@
 // SPDX-License-Identifier: Apache-2.0
-// kvc/backend/cpu/detail/widen.hpp: widening 16-bit K/V elements to fp32 on the CPU, 8 at a time.
+// kvc/backend/cpu/detail/widen.hpp: widening 16-bit and fp8 K/V elements to fp32 on the CPU, 8 or 16 at a time.
+//
+// fp8 (E4M3, E5M2) goes through the same F16C conversion: each byte becomes a binary16 bit pattern first (E5M2 is the
+// top byte of one; E4M3 maps to one of value / 2^8, see e4m3_binary16), 8 bytes at a time with F16C alone, 16 with
+// AVX2 (one vpmovsxbw / vpmovzxbw of 16 bytes).
 //
 // fp16 uses the hardware conversion where the compile target has it: F16C on x86 (vcvtph2ps, 8 halves per
 // instruction, 16 with AVX-512; -mf16c, implied by -march=haswell and later or -march=native on such a CPU) or the
@@ -43,7 +47,6 @@ template <class T>
 inline constexpr bool f16c_widens = KVC_CPU_F16_CONVERT == 1 &&
                                     (std::is_same_v<std::remove_const_t<T>, half> || is_fp8<T>);
 
-#if KVC_CPU_F16_CONVERT == 1
 /// The factor a binary16 from f16c_bits8 / f16c_bits16 must be multiplied by to be the element's value: 2^8 for E4M3
 /// (exponent bias 7 against binary16's 15), 1 for fp16 and E5M2. The reductions fold it into the view's scale.
 template <class T>
@@ -55,6 +58,36 @@ inline bool folds_exactly(float folded, float scale) noexcept {
   constexpr float top = std::numeric_limits<float>::max();
   return std::fabs(folded) <= top || !(std::fabs(scale) <= top);
 }
+
+/// A scaled view's scale prepared once per head for the F16C lanes of element type T (attention's kernels): the lanes
+/// multiply each converted binary16 by `first`, and E4M3's also by `second`, with no branch in the loops: normally
+/// first = scale * f16c_unbias<T> (exact) and second = 1; when that product overflows (a scale near 2^120),
+/// first = f16c_unbias<T> and second = scale. Either way the result is decode(byte) * scale rounded once. `value` is
+/// the scale itself for the element-wise reads (x * LaneScale is x * value, so kvc::load takes it as a float).
+template <class T>
+struct LaneScale {
+  float value = 1.0f;
+  float first = 1.0f;
+  float second = 1.0f;
+};
+template <class T>
+inline float operator*(float x, LaneScale<T> s) noexcept {
+  return x * s.value;
+}
+/// Unit stays Unit (no multiply at all); a float scale becomes a LaneScale<T>.
+template <class T>
+inline Unit lane_scale(Unit) noexcept {
+  return {};
+}
+template <class T>
+inline LaneScale<T> lane_scale(float scale) noexcept {
+  float const folded = scale * f16c_unbias<T>;
+  if (folds_exactly(folded, scale))
+    return {scale, folded, 1.0f};
+  return {scale, f16c_unbias<T>, scale};
+}
+
+#if KVC_CPU_F16_CONVERT == 1
 
 // E4M3 bytes sign-extended to 16 bits and shifted left by 7 are s.s.eeee.mmm.0000000; with bit 14 cleared, that is
 // the binary16 of the same number times 2^-8 (E4M3's subnormals m * 2^-9 become binary16 subnormals m * 2^-17), which
@@ -182,12 +215,13 @@ inline constexpr bool hardware_lanes = f16c_widens<T>;
 
 /// The 16 accumulator lanes of rows.hpp's reductions over whole blocks of 16 fp16 or fp8 elements under a view's
 /// scale, widened by F16C: acc[j] += (a[i + j] * scale) * b[i + j] (or (a[i + j] * scale)^2), in the same order as the
-/// portable loop, with separate multiplies and adds (the portable loop may be contracted to FMAs; see the top of this
-/// file). E4M3's f16c_unbias joins the scale: (v / 2^8) * (scale * 2^8) is the same real number as v * scale, so it
-/// rounds to the same float, with one product instead of two (scale * 2^8 is exact; when it overflows, the caller's
-/// portable loop does the block). One 16-wide conversion and zmm arithmetic with AVX-512, two 8-wide ones with AVX2
-/// (one 16-byte widening for fp8), 8-bit loads one at a time with F16C alone. Returns the index after the last whole
-/// block.
+/// portable loop, with separate multiplies and adds (a compiler allowed to contract, e.g. GCC's default
+/// -ffp-contract=fast, may fuse either loop's multiply and add into an FMA; the tests build with -ffp-contract=off).
+/// E4M3's f16c_unbias joins the scale: (v / 2^8) * (scale * 2^8) is the same real number as v * scale, so it rounds to
+/// the same float, with one product instead of two (scale * 2^8 is exact; when it overflows, the caller's portable
+/// loop does the whole row). One 16-wide conversion and zmm arithmetic with AVX-512; two 8-wide conversions with AVX2
+/// (after one 16-byte widening for fp8) or with F16C alone (8 bytes or halves per load). Returns the index after the
+/// last whole block.
 #if KVC_CPU_F16_CONVERT == 1
 template <class T, class S>
 inline Index f16c_lanes(T const* a, float const* b, Index dim, float* acc, S scale) noexcept {

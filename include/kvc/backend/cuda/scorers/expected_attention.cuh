@@ -260,6 +260,7 @@ __global__ void __launch_bounds__(ea_score_warps* warp_size)
   Index const n = cache.clamped_length(b, h), sink_end = s.n_sink < n ? s.n_sink : n;
   int const warp = static_cast<int>(threadIdx.x) / warp_size, lane = static_cast<int>(threadIdx.x) % warp_size;
   float local = -CUDART_INF_F;
+  auto const vs = cache.values.scale(b, h);
   Index const stride = static_cast<Index>(gridDim.x) * ea_score_warps;
   for (Index j = static_cast<Index>(blockIdx.x) * ea_score_warps + warp; j < e.tokens; j += stride) {
     if (j >= n || j < sink_end) {  // warp-uniform
@@ -272,7 +273,7 @@ __global__ void __launch_bounds__(ea_score_warps* warp_size)
       auto const* v = cache.values.row(b, h, j);
       float sq = 0.0f;
       for (Index c = lane; c < dv; c += warp_size) {
-        float const x = load(v[c], cache.values.scale(b, h));
+        float const x = load(v[c], vs);
         sq += x * x;
       }
       norm = sqrtf(warp_sum(sq));

@@ -55,6 +55,7 @@ template <class C>
 __global__ void thinK_channel_kernel(C cache, Index query_heads, Index rows, float const* q, float* out) {
   KVExtents const e = cache.keys.extents();
   Index const b = blockIdx.y, h = blockIdx.x, g = query_heads / e.heads, d = e.dim, n = cache.clamped_length(b, h);
+  auto const ks = cache.keys.scale(b, h);
   for (Index c = threadIdx.x; c < d; c += blockDim.x) {
     double qsq = 0.0, ksq = 0.0;
     for (Index lq = 0; lq < g; ++lq)
@@ -63,7 +64,7 @@ __global__ void thinK_channel_kernel(C cache, Index query_heads, Index rows, flo
         qsq += x * x;
       }
     for (Index j = 0; j < n; ++j) {
-      double const x = static_cast<double>(load(cache.keys.row(b, h, j)[c], cache.keys.scale(b, h)));
+      double const x = static_cast<double>(load(cache.keys.row(b, h, j)[c], ks));
       ksq += x * x;
     }
     double const q_rows = static_cast<double>(g * rows), k_rows = n > 0 ? static_cast<double>(n) : 1.0;
