@@ -391,6 +391,25 @@ struct Fp8Mirror : Mirror<float> {
   }
 };
 
+/// fn(mirror) over an Fp8Mirror of the case in `format` (e4m3 or e5m2); an error for a case that is not BHTD fp32 or
+/// scales that are not one per (sequence, KV head).
+template <class Fn>
+std::string with_fp8_mirror(Case const& c, CacheFormat format, std::vector<float> const& k_scales,
+                            std::vector<float> const& v_scales, Fn&& fn) {
+  if (c.layout != Layout::bhtd || c.dtype != Dtype::f32 ||
+      k_scales.size() != static_cast<std::size_t>(c.e.batch * c.e.heads) || v_scales.size() != k_scales.size())
+    return "fp8 wrappers: a BHTD fp32 case and one K and V scale per (sequence, KV head)";
+  if (format == CacheFormat::e4m3) {
+    Fp8Mirror<float8_e4m3> m(c, k_scales, v_scales);
+    return fn(m);
+  }
+  if (format == CacheFormat::e5m2) {
+    Fp8Mirror<float8_e5m2> m(c, k_scales, v_scales);
+    return fn(m);
+  }
+  return "fp8 wrappers: an fp8 format (e4m3 or e5m2)";
+}
+
 /// Scores of `scorer` over a mirror's cache (Mirror or Fp8Mirror) into `out`.
 template <class S, class M>
 std::string score_with(S scorer, M& m, std::vector<float>& out) {
@@ -548,18 +567,7 @@ std::string scores(std::string const& policy, Case const& c, std::vector<float>&
 
 std::string fp8_scores(std::string const& policy, Case const& c, CacheFormat format, std::vector<float> const& k_scales,
                        std::vector<float> const& v_scales, std::vector<float>& out) {
-  if (c.layout != Layout::bhtd || c.dtype != Dtype::f32 ||
-      k_scales.size() != static_cast<std::size_t>(c.e.batch * c.e.heads) || v_scales.size() != k_scales.size())
-    return "fp8_scores: a BHTD fp32 case and one K and V scale per (sequence, KV head)";
-  if (format == CacheFormat::e4m3) {
-    Fp8Mirror<float8_e4m3> m(c, k_scales, v_scales);
-    return named_scores(policy, m, out);
-  }
-  if (format == CacheFormat::e5m2) {
-    Fp8Mirror<float8_e5m2> m(c, k_scales, v_scales);
-    return named_scores(policy, m, out);
-  }
-  return "fp8_scores: an fp8 format";
+  return with_fp8_mirror(c, format, k_scales, v_scales, [&](auto& m) { return named_scores(policy, m, out); });
 }
 
 std::string attend(Case const& c, std::vector<float>& out, std::vector<float>& lse) {
@@ -823,15 +831,7 @@ std::string expected_attention(Case const& c, EAInputs const& in, std::vector<fl
 
 std::string fp8_expected_attention(Case const& c, CacheFormat format, std::vector<float> const& k_scales,
                                    std::vector<float> const& v_scales, EAInputs const& in, std::vector<float>& out) {
-  if (c.layout != Layout::bhtd || c.dtype != Dtype::f32 ||
-      k_scales.size() != static_cast<std::size_t>(c.e.batch * c.e.heads) || v_scales.size() != k_scales.size())
-    return "fp8_expected_attention: a BHTD fp32 case and one K and V scale per (sequence, KV head)";
-  if (format == CacheFormat::e4m3) {
-    Fp8Mirror<float8_e4m3> m(c, k_scales, v_scales);
-    return ea_scores(m, in, out);
-  }
-  Fp8Mirror<float8_e5m2> m(c, k_scales, v_scales);
-  return ea_scores(m, in, out);
+  return with_fp8_mirror(c, format, k_scales, v_scales, [&](auto& m) { return ea_scores(m, in, out); });
 }
 
 std::string h2o(Case const& c, Index tile, std::vector<H2OStep> const& steps, std::vector<H2OResult>& results) {
