@@ -2,14 +2,14 @@
 # tools/install_deps.sh: install what kvc's build, tests, benchmarks and demo need, from Debian 12.
 # Idempotent: installs only missing packages. Needs root (or sudo) when something is missing.
 #   bash tools/install_deps.sh          # build + tests + demo
-#   KVC_DEPS_CI=1 bash tools/install_deps.sh   # also the CI extras (clang, clang-format, sanitizer runtimes)
+#   KVC_DEPS_CI=1 bash tools/install_deps.sh   # also the CI extras (clang, clang-format, sanitizer runtimes, ninja)
 # When another apt/dpkg is running (unattended-upgrades, a second install_deps), it waits for the locks
 # (KVC_APT_LOCK_TIMEOUT seconds, default 600) and says so, instead of failing at once.
 set -euo pipefail
 
 packages=(cmake make g++ libeigen3-dev catch2 libbenchmark-dev python3 python3-numpy)
 if [[ "${KVC_DEPS_CI:-0}" == "1" ]]; then
-  packages+=(clang clang-format clang-tidy libclang-rt-14-dev git)
+  packages+=(clang clang-format clang-tidy libclang-rt-14-dev git ninja-build)
 fi
 lock_timeout=${KVC_APT_LOCK_TIMEOUT:-600}
 # apt-get install waits on the dpkg locks itself (-o DPkg::Lock::Timeout), but apt-get update (apt 2.6) ignores that

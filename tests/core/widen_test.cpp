@@ -102,8 +102,9 @@ TEST_CASE("widen: every fp8 byte widens to element.hpp's exact value, and dot an
     CHECK(mismatches == 0);
     // dot and sum_squares under a scale: each element is to_float * scale, summed in the lanes' order; with
     // values whose products are exact (small multiples of powers of two) the fp64 sum is the answer.
-    std::vector<T> a(45);
-    std::vector<float> b(45);
+    // 150: two blocks of 64 (E4M3's VBMI path), one of 16 and a tail.
+    std::vector<T> a(150);
+    std::vector<float> b(150);
     for (std::size_t i = 0; i < a.size(); ++i) {
       a[i] = T(static_cast<float>(i % 7) * 0.25f - 0.75f);
       b[i] = static_cast<float>(i % 5) - 2.0f;
@@ -115,13 +116,36 @@ TEST_CASE("widen: every fp8 byte widens to element.hpp's exact value, and dot an
       dot += x * b[i];
       squares += x * x;
     }
-    CHECK(kvc::detail::dot(a.data(), b.data(), 45, scale) == static_cast<float>(dot));
-    CHECK(kvc::detail::sum_squares(a.data(), 45, scale) == static_cast<float>(squares));
+    CHECK(kvc::detail::dot(a.data(), b.data(), 150, scale) == static_cast<float>(dot));
+    CHECK(kvc::detail::sum_squares(a.data(), 150, scale) == static_cast<float>(squares));
 
-    // Every byte through the reductions' lanes (in lane byte % 16 of a block of 16, the others zero; against a
-    // one-hot row for dot), under scales that make E4M3's folded 2^8 matter: not a power of two, subnormal, and one
-    // whose product with 2^8 overflows (the reductions then read the elements one at a time). Each must be
-    // load(byte, scale), one rounding of the exact product (== compares values exactly; -0 sums to +0), NaN for NaN.
+    // Every byte through the reductions' lanes: at position byte % n of a row of n = 16 or 85 (a block of 64, one of
+    // 16 and a tail), the others zero, against a one-hot row for dot. Unit, then scales that make E4M3's folded 2^8
+    // matter: not a power of two, subnormal, and one whose product with 2^8 overflows (the reductions then read the
+    // elements one at a time). Each must be load(byte, scale), one rounding of the exact product (== compares values
+    // exactly; -0 sums to +0), NaN for NaN.
+    auto each_byte = [&all](auto s) {
+      for (Index const n : {Index{16}, Index{85}})
+        for (std::uint32_t byte = 0; byte < 256; ++byte) {
+          INFO("byte " << byte << " row " << n << " scale " << float(1.0f * s));
+          auto const at = static_cast<std::size_t>(byte % static_cast<std::uint32_t>(n));
+          std::vector<T> row(static_cast<std::size_t>(n), T::from_bits(0));
+          row[at] = all[byte];
+          std::vector<float> one_hot(row.size(), 0.0f);
+          one_hot[at] = 1.0f;
+          float const expected = kvc::load(row[at], s);
+          float const got = kvc::detail::dot(row.data(), one_hot.data(), n, s);
+          float const squared = kvc::detail::sum_squares(row.data(), n, s);
+          if (std::isnan(expected)) {
+            CHECK(std::isnan(got));
+            CHECK(std::isnan(squared));
+          } else {
+            CHECK(got == expected);
+            CHECK(squared == expected * expected);
+          }
+        }
+    };
+    each_byte(kvc::Unit{});
     for (float const s : {0.3f, 3e-39f, 0x1p120f}) {
       std::vector<float> scaled(all.size());
       kvc::detail::widen(all.data(), scaled.data(), static_cast<Index>(all.size()), s);
@@ -131,23 +155,7 @@ TEST_CASE("widen: every fp8 byte widens to element.hpp's exact value, and dot an
         wrong += (std::isnan(expected) ? std::isnan(scaled[i]) : bits_of(scaled[i]) == bits_of(expected)) ? 0 : 1;
       }
       CHECK(wrong == 0);
-      for (std::uint32_t byte = 0; byte < 256; ++byte) {
-        INFO("byte " << byte << " scale " << s);
-        std::vector<T> row(16, T::from_bits(0));
-        row[byte % 16] = T::from_bits(static_cast<std::uint8_t>(byte));
-        std::vector<float> one_hot(16, 0.0f);
-        one_hot[byte % 16] = 1.0f;
-        float const expected = kvc::load(row[byte % 16], s);
-        float const got = kvc::detail::dot(row.data(), one_hot.data(), 16, s);
-        float const squared = kvc::detail::sum_squares(row.data(), 16, s);
-        if (std::isnan(expected)) {
-          CHECK(std::isnan(got));
-          CHECK(std::isnan(squared));
-        } else {
-          CHECK(got == expected);
-          CHECK(squared == expected * expected);
-        }
-      }
+      each_byte(s);
     }
   };
   check(kvc::float8_e4m3{});

@@ -13,7 +13,8 @@
 namespace kvc::test {
 
 /// Why this CPU cannot run the instructions this translation unit was built for ("" when it can). Every test case
-/// asks first: the hardware builds (-mf16c, -mavx2, -mavx512f) may use those instructions anywhere in a test's body.
+/// asks first: the hardware builds (-mf16c, -mavx2, -mavx512f, -mavx512vbmi) may use those instructions anywhere in a
+/// test's body.
 inline std::string_view missing_instructions() {
 #if defined(KVC_EXPECT_F16_CONVERSION)
   unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;  // CPUID leaf 1: ECX bit 28 AVX, bit 29 F16C
@@ -30,6 +31,10 @@ inline std::string_view missing_instructions() {
 #  if defined(__AVX512F__)  // CPUID leaf 7: EBX bit 16
   if (!__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx) || !(ebx & (1u << 16)))
     return "SKIPPED: this CPU has no AVX-512";
+#  endif
+#  if defined(__AVX512VBMI__)  // CPUID leaf 7: EBX bit 30 AVX512BW, ECX bit 1 AVX512_VBMI
+  if (!__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx) || !(ebx & (1u << 30)) || !(ecx & (1u << 1)))
+    return "SKIPPED: this CPU has no AVX-512 VBMI";
 #  endif
 #endif
   return {};

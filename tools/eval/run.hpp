@@ -21,6 +21,8 @@
 // the measured one, 1 - kv_bytes / kv_bytes_full, like the decode runs'.
 #pragma once
 
+#include <kvc/pipeline/layer_stages.hpp>
+
 #include "common/policies.hpp"
 #include "common/uncomp.hpp"
 #include "eval/engine.hpp"
