@@ -1,8 +1,9 @@
 // SPDX-License-Identifier: Apache-2.0
 // tests/core/widen_test.cpp: 16-bit -> fp32 widening on the CPU is exact on whichever path this translation unit
 // compiled: the portable one (default flags) or the hardware ones (tests/CMakeLists.txt builds this file again as
-// kvc.core.widen_f16c with -mf16c -mavx, kvc.core.widen_avx2 with -mavx2 -mfma too and kvc.core.widen_avx512 with
-// -mavx512f too, and checks that the F16C path was really taken).
+// kvc.core.widen_f16c with -mf16c -mavx, kvc.core.widen_avx2 with -mavx2 -mfma too, kvc.core.widen_avx512 with
+// -mavx512f too and kvc.core.widen_avx512vbmi with -mavx512bw -mavx512vbmi too (E4M3's byte tables), and checks that
+// the F16C path, and there VBMI, was really taken).
 #include <kvc/backend/cpu/detail/rows.hpp>
 #include <kvc/backend/cpu/detail/widen.hpp>
 
@@ -37,6 +38,12 @@ double half_value(std::uint16_t h) {
 }
 
 }  // namespace
+
+// The VBMI build must have compiled E4M3's byte tables (widen.hpp's guard), or it would test the 16-wide path again.
+#ifdef KVC_EXPECT_E4M3_TABLES
+static_assert(sizeof(kvc::detail::e4m3_fp32_bytes.byte3) == 128 && sizeof(&kvc::detail::e4m3_widen64) > 0,
+              "kvc.core.widen_avx512vbmi: widen.hpp did not compile e4m3_widen64");
+#endif
 
 TEST_CASE("widen: every binary16 pattern widens to its exact value", "[core][widen]") {
   KVC_SKIP_WITHOUT_INSTRUCTIONS();

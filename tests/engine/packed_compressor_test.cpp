@@ -65,9 +65,9 @@ struct Session {
   }
 };
 
-/// The tools' sequence (tools/eval/engine.hpp, compress_packed) on a copy of the layer: `plan_of` writes the bit plan,
-/// the newest `residual` tokens of each head are taken out of it and compacted to the cache's front, the rest packed
-/// by kvc::pack.
+/// The tools' sequence (tools/eval/engine_impl.hpp, compress_packed) on a copy of the layer: `plan_of` writes the bit
+/// plan, the newest `residual` tokens of each head are taken out of it and compacted to the cache's front, the rest
+/// packed by kvc::pack.
 struct ByHand {
   kvc::tools::HostCache<float> cache;
   kvc::PackedKV packed;

@@ -1407,7 +1407,7 @@ TEST_CASE("the calibration file: damaged or hand-edited files are refused naming
 }
 
 // ---------------------------------------------------------------------------------------------------------------
-// uncomp rows: per-head budgets from the calibration's groups, on a ragged store (engine.hpp compress_uncomp).
+// uncomp rows: per-head budgets from the calibration's groups, on a ragged store (engine_impl.hpp compress_uncomp).
 
 namespace {
 

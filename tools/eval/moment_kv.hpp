@@ -1,7 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
 // tools/eval/moment_kv.hpp: MomentKV in kvc-eval (shared/specs/moment_kv.md §2–§4): the scorer and the checked
 // configuration of a `moment_kv` row, and the copy of a layer's moments the engine keeps after prefill, shared by the
-// engine (eval/engine.hpp) and the correction measurement (eval/correction.hpp). Both compress through a
+// engine (eval/engine_impl.hpp) and the correction measurement (eval/correction.cpp). Both compress through a
 // kvc::LayerCompressor of a kvc::Press{MomentKVScorer, selection}:
 //  - mi=true:  kvc::moment_kv_prefill (the MI score α_j ‖r_j‖ over prefill_rounds rounds, each head to its L_h);
 //  - mi=false: the base score alone in one shot, exactly as snap_kv's row compresses, then kvc::on_evict folds the

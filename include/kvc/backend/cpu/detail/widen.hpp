@@ -3,8 +3,8 @@
 //
 // fp8 (E4M3, E5M2) goes through the same F16C conversion: each byte becomes a binary16 bit pattern first (E5M2 is the
 // top byte of one; E4M3 maps to one of value / 2^8, see e4m3_binary16), 8 bytes at a time with F16C alone, 16 with
-// AVX2 (one vpmovsxbw / vpmovzxbw of 16 bytes). With AVX-512 VBMI, the reductions widen E4M3 64 bytes at a time by
-// byte tables straight to fp32 (e4m3_widen64).
+// AVX2 (one vpmovsxbw / vpmovzxbw of 16 bytes). With AVX-512 VBMI, the reductions and widen() read E4M3 64 bytes at a
+// time through byte tables straight to fp32 (e4m3_widen64).
 //
 // fp16 uses the hardware conversion where the compile target has it: F16C on x86 (vcvtph2ps, 8 halves per
 // instruction, 16 with AVX-512; -mf16c, implied by -march=haswell and later or -march=native on such a CPU) or the
