@@ -172,12 +172,14 @@ inline constexpr E4m3Fp32Bytes e4m3_fp32_bytes = [] {
   return t;
 }();
 
-/// src[0, 64) of E4M3 widened to fp32 (exact, NaN for NaN) into x[0, 4), 16 elements each, in order, with no
-/// conversion instruction: the top two bytes of each fp32 from two 128-entry tables read by AVX-512 VBMI's
-/// two-register byte permute (vpermi2b reads an index byte's low 7 bits: the magnitude), the sign or-ed into the top
-/// one, then two rounds of in-lane unpacks lay them out as dwords over zero low halves. 14 uops per 64 elements on
-/// Intel (where a two-register byte permute is 3), against about 9 per 16 through e4m3_binary16 and vcvtph2ps.
-inline void e4m3_widen64(float8_e4m3 const* src, __m512 (&x)[4]) noexcept {
+/// src[0, 64) of E4M3 under a view's scale (core/access.hpp) into x[0, 4), 16 elements each, in order: the exact
+/// values (NaN for NaN) times `scale`, one rounding each (no product at all for Unit). No conversion instruction: the
+/// top two bytes of each fp32 from two 128-entry tables read by AVX-512 VBMI's two-register byte permute (vpermi2b
+/// reads an index byte's low 7 bits: the magnitude), the sign or-ed into the top one, then two rounds of in-lane
+/// unpacks lay them out as dwords over zero low halves. 14 uops per 64 elements on Intel (where a two-register byte
+/// permute is 3), against about 9 per 16 through e4m3_binary16 and vcvtph2ps.
+template <class S>
+inline void e4m3_widen64(float8_e4m3 const* src, __m512 (&x)[4], S scale) noexcept {
   auto const* table = reinterpret_cast<__m512i const*>(&e4m3_fp32_bytes);
   // Lane k's dword j takes source dword 4j + k (a 4 x 4 transpose), so that the in-lane unpacks below leave elements
   // [16j, 16j + 16) in x[j], in order. maskz with a full mask: see widen() below (GCC 12's maybe-uninitialized).
@@ -193,9 +195,31 @@ inline void e4m3_widen64(float8_e4m3 const* src, __m512 (&x)[4]) noexcept {
   x[1] = _mm512_castsi512_ps(_mm512_unpackhi_epi16(zero, low));
   x[2] = _mm512_castsi512_ps(_mm512_unpacklo_epi16(zero, high));
   x[3] = _mm512_castsi512_ps(_mm512_unpackhi_epi16(zero, high));
+  if constexpr (!std::is_same_v<S, Unit>)  // the true values: the view's scale alone, no 2^8 to fold
+    for (auto& v : x)
+      v = _mm512_mul_ps(v, _mm512_set1_ps(scale));
 }
 #  endif
 #endif
+
+/// Widens the whole blocks of 64 E4M3 elements of src[0, n) under `scale` into dst where AVX-512 VBMI is compiled
+/// (e4m3_widen64); returns the index after them (0 for other types and targets).
+template <class T, class S>
+inline Index widen_blocks64(T const* src, float* dst, Index n, S scale) noexcept {
+  Index i = 0;
+#if KVC_CPU_F16_CONVERT == 1 && defined(__AVX512VBMI__)
+  if constexpr (std::is_same_v<std::remove_const_t<T>, float8_e4m3>)
+    for (; i + 64 <= n; i += 64) {
+      __m512 x[4];
+      e4m3_widen64(src + i, x, scale);
+      for (int k = 0; k < 4; ++k)
+        _mm512_storeu_ps(dst + i + 16 * k, x[k]);
+    }
+#else
+  (void)src, (void)dst, (void)n, (void)scale;
+#endif
+  return i;
+}
 
 /// Widens src[0, 8) into dst[0, 8).
 template <class T>
@@ -229,16 +253,7 @@ inline void widen(T const* src, float* dst, Index n, S scale) noexcept {
   if constexpr (std::is_same_v<S, Unit>) {
     widen(src, dst, n);
   } else {
-    Index i = 0;
-#if KVC_CPU_F16_CONVERT == 1 && defined(__AVX512VBMI__)
-    if constexpr (std::is_same_v<std::remove_const_t<T>, float8_e4m3>)
-      for (; i + 64 <= n; i += 64) {  // true values: the view's scale alone
-        __m512 x[4];
-        e4m3_widen64(src + i, x);
-        for (int k = 0; k < 4; ++k)
-          _mm512_storeu_ps(dst + i + 16 * k, _mm512_mul_ps(x[k], _mm512_set1_ps(scale)));
-      }
-#endif
+    Index i = widen_blocks64(src, dst, n, scale);
 #if KVC_CPU_F16_CONVERT == 1
     if constexpr (f16c_widens<T>) {  // the product in the register (one pass over dst), E4M3's 2^8 folded into it
       float const s = scale * f16c_unbias<T>;
@@ -255,16 +270,7 @@ inline void widen(T const* src, float* dst, Index n, S scale) noexcept {
 
 template <class T>
 inline void widen(T const* src, float* dst, Index n) noexcept {
-  Index i = 0;
-#if KVC_CPU_F16_CONVERT == 1 && defined(__AVX512VBMI__)
-  if constexpr (std::is_same_v<std::remove_const_t<T>, float8_e4m3>)
-    for (; i + 64 <= n; i += 64) {
-      __m512 x[4];
-      e4m3_widen64(src + i, x);
-      for (int k = 0; k < 4; ++k)
-        _mm512_storeu_ps(dst + i + 16 * k, x[k]);
-    }
-#endif
+  Index i = widen_blocks64(src, dst, n, Unit{});
 #if KVC_CPU_F16_CONVERT == 1 && defined(__AVX512F__)
   if constexpr (std::is_same_v<std::remove_const_t<T>, half>)  // 16 per instruction where the target has AVX-512
     for (; i + 16 <= n; i += 16)
@@ -307,14 +313,11 @@ inline Index f16c_lanes(T const* a, float const* b, Index dim, float* acc, S sca
   __m512 sum = _mm512_loadu_ps(acc);
 #    if defined(__AVX512VBMI__)
   if constexpr (std::is_same_v<std::remove_const_t<T>, float8_e4m3>)
-    for (; i + 64 <= dim; i += 64) {  // true values (e4m3_widen64): the view's own scale, or no product at all
+    for (; i + 64 <= dim; i += 64) {
       __m512 x[4];
-      e4m3_widen64(a + i, x);
-      for (int k = 0; k < 4; ++k) {
-        if constexpr (!std::is_same_v<S, Unit>)
-          x[k] = _mm512_mul_ps(x[k], _mm512_set1_ps(scale));
+      e4m3_widen64(a + i, x, scale);
+      for (int k = 0; k < 4; ++k)
         sum = _mm512_add_ps(sum, _mm512_mul_ps(x[k], b ? _mm512_loadu_ps(b + i + 16 * k) : x[k]));
-      }
     }
 #    endif
   for (; i + 16 <= dim; i += 16) {
