@@ -1,10 +1,12 @@
 // SPDX-License-Identifier: Apache-2.0
-// kvc/core/norm_range.hpp: the range guard of the fp32 norms (Knorm, KeyDiff), one definition for every backend.
+// kvc/core/norm_range.hpp: the range guards of the fp32 norms (Knorm, KeyDiff) and of softmax logits, one definition
+// for every backend.
 #pragma once
 
 #include <kvc/config.hpp>
 
 #include <cfloat>
+#include <cmath>
 
 namespace kvc::detail {
 
@@ -22,6 +24,13 @@ KVC_HOST_DEVICE constexpr bool sum_squares_in_range(float sq) noexcept {
 /// every sq >= 0 (checked for every float): for a norm stashed where its sum is gone (KeyDiff's second pass).
 KVC_HOST_DEVICE constexpr bool norm_in_range(float norm) noexcept {
   return norm >= 0x1p-45f && norm <= 0x1p64f;
+}
+
+/// A logit as the softmaxes take it: x when finite, -inf (a masked slot: probability 0) when NaN or +-Inf, i.e. when
+/// its key has a NaN or Inf element (docs/api_checks.md, "Non-finite keys"). |x| <= FLT_MAX is false for NaN and
+/// +-Inf: one compare. Host and device (ExpectedAttention, RDKV's derived weights, CUDA's slot_logit).
+KVC_HOST_DEVICE inline float finite_logit(float x) noexcept {
+  return fabsf(x) <= FLT_MAX ? x : -__builtin_huge_valf();
 }
 
 }  // namespace kvc::detail

@@ -72,4 +72,24 @@ struct ObservedAttentionScorer {
   }
 };
 
+/// H2O's accumulator of one slot after an update (the file comment's acc[j] +=): `acc` (0 for a slot appended since
+/// the last update) plus col(q) / g for each query head q < g of the KV head's group, added in query-head order, with
+/// col(q) the attention head q paid the slot. Host and device: both backends' kvc::update call it.
+template <class Col>
+KVC_HOST_DEVICE float h2o_accumulate(float acc, Index g, Col const& col) noexcept {
+  for (Index q = 0; q < g; ++q)
+    acc += col(q) / static_cast<float>(g);
+  return acc;
+}
+
+/// ObservedAttention's score of one slot: the group's attention col(q) summed in query-head order, divided by g and
+/// then by the `seen` window queries at or after the slot's position (0 when none sees it). Host and device.
+template <class Col>
+KVC_HOST_DEVICE float observed_attention_score(Index g, Index seen, Col const& col) noexcept {
+  float sum = 0.0f;
+  for (Index q = 0; q < g; ++q)
+    sum += col(q);
+  return seen > 0 ? sum / static_cast<float>(g) / static_cast<float>(seen) : 0.0f;
+}
+
 }  // namespace kvc

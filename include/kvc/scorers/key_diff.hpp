@@ -33,4 +33,21 @@ struct KeyDiffScorer {
   float cosine_eps = 1e-8f;  ///< floor on ||mu|| and ||k|| in the cosine (torch.cosine_similarity)
 };
 
+/// The weight of key k_i in the anchor's sum (fp32, or fp64 on the range paths): 1 / max(||k_i||, unit_eps) for the
+/// normalised mean, 1 for the raw one. Host and device: both backends' anchor passes call it.
+template <class Real>
+KVC_HOST_DEVICE constexpr Real key_diff_anchor_weight(KeyDiffScorer const& s, Real norm) noexcept {
+  Real const eps = static_cast<Real>(s.unit_eps);
+  return s.anchor == KeyDiffAnchor::normalized_mean ? Real{1} / (norm < eps ? eps : norm) : Real{1};
+}
+
+/// KeyDiff's score of a finite key from its dot with the anchor, mu_norm = max(||mu||, cosine_eps) (scaled with the
+/// anchor when it was scaled) and ||k||: -dot / (mu_norm * max(||k||, cosine_eps)). A key with a NaN or Inf element
+/// has no direction: it is left out of the anchor's mean and scores -inf on both backends. Host and device.
+template <class Real>
+KVC_HOST_DEVICE constexpr Real key_diff_cosine(KeyDiffScorer const& s, Real dot, Real mu_norm, Real norm) noexcept {
+  Real const eps = static_cast<Real>(s.cosine_eps);
+  return -dot / (mu_norm * (norm < eps ? eps : norm));
+}
+
 }  // namespace kvc

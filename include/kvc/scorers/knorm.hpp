@@ -8,6 +8,7 @@
 
 #include <kvc/core/scorer.hpp>
 
+#include <cmath>
 #include <string_view>
 
 namespace kvc {
@@ -17,5 +18,12 @@ struct KnormScorer {
   static constexpr Needs needs = Needs::keys;
   static constexpr std::string_view name = "knorm";
 };
+
+/// Knorm's score of a key whose fp32 sum of squares left the range (detail::sum_squares_in_range), from its fp64 sum
+/// of squares: -sqrt(sq) rounded to fp32 (-inf past FLT_MAX, as for an Inf element), and -inf for a NaN key too (its
+/// norm is undefined: evicted first, never a NaN score). Host and device: both backends' range paths call it.
+KVC_HOST_DEVICE inline float knorm_fp64_score(double sum_squares) noexcept {
+  return sum_squares != sum_squares ? -__builtin_huge_valf() : -static_cast<float>(sqrt(sum_squares));
+}
 
 }  // namespace kvc

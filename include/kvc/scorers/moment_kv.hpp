@@ -31,6 +31,7 @@
 #include <kvc/scorers/reference.hpp>
 #include <kvc/scorers/snap_kv.hpp>
 
+#include <cmath>
 #include <string_view>
 
 namespace kvc {
@@ -124,5 +125,21 @@ struct MomentRoundBudget {
     return target.check();
   }
 };
+
+/// One element of the residual r_j (the file comment's formula): the value element v, the evicted set's value mean
+/// v̄ and u = (C̃ k_j) at the same index, β = c / n. Host and device: both backends' MI scores sum its squares.
+KVC_HOST_DEVICE constexpr float moment_residual(float v, float value_mean, float beta, float u) noexcept {
+  return v - value_mean - beta * u;
+}
+
+/// The MI score of one slot, s = α · ‖r_j‖ from its base α and ss = ‖r_j‖². A protecting base (+inf) stays +inf and a
+/// zero base stays 0 even when ‖r_j‖ is +inf (no NaN from 0 · inf); a NaN ss (a NaN in the slot's key or value, or
+/// Infs that cancel) scores -inf, evicted first, unless its base protects it: that slot only. Host and device.
+KVC_HOST_DEVICE inline float moment_mi_score(float alpha, float ss) noexcept {
+  float const inf = __builtin_huge_valf();
+  if (ss != ss)
+    return alpha == inf ? inf : -inf;
+  return alpha == 0.0f || alpha == inf ? alpha : alpha * sqrtf(ss);
+}
 
 }  // namespace kvc

@@ -30,4 +30,14 @@ struct TOVAScorer {
   constexpr Status check() const noexcept { return {}; }
 };
 
+/// TOVA's score of one slot before protection: the attention col(q) of every query head q < Hq of the sequence,
+/// summed in query-head order, divided by Hq. Host and device: both backends' TOVA kernels call it.
+template <class Col>
+KVC_HOST_DEVICE float tova_score(Index query_heads, Col const& col) noexcept {
+  float sum = 0.0f;
+  for (Index q = 0; q < query_heads; ++q)
+    sum += col(q);
+  return sum / static_cast<float>(query_heads);
+}
+
 }  // namespace kvc

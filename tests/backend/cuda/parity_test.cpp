@@ -346,6 +346,52 @@ TEST_CASE(
       }
 }
 
+TEST_CASE(
+    "cuda: KeyDiff (both anchors) leaves keys with a NaN or Inf element out of the anchor's mean and scores them "
+    "-inf, and Knorm scores them -inf, as the CPU (fp32 and bf16, layouts, two splits, a head of non-finite keys only)",
+    "[cuda][scorers][range]") {
+  KVC_REQUIRE_DEVICE();
+  constexpr float nan = std::numeric_limits<float>::quiet_NaN(), inf = std::numeric_limits<float>::infinity();
+  for (auto dtype : {kc::Dtype::f32, kc::Dtype::bf16})
+    for (auto layout : {kc::Layout::bhtd, kc::Layout::paged}) {
+      auto c = random_case({2, 3, 2500, 32}, 6, 8, true, 29);
+      c.dtype = dtype;
+      c.layout = layout;
+      Index const d = c.e.dim, heads = c.e.heads, tokens = c.e.tokens;
+      Index bad = 0;
+      for (Index bh = 0; bh < 2 * heads; ++bh)
+        for (Index t = 0; t < tokens; ++t) {
+          float* row = &c.k[static_cast<std::size_t>((bh * tokens + t) * d)];
+          if (bh == 5)  // every key of head (1, 2) non-finite: the anchor has no key, every score is -inf
+            row[t % d] = t % 2 == 0 ? nan : -inf;
+          else if (t % 97 == 3)
+            row[t % d] = nan;
+          else if (t % 89 == 7)
+            row[(t + 1) % d] = inf;
+          else if (t % 101 == 11)
+            std::fill_n(row, d, -inf);
+          else
+            continue;
+          bad += t < c.lengths[static_cast<std::size_t>(bh)] ? 1 : 0;
+        }
+      REQUIRE(bad > 2600);
+      for (char const* policy : {"key_diff", "key_diff_raw", "knorm"}) {
+        INFO(policy << " dtype " << static_cast<int>(dtype) << " layout " << static_cast<int>(layout));
+        std::vector<float> gpu;
+        REQUIRE(kc::scores(policy, c, gpu) == "");
+        std::vector<float> const cpu =
+            dtype == kc::Dtype::f32 ? cpu_scores<float>(policy, c) : cpu_scores<kvc::bfloat16>(policy, c);
+        Index minus_inf = 0;
+        for (float x : cpu) {  // the oracle: the bad keys and the padding at -inf, every other score finite
+          REQUIRE((std::isfinite(x) || x == -inf));
+          minus_inf += x == -inf ? 1 : 0;
+        }
+        REQUIRE(minus_inf >= bad);
+        require_close(gpu, cpu, dtype == kc::Dtype::f32 ? 1e-5f : 1e-4f, 1e-6f);
+      }
+    }
+}
+
 TEST_CASE("cuda: attention matches the CPU (causal by position, GQA, 16-bit caches)", "[cuda][attention]") {
   KVC_REQUIRE_DEVICE();
   for (auto dtype : {kc::Dtype::f32, kc::Dtype::f16, kc::Dtype::bf16})
@@ -736,6 +782,49 @@ TEST_CASE(
     by_host_dtype(dtype, [&](auto tag) { cpu = cpu_expected_attention<decltype(tag)>(c, in); });
     require_close_in_head(gpu, cpu, c.e.tokens, 1e-4f, 1e-2f);
     require_same_kept(kvc::TopKSelector{kvc::RatioBudget{0.5}}, gpu, cpu, c.e, c.lengths, c.per_head, 1e-4f, 1e-2f);
+  }
+}
+
+TEST_CASE(
+    "cuda: ExpectedAttention gives keys with a NaN or Inf element probability 0, as the CPU (covariance or not, a "
+    "head whose keys past the sinks are all non-finite)",
+    "[cuda][expected_attention][range]") {
+  KVC_REQUIRE_DEVICE();
+  constexpr float nan = std::numeric_limits<float>::quiet_NaN(), inf = std::numeric_limits<float>::infinity();
+  for (bool covariance : {true, false}) {
+    auto c = random_case({2, 2, 300, 64}, 4, 8, true, 37);
+    for (Index bh = 0; bh < 4; ++bh)
+      for (Index t = 0; t < c.e.tokens; ++t) {
+        float* row = &c.k[static_cast<std::size_t>((bh * c.e.tokens + t) * c.e.dim)];
+        if (bh == 3 && t >= 4)  // head (1, 1): nothing finite past its 4 sinks, so every probability is 0
+          row[t % c.e.dim] = t % 2 == 0 ? nan : inf;
+        else if (t % 23 == 7)
+          row[t % c.e.dim] = t % 2 == 0 ? nan : -inf;
+      }
+    kc::EAInputs in;
+    in.query_heads = 4;
+    auto const rows = query_rows({2, 4, 256, 64}, 0.0f, 2.5f, 77);
+    cpu_statistics<float>({2, 4, 256, 64}, rows, {}, {.n_sink = 4}, in.mean, in.cov);
+    if (!covariance) {
+      in.scorer.use_covariance = false;
+      in.cov.clear();
+    }
+    INFO("covariance " << covariance);
+    std::vector<float> gpu;
+    REQUIRE(kc::expected_attention(c, in, gpu) == "");
+    auto const cpu = cpu_expected_attention<float>(c, in);
+    for (float x : cpu)  // the oracle: every valid slot finite, padding -inf
+      REQUIRE((std::isfinite(x) || x == -inf));
+    Index const n = c.lengths[3];
+    for (Index t = 4; t < n; ++t) {  // probability 0: the score is (0 + epsilon) * ||v|| (use_vnorm, epsilon 0.01)
+      float const* v = &c.v[static_cast<std::size_t>((3 * c.e.tokens + t) * c.e.dim)];
+      float sq = 0.0f;
+      for (Index i = 0; i < c.e.dim; ++i)
+        sq += v[i] * v[i];
+      float const x = cpu[static_cast<std::size_t>(3 * c.e.tokens + t)];
+      REQUIRE(std::abs(x - 0.01f * std::sqrt(sq)) <= 1e-5f * std::sqrt(sq));
+    }
+    require_close_in_head(gpu, cpu, c.e.tokens, 1e-4f, 1e-2f);
   }
 }
 
@@ -1399,8 +1488,8 @@ TEST_CASE(
 }
 
 TEST_CASE(
-    "cuda: MomentKV's MI scores match the CPU (SnapKV chunk-mean base or a fixed base, n = 0 head, clamp, "
-    "fp32/fp16/bf16 caches, 16-bit moments, layouts)",
+    "cuda: MomentKV's MI scores match the CPU (SnapKV chunk-mean base or a fixed base with 0, +inf and NaN or Inf "
+    "values, n = 0 head, clamp, fp32/fp16/bf16 caches, 16-bit moments, layouts)",
     "[cuda][moment_kv]") {
   KVC_REQUIRE_DEVICE();
   for (auto dtype : {kc::Dtype::f32, kc::Dtype::f16, kc::Dtype::bf16})
@@ -1434,6 +1523,11 @@ TEST_CASE(
             }
             params.scale = 0.3f;
           }
+          if (variant == 2)  // a NaN or Inf in a slot's value (after the moments are taken): -inf unless protected
+            for (Index bh = 0; bh < c.e.batch * c.e.heads; ++bh)
+              for (Index t = 3; t < c.e.tokens; t += 13)
+                c.v[static_cast<std::size_t>((bh * c.e.tokens + t) * c.dim_v + t % c.dim_v)] =
+                    t % 2 == 0 ? std::numeric_limits<float>::quiet_NaN() : std::numeric_limits<float>::infinity();
           std::vector<float> gpu;
           REQUIRE(kc::moment_scores(c, params, m, none, fixed, gpu) == "");
           auto const cpu = cpu_moment_scores(c, params, m, none, fixed);

@@ -5,6 +5,7 @@
 #include <kvc/backend/cpu/detail/for_each_head.hpp>
 #include <kvc/backend/cpu/detail/rows.hpp>
 #include <kvc/backend/cpu/detail/widen.hpp>
+#include <kvc/core/norm_range.hpp>
 #include <kvc/scorers/expected_attention.hpp>
 
 #include <Eigen/Core>
@@ -189,7 +190,7 @@ struct Kernel<ExpectedAttentionScorer, Cpu> {
         float* lg = logits + lq * e.tokens;
         float peak = neg_inf;
         for (Index j = from; j < n; ++j) {  // a NaN or Inf logit (a non-finite key) gets probability 0
-          lg[j] = std::abs(lg[j]) <= std::numeric_limits<float>::max() ? lg[j] : neg_inf;
+          lg[j] = detail::finite_logit(lg[j]);
           peak = std::max(peak, lg[j]);
         }
         float total = 0.0f;

@@ -115,11 +115,9 @@ struct Kernel<H2OScorer<HostSpace>, Cpu> {
         for (Index h = 0; h < e.heads; ++h) {
           Index const n = cache.length(b, h);
           float* acc = start(b, h);
-          for (Index lq = 0; lq < g; ++lq) {
-            float const* col = at.data + (b * at.heads + h * g + lq) * at.tokens;
-            for (Index j = 0; j < n; ++j)
-              acc[j] += col[j] / static_cast<float>(g);
-          }
+          float const* col = at.data + (b * at.heads + h * g) * at.tokens;
+          for (Index j = 0; j < n; ++j)
+            acc[j] = h2o_accumulate(acc[j], g, [&](Index lq) { return col[lq * at.tokens + j]; });
         }
       return {};
     } else {
@@ -138,9 +136,8 @@ struct Kernel<H2OScorer<HostSpace>, Cpu> {
         float* acc = start(b, h);
         float const* colsum = detail::tiled_columns(wq, cache, b, h, s.query_tile, scale,
                                                     base + static_cast<std::size_t>(worker) * per_worker);
-        for (Index lq = 0; lq < g; ++lq)
-          for (Index j = 0; j < n; ++j)
-            acc[j] += colsum[lq * e.tokens + j] / static_cast<float>(g);
+        for (Index j = 0; j < n; ++j)
+          acc[j] = h2o_accumulate(acc[j], g, [&](Index lq) { return colsum[lq * e.tokens + j]; });
       });
       return {};
     }
@@ -207,10 +204,7 @@ struct Kernel<ObservedAttentionScorer, Cpu> {
       std::sort(q_pos, q_pos + w);
       for (Index j = 0; j < n; ++j) {  // queries that see slot j: those at or after its position
         Index const seen = static_cast<Index>(q_pos + w - std::lower_bound(q_pos, q_pos + w, cache.position(b, h, j)));
-        float sum = 0.0f;
-        for (Index lq = 0; lq < g; ++lq)
-          sum += colsum[lq * e.tokens + j];
-        score[j] = seen > 0 ? sum / static_cast<float>(g) / static_cast<float>(seen) : 0.0f;
+        score[j] = observed_attention_score(g, seen, [&](Index lq) { return colsum[lq * e.tokens + j]; });
       }
     });
   }

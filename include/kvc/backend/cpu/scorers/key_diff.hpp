@@ -38,7 +38,7 @@ struct Kernel<KeyDiffScorer, Cpu> {
     double const norm = std::sqrt(detail::sum_squares_fp64(k, dim));
     if (!std::isfinite(norm))
       return std::numeric_limits<float>::quiet_NaN();
-    double const w = s.anchor == KeyDiffAnchor::normalized_mean ? 1.0 / std::max(norm, double{s.unit_eps}) : 1.0;
+    double const w = key_diff_anchor_weight(s, norm);
     for (Index i = 0; i < dim; ++i)
       total[i] += double{k[i]} * w;
     return static_cast<float>(norm);
@@ -81,7 +81,6 @@ struct Kernel<KeyDiffScorer, Cpu> {
     auto* base = WorkspaceCarver(ws).take<std::byte>(static_cast<Index>(workspace_bytes(cpu, s, e, 0)));
     if (base == nullptr && e.dim > 0)
       return {Errc::out_of_capacity, "kvc::score(key_diff): workspace smaller than score_workspace_bytes()"};
-    bool const unit = s.anchor == KeyDiffAnchor::normalized_mean;
 
     return detail::for_each_head(cpu, out, [&](Index b, Index h, Index n, float* score, Index worker) {
       WorkspaceCarver carve({base + static_cast<std::size_t>(worker) * worker_bytes(e.dim), worker_bytes(e.dim)});
@@ -104,7 +103,7 @@ struct Kernel<KeyDiffScorer, Cpu> {
             if (detail::sum_squares_in_range(sq)) [[likely]] {
               float const norm = std::sqrt(sq);
               score[tile + r] = norm;
-              weight[r] = unit ? 1.0f / std::max(norm, s.unit_eps) : 1.0f;
+              weight[r] = key_diff_anchor_weight(s, norm);
             } else {
               score[tile + r] = add_row_fp64(k[r], e.dim, s, total);
               skipped += std::isnan(score[tile + r]) ? 1 : 0;
@@ -130,13 +129,12 @@ struct Kernel<KeyDiffScorer, Cpu> {
       for (Index t = 0; t < n; ++t) {
         auto const* row = keys.row(b, h, t);
         if (detail::norm_in_range(score[t])) [[likely]] {
-          score[t] = -detail::dot(row, anchor, e.dim, scale) / (mu_norm * std::max(score[t], s.cosine_eps));
+          score[t] = key_diff_cosine(s, detail::dot(row, anchor, e.dim, scale), mu_norm, score[t]);
         } else {
           auto const [dot, squares] = detail::dot_squares_fp64(row, anchor, e.dim, scale);
-          score[t] =
-              std::isfinite(squares)  // a NaN or Inf key has no direction: evicted first
-                  ? static_cast<float>(-dot / (double{mu_norm} * std::max(std::sqrt(squares), double{s.cosine_eps})))
-                  : -std::numeric_limits<float>::infinity();
+          score[t] = std::isfinite(squares)  // a NaN or Inf key has no direction: evicted first
+                         ? static_cast<float>(key_diff_cosine(s, dot, double{mu_norm}, std::sqrt(squares)))
+                         : -std::numeric_limits<float>::infinity();
         }
       }
     });

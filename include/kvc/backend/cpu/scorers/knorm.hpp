@@ -8,7 +8,6 @@
 
 #include <cmath>
 #include <cstddef>
-#include <limits>
 
 namespace kvc {
 
@@ -37,10 +36,8 @@ struct Kernel<KnormScorer, Cpu> {
         score[t] = detail::sum_squares_in_range(sq) ? -std::sqrt(sq) : 1.0f;  // every real score is <= 0
       }
       for (Index t = 0; t < n; ++t)
-        if (score[t] > 0.0f) [[unlikely]] {  // an Inf key's norm is +inf; a NaN key is given one too (not NaN)
-          double const sq = detail::sum_squares_fp64(keys.row(b, h, t), dim, scale);
-          score[t] = std::isnan(sq) ? -std::numeric_limits<float>::infinity() : -static_cast<float>(std::sqrt(sq));
-        }
+        if (score[t] > 0.0f) [[unlikely]]
+          score[t] = knorm_fp64_score(detail::sum_squares_fp64(keys.row(b, h, t), dim, scale));
     });
   }
 };

@@ -17,7 +17,6 @@
 #include <algorithm>
 #include <cmath>
 #include <cstddef>
-#include <limits>
 #include <type_traits>
 
 namespace kvc {
@@ -84,9 +83,8 @@ struct Kernel<MomentKVScorer<HostSpace, T>, Cpu> {
     return {};
   }
 
-  /// score[j] *= ‖r_j‖ for the n valid slots of head (b, h). +inf (a base that protects) stays +inf, and a zero
-  /// base stays zero even when ‖r_j‖ is +inf, so no NaN enters the selection from the product. A NaN ‖r_j‖² (a NaN
-  /// or Inf in the slot's key or value) makes the slot score -inf unless its base protects it: that slot only.
+  /// score[j] = kvc::moment_mi_score(score[j], ‖r_j‖²) for the n valid slots of head (b, h): α_j ‖r_j‖, a
+  /// protecting or zero base kept as is, a NaN residual at -inf.
   template <KVCacheView C>
   static void residual_head(Scorer const& s, C const& cache, Index b, Index h, Index n, float c, float* score,
                             float* ct, float* copy, float* kt, float* vt, float* ut) {
@@ -124,19 +122,14 @@ struct Kernel<MomentKVScorer<HostSpace, T>, Cpu> {
         if (ne > 0) {
           float const* u = ut + i * dv;
           for (Index a = 0; a < dv; ++a) {
-            float const r = v[a] - m.value_mean[a] - beta * u[a];
+            float const r = moment_residual(v[a], m.value_mean[a], beta, u[a]);
             ss += r * r;
           }
         } else {
           for (Index a = 0; a < dv; ++a)
             ss += v[a] * v[a];
         }
-        float& sc = score[t0 + i];
-        constexpr float inf = std::numeric_limits<float>::infinity();
-        if (std::isnan(ss))  // a NaN (or Inf - Inf) from the slot's key or value: no residual, evicted first
-          sc = sc == inf ? inf : -inf;
-        else if (sc != 0.0f && sc != inf)
-          sc *= std::sqrt(ss);
+        score[t0 + i] = moment_mi_score(score[t0 + i], ss);
       }
     }
   }

@@ -8,6 +8,7 @@
 #include <kvc/backend/cpu/detail/for_each_head.hpp>
 #include <kvc/backend/cpu/detail/rows.hpp>
 #include <kvc/backend/cpu/detail/window_attention.hpp>
+#include <kvc/core/norm_range.hpp>
 #include <kvc/scorers/rdkv.hpp>
 
 #include <algorithm>
@@ -134,7 +135,7 @@ struct Kernel<RDKVTokenScorer, Cpu> {
           float peak = -std::numeric_limits<float>::infinity();
           for (Index j = 0; j < m; ++j) {  // a NaN or Inf logit (a non-finite key) gets probability 0
             float const x = detail::dot(cache.keys.row(b, h, j), qrow, e.dim, cache.keys.scale(b, h));
-            prob[j] = std::abs(x) <= std::numeric_limits<float>::max() ? x : -std::numeric_limits<float>::infinity();
+            prob[j] = detail::finite_logit(x);
             peak = std::max(peak, prob[j]);
           }
           if (peak == -std::numeric_limits<float>::infinity())

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <kvc/backend/cuda/config.cuh>
+#include <kvc/core/norm_range.hpp>  // finite_logit: the CPU's rule for a non-finite logit
 
 #include <math_constants.h>
 
@@ -22,8 +23,7 @@ __device__ inline float slot_logit(C const& cache, Index b, Index h, Index j, fl
   float dot = 0.0f;
   for (Index c = 0; c < cache.keys.extents().dim; ++c)
     dot += q[c] * load(k[c], ks);
-  float const logit = scale * dot;
-  return isfinite(logit) ? logit : -CUDART_INF_F;
+  return detail::finite_logit(scale * dot);
 }
 
 /// Warp-wide (every lane gets it): log of the sum over slots [0, n) of exp(slot_logit), max-shifted; -inf when no

@@ -24,6 +24,7 @@
 
 #include <kvc/backend/cuda/config.cuh>
 #include <kvc/backend/cuda/detail/block_reduce.cuh>
+#include <kvc/core/norm_range.hpp>
 #include <kvc/scorers/expected_attention.hpp>
 
 #include <cstddef>
@@ -217,7 +218,7 @@ __global__ void __launch_bounds__(ea_threads)
         for (int i = 0; i < 4; ++i) {
           Index const j = j0 + ty * 4 + i;
           if (j < n)
-            ws.logits[item * e.tokens + j] = scale * lin[i] + half_scale_sq * quad[i];
+            ws.logits[item * e.tokens + j] = detail::finite_logit(scale * lin[i] + half_scale_sq * quad[i]);
         }
     }
   }
@@ -284,7 +285,8 @@ __global__ void __launch_bounds__(ea_score_warps* warp_size)
       float p = 0.0f;
       if (lq < g) {
         Index const item = b * query_heads + h * g + lq;
-        p = expf(ws.logits[item * e.tokens + j] - ws.peak[item]) * ws.inv[item];
+        float const logit = ws.logits[item * e.tokens + j];  // -inf: a non-finite key, probability 0 (the CPU's)
+        p = logit == -CUDART_INF_F ? 0.0f : expf(logit - ws.peak[item]) * ws.inv[item];
       }
       int const here = g - base < warp_size ? static_cast<int>(g - base) : warp_size;
       for (int k = 0; k < here; ++k) {

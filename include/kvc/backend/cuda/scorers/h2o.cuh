@@ -60,12 +60,9 @@ __global__ void h2o_add_kernel(C cache, Acc acc, Index const* tracked, float con
   Index const b = blockIdx.z, h = blockIdx.y, g = col_heads / e.heads;
   Index const n = cache.clamped_length(b, h), t = clamp_length(tracked[b * e.heads + h], n);
   Index const stride = static_cast<Index>(gridDim.x) * blockDim.x;
-  for (Index j = static_cast<Index>(blockIdx.x) * blockDim.x + threadIdx.x; j < n; j += stride) {
-    float a = j < t ? acc(b, h, j) : 0.0f;
-    for (Index lq = 0; lq < g; ++lq)
-      a += cols[(b * col_heads + h * g + lq) * col_tokens + j] / static_cast<float>(g);
-    acc(b, h, j) = a;
-  }
+  float const* col = cols + (b * col_heads + h * g) * col_tokens;
+  for (Index j = static_cast<Index>(blockIdx.x) * blockDim.x + threadIdx.x; j < n; j += stride)
+    acc(b, h, j) = h2o_accumulate(j < t ? acc(b, h, j) : 0.0f, g, [&](Index lq) { return col[lq * col_tokens + j]; });
 }
 
 /// tracked[b, h] = plan.count[b, h] (clamped to the plan's capacity, as kvc::compact clamps it).
@@ -103,10 +100,8 @@ __global__ void observed_finish_kernel(WQ wq, C cache, Index query_heads, Window
       Index const lo = p - end + w;
       seen = lo <= 0 ? w : (lo >= w ? 0 : w - lo);
     }
-    float sum = 0.0f;
-    for (Index lq = 0; lq < g; ++lq)
-      sum += ws.colsum[(b * query_heads + h * g + lq) * e.tokens + j];
-    out(b, h, j) = seen > 0 ? sum / static_cast<float>(g) / static_cast<float>(seen) : 0.0f;
+    float const* col = ws.colsum + (b * query_heads + h * g) * e.tokens;
+    out(b, h, j) = observed_attention_score(g, seen, [&](Index lq) { return col[lq * e.tokens + j]; });
   }
 }
 

@@ -23,13 +23,16 @@ inline Index key_diff_splits(Index tokens) noexcept {
 inline constexpr int key_diff_warps = 8;
 
 /// Pass 1, grid (splits, heads, batch): each warp takes one token at a time (lanes read the row coalesced), sums
-/// unit keys into its own shared-memory row in fp64 (no atomics, and long caches keep the anchor's direction),
-/// and stashes ||k|| in the score output. The block's sum goes to partial[b, h, split, :]. A row whose fp32 sum of
-/// squares is out of range (detail::sum_squares_in_range) takes a warp-uniform fp64 branch and stashes its fp64 norm.
+/// unit keys (kvc::key_diff_anchor_weight) into its own shared-memory row in fp64 (no atomics, and long caches keep
+/// the anchor's direction), and stashes ||k|| in the score output. The block's sum goes to partial[b, h, split, :dim]
+/// and its count of non-finite rows to partial[b, h, split, dim] (rows of dim + 1). A row whose fp32 sum of squares is
+/// out of range (detail::sum_squares_in_range) takes a warp-uniform fp64 branch and stashes its fp64 norm; a row with
+/// a NaN or Inf element (a non-finite fp64 norm) is left out of the anchor and stashes NaN, as on the CPU.
 template <class Keys>
 __global__ void key_diff_anchor_kernel(Keys keys, KeyDiffScorer s, ScoreSpan<DeviceSpace> out, double* partial,
                                        Index splits) {
   double* const warp_rows = dynamic_shared<double>();  // [key_diff_warps, dim]
+  __shared__ Index warp_skipped[key_diff_warps];       // non-finite rows per warp
   Index const dim = keys.extents().dim;
   Index const b = blockIdx.z, h = blockIdx.y, split = blockIdx.x;
   int const warp = static_cast<int>(threadIdx.x) / warp_size, lane = static_cast<int>(threadIdx.x) % warp_size;
@@ -39,7 +42,7 @@ __global__ void key_diff_anchor_kernel(Keys keys, KeyDiffScorer s, ScoreSpan<Dev
   Index const n = clamp_length(out.length(b, h), head_capacity(keys.layout(), b, h)), per = (n + splits - 1) / splits;
   Index const t0 = split * per, t1 = t0 + per < n ? t0 + per : n;
   double* mine = warp_rows + warp * dim;
-  bool const unit = s.anchor == KeyDiffAnchor::normalized_mean;
+  Index skipped = 0;  // warp-uniform
   auto const ks = keys.scale(b, h);
   for (Index t = t0 + warp; t < t1; t += key_diff_warps) {
     auto const* k = keys.row(b, h, t);
@@ -51,26 +54,39 @@ __global__ void key_diff_anchor_kernel(Keys keys, KeyDiffScorer s, ScoreSpan<Dev
     sq = warp_sum(sq);
     if (detail::sum_squares_in_range(sq)) [[likely]] {
       float const norm = sqrtf(sq);
-      float const inv = unit ? 1.0f / fmaxf(norm, s.unit_eps) : 1.0f;
+      float const inv = key_diff_anchor_weight(s, norm);
       for (Index i = lane; i < dim; i += warp_size)
         mine[i] += static_cast<double>(load(k[i], ks) * inv);
       if (lane == 0)
         out(b, h, t) = norm;
     } else {
       double const norm = sqrt(warp_sum_squares_fp64(k, ks, dim, lane));
-      double const inv = unit ? 1.0 / fmax(norm, static_cast<double>(s.unit_eps)) : 1.0;
-      for (Index i = lane; i < dim; i += warp_size)
-        mine[i] += static_cast<double>(load(k[i], ks)) * inv;
-      if (lane == 0)
-        out(b, h, t) = static_cast<float>(norm);  // +inf above FLT_MAX: pass 2 recomputes it
+      bool const finite = isfinite(norm);  // warp-uniform: every lane holds the warp's sum
+      if (finite) {
+        double const inv = key_diff_anchor_weight(s, norm);
+        for (Index i = lane; i < dim; i += warp_size)
+          mine[i] += static_cast<double>(load(k[i], ks)) * inv;
+      }
+      skipped += finite ? 0 : 1;
+      if (lane == 0)  // +inf above FLT_MAX (pass 2 recomputes it), NaN for a row left out
+        out(b, h, t) = finite ? static_cast<float>(norm) : CUDART_NAN_F;
     }
   }
+  if (lane == 0)
+    warp_skipped[warp] = skipped;
   __syncthreads();
+  double* row = partial + ((b * out.heads + h) * splits + split) * (dim + 1);
   for (Index i = threadIdx.x; i < dim; i += blockDim.x) {
     double sum = 0.0;
     for (int w = 0; w < key_diff_warps; ++w)
       sum += warp_rows[w * dim + i];
-    partial[((b * out.heads + h) * splits + split) * dim + i] = sum;
+    row[i] = sum;
+  }
+  if (threadIdx.x == 0) {
+    Index total = 0;
+    for (int w = 0; w < key_diff_warps; ++w)
+      total += warp_skipped[w];
+    row[dim] = static_cast<double>(total);
   }
 }
 
@@ -113,10 +129,11 @@ __device__ float key_diff_scale_anchor(Mean const& mean, Index dim, float eps, f
                static_cast<float>(ldexp(static_cast<double>(eps), e)));
 }
 
-/// Pass 2, same grid: every block rebuilds its head's anchor from the split partials (splits x dim reads, cheap),
-/// then each warp turns a stashed norm into the cosine score. Padding gets -inf. As on the CPU, an anchor out of
-/// range is scaled by a power of two, and a row whose stashed norm is out of range (detail::norm_in_range) takes its
-/// cosine in fp64 (both block- or warp-uniform branches).
+/// Pass 2, same grid: every block rebuilds its head's anchor from the split partials (splits x (dim + 1) reads,
+/// cheap: the mean is over the finite rows), then each warp turns a stashed norm into kvc::key_diff_cosine. Padding
+/// gets -inf. As on the CPU, an anchor out of range is scaled by a power of two, and a row whose stashed norm is out
+/// of range (detail::norm_in_range) takes its cosine in fp64, or -inf when it has a NaN or Inf element (both block-
+/// or warp-uniform branches).
 template <class Keys>
 __global__ void key_diff_score_kernel(Keys keys, KeyDiffScorer s, ScoreSpan<DeviceSpace> out, double const* partial,
                                       Index splits) {
@@ -126,11 +143,17 @@ __global__ void key_diff_score_kernel(Keys keys, KeyDiffScorer s, ScoreSpan<Devi
   int const warp = static_cast<int>(threadIdx.x) / warp_size, lane = static_cast<int>(threadIdx.x) % warp_size;
   Index const n = clamp_length(out.length(b, h), head_capacity(keys.layout(), b, h));
   float* norm_parts = anchor + dim;
+  double const* rows = partial + (b * out.heads + h) * splits * (dim + 1);
+  double skipped = 0.0;
+  for (Index p = 0; p < splits; ++p)
+    skipped += rows[p * (dim + 1) + dim];
+  double const count = static_cast<double>(n) - skipped;
+  double const divisor = count > 1.0 ? count : 1.0;  // the CPU's max(n - skipped, 1)
   auto const mean = [&](Index i) {
     double sum = 0.0;
     for (Index p = 0; p < splits; ++p)
-      sum += partial[((b * out.heads + h) * splits + p) * dim + i];
-    return sum / static_cast<double>(n > 0 ? n : 1);
+      sum += rows[p * (dim + 1) + i];
+    return sum / divisor;
   };
   float sq = 0.0f;
   for (Index i = threadIdx.x; i < dim; i += blockDim.x) {
@@ -159,7 +182,7 @@ __global__ void key_diff_score_kernel(Keys keys, KeyDiffScorer s, ScoreSpan<Devi
       dot += load(k[i], ks) * anchor[i];
     dot = warp_sum(dot);
     float const norm = __shfl_sync(full_mask, stashed, 0);  // every lane: the rare branch below is warp-uniform
-    float score = -dot / (mu_norm * fmaxf(norm, s.cosine_eps));
+    float score = key_diff_cosine(s, dot, mu_norm, norm);
     if (!detail::norm_in_range(norm)) [[unlikely]] {
       double dot64 = 0.0, sq_k = 0.0;
       for (Index i = lane; i < dim; i += warp_size) {
@@ -169,8 +192,8 @@ __global__ void key_diff_score_kernel(Keys keys, KeyDiffScorer s, ScoreSpan<Devi
       }
       dot64 = warp_sum(dot64);
       sq_k = warp_sum(sq_k);
-      score = static_cast<float>(-dot64 /
-                                 (static_cast<double>(mu_norm) * fmax(sqrt(sq_k), static_cast<double>(s.cosine_eps))));
+      score = isfinite(sq_k) ? static_cast<float>(key_diff_cosine(s, dot64, static_cast<double>(mu_norm), sqrt(sq_k)))
+                             : -CUDART_INF_F;  // a NaN or Inf key has no direction: evicted first
     }
     if (lane == 0)
       out(b, h, t) = score;
@@ -182,12 +205,13 @@ __global__ void key_diff_score_kernel(Keys keys, KeyDiffScorer s, ScoreSpan<Devi
 namespace kvc {
 
 /// KeyDiff on CUDA: two kernels, each reading K once (the anchor needs every key before any score).
-/// Workspace (device memory): fp64 partial anchors [batch, heads, splits, dim].
+/// Workspace (device memory): fp64 partial anchors and non-finite row counts [batch, heads, splits, dim + 1].
 template <>
 struct Kernel<KeyDiffScorer, Cuda> {
   template <class Obs>
   static std::size_t workspace_bytes(Cuda const&, KeyDiffScorer const&, KVExtents const& keys, Obs const&) {
-    return static_cast<std::size_t>(keys.batch * keys.heads * backend::cuda::key_diff_splits(keys.tokens) * keys.dim) *
+    return static_cast<std::size_t>(keys.batch * keys.heads * backend::cuda::key_diff_splits(keys.tokens) *
+                                    (keys.dim + 1)) *
            sizeof(double);
   }
 

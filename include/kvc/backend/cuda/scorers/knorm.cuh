@@ -15,7 +15,8 @@ namespace kvc::backend::cuda {
 inline constexpr int knorm_warps = 8;
 
 /// Grid (token blocks, heads, batch); one warp per token row, lanes read the row coalesced. A row whose fp32 sum
-/// is out of range (detail::sum_squares_in_range, as on the CPU) is summed again in fp64 (a warp-uniform branch).
+/// is out of range (detail::sum_squares_in_range, as on the CPU) is summed again in fp64 (a warp-uniform branch) and
+/// scored by kvc::knorm_fp64_score, the CPU's formula (-inf for a NaN or Inf key).
 template <class Keys>
 __global__ void knorm_kernel(Keys keys, ScoreSpan<DeviceSpace> out) {
   Index const dim = keys.extents().dim;
@@ -34,11 +35,11 @@ __global__ void knorm_kernel(Keys keys, ScoreSpan<DeviceSpace> out) {
       }
     }
     sq = warp_sum(sq);
-    float norm = sqrtf(sq);
-    if (t < n && !detail::sum_squares_in_range(sq)) [[unlikely]]
-      norm = static_cast<float>(sqrt(warp_sum_squares_fp64(keys.row(b, h, t), ks, dim, lane)));
+    float score = t < n ? -sqrtf(sq) : -CUDART_INF_F;
+    if (t < n && !detail::sum_squares_in_range(sq)) [[unlikely]]  // warp-uniform: every lane holds the sum
+      score = knorm_fp64_score(warp_sum_squares_fp64(keys.row(b, h, t), ks, dim, lane));
     if (lane == 0)
-      out(b, h, t) = t < n ? -norm : -CUDART_INF_F;
+      out(b, h, t) = score;
   }
 }
 

@@ -119,9 +119,9 @@ __device__ inline float moment_matvec(float const* ct, float const* k, Index dk,
   return u;
 }
 
-/// Grid (slot blocks, Hkv, B), one warp per slot j < n: score[j] = α_j ‖r_j‖ with α_j the base already in `out`
-/// (or `fixed`'s, when set: then padding gets -inf here); α_j alone without `mi`. A zero or +inf α is left as is
-/// (no NaN from 0 · inf).
+/// Grid (slot blocks, Hkv, B), one warp per slot j < n: score[j] = kvc::moment_mi_score(α_j, ‖r_j‖²) (the CPU's
+/// epilogue) with α_j the base already in `out` (or `fixed`'s, when set: then padding gets -inf here); α_j alone
+/// without `mi`.
 /// A head whose u_j rows are all tracked reads them (C unclamped), else C̃ k_j from `prep`.
 template <class C, class T>
 __global__ void __launch_bounds__(moment_threads)
@@ -150,7 +150,7 @@ __global__ void __launch_bounds__(moment_threads)
       continue;
     }
     float const alpha = fixed.data ? fixed.row(b, h)[j] : score[j];
-    if (!mi || alpha == 0.0f || alpha == CUDART_INF_F) {  // warp-uniform: every lane read the same α
+    if (!mi || alpha == CUDART_INF_F) {  // warp-uniform: every lane read the same α (+inf protects whatever ‖r_j‖)
       if (fixed.data && lane == 0)
         score[j] = alpha;
       continue;
@@ -163,14 +163,14 @@ __global__ void __launch_bounds__(moment_threads)
         k[c] = load(src[c], ks);
       __syncwarp();
       for (Index a = lane; a < dv; a += warp_size) {
-        float const r = load(v[a], vs) - vbar[a] - beta * moment_matvec(ct, k, dk, dv, a);
+        float const r = moment_residual(load(v[a], vs), vbar[a], beta, moment_matvec(ct, k, dk, dv, a));
         ss += r * r;
       }
       __syncwarp();  // k is rewritten for the next slot
     } else if (ne > 0) {
       float const* u = res.rows.row(b, h, j);
       for (Index a = lane; a < dv; a += warp_size) {
-        float const r = load(v[a], vs) - vbar[a] - beta * u[a];
+        float const r = moment_residual(load(v[a], vs), vbar[a], beta, u[a]);
         ss += r * r;
       }
     } else {
@@ -179,7 +179,7 @@ __global__ void __launch_bounds__(moment_threads)
     }
     ss = warp_sum(ss);
     if (lane == 0)
-      score[j] = alpha * sqrtf(ss);
+      score[j] = moment_mi_score(alpha, ss);
   }
 }
 

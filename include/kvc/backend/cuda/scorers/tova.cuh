@@ -13,8 +13,9 @@
 
 namespace kvc::backend::cuda {
 
-/// One block per sequence: the mean over every query head, the newest slots protected in kvpress mode, copied to
-/// every KV head. Every KV head of the sequence must hold the same slots (head 0's length and positions are used).
+/// One block per sequence: kvc::tova_score (the CPU's formula) of every slot, the newest slots protected in kvpress
+/// mode, copied to every KV head. Every KV head of the sequence must hold the same slots (head 0's length and positions
+/// are used).
 template <class C>
 __global__ void __launch_bounds__(finish_threads)
     tova_finish_kernel(TOVAScorer s, C cache, Index query_heads, WindowScratch ws, ScoreSpan<DeviceSpace> out) {
@@ -28,11 +29,9 @@ __global__ void __launch_bounds__(finish_threads)
   Index const m = m_shared;
   float* score = out.row(b, 0);
   float local_max = -CUDART_INF_F;
+  float const* col = ws.colsum + b * query_heads * e.tokens;
   for (Index j = threadIdx.x; j < n; j += blockDim.x) {
-    float sum = 0.0f;
-    for (Index q = 0; q < query_heads; ++q)
-      sum += ws.colsum[(b * query_heads + q) * e.tokens + j];
-    score[j] = sum / static_cast<float>(query_heads);
+    score[j] = tova_score(query_heads, [&](Index q) { return col[q * e.tokens + j]; });
     if (j < m)
       local_max = fmaxf(local_max, score[j]);
   }
