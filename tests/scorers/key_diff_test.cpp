@@ -129,6 +129,18 @@ std::vector<float> random_keys(Index n, Index dim, std::uint64_t seed, float off
 
 }  // namespace
 
+TEST_CASE("key_diff: the anchor weight and the cosine both backends share (hand values, eps floors, fp32 and fp64)",
+          "[scorers][key_diff]") {
+  kvc::KeyDiffScorer const unit{};
+  kvc::KeyDiffScorer const raw{.anchor = kvc::KeyDiffAnchor::raw_mean};
+  CHECK(kvc::key_diff_anchor_weight(unit, 4.0f) == 0.25f);                           // 1 / ||k||
+  CHECK(kvc::key_diff_anchor_weight(unit, 0.0f) == 1.0f / 1e-12f);                   // 1 / unit_eps for a zero key
+  CHECK(kvc::key_diff_anchor_weight(raw, 4.0f) == 1.0f);                             // the raw mean weighs every key 1
+  CHECK(kvc::key_diff_anchor_weight(unit, 4.0) == 0.25);                             // fp64 (the range path)
+  CHECK(kvc::key_diff_cosine(unit, 2.0f, 1.0f, 4.0f) == -0.5f);                      // -(mu . k) / (||mu|| ||k||)
+  CHECK(kvc::key_diff_cosine(unit, -3.0, 2.0, 0.0) == 3.0 / (2.0 * double{1e-8f}));  // ||k|| floored at cosine_eps
+}
+
 TEST_CASE("key_diff: spec case 1, K = [(1,0),(0,1),(1,1)]", "[scorers][key_diff]") {
   auto const s = key_diff_scores<float>({1, 0, 0, 1, 1, 1}, 2);
   CHECK_THAT(s[0], WithinAbs(-1.0 / std::sqrt(2.0), 1e-6));

@@ -104,6 +104,15 @@ void check_against_reference(std::vector<float> const& s, std::vector<double> co
 
 }  // namespace
 
+TEST_CASE("knorm: the fp64 range path both backends share scores minus the norm, and -inf for NaN or Inf keys",
+          "[scorers][knorm]") {
+  constexpr double inf = std::numeric_limits<double>::infinity();
+  CHECK(kvc::knorm_fp64_score(4.0) == -2.0f);
+  CHECK(kvc::knorm_fp64_score(1e80) == -std::numeric_limits<float>::infinity());  // a norm of 1e40: past FLT_MAX
+  CHECK(kvc::knorm_fp64_score(inf) == -std::numeric_limits<float>::infinity());   // an Inf element
+  CHECK(kvc::knorm_fp64_score(std::numeric_limits<double>::quiet_NaN()) == -std::numeric_limits<float>::infinity());
+}
+
 TEST_CASE("knorm: scores are minus the L2 norm (hand values)", "[scorers][knorm]") {
   std::vector<float> k = {3, 4, 0, 0, 1, 1, -6, 8};  // norms 5, 0, sqrt2, 10
   kvc::KVExtents const e{1, 1, 4, 2};

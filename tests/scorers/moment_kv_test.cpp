@@ -543,6 +543,19 @@ TEST_CASE("moment_kv: bad parameters, states of another shape and short workspac
   CHECK(mom.count == std::vector<Index>{6, 7});
 }
 
+TEST_CASE("moment_kv: the per-slot formulas both backends share (residual element, MI score and its edge cases)") {
+  constexpr float inf = std::numeric_limits<float>::infinity(), nan = std::numeric_limits<float>::quiet_NaN();
+  CHECK(kvc::moment_residual(5.0f, 1.0f, 0.5f, 2.0f) == 3.0f);  // 5 - 1 - 0.5 * 2
+  CHECK(kvc::moment_mi_score(2.0f, 9.0f) == 6.0f);              // alpha * sqrt(ss)
+  CHECK(kvc::moment_mi_score(0.0f, 4.0f) == 0.0f);              // a zero base stays 0 ...
+  CHECK(kvc::moment_mi_score(0.0f, inf) == 0.0f);               // ... even for an infinite residual (no 0 * inf)
+  CHECK(kvc::moment_mi_score(inf, 4.0f) == inf);                // a protecting base stays +inf ...
+  CHECK(kvc::moment_mi_score(inf, nan) == inf);                 // ... even for a NaN residual
+  CHECK(kvc::moment_mi_score(3.0f, inf) == inf);                // an Inf value: an infinite residual
+  CHECK(kvc::moment_mi_score(3.0f, nan) == -inf);               // a NaN residual: evicted first ...
+  CHECK(kvc::moment_mi_score(0.0f, nan) == -inf);               // ... a zero base included
+}
+
 TEST_CASE("moment_kv: an evicted row with a NaN or Inf is dropped from the fold, a NaN residual scores -inf") {
   // One head of 6 slots: slot 2's key is NaN, slot 3's value holds an Inf. Evicting slots 1, 2, 3 folds slot 1 only
   // (folding the others would make the head's moments, and so all its later scores, NaN): the moments equal the

@@ -26,11 +26,16 @@ KVC_HOST_DEVICE constexpr bool norm_in_range(float norm) noexcept {
   return norm >= 0x1p-45f && norm <= 0x1p64f;
 }
 
+/// Whether x is finite: |x| <= FLT_MAX is false for NaN and +-Inf (one compare, and it vectorises). Host and device.
+KVC_HOST_DEVICE inline bool is_finite_value(float x) noexcept {
+  return fabsf(x) <= FLT_MAX;
+}
+
 /// A logit as the softmaxes take it: x when finite, -inf (a masked slot: probability 0) when NaN or +-Inf, i.e. when
-/// its key has a NaN or Inf element (docs/api_checks.md, "Non-finite keys"). |x| <= FLT_MAX is false for NaN and
-/// +-Inf: one compare. Host and device (ExpectedAttention, RDKV's derived weights, CUDA's slot_logit).
+/// its key has a NaN or Inf element (docs/api_checks.md, "Non-finite keys"). Host and device (ExpectedAttention,
+/// RDKV's derived weights, CUDA's slot_logit).
 KVC_HOST_DEVICE inline float finite_logit(float x) noexcept {
-  return fabsf(x) <= FLT_MAX ? x : -__builtin_huge_valf();
+  return is_finite_value(x) ? x : -__builtin_huge_valf();
 }
 
 }  // namespace kvc::detail

@@ -30,13 +30,18 @@ struct TOVAScorer {
   constexpr Status check() const noexcept { return {}; }
 };
 
-/// TOVA's score of one slot before protection: the attention col(q) of every query head q < Hq of the sequence,
-/// summed in query-head order, divided by Hq. Host and device: both backends' TOVA kernels call it.
+/// TOVA's score of one slot before protection is the mean of its attention over every query head of the sequence,
+/// summed in query-head order from 0 and divided by Hq, written in two steps so that a backend may sum one KV head's
+/// group at a time: tova_add_group adds col(q) of the group's g heads (in order) to `sum`, tova_mean divides the total.
+/// Host and device: both backends' TOVA kernels call them.
 template <class Col>
-KVC_HOST_DEVICE float tova_score(Index query_heads, Col const& col) noexcept {
-  float sum = 0.0f;
-  for (Index q = 0; q < query_heads; ++q)
+KVC_HOST_DEVICE float tova_add_group(float sum, Index g, Col const& col) noexcept {
+  for (Index q = 0; q < g; ++q)
     sum += col(q);
+  return sum;
+}
+
+KVC_HOST_DEVICE constexpr float tova_mean(float sum, Index query_heads) noexcept {
   return sum / static_cast<float>(query_heads);
 }
 

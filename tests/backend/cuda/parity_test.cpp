@@ -1488,6 +1488,54 @@ TEST_CASE(
 }
 
 TEST_CASE(
+    "cuda: MomentKV's fold drops evicted rows with a NaN or Inf in K or V, as the CPU (a head whose evicted rows are "
+    "all non-finite merges nothing)",
+    "[cuda][moment_kv][range]") {
+  KVC_REQUIRE_DEVICE();
+  constexpr float nan = std::numeric_limits<float>::quiet_NaN(), inf = std::numeric_limits<float>::infinity();
+  kvc::MomentKVScorer<> const params{};
+  for (auto dtype : {kc::Dtype::f32, kc::Dtype::f16})
+    for (auto layout : {kc::Layout::bhtd, kc::Layout::paged}) {
+      auto c = moment_case({2, 2, 600, 64}, 80, 4, 4, 43);
+      c.dtype = dtype;
+      c.layout = layout;
+      INFO("dtype " << static_cast<int>(dtype) << " layout " << static_cast<int>(layout));
+      for (Index bh = 0; bh < 4; ++bh)
+        for (Index t = 1; t < c.e.tokens; ++t) {
+          if (bh == 3 || t % 7 == 3)  // head (1, 1): every row but slot 0 (always kept) is non-finite
+            c.k[static_cast<std::size_t>((bh * c.e.tokens + t) * c.e.dim + t % c.e.dim)] = t % 2 == 0 ? nan : inf;
+          else if (t % 11 == 5)
+            c.v[static_cast<std::size_t>((bh * c.e.tokens + t) * c.dim_v + t % c.dim_v)] = t % 2 == 0 ? -inf : nan;
+        }
+      auto const plan = moment_plan(c, 5, 3);
+      kc::Moments const zero = zero_moments(c, kc::Dtype::f32);
+      kc::Moments gpu = zero;
+      kc::Residuals none, r;
+      REQUIRE(kc::moment_evict(c, params, gpu, r, plan.index, plan.count, c.e.tokens) == "");
+      kc::Moments const cpu = cpu_evict(c, params, zero, none, plan);
+      for (Index bh = 0; bh < 4; ++bh) {  // the oracle: only the finite evicted rows are counted
+        Index finite = 0;
+        for (Index t = 0, j = 0; t < c.lengths[static_cast<std::size_t>(bh)]; ++t) {
+          if (j < plan.count[static_cast<std::size_t>(bh)] &&
+              plan.index[static_cast<std::size_t>(bh * c.e.tokens + j)] == t) {
+            ++j;
+            continue;
+          }
+          finite += bh != 3 && t % 7 != 3 && t % 11 != 5 ? 1 : 0;
+        }
+        CHECK(cpu.count[static_cast<std::size_t>(bh)] == finite);
+      }
+      CHECK(cpu.count[3] == 0);
+      kc::Moments const& folded = gpu;
+      for (auto const* v :
+           {&cpu.key_mean, &cpu.value_mean, &cpu.comoment, &folded.key_mean, &folded.value_mean, &folded.comoment})
+        for (float x : *v)
+          REQUIRE(std::isfinite(x));
+      require_moments_close(gpu, cpu, c, moment_rel(kc::Dtype::f32));
+    }
+}
+
+TEST_CASE(
     "cuda: MomentKV's MI scores match the CPU (SnapKV chunk-mean base or a fixed base with 0, +inf and NaN or Inf "
     "values, n = 0 head, clamp, fp32/fp16/bf16 caches, 16-bit moments, layouts)",
     "[cuda][moment_kv]") {
@@ -1523,11 +1571,17 @@ TEST_CASE(
             }
             params.scale = 0.3f;
           }
-          if (variant == 2)  // a NaN or Inf in a slot's value (after the moments are taken): -inf unless protected
+          // Variant 2, after the moments are taken: a NaN in a slot's value makes its residual NaN (-inf unless the
+          // base protects it, a zero base included), an Inf makes it +inf (+inf, or 0 for a zero base); every fourth
+          // such slot gets a zero base, in every head (three of them have evicted rows: the residual path with C).
+          if (variant == 2)
             for (Index bh = 0; bh < c.e.batch * c.e.heads; ++bh)
-              for (Index t = 3; t < c.e.tokens; t += 13)
+              for (Index t = 3; t < c.e.tokens; t += 13) {
                 c.v[static_cast<std::size_t>((bh * c.e.tokens + t) * c.dim_v + t % c.dim_v)] =
                     t % 2 == 0 ? std::numeric_limits<float>::quiet_NaN() : std::numeric_limits<float>::infinity();
+                if (t % 4 == 0 || t % 4 == 1)
+                  fixed[static_cast<std::size_t>(bh * c.e.tokens + t)] = 0.0f;
+              }
           std::vector<float> gpu;
           REQUIRE(kc::moment_scores(c, params, m, none, fixed, gpu) == "");
           auto const cpu = cpu_moment_scores(c, params, m, none, fixed);
@@ -1593,11 +1647,15 @@ TEST_CASE(
     // Evictions, each followed by the CPU's compaction (cache, positions and rows) checked against the GPU's:
     //   one slot per head (rank-1 updates; head 1 untracked: full), three slots (full), then one slot three times
     //   (rank-1, then the refresh at age 2 recomputes).
+    //   In step 0 head 1 (tracked 9) evicts slot 3, whose key holds a NaN: nothing is folded (m = 0), and only the
+    //   8 kept slots below 9 stay tracked.
     std::vector<Index> const runs = {1, 3, 1, 1, 1};
     for (std::size_t step = 0; step < runs.size(); ++step) {
       INFO("step " << step);
-      if (step == 0)
+      if (step == 0) {
         r.tracked[1] = 9;
+        c.k[static_cast<std::size_t>((1 * c.e.tokens + 3) * c.e.dim + 5)] = std::numeric_limits<float>::quiet_NaN();
+      }
       auto const plan = evict_run(c, 2 + static_cast<Index>(step) * 5, runs[step]);
       kc::Moments gm = m, cm = m;
       kc::Residuals gr = r, cr = r;
@@ -1605,8 +1663,11 @@ TEST_CASE(
       cm = cpu_evict(c, params, m, cr, plan);
       require_moments_close(gm, cm, c, moment_rel(mdtype));
       compare_rows(gr, cr);
-      if (step == 0)
+      if (step == 0) {
         CHECK(cr.age == std::vector<Index>{1, 0, 1, 1});
+        CHECK(cr.tracked[1] == 8);
+        CHECK(cm.count[1] == m.count[1]);  // the NaN row was not folded
+      }
       if (step == 4)
         CHECK(cr.age == std::vector<Index>{0, 0, 0, 0});
       // Compact: the CPU's cache and rows, against the GPU's with the rows as a TokenRows extra.
@@ -1632,7 +1693,7 @@ TEST_CASE(
       c.positions = host.positions;
       m = cm;
       r = cr;
-      // The scores after the step read the kept rows (tracked == n for every head).
+      // The scores after the step read the kept rows (tracked == n), or C k_j (head 1 after step 0).
       std::vector<float> gpu;
       REQUIRE(kc::moment_scores(c, params, m, r, {}, gpu) == "");
       require_close_in_head(gpu, cpu_moment_scores(c, params, m, r, {}), c.e.tokens, 1e-5f, 1e-3f);
@@ -2007,6 +2068,34 @@ TEST_CASE("cuda: RDKV token weights (attn_linear) and ThinK channel weights matc
           REQUIRE(kc::think_scores(c, gpu) == "");
           require_close(gpu, cpu(true), rel, rel);
         }
+}
+
+TEST_CASE(
+    "cuda: ThinK's channel weights leave keys with a NaN or Inf element out of the mean, as the CPU (fp32 and bf16, "
+    "d = 64 and 160: one and two channel chunks, a head of non-finite keys only)",
+    "[cuda][scorers][rdkv][range]") {
+  KVC_REQUIRE_DEVICE();
+  constexpr float nan = std::numeric_limits<float>::quiet_NaN(), inf = std::numeric_limits<float>::infinity();
+  for (auto dtype : {kc::Dtype::f32, kc::Dtype::bf16})
+    for (Index d : {Index{64}, Index{160}}) {
+      auto c = random_case({2, 2, 300, d}, 4, 8, true, 47);
+      c.dtype = dtype;
+      for (Index bh = 0; bh < 4; ++bh)
+        for (Index t = 0; t < c.e.tokens; ++t)
+          if (bh == 3 || t % 13 == 4)  // head (1, 1): no finite key, every weight 0
+            c.k[static_cast<std::size_t>((bh * c.e.tokens + t) * d + (t * 7) % d)] = t % 2 == 0 ? nan : -inf;
+      INFO("dtype " << static_cast<int>(dtype) << " d " << d);
+      std::vector<float> gpu;
+      REQUIRE(kc::think_scores(c, gpu) == "");
+      auto const cpu =
+          dtype == kc::Dtype::f32 ? cpu_rdkv_scores<float>(c, 1, true) : cpu_rdkv_scores<kvc::bfloat16>(c, 1, true);
+      REQUIRE(cpu.size() == static_cast<std::size_t>(4 * d));
+      for (std::size_t i = 0; i < cpu.size(); ++i) {  // the oracle: finite, positive, 0 for head (1, 1)
+        REQUIRE(std::isfinite(cpu[i]));
+        REQUIRE((i >= static_cast<std::size_t>(3 * d) ? cpu[i] == 0.0f : cpu[i] > 0.0f));
+      }
+      require_close(gpu, cpu, dtype == kc::Dtype::f32 ? 1e-5f : 1e-4f, 1e-6f);
+    }
 }
 
 // ---------------------------------------------------------------------------------------------------------------

@@ -83,8 +83,8 @@ struct Kernel<MomentKVScorer<HostSpace, T>, Cpu> {
     return {};
   }
 
-  /// score[j] = kvc::moment_mi_score(score[j], ‖r_j‖²) for the n valid slots of head (b, h): α_j ‖r_j‖, a
-  /// protecting or zero base kept as is, a NaN residual at -inf.
+  /// score[j] = kvc::moment_mi_score(score[j], ‖r_j‖²) for the n valid slots of head (b, h): α_j ‖r_j‖; a NaN
+  /// residual scores -inf unless the base protects the slot (+inf); otherwise a zero or +inf base stays as is.
   template <KVCacheView C>
   static void residual_head(Scorer const& s, C const& cache, Index b, Index h, Index n, float c, float* score,
                             float* ct, float* copy, float* kt, float* vt, float* ut) {

@@ -16,12 +16,11 @@ namespace kvc {
 
 template <>
 struct Kernel<TOVAScorer, Cpu> {
-  /// Per worker: the window attention's scratch for one query row per head of a group, and the column sums of every
-  /// query head [Hq, tokens] (tova_score reads them all per slot).
+  /// Per worker: the window attention's scratch for one query row per head, and column sums [g, tokens].
   static std::size_t worker_bytes(KVExtents const& keys, Index query_heads) {
     Index const g = keys.heads > 0 ? std::max<Index>(1, query_heads / keys.heads) : 1;
     return bytes_sum(detail::window_attention_bytes(g, keys.dim),
-                     workspace_round(bytes_product(std::max<Index>(query_heads, 1), keys.tokens, sizeof(float))));
+                     workspace_round(bytes_product(g, keys.tokens, sizeof(float))));
   }
   template <class Obs>
   static std::size_t workspace_bytes(Cpu const& cpu, TOVAScorer const&, KVExtents const& keys, Obs const& obs) {
@@ -56,13 +55,17 @@ struct Kernel<TOVAScorer, Cpu> {
       std::byte* mine = base + static_cast<std::size_t>(worker) * per_worker;
       float* colsum = WorkspaceCarver({mine + detail::window_attention_bytes(g, e.dim),
                                        per_worker - detail::window_attention_bytes(g, e.dim)})
-                          .take<float>(hq * e.tokens);
+                          .take<float>(g * e.tokens);
       Index const n = e.heads > 0 ? cache.length(b, 0) : 0;
       float* score = out.row(b, 0);
-      for (Index h = 0; h < e.heads; ++h)  // query head q = h * g + local lands in colsum row q
-        detail::window_attention_columns(wq, cache, b, h, last, scale, colsum + h * g * e.tokens, e.tokens, mine);
+      std::fill(score, score + n, 0.0f);
+      for (Index h = 0; h < e.heads; ++h) {  // the KV heads' groups in order: query heads 0, 1, ..., Hq - 1
+        detail::window_attention_columns(wq, cache, b, h, last, scale, colsum, e.tokens, mine);
+        for (Index j = 0; j < n; ++j)
+          score[j] = tova_add_group(score[j], g, [&](Index q) { return colsum[q * e.tokens + j]; });
+      }
       for (Index j = 0; j < n; ++j)
-        score[j] = tova_score(hq, [&](Index q) { return colsum[q * e.tokens + j]; });
+        score[j] = tova_mean(score[j], hq);
       if (s.reference == Reference::kvpress) {
         Index const end = wq.positions ? 0 : context_end(cache, b);
         detail::protect_tail(score, slots_before(cache, b, 0, detail::window_query_position(wq, b, end, last)), n);

@@ -4,11 +4,13 @@
 //   score:     the base α (SnapKV's window attention through Kernel<SnapKVScorer, Cuda>, or a copy of `fixed_base`),
 //              then moment_prep_kernel writes C̃ᵀ [d_k, d_v] and v̄ in fp32 per head, and moment_residual_kernel takes
 //              one warp per slot: r = v − v̄ − (c/n) C̃ k (or the cached u_j row when every row is tracked),
-//              score *= ‖r‖ (0 and +inf stay). n = 0: ‖v‖.
+//              score = kvc::moment_mi_score(α, ‖r‖²) (+inf stays; 0 stays unless ‖r‖² is NaN: then -inf, as any
+//              NaN residual not protected). n = 0: ‖v‖.
 //   update:    with the u_j cache, moment_fill_kernel writes u_j = C k_j (unclamped) for the new slots
 //              [tracked, length), then tracked = length; a no-op otherwise.
-//   on_evict:  the plan's complement per head (moment_slots_kernel), fp64 partial sums of the evicted rows over
-//              `splits` row ranges (moment_sums_kernel), the centred block co-moment per range from staged tiles
+//   on_evict:  the plan's complement per head less its rows with a NaN or Inf (moment_slots_kernel), fp64 partial
+//              sums of the evicted rows over `splits` row ranges (moment_sums_kernel), the centred block co-moment per
+//              range from staged tiles
 //              (moment_comoment_kernel), then one block per head sums the ranges in order and applies Chan's merge
 //              (moment_merge_kernel, count += m); with the u_j cache, moment_rows_kernel updates the kept rows.
 // No atomics: every value is written by one thread in a fixed order, so results are deterministic. Kernels never
@@ -19,6 +21,7 @@
 #include <kvc/backend/cuda/detail/tracked.cuh>
 #include <kvc/backend/cuda/scorers/snap_kv.cuh>
 #include <kvc/core/keep_plan.hpp>
+#include <kvc/core/norm_range.hpp>
 #include <kvc/core/scores.hpp>
 #include <kvc/scorers/moment_kv.hpp>
 #include <kvc/scorers/moments.hpp>
@@ -69,10 +72,11 @@ struct MomentPrep {
 
 /// The fold's scratch, per head (`splits` row ranges):
 struct MomentFold {
-  Index* slots = nullptr;  ///< [heads, tokens] the evicted slots, ascending
-  Index* info = nullptr;   ///< [heads, 4] m (evicted count), n_a (count before), u-row action (0 none, 1 rank-1, 2 all)
-  double* sums = nullptr;  ///< [heads, splits, d_k + d_v] fp64 sums of the evicted rows per range
-  float* means = nullptr;  ///< [heads, 2 (d_k + d_v)] block k̄, v̄; the state's k̄, v̄ before the merge
+  Index* slots = nullptr;    ///< [heads, tokens] the evicted slots, ascending
+  Index* info = nullptr;     ///< [heads, 4] m (finite evicted rows, the ones folded), n_a (count before), u-row action
+                             ///< (0 none, 1 rank-1, 2 all), every evicted slot (finite or not)
+  double* sums = nullptr;    ///< [heads, splits, d_k + d_v] fp64 sums of the evicted rows per range
+  float* means = nullptr;    ///< [heads, 2 (d_k + d_v)] block k̄, v̄; the state's k̄, v̄ before the merge
   float* partial = nullptr;  ///< [heads, splits, d_v, d_k] centred co-moment per range
   float* ct = nullptr;       ///< [heads, d_k, d_v] merged C' transposed (u_j cache only)
   static std::size_t bytes(KVExtents const& e, Index dv, Index splits, bool rows) noexcept {
@@ -211,30 +215,90 @@ __global__ void __launch_bounds__(moment_threads)
   }
 }
 
-/// Grid (Hkv, B): the slots of [0, n) the plan does not keep, ascending, and m = their count. Slot t is evicted
-/// iff it is not in the ascending kept list; its place in the evicted list is t minus the kept slots below it (a
-/// binary search), so every thread works alone.
+/// Evicted slot i of a head, clamped to [0, n) (the list comes from a plan the device cannot validate).
+__device__ inline Index moment_slot(Index const* slots, Index i, Index n) {
+  Index const t = slots[i];
+  return t < 0 ? 0 : (t >= n ? (n > 0 ? n - 1 : 0) : t);
+}
+
+/// The first index i of the ascending list keep[0, kept) with keep[i] >= t (kept when there is none).
+__device__ inline Index moment_lower_bound(Index const* keep, Index kept, Index t) {
+  Index lo = 0, hi = kept;
+  while (lo < hi) {
+    Index const mid = (lo + hi) / 2;
+    if (keep[mid] < t)
+      lo = mid + 1;
+    else
+      hi = mid;
+  }
+  return lo;
+}
+
+/// Whether every element of row t of head (b, h) is finite under the view's scale (the CPU's detail::all_finite).
+template <class Rows>
+__device__ inline bool moment_row_finite(Rows const& rows, Index b, Index h, Index t, Index dim) {
+  auto const* x = rows.row(b, h, t);
+  auto const scale = rows.scale(b, h);
+  bool finite = true;
+  for (Index i = 0; i < dim; ++i)
+    finite = finite && detail::is_finite_value(load(x[i], scale));
+  return finite;
+}
+
+/// Grid (Hkv, B), moment_threads threads: the slots of [0, n) the plan does not keep whose K and V rows are finite,
+/// ascending, and m = their count; info[3] = every evicted slot. As on the CPU, a row with a NaN or Inf element is
+/// dropped, not folded (it would make the head's moments, and every later score, NaN). Slot t is evicted iff it is
+/// not in the ascending kept list; its place in the evicted list is t minus the kept slots below it (a binary
+/// search), so every thread works alone; then the block drops the non-finite ones in place, 256 at a time (each
+/// thread's row checked alone, places from a ballot per warp). With the u_j cache, a head whose evicted rows are
+/// all non-finite merges nothing, and its tracked count becomes the kept slots below it (the CPU's m = 0 case).
 template <class C>
-__global__ void moment_slots_kernel(C cache, KeepPlan<DeviceSpace> plan, MomentFold fold) {
+__global__ void __launch_bounds__(moment_threads)
+    moment_slots_kernel(C cache, KeepPlan<DeviceSpace> plan, MomentResiduals<DeviceSpace> res, MomentFold fold) {
+  __shared__ Index warp_counts[moment_warps];
+  __shared__ Index finite_total;
   KVExtents const e = cache.keys.extents();
   Index const b = blockIdx.y, h = blockIdx.x, head = b * e.heads + h, n = cache.clamped_length(b, h);
+  Index const dk = e.dim, dv = cache.values.extents().dim;
   Index const kept = clamp_length(plan.kept(b, h), plan.capacity < n ? plan.capacity : n);
   Index const* keep = plan.indices(b, h);
   Index* slots = fold.slots + head * e.tokens;
+  int const warp = static_cast<int>(threadIdx.x) / warp_size, lane = static_cast<int>(threadIdx.x) % warp_size;
   for (Index t = threadIdx.x; t < n; t += blockDim.x) {
-    Index lo = 0, hi = kept;  // first kept index >= t
-    while (lo < hi) {
-      Index const mid = (lo + hi) / 2;
-      if (keep[mid] < t)
-        lo = mid + 1;
-      else
-        hi = mid;
-    }
+    Index const lo = moment_lower_bound(keep, kept, t);
     if (lo == kept || keep[lo] != t)
       slots[t - lo] = t;
   }
   if (threadIdx.x == 0)
-    fold.info[head * 4] = n - kept;
+    finite_total = 0;
+  __syncthreads();  // the whole list is written
+  Index const evicted = n - kept;
+  for (Index i0 = 0; i0 < evicted; i0 += blockDim.x) {  // block-uniform
+    Index const i = i0 + threadIdx.x;
+    Index const t = i < evicted ? moment_slot(slots, i, n) : 0;
+    bool const finite =
+        i < evicted && moment_row_finite(cache.keys, b, h, t, dk) && moment_row_finite(cache.values, b, h, t, dv);
+    unsigned const votes = __ballot_sync(full_mask, finite);
+    if (lane == 0)
+      warp_counts[warp] = __popc(votes);
+    __syncthreads();  // the counts are in, and every slot of this chunk has been read
+    Index place = finite_total + __popc(votes & ((1u << lane) - 1u));
+    for (int w = 0; w < warp; ++w)
+      place += warp_counts[w];
+    if (finite)  // place <= i: in place, never past a slot still to be read
+      slots[place] = t;
+    __syncthreads();  // finite_total and warp_counts were read
+    if (threadIdx.x == 0)
+      for (int w = 0; w < moment_warps; ++w)
+        finite_total += warp_counts[w];
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) {
+    fold.info[head * 4] = finite_total;
+    fold.info[head * 4 + 3] = evicted;
+    if (finite_total == 0 && evicted > 0 && res.enabled())
+      res.tracked[head] = moment_lower_bound(keep, kept, res.tracked[head]);
+  }
 }
 
 /// Rows [begin, end) of split `s` of m evicted rows (even shares, the first ones one longer).
@@ -242,12 +306,6 @@ __device__ inline void moment_split_range(Index m, Index splits, Index s, Index&
   Index const share = m / splits, extra = m % splits;
   begin = s * share + (s < extra ? s : extra);
   end = begin + share + (s < extra ? 1 : 0);
-}
-
-/// Evicted slot i of a head, clamped to [0, n) (the list comes from a plan the device cannot validate).
-__device__ inline Index moment_slot(Index const* slots, Index i, Index n) {
-  Index const t = slots[i];
-  return t < 0 ? 0 : (t >= n ? (n > 0 ? n - 1 : 0) : t);
 }
 
 /// Grid (splits, Hkv, B): fp64 sums of the split's evicted rows, one column of [k | v] per thread, rows in order.
@@ -357,7 +415,7 @@ __global__ void __launch_bounds__(moment_threads)
   Index const b = blockIdx.y, h = blockIdx.x, head = st.head(b, h), n = cache.clamped_length(b, h);
   Index const m = fold.info[head * 4];
   if (m <= 0)
-    return;  // block-uniform; like the CPU, tracked and age stay
+    return;  // block-uniform; like the CPU, age stays (tracked: moment_slots_kernel)
   Index const n_a = st.count[head];
   Index action = 0;
   if (res.enabled())
@@ -400,7 +458,7 @@ __global__ void __launch_bounds__(moment_threads)
     fold.info[head * 4 + 2] = action;
     if (action != 0) {
       res.age[head] = action == 1 ? res.age[head] + 1 : 0;
-      res.tracked[head] = n - m;  // the kept count: compaction moves their rows to [0, kept)
+      res.tracked[head] = n - fold.info[head * 4 + 3];  // the kept count: compaction moves their rows to [0, kept)
     }
   }
 }
@@ -591,7 +649,7 @@ struct Kernel<MomentKVScorer<DeviceSpace, T>, Cuda> {
     dim3 const heads(static_cast<unsigned>(e.heads), static_cast<unsigned>(e.batch));
     dim3 const ranges(static_cast<unsigned>(splits), static_cast<unsigned>(e.heads), static_cast<unsigned>(e.batch));
     KVC_RETURN_IF_ERROR(bc::launch(KVC_CUDA_KERNEL("kvc::on_evict(moment_kv, Cuda)", bc::moment_slots_kernel), heads,
-                                   bc::moment_threads, 0, cuda.stream, cache, plan, fold));
+                                   bc::moment_threads, 0, cuda.stream, cache, plan, s.residuals, fold));
     KVC_RETURN_IF_ERROR(bc::launch(KVC_CUDA_KERNEL("kvc::on_evict(moment_kv, Cuda)", bc::moment_sums_kernel), ranges,
                                    bc::moment_threads, 0, cuda.stream, cache, splits, fold));
     KVC_RETURN_IF_ERROR(bc::launch(KVC_CUDA_KERNEL("kvc::on_evict(moment_kv, Cuda)", bc::moment_comoment_kernel),

@@ -14,6 +14,7 @@
 #pragma once
 
 #include <kvc/backend/cuda/detail/window_attention.cuh>
+#include <kvc/core/norm_range.hpp>
 #include <kvc/core/scores.hpp>
 #include <kvc/scorers/rdkv.hpp>
 
@@ -50,25 +51,50 @@ __global__ void __launch_bounds__(rdkv_finish_threads)
     score[j] = -CUDART_INF_F;
 }
 
-/// One block per (h, b), one thread per channel (strided): ThinK's weight.
+inline constexpr int thinK_threads = 128;
+
+/// One block per (h, b), thinK_threads threads, one thread per channel (chunks of thinK_threads channels): ThinK's
+/// weight, the CPU's fp64 sums in its order. Keys are read in tiles of thinK_threads rows: each thread first checks
+/// one row of the tile for a NaN or Inf element (such a key is left out of the mean, as on the CPU: one bad key would
+/// make every channel's weight NaN or Inf), then every thread adds the tile's finite rows to its channel.
 template <class C>
-__global__ void thinK_channel_kernel(C cache, Index query_heads, Index rows, float const* q, float* out) {
+__global__ void __launch_bounds__(thinK_threads)
+    thinK_channel_kernel(C cache, Index query_heads, Index rows, float const* q, float* out) {
+  __shared__ bool finite_row[thinK_threads];
   KVExtents const e = cache.keys.extents();
   Index const b = blockIdx.y, h = blockIdx.x, g = query_heads / e.heads, d = e.dim, n = cache.clamped_length(b, h);
   auto const ks = cache.keys.scale(b, h);
-  for (Index c = threadIdx.x; c < d; c += blockDim.x) {
+  for (Index c0 = 0; c0 < d; c0 += blockDim.x) {  // block-uniform: every thread takes part in the row checks
+    Index const c = c0 + threadIdx.x;
     double qsq = 0.0, ksq = 0.0;
-    for (Index lq = 0; lq < g; ++lq)
+    for (Index lq = 0; lq < g && c < d; ++lq)
       for (Index r = 0; r < rows; ++r) {
         double const x = static_cast<double>(q[((b * query_heads + h * g + lq) * rows + r) * d + c]);
         qsq += x * x;
       }
-    for (Index j = 0; j < n; ++j) {
-      double const x = static_cast<double>(load(cache.keys.row(b, h, j)[c], ks));
-      ksq += x * x;
+    Index finite = 0;
+    for (Index j0 = 0; j0 < n; j0 += blockDim.x) {
+      Index const j = j0 + threadIdx.x;
+      bool ok = j < n;
+      for (Index i = 0; i < d && ok; ++i)
+        ok = detail::is_finite_value(load(cache.keys.row(b, h, j)[i], ks));
+      finite_row[threadIdx.x] = ok;
+      __syncthreads();
+      Index const tile = n - j0 < blockDim.x ? n - j0 : blockDim.x;
+      for (Index t = 0; t < tile; ++t) {
+        if (!finite_row[t])
+          continue;
+        ++finite;
+        if (c < d) {
+          double const x = static_cast<double>(load(cache.keys.row(b, h, j0 + t)[c], ks));
+          ksq += x * x;
+        }
+      }
+      __syncthreads();  // finite_row is rewritten by the next tile
     }
-    double const q_rows = static_cast<double>(g * rows), k_rows = n > 0 ? static_cast<double>(n) : 1.0;
-    out[(b * e.heads + h) * d + c] = static_cast<float>(__dmul_rn(__ddiv_rn(qsq, q_rows), __ddiv_rn(ksq, k_rows)));
+    double const q_rows = static_cast<double>(g * rows), k_rows = finite > 0 ? static_cast<double>(finite) : 1.0;
+    if (c < d)
+      out[(b * e.heads + h) * d + c] = static_cast<float>(__dmul_rn(__ddiv_rn(qsq, q_rows), __ddiv_rn(ksq, k_rows)));
   }
 }
 
@@ -153,8 +179,8 @@ struct Kernel<ThinKChannelScorer, Cuda> {
                                    dim3(static_cast<unsigned>(hq), static_cast<unsigned>(e.batch)), 128, 0, cuda.stream,
                                    wq, cache, wq.window() - s.window_size, s.window_size, scratch));
     KVC_RETURN_IF_ERROR(bc::launch(KVC_CUDA_KERNEL("kvc::score_channels(think, Cuda)", bc::thinK_channel_kernel<C>),
-                                   dim3(static_cast<unsigned>(e.heads), static_cast<unsigned>(e.batch)), 128, 0,
-                                   cuda.stream, cache, hq, s.window_size, scratch.q, out));
+                                   dim3(static_cast<unsigned>(e.heads), static_cast<unsigned>(e.batch)),
+                                   bc::thinK_threads, 0, cuda.stream, cache, hq, s.window_size, scratch.q, out));
     return {};
   }
 };

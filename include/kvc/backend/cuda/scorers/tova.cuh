@@ -13,9 +13,9 @@
 
 namespace kvc::backend::cuda {
 
-/// One block per sequence: kvc::tova_score (the CPU's formula) of every slot, the newest slots protected in kvpress
-/// mode, copied to every KV head. Every KV head of the sequence must hold the same slots (head 0's length and positions
-/// are used).
+/// One block per sequence: kvc::tova_add_group over every query head, then kvc::tova_mean (the CPU's formula), for
+/// every slot, the newest slots protected in kvpress mode, copied to every KV head. Every KV head of the sequence must
+/// hold the same slots (head 0's length and positions are used).
 template <class C>
 __global__ void __launch_bounds__(finish_threads)
     tova_finish_kernel(TOVAScorer s, C cache, Index query_heads, WindowScratch ws, ScoreSpan<DeviceSpace> out) {
@@ -31,7 +31,8 @@ __global__ void __launch_bounds__(finish_threads)
   float local_max = -CUDART_INF_F;
   float const* col = ws.colsum + b * query_heads * e.tokens;
   for (Index j = threadIdx.x; j < n; j += blockDim.x) {
-    score[j] = tova_score(query_heads, [&](Index q) { return col[q * e.tokens + j]; });
+    score[j] =
+        tova_mean(tova_add_group(0.0f, query_heads, [&](Index q) { return col[q * e.tokens + j]; }), query_heads);
     if (j < m)
       local_max = fmaxf(local_max, score[j]);
   }
