@@ -1572,8 +1572,9 @@ TEST_CASE(
             params.scale = 0.3f;
           }
           // Variant 2, after the moments are taken: a NaN in a slot's value makes its residual NaN (-inf unless the
-          // base protects it, a zero base included), an Inf makes it +inf (+inf, or 0 for a zero base); every fourth
-          // such slot gets a zero base, in every head (three of them have evicted rows: the residual path with C).
+          // base protects it, a zero base included), an Inf makes it +inf (+inf, or 0 for a zero base); every second
+          // NaN slot and every second Inf slot gets a zero base, in every head (three of them have evicted rows: the
+          // residual path with C).
           if (variant == 2)
             for (Index bh = 0; bh < c.e.batch * c.e.heads; ++bh)
               for (Index t = 3; t < c.e.tokens; t += 13) {
@@ -1645,10 +1646,12 @@ TEST_CASE(
       require_close_in_head(gpu, cpu_moment_scores(c, params, m, rr, {}), c.e.tokens, 1e-5f, 1e-3f);
     }
     // Evictions, each followed by the CPU's compaction (cache, positions and rows) checked against the GPU's:
-    //   one slot per head (rank-1 updates; head 1 untracked: full), three slots (full), then one slot three times
-    //   (rank-1, then the refresh at age 2 recomputes).
-    //   In step 0 head 1 (tracked 9) evicts slot 3, whose key holds a NaN: nothing is folded (m = 0), and only the
-    //   8 kept slots below 9 stay tracked.
+    //   one slot per head (rank-1 updates), three slots (full), then one slot three times (rank-1, then the refresh
+    //   at age 2 recomputes). Rows with a NaN are evicted, never folded:
+    //   - step 0: head 1 (tracked 9) evicts slot 3, whose key holds a NaN: nothing is folded (m = 0), its moments and
+    //     age stay, and only the 8 kept slots below 9 stay tracked;
+    //   - step 1: head 0 evicts slots 7, 8, 9 and slot 8's key holds a NaN: two rows are folded, and all the kept
+    //     slots (n - 3, not n - 2) stay tracked.
     std::vector<Index> const runs = {1, 3, 1, 1, 1};
     for (std::size_t step = 0; step < runs.size(); ++step) {
       INFO("step " << step);
@@ -1656,6 +1659,8 @@ TEST_CASE(
         r.tracked[1] = 9;
         c.k[static_cast<std::size_t>((1 * c.e.tokens + 3) * c.e.dim + 5)] = std::numeric_limits<float>::quiet_NaN();
       }
+      if (step == 1)
+        c.k[static_cast<std::size_t>((0 * c.e.tokens + 8) * c.e.dim + 1)] = std::numeric_limits<float>::quiet_NaN();
       auto const plan = evict_run(c, 2 + static_cast<Index>(step) * 5, runs[step]);
       kc::Moments gm = m, cm = m;
       kc::Residuals gr = r, cr = r;
@@ -1667,6 +1672,10 @@ TEST_CASE(
         CHECK(cr.age == std::vector<Index>{1, 0, 1, 1});
         CHECK(cr.tracked[1] == 8);
         CHECK(cm.count[1] == m.count[1]);  // the NaN row was not folded
+      }
+      if (step == 1) {
+        CHECK(cm.count[0] == m.count[0] + 2);  // slots 7 and 9; not slot 8
+        CHECK(cr.tracked[0] == c.lengths[0] - 3);
       }
       if (step == 4)
         CHECK(cr.age == std::vector<Index>{0, 0, 0, 0});

@@ -10,8 +10,8 @@
 //              [tracked, length), then tracked = length; a no-op otherwise.
 //   on_evict:  the plan's complement per head less its rows with a NaN or Inf (moment_slots_kernel), fp64 partial
 //              sums of the evicted rows over `splits` row ranges (moment_sums_kernel), the centred block co-moment per
-//              range from staged tiles
-//              (moment_comoment_kernel), then one block per head sums the ranges in order and applies Chan's merge
+//              range from staged tiles (moment_comoment_kernel), then one block per head sums the ranges in order and
+//              applies Chan's merge
 //              (moment_merge_kernel, count += m); with the u_j cache, moment_rows_kernel updates the kept rows.
 // No atomics: every value is written by one thread in a fixed order, so results are deterministic. Kernels never
 // allocate. Device tables are not validated: lengths are clamped to [0, capacity], slot indices read back are
@@ -72,7 +72,7 @@ struct MomentPrep {
 
 /// The fold's scratch, per head (`splits` row ranges):
 struct MomentFold {
-  Index* slots = nullptr;    ///< [heads, tokens] the evicted slots, ascending
+  Index* slots = nullptr;    ///< [heads, tokens] the evicted slots with finite rows, ascending (the first m)
   Index* info = nullptr;     ///< [heads, 4] m (finite evicted rows, the ones folded), n_a (count before), u-row action
                              ///< (0 none, 1 rank-1, 2 all), every evicted slot (finite or not)
   double* sums = nullptr;    ///< [heads, splits, d_k + d_v] fp64 sums of the evicted rows per range
@@ -245,13 +245,14 @@ __device__ inline bool moment_row_finite(Rows const& rows, Index b, Index h, Ind
   return finite;
 }
 
-/// Grid (Hkv, B), moment_threads threads: the slots of [0, n) the plan does not keep whose K and V rows are finite,
-/// ascending, and m = their count; info[3] = every evicted slot. As on the CPU, a row with a NaN or Inf element is
-/// dropped, not folded (it would make the head's moments, and every later score, NaN). Slot t is evicted iff it is
-/// not in the ascending kept list; its place in the evicted list is t minus the kept slots below it (a binary
-/// search), so every thread works alone; then the block drops the non-finite ones in place, 256 at a time (each
-/// thread's row checked alone, places from a ballot per warp). With the u_j cache, a head whose evicted rows are
-/// all non-finite merges nothing, and its tracked count becomes the kept slots below it (the CPU's m = 0 case).
+/// Grid (Hkv, B), exactly moment_threads threads (warp_counts has a slot per warp): the slots of [0, n) the plan does
+/// not keep whose K and V rows are finite, ascending, and m = their count; info[3] = every evicted slot. As on the CPU,
+/// a row with a NaN or Inf element is dropped, not folded (it would make the head's moments, and every later score,
+/// NaN). Slot t is evicted iff it is not in the ascending kept list; its place in the evicted list is t minus the kept
+/// slots below it (a binary search), so every thread works alone; then the block drops the non-finite ones in place,
+/// 256 at a time (each thread's row checked alone, places from a ballot per warp). With the u_j cache, a head whose
+/// evicted rows are all non-finite merges nothing, and its tracked count becomes the kept slots below it (the CPU's m =
+/// 0 case).
 template <class C>
 __global__ void __launch_bounds__(moment_threads)
     moment_slots_kernel(C cache, KeepPlan<DeviceSpace> plan, MomentResiduals<DeviceSpace> res, MomentFold fold) {
@@ -403,7 +404,7 @@ __global__ void __launch_bounds__(moment_threads) moment_comoment_kernel(C cache
 
 /// Grid (Hkv, B): Chan's merge of the block (m, k̄_B, v̄_B, Σ partial co-moments in split order) into the state, in
 /// fp32 with the CPU's expressions (detail::merge_moments), stored as T; count += m. With the u_j cache it also
-/// decides the rows' update (rank-1 for one eviction onto fully tracked rows before `refresh`, else all rows from
+/// decides the rows' update (rank-1 for one folded row onto fully tracked rows before `refresh`, else all rows from
 /// C'), keeps C'ᵀ (fp32, before narrowing) and the old means for moment_rows_kernel, and sets tracked and age.
 template <class C, class T>
 __global__ void __launch_bounds__(moment_threads)

@@ -8,7 +8,8 @@
 //  - derived (E[a²]·d_v·σ²) has no CUDA kernel: kvc::score reports invalid_argument.
 //  - ThinK: the window rows rotated to their positions (the shared prepare kernel), then one block per (sequence, KV
 //    head), one thread per channel: the mean of q_c² over the group's W rows and the mean of k_c² over the head's
-//    valid tokens, summed in fp64 in the CPU's order (squares of floats are exact in fp64, so a fused multiply-add
+//    valid tokens with finite keys (a key with a NaN or Inf element is left out, as on the CPU), summed in fp64 in
+//    the CPU's order (squares of floats are exact in fp64, so a fused multiply-add
 //    rounds as the CPU's separate ones). The key term is then bit-identical to the CPU's; the query term is within an
 //    ulp or two (the rotation rounds on its own).
 #pragma once
