@@ -2,10 +2,12 @@
 // examples/03_cuda_engine/main.cu: the engine loop of examples/02_paged_engine on CUDA (docs/integration.md shows
 // main()): fp16 caches in device memory ([batch, Hkv, capacity, d], the Hugging Face layout) with GQA, one
 // kvc::LayerCompressor<Press, kvc::Cuda> per layer, every call enqueued on the engine's stream and none reading device
-// memory on the host. Built with KVC_ENABLE_CUDA (nvcc) and run under the CUDA emulator in CI.
+// memory on the host; with --graphs the decode steps are replayed from two captured CUDA graphs. Built with
+// KVC_ENABLE_CUDA (nvcc) and run under the CUDA emulator in CI (both ways).
 #include <kvc/cuda.cuh>  // every CUDA kernel, so that any policy compiles
 
 #include <cstdio>
+#include <string_view>
 #include <vector>
 
 using kvc::Index;
@@ -117,8 +119,52 @@ struct DeviceEngine {
   }
 };
 
+// example-begin integration-cuda-graphs
+/// main()'s decode loop with CUDA graphs: each step's inputs are written into the same buffers; the first plain and
+/// the first compressing decode forward (every layer's append, attend and decode) are captured, then replayed.
+/// compresses_next() says which graph a step needs; replayed() counts a replay on the host, in place of decode().
+template <class Layers>
+kvc::Status decode_with_graphs(DeviceEngine& engine, Layers& layer, kvc::Workspace workspace, Index steps) {
+  kvc::Cuda const gpu{engine.stream};
+  cudaGraphExec_t graphs[2] = {nullptr, nullptr};  // a plain step's, a compressing step's
+  kvc::Status st;
+  for (Index s = 0; s < steps && st.ok(); ++s) {
+    auto const fresh = engine.new_tokens(0, s);  // the step's inputs, written before its graph runs
+    auto const attend_queries = engine.attend_queries(s);
+    auto const step_queries = engine.step_queries(s);
+    bool const compressing = layer[0].compresses_next();  // every layer runs the same schedule
+    cudaGraphExec_t& graph = graphs[compressing ? 1 : 0];
+    if (graph == nullptr) {  // the first step of its kind: capture it (decode() counts it), then launch it
+      cudaGraph_t captured = nullptr;
+      cudaStreamBeginCapture(engine.stream, cudaStreamCaptureModeGlobal);
+      for (Index l = 0; l < engine.layers && st.ok(); ++l) {
+        st = kvc::append(gpu, engine.cache(l), fresh);
+        if (st.ok())
+          st = layer[l].attend(attend_queries, engine.cache(l), {engine.out}, workspace);
+        if (st.ok())
+          st = layer[l].decode(engine.cache(l), step_queries, workspace);
+      }
+      bool const ended = cudaStreamEndCapture(engine.stream, &captured) == cudaSuccess;
+      if (st.ok() && (!ended || cudaGraphInstantiate(&graph, captured, 0) != cudaSuccess))
+        st = {kvc::Errc::backend_error, "capturing a decode step failed"};
+      if (captured)
+        cudaGraphDestroy(captured);
+    } else {
+      for (Index l = 0; l < engine.layers && st.ok(); ++l)
+        st = layer[l].replayed();
+    }
+    if (st.ok() && cudaGraphLaunch(graph, engine.stream) != cudaSuccess)
+      st = {kvc::Errc::backend_error, "cudaGraphLaunch failed"};
+  }
+  for (cudaGraphExec_t g : graphs)
+    if (g)
+      cudaGraphExecDestroy(g);
+  return st;
+}
+// example-end integration-cuda-graphs
+
 // example-begin integration-cuda
-int main() {
+int main(int argc, char** argv) {
   DeviceEngine engine;  // fp16 caches in device memory, GQA, the engine's stream (above)
   kvc::Cuda const gpu{engine.stream};
   Index const window = 16, steps = 24;
@@ -144,14 +190,17 @@ int main() {
   for (Index l = 0; l < engine.layers && st.ok(); ++l)  // after the prompt's forward
     st = layer[l].prefill(engine.cache(l), engine.prompt_queries(l, window), workspace);
 
-  for (Index s = 0; s < steps && st.ok(); ++s)  // each decode forward (kvc's calls only enqueue work)
-    for (Index l = 0; l < engine.layers && st.ok(); ++l) {
-      st = kvc::append(gpu, engine.cache(l), engine.new_tokens(l, s));
-      if (st.ok())
-        st = layer[l].attend(engine.attend_queries(s), engine.cache(l), {engine.out}, workspace);
-      if (st.ok())
-        st = layer[l].decode(engine.cache(l), engine.step_queries(s), workspace);
-    }
+  if (argc > 1 && std::string_view(argv[1]) == "--graphs")  // the same steps replayed from CUDA graphs (above)
+    st = st.ok() ? decode_with_graphs(engine, layer, workspace, steps) : st;
+  else
+    for (Index s = 0; s < steps && st.ok(); ++s)  // each decode forward (kvc's calls only enqueue work)
+      for (Index l = 0; l < engine.layers && st.ok(); ++l) {
+        st = kvc::append(gpu, engine.cache(l), engine.new_tokens(l, s));
+        if (st.ok())
+          st = layer[l].attend(engine.attend_queries(s), engine.cache(l), {engine.out}, workspace);
+        if (st.ok())
+          st = layer[l].decode(engine.cache(l), engine.step_queries(s), workspace);
+      }
 
   std::vector<Index> n(4);
   cudaMemcpyAsync(n.data(), engine.lengths[1], n.size() * sizeof(Index), cudaMemcpyDeviceToHost, engine.stream);

@@ -168,3 +168,29 @@ TEST_CASE("widen: every fp8 byte widens to element.hpp's exact value, and dot an
   check(kvc::float8_e4m3{});
   check(kvc::float8_e5m2{});
 }
+
+#if KVC_CPU_F16_CONVERT == 1 && defined(__AVX2__)
+TEST_CASE("widen: e4m3_has_nan finds a NaN byte anywhere in a row, and the reductions keep it", "[core][widen]") {
+  // Rows of 16, 48 and 80 bytes (whole blocks of 32, then 16 read one at a time), a NaN (0x7F or 0xFF) at each
+  // position among the largest finite magnitudes (0x7E, 0xFE): found wherever it is, and dot then is NaN, which
+  // says the reductions took the NaN-carrying path for that row (without VBMI) or the byte tables (with it).
+  KVC_SKIP_WITHOUT_INSTRUCTIONS();
+  for (Index const n : {Index{16}, Index{48}, Index{80}}) {
+    std::vector<kvc::float8_e4m3> row(static_cast<std::size_t>(n));
+    for (std::size_t i = 0; i < row.size(); ++i)
+      row[i] = kvc::float8_e4m3::from_bits(i % 2 ? 0x7e : 0xfe);
+    std::vector<float> const ones(row.size(), 1.0f);
+    CHECK_FALSE(kvc::detail::e4m3_has_nan(row.data(), n));
+    CHECK(kvc::detail::dot(row.data(), ones.data(), n, 1.0f) == 0.0f);  // each lane holds one sign: -448 k + 448 k
+    for (std::size_t at = 0; at < row.size(); ++at)
+      for (std::uint8_t const nan : {std::uint8_t{0x7f}, std::uint8_t{0xff}}) {
+        INFO("row " << n << " NaN " << int(nan) << " at " << at);
+        std::vector<kvc::float8_e4m3> with = row;
+        with[at] = kvc::float8_e4m3::from_bits(nan);
+        CHECK(kvc::detail::e4m3_has_nan(with.data(), n));
+        CHECK(std::isnan(kvc::detail::dot(with.data(), ones.data(), n, 0.5f)));
+        CHECK(std::isnan(kvc::detail::sum_squares(with.data(), n, kvc::Unit{})));
+      }
+  }
+}
+#endif

@@ -306,6 +306,87 @@ TEST_CASE("emulator: counters see synchronisations, allocations and the stream o
   REQUIRE(cudaStreamDestroy(stream) == cudaSuccess);
 }
 
+/// Adds `step` to every element (the graph test's kernel: replaying it twice must add twice).
+template <class T>
+__global__ void add_step(T* out, T const* step, Index n) {
+  for (Index i = static_cast<Index>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
+       i += static_cast<Index>(gridDim.x) * blockDim.x)
+    out[i] += *step;
+}
+
+TEST_CASE("emulator: a captured stream records kernels, copies and sets, and its graph replays them in order",
+          "[cuda_emulator][graph]") {
+  Device<float> out(64), step(1), copy(64);
+  cudaStream_t stream = nullptr;
+  REQUIRE(cudaStreamCreate(&stream) == cudaSuccess);
+  float const one = 1.0f;
+  REQUIRE(cudaMemcpy(step.p, &one, sizeof one, cudaMemcpyHostToDevice) == cudaSuccess);
+  REQUIRE(cudaMemset(out.p, 0, 64 * sizeof(float)) == cudaSuccess);
+  REQUIRE(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal) == cudaSuccess);
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  REQUIRE(cudaStreamIsCapturing(stream, &status) == cudaSuccess);
+  CHECK(status == cudaStreamCaptureStatusActive);
+  // The kernel reads *step when the graph runs, not when it was captured; the set and the copy follow it in order.
+  REQUIRE(bc::launch(KVC_CUDA_KERNEL("test", add_step), 1, 32, 0, stream, out.p, static_cast<float const*>(step.p),
+                     Index{64})
+              .ok());
+  REQUIRE(cudaMemsetAsync(out.p, 0, sizeof(float), stream) == cudaSuccess);  // element 0 back to 0
+  REQUIRE(cudaMemcpyAsync(copy.p, out.p, 64 * sizeof(float), cudaMemcpyDeviceToDevice, stream) == cudaSuccess);
+  cudaGraph_t graph = nullptr;
+  REQUIRE(cudaStreamEndCapture(stream, &graph) == cudaSuccess);
+  REQUIRE(graph != nullptr);
+  std::vector<float> host(64, -1.0f);
+  REQUIRE(cudaMemcpy(host.data(), out.p, 64 * sizeof(float), cudaMemcpyDeviceToHost) == cudaSuccess);
+  CHECK(host[5] == 0.0f);  // nothing ran while capturing
+  cudaGraphExec_t exec = nullptr;
+  REQUIRE(cudaGraphInstantiate(&exec, graph, 0) == cudaSuccess);
+  kvc::emu::reset_counters();
+  REQUIRE(cudaGraphLaunch(exec, stream) == cudaSuccess);
+  float const three = 3.0f;  // a replay reads the step's current value
+  REQUIRE(cudaMemcpy(step.p, &three, sizeof three, cudaMemcpyHostToDevice) == cudaSuccess);
+  REQUIRE(cudaGraphLaunch(exec, stream) == cudaSuccess);
+  CHECK(kvc::emu::counters().graph_launches == 2);
+  CHECK(kvc::emu::counters().launches == 0);
+  REQUIRE(cudaMemcpy(host.data(), copy.p, 64 * sizeof(float), cudaMemcpyDeviceToHost) == cudaSuccess);
+  CHECK(host[0] == 0.0f);
+  CHECK(host[5] == 4.0f);
+  CHECK(host[63] == 4.0f);
+  REQUIRE(cudaGraphExecDestroy(exec) == cudaSuccess);
+  REQUIRE(cudaGraphDestroy(graph) == cudaSuccess);
+  REQUIRE(cudaStreamDestroy(stream) == cudaSuccess);
+}
+
+TEST_CASE("emulator: a synchronous call or default-stream work during a capture invalidates it (global mode)",
+          "[cuda_emulator][graph]") {
+  Device<float> out(64);
+  cudaStream_t stream = nullptr;
+  REQUIRE(cudaStreamCreate(&stream) == cudaSuccess);
+  float host = 0;
+  cudaGraph_t graph = nullptr;
+  for (int what = 0; what < 4; ++what) {
+    INFO("case " << what);
+    REQUIRE(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal) == cudaSuccess);
+    REQUIRE(cudaMemsetAsync(out.p, 0, 4, stream) == cudaSuccess);
+    void* p = nullptr;
+    cudaError_t const e = what == 0   ? cudaMemcpy(&host, out.p, sizeof host, cudaMemcpyDeviceToHost)
+                          : what == 1 ? cudaStreamSynchronize(stream)
+                          : what == 2 ? cudaMalloc(&p, 16)
+                                      : cudaMemsetAsync(out.p, 0, 4, nullptr);
+    CHECK(e == (what == 3 ? cudaErrorStreamCaptureImplicit : cudaErrorStreamCaptureUnsupported));
+    CHECK(p == nullptr);
+    // Later work on the invalidated stream fails too, and the capture ends without a graph.
+    CHECK_FALSE(bc::launch(KVC_CUDA_KERNEL("test", fill), 1, 64, 0, stream, out.p, 2.0f, Index{64}).ok());
+    CHECK(cudaStreamEndCapture(stream, &graph) == cudaErrorStreamCaptureInvalidated);
+    CHECK(graph == nullptr);
+    (void)cudaGetLastError();
+  }
+  CHECK(cudaStreamBeginCapture(nullptr, cudaStreamCaptureModeGlobal) == cudaErrorStreamCaptureUnsupported);
+  CHECK(cudaStreamEndCapture(stream, &graph) == cudaErrorIllegalState);  // not capturing
+  (void)cudaGetLastError();
+  REQUIRE(bc::launch(KVC_CUDA_KERNEL("test", fill), 1, 64, 0, stream, out.p, 2.0f, Index{64}).ok());  // usable again
+  REQUIRE(cudaStreamDestroy(stream) == cudaSuccess);
+}
+
 TEST_CASE("cuda compaction: a plan whose count exceeds its capacity leaves each length at the rows moved",
           "[cuda_emulator][cuda][pipeline]") {
   // The row and position kernels clamp count[b, h] to the plan's capacity; the length kernel once wrote it unclamped,

@@ -423,6 +423,85 @@ TEST_CASE("push_queries: rows and positions land after the buffer's count", "[en
   CHECK(pos == std::vector<Index>{-1, 10, 11, -1, -1, 20, 21, -1});
   CHECK(buf.row(0, 0, 0)[0] == -1.0f);
   CHECK(kvc::push_queries(kvc::Cpu{}, buf, view, rp.data()).code() == kvc::Errc::out_of_capacity);
+
+  // With a fill (the count in the backend's memory), each push leaves it at the new count; one overlapping the
+  // buffer's positions is refused before anything is written.
+  Index fill = 1;
+  buf.count = 1;
+  buf.fill = &fill;
+  kvc::TokenRows<float const, kvc::StridedLayout> const one(rows.data(), kvc::bhtd_layout({2, 3, 1, 2}));
+  REQUIRE(kvc::push_queries(kvc::Cpu{}, buf, one, rp.data()).ok());
+  CHECK((fill == 2 && buf.count == 2));
+  buf.fill = pos.data() + 3;
+  CHECK(kvc::push_queries(kvc::Cpu{}, buf, one, rp.data()).code() == kvc::Errc::invalid_argument);
+  CHECK((pos[3] == -1 && buf.count == 2));
+}
+
+TEST_CASE("layer compressor: compresses_next() and replayed() count steps as decode() does", "[engine][compressor]") {
+  // An engine with CUDA graphs calls decode() for the first plain and the first compressing step (capturing them)
+  // and replayed() for the rest; the host's schedule must then advance as in a session of decode() calls.
+  Scenario const sc;
+  HostPrompt p1{sc}, p2{sc};
+  kvc::CompressorOptions<kvc::HostSpace> options;
+  options.decode = true;
+  options.schedule = {3, 16, 3};
+  kvc::Press const policy{kvc::H2OScorer{}, kvc::TopKSelector{kvc::RatioBudget{0.5}, 0, 4}};
+  kvc::LayerCompressor called(kvc::Cpu{}, policy, options), replaying(kvc::Cpu{}, policy, options);
+  bool flag = true;
+  CHECK(replaying.replayed(&flag).code() == kvc::Errc::invalid_argument);  // not planned
+  CHECK_FALSE(flag);
+  kvc::QueryShape const shape{sc.q_heads, sc.window, 1, 1};
+  REQUIRE((called.plan(p1.cache(), shape).ok() && replaying.plan(p2.cache(), shape).ok()));
+  HostMemory memory;
+  kvc::test::OwnedWorkspace ws(called.workspace_bytes());
+  REQUIRE(called.bind(memory.alloc<std::byte>(called.state_bytes()), called.state_bytes()).ok());
+  REQUIRE(replaying.bind(memory.alloc<std::byte>(called.state_bytes()), called.state_bytes()).ok());
+  REQUIRE((called.reset().ok() && replaying.reset().ok()));
+  REQUIRE(called.prefill(p1.cache(), {p1.rows(), p1.qpos.data()}, ws.get()).ok());
+  REQUIRE(replaying.prefill(p2.cache(), {p2.rows(), p2.qpos.data()}, ws.get()).ok());
+  kvc::KVExtents const q1{sc.batch, sc.q_heads, 1, sc.dim};
+  std::vector<float> const q = sc.fill(9, static_cast<std::size_t>(q1.rows() * sc.dim));
+  std::vector<Index> const qpos(static_cast<std::size_t>(sc.batch), 40);
+  kvc::LayerQueries<float> const step{{q.data(), kvc::bhtd_layout(q1)}, qpos.data()};
+  std::vector<int> next, done, next_replaying, done_replaying;
+  bool seen[2] = {false, false};
+  for (int s = 0; s < 8; ++s) {
+    next.push_back(called.compresses_next());
+    bool compressed = false;
+    REQUIRE(called.decode(p1.cache(), step, ws.get(), &compressed).ok());
+    done.push_back(compressed);
+    bool const kind = replaying.compresses_next();
+    next_replaying.push_back(kind);
+    if (!seen[kind])
+      REQUIRE(replaying.decode(p2.cache(), step, ws.get(), &compressed).ok());
+    else
+      REQUIRE(replaying.replayed(&compressed).ok());
+    seen[kind] = true;
+    done_replaying.push_back(compressed);
+    CHECK(replaying.counter().steps == called.counter().steps);
+  }
+  CHECK(next == std::vector<int>{0, 0, 1, 0, 0, 1, 0, 0});
+  CHECK(done == next);
+  CHECK(next_replaying == next);
+  CHECK(done_replaying == next);
+  CHECK(replaying.counter().compressions == 2);
+  CHECK(called.counter().compressions == 2);
+
+  // Without decode-time compression nothing is due and replayed() counts nothing; MomentKV replays only after its
+  // prefill, as it decodes.
+  kvc::LayerCompressor still(kvc::Cpu{}, policy);
+  REQUIRE(still.plan(p1.cache(), shape).ok());
+  REQUIRE((still.bind(memory.alloc<std::byte>(still.state_bytes()), still.state_bytes()).ok() && still.reset().ok()));
+  CHECK_FALSE(still.compresses_next());
+  REQUIRE(still.replayed().ok());
+  CHECK(still.counter().steps == 0);
+  options.schedule = {1, 16, 1};
+  kvc::LayerCompressor moment(kvc::Cpu{}, kvc::Press{kvc::MomentKVScorer{}, kvc::TopKSelector{kvc::FixedBudget{16}}},
+                              options);
+  REQUIRE(moment.plan(p1.cache(), shape).ok());
+  REQUIRE(
+      (moment.bind(memory.alloc<std::byte>(moment.state_bytes()), moment.state_bytes()).ok() && moment.reset().ok()));
+  CHECK_THAT(std::string(moment.replayed().message()), Catch::Contains("call prefill() first"));
 }
 
 TEST_CASE("decode_budgets: each head keeps its length unless nothing was evicted", "[engine][state]") {

@@ -82,6 +82,10 @@ struct Scenario {
   std::vector<Index> prompt = {40, 29};
   Index rope_positions = 1024;  ///< ExpectedAttention averages RoPE up to 512 positions past the context
   CacheFormat format = CacheFormat::fp32;
+  /// Decode steps as an engine with CUDA graphs runs them (on a Mem that can capture): the first plain and the first
+  /// compressing step are captured and launched, every later step replays one of the two
+  /// (LayerCompressor::compresses_next picks it, LayerCompressor::replayed counts it).
+  bool graphs = false;
 
   /// fp8 formats: head (b, h)'s K and V scales [B, Hkv], different per head (values in [-1, 1) then span up to
   /// about 100 stored units: inside both formats' range, with subnormals for the smallest).
@@ -333,8 +337,10 @@ void packed_result(Mem& mem, Compressor const& layer, ScenarioResult& r) {
 }
 
 /// Runs the session with `policy` on `backend` (layer index 1 of 4, for PyramidKV). Mem: upload(vector) -> pointer
-/// in the backend's space, alloc<T>(n), download(pointer, n) -> vector, sync() -> "" or an error, and
-/// before_decode() / after_decode() around each decode() call (where a device memory counts what the call did).
+/// in the backend's space, alloc<T>(n), write(pointer, vector), download(pointer, n) -> vector, sync() -> "" or an
+/// error, and before_decode() / after_decode() around each decode() call (where a device memory counts what the call
+/// did); for sc.graphs, begin_capture(), end_capture(kind), captured(kind) and launch(kind) (-> "" or an error) with
+/// kind 0 a plain step's graph and 1 a compressing step's.
 /// CT: the cache's element type (float, or the fp8 type of sc.format, whose views carry the scenario's scales).
 template <class CT = float, Backend B, class Mem, class Policy>
 std::string run_scenario(B const& backend, Mem& mem, Policy const& policy,
@@ -395,46 +401,80 @@ std::string run_scenario(B const& backend, Mem& mem, Policy const& policy,
     packed_result(mem, layer, r);
 
   // Decode: each step appends one token per sequence at its next position, attends with its query, then decodes.
+  // The step's inputs live in buffers of their own, rewritten before each step (an engine's static inputs: a graph
+  // captured at one step reads them at every replay).
   KVExtents const one{e.batch, e.heads, 1, e.dim}, q1{e.batch, sc.q_heads, 1, e.dim};
-  float* out = mem.template alloc<float>(static_cast<std::size_t>(q1.rows() * e.dim));
-  for (Index s = 0; s < sc.steps; ++s) {
-    std::vector<Index> token_pos, query_pos;
-    for (Index b = 0; b < e.batch; ++b) {
-      query_pos.push_back(sc.prompt[static_cast<std::size_t>(b)] + s);
-      for (Index h = 0; h < e.heads; ++h)
-        token_pos.push_back(sc.prompt[static_cast<std::size_t>(b)] + s);
-    }
-    // The new token arrives as the cache stores it (fp8: already quantised under the head's scale).
-    CT* k1 = mem.upload(sc.stored<CT>(
-        sc.fill(100 + 2 * static_cast<std::uint64_t>(s), static_cast<std::size_t>(one.rows() * e.dim)), k_scales));
-    CT* v1 = mem.upload(sc.stored<CT>(
-        sc.fill(101 + 2 * static_cast<std::uint64_t>(s), static_cast<std::size_t>(one.rows() * e.dim)), v_scales));
-    auto const fresh = make_cache(Rows(k1, bhtd_layout(one), k_access), Rows(v1, bhtd_layout(one), v_access), Lengths{},
-                                  mem.upload(token_pos));
+  auto const row_count = [](KVExtents const& x) { return static_cast<std::size_t>(x.rows() * x.dim); };
+  float* out = mem.template alloc<float>(row_count(q1));
+  CT* k1 = mem.template alloc<CT>(row_count(one));
+  CT* v1 = mem.template alloc<CT>(row_count(one));
+  Index* token_pos = mem.template alloc<Index>(static_cast<std::size_t>(one.rows()));
+  float* q = mem.template alloc<float>(row_count(q1));
+  float* rotated = mem.template alloc<float>(row_count(q1));
+  Index* qpos = mem.template alloc<Index>(static_cast<std::size_t>(e.batch));
+  auto const fresh =
+      make_cache(Rows(k1, bhtd_layout(one), k_access), Rows(v1, bhtd_layout(one), v_access), Lengths{}, token_pos);
+  AttendQueries<float, Space> const attend_q{TokenRows<float const, StridedLayout, Space>(rotated, bhtd_layout(q1)),
+                                             qpos};
+  LayerQueries<float, Space> const step{TokenRows<float const, StridedLayout, Space>(q, bhtd_layout(q1)), qpos};
+  auto const run_step = [&]() -> std::string {  // what an engine's decode forward calls, per layer
     if (Status const st = append(backend, cache, fresh); !st.ok())
       return fail(st);
-    // The step's query, pre-RoPE for the compressor; rotated on the host for attention (post-RoPE).
-    std::vector<float> q = sc.fill(200 + static_cast<std::uint64_t>(s), static_cast<std::size_t>(q1.rows() * e.dim));
-    std::vector<float> rotated = q;
-    for (Index b = 0; b < e.batch; ++b)
-      for (Index h = 0; h < sc.q_heads; ++h)
-        host_table.rotate(rotated.data() + (b * sc.q_heads + h) * e.dim, query_pos[static_cast<std::size_t>(b)]);
-    Index const* qpos = mem.upload(query_pos);
-    AttendQueries<float, Space> const attend_q{
-        TokenRows<float const, StridedLayout, Space>(mem.upload(rotated), bhtd_layout(q1)), qpos};
     if (Status const st = layer.attend(attend_q, cache, AttendOutput<Space>{out}, ws); !st.ok())
       return fail(st);
-    if (std::string const err = mem.sync(); !err.empty())
-      return err;
-    std::vector<float> const o = mem.download(out, static_cast<std::size_t>(q1.rows() * e.dim));
-    r.attention.insert(r.attention.end(), o.begin(), o.end());
-    LayerQueries<float, Space> const step{TokenRows<float const, StridedLayout, Space>(mem.upload(q), bhtd_layout(q1)),
-                                          qpos};
     mem.before_decode();
     Status const st = layer.decode(cache, step, ws);
     mem.after_decode();
-    if (!st.ok())
-      return fail(st);
+    return st.ok() ? std::string() : fail(st);
+  };
+  for (Index s = 0; s < sc.steps; ++s) {
+    std::vector<Index> token_pos_host, query_pos;
+    for (Index b = 0; b < e.batch; ++b) {
+      query_pos.push_back(sc.prompt[static_cast<std::size_t>(b)] + s);
+      for (Index h = 0; h < e.heads; ++h)
+        token_pos_host.push_back(sc.prompt[static_cast<std::size_t>(b)] + s);
+    }
+    // The new token arrives as the cache stores it (fp8: already quantised under the head's scale).
+    mem.write(k1, sc.stored<CT>(sc.fill(100 + 2 * static_cast<std::uint64_t>(s), row_count(one)), k_scales));
+    mem.write(v1, sc.stored<CT>(sc.fill(101 + 2 * static_cast<std::uint64_t>(s), row_count(one)), v_scales));
+    mem.write(token_pos, token_pos_host);
+    // The step's query, pre-RoPE for the compressor; rotated on the host for attention (post-RoPE).
+    std::vector<float> const q_host = sc.fill(200 + static_cast<std::uint64_t>(s), row_count(q1));
+    std::vector<float> rotated_host = q_host;
+    for (Index b = 0; b < e.batch; ++b)
+      for (Index h = 0; h < sc.q_heads; ++h)
+        host_table.rotate(rotated_host.data() + (b * sc.q_heads + h) * e.dim, query_pos[static_cast<std::size_t>(b)]);
+    mem.write(q, q_host);
+    mem.write(rotated, rotated_host);
+    mem.write(qpos, query_pos);
+    std::string err;
+    if constexpr (requires { mem.begin_capture(); }) {
+      if (sc.graphs) {
+        int const kind = layer.compresses_next() ? 1 : 0;
+        if (!mem.captured(kind)) {  // capture the step (decode() counts it), then run it
+          err = mem.begin_capture();
+          if (err.empty()) {
+            err = run_step();
+            std::string const ended = mem.end_capture(kind);
+            err = err.empty() ? ended : err;
+          }
+        } else if (Status const st = layer.replayed(); !st.ok()) {
+          err = fail(st);
+        }
+        if (err.empty())
+          err = mem.launch(kind);
+      } else {
+        err = run_step();
+      }
+    } else {
+      err = run_step();
+    }
+    if (err.empty())
+      err = mem.sync();
+    if (!err.empty())
+      return "step " + std::to_string(s) + ": " + err;
+    std::vector<float> const o = mem.download(out, row_count(q1));
+    r.attention.insert(r.attention.end(), o.begin(), o.end());
   }
   if (std::string const err = mem.sync(); !err.empty())
     return err;
@@ -472,6 +512,10 @@ struct HostMemory {
     T* p = alloc<T>(x.size());
     std::copy(x.begin(), x.end(), p);
     return p;
+  }
+  template <class T>
+  void write(T* p, std::vector<T> const& x) const {
+    std::copy(x.begin(), x.end(), p);
   }
   template <class T>
   std::vector<T> download(T const* p, std::size_t n) const {

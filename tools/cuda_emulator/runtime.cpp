@@ -56,8 +56,28 @@ extern "C" void __sanitizer_set_death_callback(void (*callback)()) __attribute__
 // LeakSanitizer scans the fiber stacks too: a fiber abandoned after a violation still holds its message's strings.
 extern "C" void __lsan_register_root_region(void const* p, std::size_t size) __attribute__((weak));
 
+namespace kvc::emu {
+/// One recorded operation of a captured stream: a kernel launch, or a copy or set of device memory.
+struct GraphNode {
+  Launch launch{};
+  std::function<void()> body;  // the kernel with copies of its arguments (empty: a copy or set)
+  void* dst = nullptr;
+  void const* src = nullptr;  // a copy's source (null: a set)
+  std::size_t bytes = 0;
+  int value = 0;
+};
+}  // namespace kvc::emu
+
 struct CUstream_st {
   int id;
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  std::vector<kvc::emu::GraphNode> captured;  // what the capture recorded so far
+};
+struct CUgraph_st {
+  std::vector<kvc::emu::GraphNode> nodes;
+};
+struct CUgraphExec_st {
+  std::vector<kvc::emu::GraphNode> nodes;
 };
 struct CUevent_st {
   std::chrono::steady_clock::time_point when{};
@@ -210,8 +230,7 @@ struct Runtime {
   std::mutex mutex;
   // The launch being run.
   Launch launch{};
-  void (*body)(void*) = nullptr;
-  void* body_context = nullptr;
+  std::function<void()> const* body = nullptr;
   std::vector<Thread> threads;
   std::vector<WarpState> warps;
   Thread* current = nullptr;
@@ -243,6 +262,7 @@ struct Runtime {
   };
   std::unordered_map<void const*, Function> functions;
   int next_stream = 1;
+  std::vector<CUstream_st*> capturing;  // streams in capture (global mode: every unsafe call invalidates them all)
 };
 
 /// A fiber is running: the memory hooks look at its accesses. Constant-initialised, outside Runtime: the hooks run
@@ -385,7 +405,7 @@ void fiber_main(void* arg) {
 #endif
   (void)arg;
   running = true;
-  r.body(r.body_context);
+  (*r.body)();
   thread_exit();
 }
 
@@ -743,29 +763,55 @@ void run_block(Runtime& r) {
 
 }  // namespace
 
-cudaError_t launch(Launch const& l, void (*body)(void*), void* context) {
+namespace {
+/// Global capture mode's rule for stream work: on the legacy default stream while some stream captures, it fails
+/// (cudaErrorStreamCaptureImplicit) and invalidates every capture; on an invalidated capturing stream it fails.
+cudaError_t capture_gate(cudaStream_t s) {
   Runtime& r = rt();
-  std::lock_guard<std::mutex> lock(r.mutex);
-  if (r.sticky != cudaSuccess)
-    return set_error(r.sticky);
-  ++r.counters.launches;
-  ++(l.stream ? r.counters.other_stream_ops : r.counters.default_stream_ops);
+  if (s == nullptr && !r.capturing.empty()) {
+    for (CUstream_st* c : r.capturing)
+      c->capture = cudaStreamCaptureStatusInvalidated;
+    return cudaErrorStreamCaptureImplicit;
+  }
+  if (s && s->capture == cudaStreamCaptureStatusInvalidated)
+    return cudaErrorStreamCaptureInvalidated;
+  return cudaSuccess;
+}
+
+/// Global capture mode's rule for synchronous calls: while some stream captures they fail
+/// (cudaErrorStreamCaptureUnsupported) and invalidate every capture.
+cudaError_t unsafe_during_capture() {
+  Runtime& r = rt();
+  if (r.capturing.empty())
+    return cudaSuccess;
+  for (CUstream_st* c : r.capturing)
+    c->capture = cudaStreamCaptureStatusInvalidated;
+  return cudaErrorStreamCaptureUnsupported;
+}
+
+/// Whether the launch's configuration is one the driver accepts (as launch() documents).
+cudaError_t check_configuration(Runtime& r, Launch const& l) {
   unsigned long long const threads = 1ull * l.block.x * l.block.y * l.block.z;
   if (threads == 0 || threads > max_threads || l.grid.x == 0 || l.grid.y == 0 || l.grid.z == 0 ||
       l.grid.x > 0x7fffffffu || l.grid.y > 65535 || l.grid.z > 65535 || l.block.z > 64)
-    return set_error(cudaErrorInvalidConfiguration);
+    return cudaErrorInvalidConfiguration;
   // As the driver: dynamic bytes within the kernel's allowance, static + dynamic within the device's opt-in limit.
   auto const it = r.functions.find(l.func);
   Runtime::Function const f = it == r.functions.end() ? Runtime::Function{} : it->second;
   if (l.shared_bytes > static_cast<std::size_t>(f.max_dynamic) ||
       l.shared_bytes + static_cast<std::size_t>(f.static_bytes) > static_cast<std::size_t>(optin_shared_limit))
-    return set_error(cudaErrorInvalidValue);
+    return cudaErrorInvalidValue;
+  return cudaSuccess;
+}
+
+/// Runs a launch (r.mutex held, configuration checked).
+cudaError_t execute(Runtime& r, Launch const& l, std::function<void()> const& body) {
+  unsigned long long const threads = 1ull * l.block.x * l.block.y * l.block.z;
   if (!map_memory(r))
     return set_error(cudaErrorMemoryAllocation);
 
   r.launch = l;
-  r.body = body;
-  r.body_context = context;
+  r.body = &body;
   r.aborted = false;
   grid_dim = l.grid;
   block_dim = l.block;
@@ -794,11 +840,31 @@ cudaError_t launch(Launch const& l, void (*body)(void*), void* context) {
         run_block(r);
       }
   r.threads.clear();
+  r.body = nullptr;
   if (r.aborted) {
     r.sticky = cudaErrorLaunchFailure;
     return set_error(cudaErrorLaunchFailure);
   }
   return cudaSuccess;
+}
+}  // namespace
+
+cudaError_t launch(Launch const& l, std::function<void()> const& body) {
+  Runtime& r = rt();
+  std::lock_guard<std::mutex> lock(r.mutex);
+  if (r.sticky != cudaSuccess)
+    return set_error(r.sticky);
+  ++r.counters.launches;
+  ++(l.stream ? r.counters.other_stream_ops : r.counters.default_stream_ops);
+  if (cudaError_t const e = capture_gate(l.stream); e != cudaSuccess)
+    return set_error(e);
+  if (cudaError_t const e = check_configuration(r, l); e != cudaSuccess)
+    return set_error(e);
+  if (l.stream && l.stream->capture == cudaStreamCaptureStatusActive) {
+    l.stream->captured.push_back(GraphNode{l, body});
+    return cudaSuccess;
+  }
+  return execute(r, l, body);
 }
 
 char const* violation() noexcept {
@@ -896,12 +962,20 @@ namespace {
 cudaError_t synchronisation() {
   auto& r = rt();
   ++r.counters.synchronizations;
+  if (cudaError_t const e = kvc::emu::unsafe_during_capture(); e != cudaSuccess)
+    return kvc::emu::set_error(e);
   return r.sticky != cudaSuccess ? kvc::emu::set_error(r.sticky) : cudaSuccess;
 }
 cudaError_t stream_op(cudaStream_t s) {
   auto& r = rt();
   ++(s ? r.counters.other_stream_ops : r.counters.default_stream_ops);
+  if (cudaError_t const e = kvc::emu::capture_gate(s); e != cudaSuccess)
+    return kvc::emu::set_error(e);
   return r.sticky != cudaSuccess ? kvc::emu::set_error(r.sticky) : cudaSuccess;
+}
+/// Whether `s` records its work (then the operation is appended to its capture instead of running).
+bool capturing(cudaStream_t s) {
+  return s && s->capture == cudaStreamCaptureStatusActive;
 }
 }  // namespace
 
@@ -928,6 +1002,10 @@ char const* cudaGetErrorName(cudaError_t e) {
     case cudaErrorInvalidResourceHandle: return "cudaErrorInvalidResourceHandle";
     case cudaErrorNotReady: return "cudaErrorNotReady";
     case cudaErrorLaunchFailure: return "cudaErrorLaunchFailure";
+    case cudaErrorIllegalState: return "cudaErrorIllegalState";
+    case cudaErrorStreamCaptureUnsupported: return "cudaErrorStreamCaptureUnsupported";
+    case cudaErrorStreamCaptureInvalidated: return "cudaErrorStreamCaptureInvalidated";
+    case cudaErrorStreamCaptureImplicit: return "cudaErrorStreamCaptureImplicit";
   }
   return "cudaErrorUnknown";
 }
@@ -941,6 +1019,8 @@ cudaError_t cudaMalloc(void** p, std::size_t bytes) {
   auto& r = rt();
   ++r.counters.allocations;
   *p = nullptr;
+  if (cudaError_t const e = kvc::emu::unsafe_during_capture(); e != cudaSuccess)
+    return kvc::emu::set_error(e);
   if (r.sticky != cudaSuccess)
     return kvc::emu::set_error(r.sticky);
   if (bytes == 0)
@@ -955,6 +1035,8 @@ cudaError_t cudaMalloc(void** p, std::size_t bytes) {
 }
 cudaError_t cudaFree(void* p) {
   ++rt().counters.allocations;
+  if (cudaError_t const e = kvc::emu::unsafe_during_capture(); e != cudaSuccess)
+    return kvc::emu::set_error(e);
   std::free(p);
   return cudaSuccess;
 }
@@ -984,23 +1066,37 @@ cudaError_t cudaMemcpy(void* dst, void const* src, std::size_t bytes, cudaMemcpy
   return copy(synchronisation(), dst, src, bytes);
 }
 cudaError_t cudaMemcpyAsync(void* dst, void const* src, std::size_t bytes, cudaMemcpyKind, cudaStream_t s) {
-  return copy(stream_op(s), dst, src, bytes);
+  cudaError_t const gate = stream_op(s);
+  if (gate != cudaSuccess || !capturing(s))
+    return copy(gate, dst, src, bytes);
+  if (bytes && (!dst || !src))
+    return kvc::emu::set_error(cudaErrorInvalidValue);
+  s->captured.push_back(kvc::emu::GraphNode{{}, {}, dst, src, bytes, 0});
+  return cudaSuccess;
 }
 cudaError_t cudaMemset(void* p, int value, std::size_t bytes) {
   return set(synchronisation(), p, value, bytes);
 }
 cudaError_t cudaMemsetAsync(void* p, int value, std::size_t bytes, cudaStream_t s) {
-  return set(stream_op(s), p, value, bytes);
+  cudaError_t const gate = stream_op(s);
+  if (gate != cudaSuccess || !capturing(s))
+    return set(gate, p, value, bytes);
+  if (bytes && !p)
+    return kvc::emu::set_error(cudaErrorInvalidValue);
+  s->captured.push_back(kvc::emu::GraphNode{{}, {}, p, nullptr, bytes, value});
+  return cudaSuccess;
 }
 
 cudaError_t cudaStreamCreate(cudaStream_t* s) {
-  *s = new CUstream_st{rt().next_stream++};
+  *s = new CUstream_st{rt().next_stream++, cudaStreamCaptureStatusNone, {}};
   return cudaSuccess;
 }
 cudaError_t cudaStreamCreateWithFlags(cudaStream_t* s, unsigned) {
   return cudaStreamCreate(s);
 }
 cudaError_t cudaStreamDestroy(cudaStream_t s) {
+  auto& c = rt().capturing;
+  c.erase(std::remove(c.begin(), c.end(), s), c.end());
   delete s;
   return cudaSuccess;
 }
@@ -1021,6 +1117,10 @@ cudaError_t cudaEventDestroy(cudaEvent_t e) {
 cudaError_t cudaEventRecord(cudaEvent_t e, cudaStream_t s) {
   if (!e)
     return kvc::emu::set_error(cudaErrorInvalidResourceHandle);
+  if (capturing(s)) {  // events in graphs (fork and join of streams) are not emulated
+    s->capture = cudaStreamCaptureStatusInvalidated;
+    return kvc::emu::set_error(cudaErrorStreamCaptureUnsupported);
+  }
   e->when = std::chrono::steady_clock::now();  // work before it on the stream has run: launches are synchronous
   e->recorded = true;
   return stream_op(s);
@@ -1060,4 +1160,74 @@ void kvc::emu::set_static_shared_bytes(void const* func, std::size_t bytes) noex
   auto& f = rt().functions[func];
   f.static_bytes = static_cast<int>(bytes);
   f.max_dynamic = default_shared_limit - f.static_bytes > 0 ? default_shared_limit - f.static_bytes : 0;
+}
+
+cudaError_t cudaStreamBeginCapture(cudaStream_t s, cudaStreamCaptureMode mode) {
+  auto& r = rt();
+  if (s == nullptr)  // the legacy default stream cannot capture
+    return kvc::emu::set_error(cudaErrorStreamCaptureUnsupported);
+  if (s->capture != cudaStreamCaptureStatusNone)
+    return kvc::emu::set_error(cudaErrorIllegalState);
+  if (mode != cudaStreamCaptureModeGlobal)  // the only mode emulated (kvc's tests use it)
+    return kvc::emu::set_error(cudaErrorInvalidValue);
+  s->capture = cudaStreamCaptureStatusActive;
+  s->captured.clear();
+  r.capturing.push_back(s);
+  return cudaSuccess;
+}
+cudaError_t cudaStreamEndCapture(cudaStream_t s, cudaGraph_t* graph) {
+  auto& r = rt();
+  if (graph == nullptr)
+    return kvc::emu::set_error(cudaErrorInvalidValue);
+  *graph = nullptr;
+  if (s == nullptr || s->capture == cudaStreamCaptureStatusNone)
+    return kvc::emu::set_error(cudaErrorIllegalState);
+  bool const valid = s->capture == cudaStreamCaptureStatusActive;
+  s->capture = cudaStreamCaptureStatusNone;
+  r.capturing.erase(std::remove(r.capturing.begin(), r.capturing.end(), s), r.capturing.end());
+  std::vector<kvc::emu::GraphNode> nodes;
+  nodes.swap(s->captured);
+  if (!valid)
+    return kvc::emu::set_error(cudaErrorStreamCaptureInvalidated);
+  *graph = new CUgraph_st{std::move(nodes)};
+  return cudaSuccess;
+}
+cudaError_t cudaStreamIsCapturing(cudaStream_t s, cudaStreamCaptureStatus* status) {
+  if (status == nullptr)
+    return kvc::emu::set_error(cudaErrorInvalidValue);
+  *status = s ? s->capture : cudaStreamCaptureStatusNone;
+  return cudaSuccess;
+}
+cudaError_t cudaGraphInstantiate(cudaGraphExec_t* exec, cudaGraph_t graph, unsigned long long) {
+  if (exec == nullptr || graph == nullptr)
+    return kvc::emu::set_error(cudaErrorInvalidValue);
+  *exec = new CUgraphExec_st{graph->nodes};
+  return cudaSuccess;
+}
+cudaError_t cudaGraphLaunch(cudaGraphExec_t exec, cudaStream_t s) {
+  auto& r = rt();
+  if (exec == nullptr)
+    return kvc::emu::set_error(cudaErrorInvalidValue);
+  ++r.counters.graph_launches;
+  if (cudaError_t const e = stream_op(s); e != cudaSuccess)
+    return e;
+  if (capturing(s))  // a graph launched into a capture (a child graph) is not emulated
+    return kvc::emu::set_error(cudaErrorStreamCaptureUnsupported);
+  std::lock_guard<std::mutex> lock(r.mutex);
+  for (kvc::emu::GraphNode const& n : exec->nodes) {  // in capture order (one stream: a chain)
+    cudaError_t const e = n.body  ? kvc::emu::execute(r, n.launch, n.body)
+                          : n.src ? copy(cudaSuccess, n.dst, n.src, n.bytes)
+                                  : set(cudaSuccess, n.dst, n.value, n.bytes);
+    if (e != cudaSuccess)
+      return e;
+  }
+  return cudaSuccess;
+}
+cudaError_t cudaGraphDestroy(cudaGraph_t graph) {
+  delete graph;
+  return cudaSuccess;
+}
+cudaError_t cudaGraphExecDestroy(cudaGraphExec_t exec) {
+  delete exec;
+  return cudaSuccess;
 }

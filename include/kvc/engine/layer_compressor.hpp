@@ -34,9 +34,10 @@
 //            Without options.decode, decode does nothing.
 //   attend   kvc::attend, or kvc::attend_corrected over the layer's moments for MomentKV (options.corrected).
 // Every call checks its arguments and returns a Status; nothing allocates. On CUDA no call reads device memory on the
-// host or synchronises: the decode schedule runs on host counters, so each step can be captured into a CUDA graph.
-// Replaying one captured graph for many steps is not possible yet for policies that read queries: the buffer's fill
-// (a host counter) is a kernel argument that changes every step.
+// host or synchronises, and a step's kernels take the same arguments at every step of one kind (the query buffer's
+// fill is read from device state, stateful scorers fold the caller's query rows): an engine captures one plain and
+// one compressing decode step into CUDA graphs and replays them, asking compresses_next() which to launch and
+// calling replayed() for each replay in place of decode() (docs/integration.md).
 //
 // The packed policies (kvc::RDKVPress, kvc::KIVIPress) go through the same calls: engine/packed_compressor.hpp.
 #pragma once
@@ -164,6 +165,7 @@ class LayerCompressor<Press<S, Sel>, B, Q> {
     keys_ = e;
     value_dim_ = cache.values.extents().dim;
     queries_ = shape;
+    step_rows_ = shape.step_rows;  // what replayed() pushes until a decode() pushes its own rows
     Index const rows = detail::reads_queries<S> && options.decode ? options.schedule.compression_interval : 0;
     if (!checked_product(buffer_rows_, rows, shape.step_rows))
       return {Errc::invalid_argument, "kvc::LayerCompressor::plan: compression_interval x step_rows overflows"};
@@ -291,9 +293,52 @@ class LayerCompressor<Press<S, Sel>, B, Q> {
     if constexpr (detail::reads_queries<S>) {
       KVC_RETURN_IF_ERROR(check_queries(queries, queries_.step_rows, "decode"));
       KVC_RETURN_IF_ERROR(push_queries(backend, buffer_, queries.rows, queries.positions));
+      step_rows_ = queries.rows.extents().tokens;
+      if constexpr (StatefulScorer<S>) {
+        if (step_rows_ == 0)
+          return decode_step(backend, decode_scorer(), decode_selector(), options.schedule, cache, buffer_, counter_,
+                             options.rope, ws, compressed);
+        // H2O, UNComp: the step's queries join the state, read from the caller's rows rather than from the buffer
+        // at the host's fill, so that a graph captured at one step replays at any other (decode_step then folds
+        // nothing again).
+        auto const step = observe(WindowQueries<Q, memory_space>{queries.rows, options.rope, queries.positions});
+        KVC_RETURN_IF_ERROR(update(backend, decode_scorer(), cache, step, ws));
+        buffer_.fresh = 0;
+      }
     }
     return decode_step(backend, decode_scorer(), decode_selector(), options.schedule, cache, buffer_, counter_,
                        options.rope, ws, compressed);
+  }
+
+  /// Whether the next decode() compresses (the schedule's interval is reached; false without options.decode). Host
+  /// only: an engine that replays captured CUDA graphs launches the compressing step's graph then.
+  bool compresses_next() const noexcept { return options.decode && kvc::compresses_next(counter_, options.schedule); }
+
+  /// Records a decode step the engine runs by replaying a CUDA graph captured around decode() (docs/integration.md):
+  /// advances the host's counters as that decode() did, without launching anything. The buffer's count grows by the
+  /// rows the last decode() pushed (before any: the plan's step_rows; reset() keeps it, since graphs outlive
+  /// sequences); the schedule counts the step and, when compresses_next() was true, a compression (so the graph
+  /// replayed must be the compressing one then, and the plain one otherwise). `compressed` (optional) reports whether
+  /// the step compresses.
+  Status replayed(bool* compressed = nullptr) {
+    if (compressed)
+      *compressed = false;
+    if (!planned_ || !bound_.on || !ready_.on)
+      return detail::not_ready();
+    if (!options.decode)
+      return {};
+    if (detail::is_moment_kv<S> && !prefilled_)
+      return {Errc::invalid_argument,
+              "kvc::LayerCompressor::replayed: MomentKV decodes from a compressed prompt: call prefill() first"};
+    if constexpr (detail::reads_queries<S>) {
+      KVC_RETURN_IF_ERROR(buffer_.push(step_rows_));
+      buffer_.fresh = 0;
+    }
+    bool const compressing = kvc::compresses_next(counter_, options.schedule);
+    detail::count_decode_step(counter_, buffer_, compressing);
+    if (compressed)
+      *compressed = compressing;
+    return {};
   }
 
   /// Attention of `queries` (post-RoPE, attend_rows per sequence at most) over the layer into `out`: kvc::attend,
@@ -391,6 +436,8 @@ class LayerCompressor<Press<S, Sel>, B, Q> {
                queries_.heads,
                buffer_rows_,
                e.dim};
+    if (buffer_rows_ > 0)  // the fill in the backend's memory, which a replayed graph's push reads
+      buffer_.fill = take(static_cast<Index*>(nullptr), 1);
     if constexpr (detail::is_h2o<S>) {
       accumulated_ = take(static_cast<float*>(nullptr), n(e.rows()));
       tracked_ = take(static_cast<Index*>(nullptr), n(heads));
@@ -474,6 +521,7 @@ class LayerCompressor<Press<S, Sel>, B, Q> {
   void* state_ = nullptr;
   // The state's pieces (in the bound memory).
   QueryBuffer<Q, memory_space> buffer_{};
+  Index step_rows_ = 0;  // query rows the last decode() pushed (plan: step_rows), what replayed() pushes again
   DecodeCounter counter_{};
   float* accumulated_ = nullptr;  // H2O: [batch, Hkv, tokens]
   float* window_rows_ = nullptr;  // UNComp: [batch, Hkv, tokens, w]

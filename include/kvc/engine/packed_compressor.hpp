@@ -235,6 +235,15 @@ class LayerCompressor<P, B, Q> {
     return check_call(cache, ws);
   }
 
+  /// Never true: the packed policies do not compress while decoding (the same interface as every policy's).
+  bool compresses_next() const noexcept { return false; }
+  /// A decode step replayed from a captured CUDA graph: nothing to count (decode() does nothing either).
+  Status replayed(bool* compressed = nullptr) const {
+    if (compressed)
+      *compressed = false;
+    return planned_ && bound_.on && ready_.on ? Status{} : detail::not_ready();
+  }
+
   /// Attention of `queries` (post-RoPE, attend_rows per sequence at most, positions required) over the packed store
   /// and the tail (`cache`), into `out` (out.lse may be null).
   template <KVCacheView C, Element T>

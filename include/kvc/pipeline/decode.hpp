@@ -73,6 +73,26 @@ struct DecodeCounter {
   Index compressions = 0;  ///< compressions run so far (a statistic for the engine)
 };
 
+/// Whether the next kvc::decode_step compresses (host only): an engine that replays captured CUDA graphs launches
+/// the compressing step's graph then.
+constexpr bool compresses_next(DecodeCounter const& counter, DecodeSchedule const& schedule) noexcept {
+  return counter.steps + 1 >= schedule.compression_interval;
+}
+
+namespace detail {
+/// Counts a decode step that ran (host only): a compression restarts the interval and empties the buffer.
+template <Element T, class Space>
+constexpr void count_decode_step(DecodeCounter& counter, QueryBuffer<T, Space>& buf, bool compressed) noexcept {
+  if (!compressed) {
+    ++counter.steps;
+    return;
+  }
+  counter.steps = 0;
+  ++counter.compressions;
+  buf.count = 0;
+}
+}  // namespace detail
+
 namespace detail {
 
 /// kvc::compact of `cache` by `plan`, carrying the scorer's per-token state when it has one (carried_state).
@@ -167,10 +187,15 @@ Status decode_step(Bk const& backend, S const& scorer, Sel const& selector, Deco
   if (buf.positions == nullptr && buf.batch * buf.capacity > 0)
     return {Errc::invalid_argument, "kvc::decode_step: the query buffer's `positions` ([batch, capacity]) are null"};
   if (detail::overlaps_cache(detail::bytes_of(buf.data, buffered), cache) ||
-      detail::overlaps_cache(detail::bytes_of(buf.positions, buf.batch * buf.capacity), cache))
+      detail::overlaps_cache(detail::bytes_of(buf.positions, buf.batch * buf.capacity), cache) ||
+      detail::overlaps_cache(detail::bytes_of(buf.fill, buf.fill ? 1 : 0), cache))
     return {Errc::invalid_argument, "kvc::decode_step: the query buffer overlaps the cache's keys or values"};
   if (detail::overlaps_cache(detail::bytes_of(ws), cache))
     return {Errc::invalid_argument, "kvc::decode_step: the workspace overlaps the cache's keys or values"};
+  if (buf.fill != nullptr && !HasKernel<ZeroStateStep, Bk>)
+    return {Errc::invalid_argument,
+            "kvc::decode_step: a query buffer with a `fill` needs the state kernels (include "
+            "<kvc/backend/cpu/pipeline/state.hpp> or <kvc/backend/cuda/pipeline/state.cuh>)"};
   if (compressed)
     *compressed = false;
   WorkspaceCarver carve(ws);
@@ -186,8 +211,10 @@ Status decode_step(Bk const& backend, S const& scorer, Sel const& selector, Deco
                                  observe(detail::decode_window(buf, buf.count - buf.fresh, buf.fresh, rope)), free));
   }
   buf.fresh = 0;
-  if (++counter.steps < schedule.compression_interval)
+  if (!compresses_next(counter, schedule)) {
+    detail::count_decode_step(counter, buf, false);
     return {};
+  }
 
   Index const n = buf.count < schedule.hidden_states_buffer_size ? buf.count : schedule.hidden_states_buffer_size;
   Press const press{scorer, selector};
@@ -217,9 +244,11 @@ Status decode_step(Bk const& backend, S const& scorer, Sel const& selector, Deco
     if (schedule.rerotate_keys)
       KVC_RETURN_IF_ERROR(rerotate_keys(backend, rope, cache));
   }
-  counter.steps = 0;
-  ++counter.compressions;
-  buf.count = 0;
+  if constexpr (HasKernel<ZeroStateStep, Bk>) {
+    if (buf.fill)  // the backend's copy of the fill empties with the buffer
+      KVC_RETURN_IF_ERROR(zero_state(backend, buf.fill, sizeof(Index)));
+  }
+  detail::count_decode_step(counter, buf, true);
   if (compressed)
     *compressed = true;
   return {};

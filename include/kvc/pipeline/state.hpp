@@ -32,6 +32,12 @@ struct PushQueriesStep {};
 /// valid; compression empties it. Capacity must hold every row of an interval (compression_interval x rows per
 /// forward): kvpress keeps only the last hidden_states_buffer_size rows, so this costs more memory when the interval
 /// is longer than the buffer, and in return rows never move.
+/// `fill` (optional, one Index in the backend's memory) mirrors `count` where kernels can read it: on CUDA
+/// push_queries writes the new rows at *fill and advances it, and a compression zeroes it, so the push of a CUDA graph
+/// captured at one step writes at the right rows when replayed at a later one (rows it would write past the capacity
+/// are dropped); on the CPU, where nothing is captured, the rows go to `count` and *fill is set to the new count. The
+/// host's `count` stays what the checks and the compression's window read; the two agree as long as every push and
+/// compression goes through kvc (or a replay of one: LayerCompressor::replayed).
 template <Element T, class Space = HostSpace>
 struct QueryBuffer {
   using memory_space = Space;
@@ -42,8 +48,9 @@ struct QueryBuffer {
   Index heads = 0;
   Index capacity = 0;
   Index dim = 0;
-  Index count = 0;  ///< valid rows [0, count)
-  Index fresh = 0;  ///< rows pushed since the last decode_step (the new queries a stateful scorer folds in)
+  Index count = 0;        ///< valid rows [0, count)
+  Index fresh = 0;        ///< rows pushed since the last decode_step (the new queries a stateful scorer folds in)
+  Index* fill = nullptr;  ///< optional: `count` in the backend's memory (see above)
 
   /// Where row i of (b, q) lives (the engine writes new queries at i = count ...).
   KVC_HOST_DEVICE constexpr T* row(Index b, Index q, Index i) const noexcept {
@@ -131,8 +138,9 @@ Status decode_budgets(B const& backend, Index* budgets, Index const* lengths, In
 }
 
 /// Appends query rows [batch, Hq, n, d] (the buffer's batch, heads and dim; any strided layout) and their absolute
-/// positions [batch, n] (row i of sequence b at positions[b * n + i]) to `buf` at rows [count, count + n), then
-/// records them (QueryBuffer::push). Errors before anything is written: shapes, null pointers, rows overlapping the
+/// positions [batch, n] (row i of sequence b at positions[b * n + i]) to `buf` at rows [count, count + n) (on the
+/// device [*fill, *fill + n) when the buffer has a `fill`, which then advances by n), then records them
+/// (QueryBuffer::push). Errors before anything is written: shapes, null pointers, rows overlapping the
 /// buffer, n past the buffer's capacity (out_of_capacity).
 template <Backend B, Element T>
 Status push_queries(B const& backend, QueryBuffer<T, typename B::memory_space>& buf,
@@ -153,6 +161,12 @@ Status push_queries(B const& backend, QueryBuffer<T, typename B::memory_space>& 
       detail::overlap(detail::bytes_of(positions, e.batch * e.tokens),
                       detail::bytes_of(buf.positions, buf.batch * buf.capacity)))
     return {Errc::invalid_argument, "kvc::push_queries: the rows or positions overlap the buffer"};
+  auto const fill = detail::bytes_of(buf.fill, buf.fill ? 1 : 0);
+  if (detail::overlap(fill, detail::bytes_of(buf.data, buffered)) ||
+      detail::overlap(fill, detail::bytes_of(buf.positions, buf.batch * buf.capacity)) ||
+      detail::overlap(fill, detail::bytes_of(rows)) ||
+      detail::overlap(fill, detail::bytes_of(positions, e.batch * e.tokens)))
+    return {Errc::invalid_argument, "kvc::push_queries: the buffer's `fill` overlaps its rows, positions or the input"};
   using K = Kernel<PushQueriesStep, B>;
   KVC_RETURN_IF_ERROR(K::run(backend, buf, rows, positions));
   return buf.push(e.tokens);

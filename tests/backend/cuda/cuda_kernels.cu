@@ -1361,6 +1361,9 @@ struct DeviceMemory {
   DeviceMemory(DeviceMemory const&) = delete;
   DeviceMemory& operator=(DeviceMemory const&) = delete;
   ~DeviceMemory() {
+    for (cudaGraphExec_t g : graphs)
+      if (g)
+        cudaGraphExecDestroy(g);
     for (void* p : blocks)
       cudaFree(p);
   }
@@ -1380,6 +1383,11 @@ struct DeviceMemory {
     return p;
   }
   template <class T>
+  void write(T* p, std::vector<T> const& x) const {
+    if (!x.empty())
+      cudaMemcpy(p, x.data(), x.size() * sizeof(T), cudaMemcpyHostToDevice);
+  }
+  template <class T>
   std::vector<T> download(T const* p, std::size_t n) const {
     std::vector<T> out(n);
     if (n > 0)
@@ -1387,6 +1395,26 @@ struct DeviceMemory {
     return out;
   }
   std::string sync() const { return finish({}); }
+  /// CUDA graphs of a plain (kind 0) and a compressing (kind 1) decode step, captured on the wrappers' stream.
+  cudaGraphExec_t graphs[2] = {nullptr, nullptr};
+  bool captured(int kind) const { return graphs[kind] != nullptr; }
+  std::string begin_capture() const {
+    cudaError_t const e = cudaStreamBeginCapture(wrapper_stream, cudaStreamCaptureModeGlobal);
+    return e == cudaSuccess ? std::string() : std::string("cudaStreamBeginCapture: ") + cudaGetErrorString(e);
+  }
+  std::string end_capture(int kind) {
+    cudaGraph_t graph = nullptr;
+    cudaError_t e = cudaStreamEndCapture(wrapper_stream, &graph);
+    if (e == cudaSuccess)
+      e = cudaGraphInstantiate(&graphs[kind], graph, 0);
+    if (graph)
+      cudaGraphDestroy(graph);
+    return e == cudaSuccess ? std::string() : std::string("capturing a decode step: ") + cudaGetErrorString(e);
+  }
+  std::string launch(int kind) const {
+    cudaError_t const e = cudaGraphLaunch(graphs[kind], wrapper_stream);
+    return e == cudaSuccess ? std::string() : std::string("cudaGraphLaunch: ") + cudaGetErrorString(e);
+  }
   /// Under the emulator: the synchronisations and allocations of the decode() calls, summed.
   OpCounts at_start{};
   Index synchronizations = 0, allocations = 0;
@@ -1400,12 +1428,14 @@ struct DeviceMemory {
 
 }  // namespace
 
-std::string compressor_scenario(std::string const& policy, ScenarioResult& out, CacheFormat format, bool dequantised) {
+std::string compressor_scenario(std::string const& policy, ScenarioResult& out, CacheFormat format, bool dequantised,
+                                bool graphs) {
   StreamScope scope;  // every call on a stream of its own, as an engine runs a layer
   if (!scope.ok())
     return "cudaStreamCreate failed";
   Scenario sc;
   sc.format = format;
+  sc.graphs = graphs;
   DeviceMemory mem;
   std::string const err =
       with_any_scenario_policy<DeviceSpace>(policy, sc, mem, [&](auto const& p, auto const& options) {

@@ -331,8 +331,9 @@ void decode_driver_builds_for_cuda(Cuda const& cuda, Workspace ws);
 
 /// The layer compressor's session (tests/support/compressor_scenario.hpp) on the device with the named policy
 /// (scenario_policies), every call through kvc::LayerCompressor<Press, Cuda> on the wrappers' stream. `format`: the
-/// scenario's cache format; `dequantised`: for an fp8 format, run on the float cache of the values it reads back.
+/// scenario's cache format; `dequantised`: for an fp8 format, run on the float cache of the values it reads back;
+/// `graphs`: decode steps captured into CUDA graphs and replayed (Scenario::graphs).
 std::string compressor_scenario(std::string const& policy, ScenarioResult& out, CacheFormat format = CacheFormat::fp32,
-                                bool dequantised = false);
+                                bool dequantised = false, bool graphs = false);
 
 }  // namespace kvc::test::cuda

@@ -3207,6 +3207,28 @@ TEST_CASE("parity: every policy's session through the layer compressor", "[cuda]
   }
 }
 
+TEST_CASE("parity: every policy's decode steps replayed from two CUDA graphs equal the CPU's session",
+          "[cuda][parity][compressor][graph]") {
+  // An engine captures its decode forward once per kind of step (a plain one, a compressing one: compresses_next())
+  // and replays it (replayed() counts the step on the host). Every step's kernels must then read what changes from
+  // step to step from device memory: the query buffer's fill, the step's query rows. The session (17 steps, a
+  // compression every 8 or every step) must equal the CPU's, which calls decode() every step.
+  KVC_REQUIRE_DEVICE();
+  std::vector<std::string> names = kvc::test::scenario_policies();
+  for (std::string const& p : kvc::test::scenario_packed_policies())
+    names.push_back(p);
+  for (std::string const& name : names) {
+    INFO(name);
+    kvc::test::Scenario const sc;
+    kvc::test::ScenarioResult const cpu = cpu_session(name, sc);
+    kvc::test::ScenarioResult gpu;
+    std::string const device_err = kc::compressor_scenario(name, gpu, kvc::test::CacheFormat::fp32, false, true);
+    INFO(device_err);
+    REQUIRE(device_err.empty());
+    check_same_session(cpu, gpu, sc.capacity);
+  }
+}
+
 TEST_CASE("parity: every policy's session on an fp8 cache (E4M3 and E5M2, a scale per sequence and KV head)",
           "[cuda][parity][compressor][fp8]") {
   // The device reads an fp8 cache through its view's accessor, as the CPU does: the session equals the CPU's on the

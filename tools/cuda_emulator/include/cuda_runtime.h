@@ -15,6 +15,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <functional>
 #include <math.h>  // the device math functions kvc calls (sqrtf, expf, fmaxf, ilogb, ...) are the C library's
 #include <string_view>
 #include <type_traits>
@@ -58,8 +59,23 @@ inline float2 make_float2(float x, float y) {
 
 struct CUstream_st;
 struct CUevent_st;
+struct CUgraph_st;
+struct CUgraphExec_st;
 using cudaStream_t = CUstream_st*;
 using cudaEvent_t = CUevent_st*;
+using cudaGraph_t = CUgraph_st*;
+using cudaGraphExec_t = CUgraphExec_st*;
+
+enum cudaStreamCaptureMode {
+  cudaStreamCaptureModeGlobal = 0,
+  cudaStreamCaptureModeThreadLocal = 1,
+  cudaStreamCaptureModeRelaxed = 2,
+};
+enum cudaStreamCaptureStatus {
+  cudaStreamCaptureStatusNone = 0,
+  cudaStreamCaptureStatusActive = 1,
+  cudaStreamCaptureStatusInvalidated = 2,
+};
 
 enum cudaError {
   cudaSuccess = 0,
@@ -68,8 +84,12 @@ enum cudaError {
   cudaErrorInvalidConfiguration = 9,
   cudaErrorInvalidDevice = 101,
   cudaErrorInvalidResourceHandle = 400,
+  cudaErrorIllegalState = 401,
   cudaErrorNotReady = 600,
   cudaErrorLaunchFailure = 719,
+  cudaErrorStreamCaptureUnsupported = 900,
+  cudaErrorStreamCaptureInvalidated = 901,
+  cudaErrorStreamCaptureImplicit = 906,
 };
 using cudaError_t = cudaError;
 
@@ -148,6 +168,19 @@ cudaError_t cudaEventRecord(cudaEvent_t e, cudaStream_t s = nullptr);
 cudaError_t cudaEventSynchronize(cudaEvent_t e);
 cudaError_t cudaEventElapsedTime(float* ms, cudaEvent_t start, cudaEvent_t stop);
 
+// Stream capture and graphs: a capturing stream records its kernels, copies and sets instead of running them; a graph
+// launch runs them in order. As in CUDA's global capture mode, a synchronous call (cudaMalloc, cudaFree, cudaMemcpy,
+// cudaMemset, a synchronisation) or work on the legacy default stream while a stream captures fails
+// (cudaErrorStreamCaptureUnsupported / cudaErrorStreamCaptureImplicit) and invalidates the capture, so that
+// cudaStreamEndCapture returns cudaErrorStreamCaptureInvalidated and no graph. Events cannot be captured.
+cudaError_t cudaStreamBeginCapture(cudaStream_t s, cudaStreamCaptureMode mode);
+cudaError_t cudaStreamEndCapture(cudaStream_t s, cudaGraph_t* graph);
+cudaError_t cudaStreamIsCapturing(cudaStream_t s, cudaStreamCaptureStatus* status);
+cudaError_t cudaGraphInstantiate(cudaGraphExec_t* exec, cudaGraph_t graph, unsigned long long flags = 0);
+cudaError_t cudaGraphLaunch(cudaGraphExec_t exec, cudaStream_t s);
+cudaError_t cudaGraphDestroy(cudaGraph_t graph);
+cudaError_t cudaGraphExecDestroy(cudaGraphExec_t exec);
+
 cudaError_t cudaFuncGetAttributes(cudaFuncAttributes* attr, void const* func);
 cudaError_t cudaFuncSetAttribute(void const* func, cudaFuncAttribute attr, int value);
 template <class... P>
@@ -177,10 +210,11 @@ struct Launch {
   cudaStream_t stream;
 };
 
-/// Runs `body(context)` once per thread of every block (each on its own fiber), blocks one after another.
-/// Returns cudaSuccess, a configuration error (nothing ran), or cudaErrorLaunchFailure after a violation (the
-/// message is printed and kept: violation()).
-cudaError_t launch(Launch const& l, void (*body)(void*), void* context);
+/// Runs `body()` once per thread of every block (each on its own fiber), blocks one after another. Returns
+/// cudaSuccess, a configuration error (nothing ran), or cudaErrorLaunchFailure after a violation (the message is
+/// printed and kept: violation()). On a capturing stream it checks the configuration and records a copy of `body`
+/// (so `body` holds copies of the kernel's arguments) for the graph instead.
+cudaError_t launch(Launch const& l, std::function<void()> const& body);
 
 /// What the kernels' built-ins read: the running fiber's indices (the scheduler sets them at every switch).
 extern uint3 thread_idx, block_idx;
@@ -212,12 +246,13 @@ void set_static_shared_bytes(void const* func, std::size_t bytes) noexcept;
 
 /// Host-side operations seen since reset_counters(): what a CUDA-graph-capturable step must not do.
 struct Counters {
-  long launches = 0;
+  long launches = 0;            ///< kernel launches, run or recorded by a capture
   long synchronizations = 0;    ///< cudaDeviceSynchronize, cudaStreamSynchronize, cudaEventSynchronize, cudaMemcpy,
                                 ///< cudaMemset (the synchronous forms)
   long allocations = 0;         ///< cudaMalloc, cudaFree
   long default_stream_ops = 0;  ///< launches and async copies or sets on the legacy default stream (nullptr)
   long other_stream_ops = 0;    ///< ... on any other stream
+  long graph_launches = 0;      ///< cudaGraphLaunch calls (the kernels they run are not counted as launches)
 };
 Counters counters() noexcept;
 void reset_counters() noexcept;

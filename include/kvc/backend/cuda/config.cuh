@@ -147,10 +147,10 @@ Status launch_with(KernelSite const& site, void (*kernel)(Params...), dim3 grid,
     return {Errc::backend_error, site.failed};
   }
 #if KVC_CUDA_EMULATION
-  auto call = [&] { kernel(args...); };  // each emulated thread calls the kernel with its own copy of the arguments
-  auto const body = [](void* context) { (*static_cast<decltype(call)*>(context))(); };
+  // The arguments are copied into the body (a captured launch runs when its graph does); each emulated thread then
+  // calls the kernel with its own copy of them, as CUDA passes them by value.
   ::kvc::emu::Launch const config{site.name, reinterpret_cast<void const*>(kernel), grid, block, shared_bytes, stream};
-  if (::kvc::emu::launch(config, body, &call) != cudaSuccess) {
+  if (::kvc::emu::launch(config, [kernel, args...] { kernel(args...); }) != cudaSuccess) {
     (void)cudaGetLastError();
     return {Errc::backend_error, site.failed};
   }

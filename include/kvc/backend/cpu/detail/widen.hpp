@@ -4,7 +4,8 @@
 // fp8 (E4M3, E5M2) goes through the same F16C conversion: each byte becomes a binary16 bit pattern first (E5M2 is the
 // top byte of one; E4M3 maps to one of value / 2^8, see e4m3_binary16), 8 bytes at a time with F16C alone, 16 with
 // AVX2 (one vpmovsxbw / vpmovzxbw of 16 bytes). With AVX-512 VBMI, the reductions and widen() read E4M3 64 bytes at a
-// time through byte tables straight to fp32 (e4m3_widen64).
+// time through byte tables straight to fp32 (e4m3_widen64); without it, they check a row once for NaN bytes
+// (e4m3_has_nan) and widen a row without any, nearly all, without e4m3_binary16's NaN carry.
 //
 // fp16 uses the hardware conversion where the compile target has it: F16C on x86 (vcvtph2ps, 8 halves per
 // instruction, 16 with AVX-512; -mf16c, implied by -march=haswell and later or -march=native on such a CPU) or the
@@ -124,13 +125,42 @@ inline __m256 f16c_load8(T const* src) noexcept {
 }
 
 #  if defined(__AVX2__)
-inline __m256i e4m3_binary16(__m256i widened) noexcept {  // as the 8-wide one above
+/// As the 8-wide one above; `has_nan` false (the caller checked the row: e4m3_has_nan) leaves the NaN carry out.
+template <bool has_nan = true>
+inline __m256i e4m3_binary16(__m256i widened) noexcept {
   __m256i const b = _mm256_and_si256(_mm256_slli_epi16(widened, 7), _mm256_set1_epi16(static_cast<short>(0xbf80)));
-  return _mm256_or_si256(b, _mm256_and_si256(_mm256_add_epi16(b, _mm256_set1_epi16(0x80)), _mm256_set1_epi16(0x4000)));
+  if constexpr (!has_nan)
+    return b;
+  else
+    return _mm256_or_si256(b,
+                           _mm256_and_si256(_mm256_add_epi16(b, _mm256_set1_epi16(0x80)), _mm256_set1_epi16(0x4000)));
 }
 
-/// src[0, 16) as binary16 bits of value / f16c_unbias<T> (AVX2: one widening of 16 bytes for fp8).
-template <class T>
+/// Whether the E4M3 bytes src[0, n) hold a NaN (magnitude 0x7F), checked once per row at the byte level: the
+/// largest magnitude, one and and one max per 32 bytes (16 for the last block), a fraction of the NaN carry's three
+/// operations per element in e4m3_binary16, which rows without NaN (nearly all) then skip.
+inline bool e4m3_has_nan(float8_e4m3 const* src, Index n) noexcept {
+  __m256i const magnitude = _mm256_set1_epi8(0x7f);
+  __m256i most = _mm256_setzero_si256();
+  Index i = 0;
+  for (; i + 32 <= n; i += 32)
+    most = _mm256_max_epu8(most,
+                           _mm256_and_si256(_mm256_loadu_si256(reinterpret_cast<__m256i const*>(src + i)), magnitude));
+  __m128i last = _mm_max_epu8(_mm256_castsi256_si128(most), _mm256_extracti128_si256(most, 1));
+  if (i + 16 <= n) {
+    last = _mm_max_epu8(last, _mm_and_si128(_mm_loadu_si128(reinterpret_cast<__m128i const*>(src + i)),
+                                            _mm256_castsi256_si128(magnitude)));
+    i += 16;
+  }
+  bool nan = _mm_movemask_epi8(_mm_cmpeq_epi8(last, _mm256_castsi256_si128(magnitude))) != 0;
+  for (; i < n; ++i)
+    nan = nan || (src[i].bits & 0x7fu) == 0x7fu;
+  return nan;
+}
+
+/// src[0, 16) as binary16 bits of value / f16c_unbias<T> (AVX2: one widening of 16 bytes for fp8); `has_nan` false
+/// for E4M3 bytes known to hold no NaN.
+template <class T, bool has_nan = true>
 inline __m256i f16c_bits16(T const* src) noexcept {
   using E = std::remove_const_t<T>;
   static_assert(f16c_widens<E>, "kvc: f16c_bits16 converts fp16, E4M3 and E5M2");
@@ -141,7 +171,7 @@ inline __m256i f16c_bits16(T const* src) noexcept {
     if constexpr (std::is_same_v<E, float8_e5m2>)
       return _mm256_slli_epi16(_mm256_cvtepu8_epi16(bytes), 8);
     else
-      return e4m3_binary16(_mm256_cvtepi8_epi16(bytes));
+      return e4m3_binary16<has_nan>(_mm256_cvtepi8_epi16(bytes));
   }
 }
 #  endif
@@ -257,9 +287,22 @@ inline void widen(T const* src, float* dst, Index n, S scale) noexcept {
 #if KVC_CPU_F16_CONVERT == 1
     if constexpr (f16c_widens<T>) {  // the product in the register (one pass over dst), E4M3's 2^8 folded into it
       float const s = scale * f16c_unbias<T>;
-      if (folds_exactly(s, scale))
+      if (folds_exactly(s, scale)) {
+#  if defined(__AVX2__) && !defined(__AVX512VBMI__)
+        // E4M3 without VBMI's tables: a row without NaN (checked once) skips the NaN carry, 16 bytes at a time.
+        if constexpr (std::is_same_v<std::remove_const_t<T>, float8_e4m3>)
+          if (!e4m3_has_nan(src + i, (n - i) - (n - i) % 16))
+            for (; i + 16 <= n; i += 16) {
+              __m256i const bits = f16c_bits16<T, false>(src + i);
+              _mm256_storeu_ps(dst + i,
+                               _mm256_mul_ps(_mm256_cvtph_ps(_mm256_castsi256_si128(bits)), _mm256_set1_ps(s)));
+              _mm256_storeu_ps(dst + i + 8,
+                               _mm256_mul_ps(_mm256_cvtph_ps(_mm256_extracti128_si256(bits, 1)), _mm256_set1_ps(s)));
+            }
+#  endif
         for (; i + 8 <= n; i += 8)
           _mm256_storeu_ps(dst + i, _mm256_mul_ps(_mm256_cvtph_ps(f16c_bits8(src + i)), _mm256_set1_ps(s)));
+      }
     }
 #endif
     widen(src + i, dst + i, n - i);
@@ -299,15 +342,11 @@ inline constexpr bool hardware_lanes = f16c_widens<T>;
 /// e4m3_widen64 where VBMI is compiled); two 8-wide conversions with AVX2 (after one 16-byte widening for fp8) or with
 /// F16C alone (8 bytes or halves per load). Returns the index after the last whole block.
 #if KVC_CPU_F16_CONVERT == 1
-template <class T, class S>
-inline Index f16c_lanes(T const* a, float const* b, Index dim, float* acc, S scale) noexcept {
+/// f16c_lanes' loop over the whole blocks of 16; `has_nan` false for E4M3 rows known to hold no NaN.
+template <bool has_nan, class T, class S>
+inline Index f16c_lanes_blocks(T const* a, float const* b, Index dim, float* acc, [[maybe_unused]] S scale,
+                               float s) noexcept {
   constexpr bool multiply = !std::is_same_v<S, Unit> || f16c_unbias<T> != 1.0f;
-  float s = f16c_unbias<T>;
-  if constexpr (!std::is_same_v<S, Unit>) {
-    s *= scale;
-    if (!folds_exactly(s, scale))
-      return 0;
-  }
   Index i = 0;
 #  if defined(__AVX512F__)
   __m512 sum = _mm512_loadu_ps(acc);
@@ -322,7 +361,7 @@ inline Index f16c_lanes(T const* a, float const* b, Index dim, float* acc, S sca
 #    endif
   for (; i + 16 <= dim; i += 16) {
     // maskz with a full mask: see widen() below (GCC 12's maybe-uninitialized warning on _mm512_cvtph_ps).
-    __m512 x = _mm512_maskz_cvtph_ps(0xffff, f16c_bits16(a + i));
+    __m512 x = _mm512_maskz_cvtph_ps(0xffff, f16c_bits16<T, has_nan>(a + i));
     if constexpr (multiply)  // the dequantised values: one rounding each
       x = _mm512_mul_ps(x, _mm512_set1_ps(s));
     sum = _mm512_add_ps(sum, _mm512_mul_ps(x, b ? _mm512_loadu_ps(b + i) : x));
@@ -332,7 +371,7 @@ inline Index f16c_lanes(T const* a, float const* b, Index dim, float* acc, S sca
   __m256 lo = _mm256_loadu_ps(acc), hi = _mm256_loadu_ps(acc + 8);
   for (; i + 16 <= dim; i += 16) {
 #    if defined(__AVX2__)
-    __m256i const bits = f16c_bits16(a + i);
+    __m256i const bits = f16c_bits16<T, has_nan>(a + i);
     __m256 x = _mm256_cvtph_ps(_mm256_castsi256_si128(bits)), y = _mm256_cvtph_ps(_mm256_extracti128_si256(bits, 1));
 #    else
     __m256 x = _mm256_cvtph_ps(f16c_bits8(a + i)), y = _mm256_cvtph_ps(f16c_bits8(a + i + 8));
@@ -348,6 +387,23 @@ inline Index f16c_lanes(T const* a, float const* b, Index dim, float* acc, S sca
   _mm256_storeu_ps(acc + 8, hi);
 #  endif
   return i;
+}
+
+template <class T, class S>
+inline Index f16c_lanes(T const* a, float const* b, Index dim, float* acc, S scale) noexcept {
+  float s = f16c_unbias<T>;
+  if constexpr (!std::is_same_v<S, Unit>) {
+    s *= scale;
+    if (!folds_exactly(s, scale))
+      return 0;
+  }
+#  if defined(__AVX2__) && !defined(__AVX512VBMI__)
+  // E4M3 without VBMI's tables: a row without NaN (checked once) skips the NaN carry of every element.
+  if constexpr (std::is_same_v<std::remove_const_t<T>, float8_e4m3>)
+    if (!e4m3_has_nan(a, dim - dim % 16))
+      return f16c_lanes_blocks<false>(a, b, dim, acc, scale, s);
+#  endif
+  return f16c_lanes_blocks<true>(a, b, dim, acc, scale, s);
 }
 #else
 template <class T, class S>

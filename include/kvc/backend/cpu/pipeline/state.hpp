@@ -47,6 +47,8 @@ struct Kernel<PushQueriesStep, Cpu> {
           std::copy_n(rows.row(b, q, i), e.dim, buf.row(b, q, buf.count + i));
       std::copy_n(positions + b * e.tokens, e.tokens, buf.positions + b * buf.capacity + buf.count);
     }
+    if (buf.fill)
+      *buf.fill = buf.count + e.tokens;
     return {};
   }
 };
