@@ -171,11 +171,11 @@ TEST_CASE("widen: every fp8 byte widens to element.hpp's exact value, and dot an
 
 #if KVC_CPU_F16_CONVERT == 1 && defined(__AVX2__)
 TEST_CASE("widen: e4m3_has_nan finds a NaN byte anywhere in a row, and the reductions keep it", "[core][widen]") {
-  // Rows of 16, 48 and 80 bytes (whole blocks of 32, then 16 read one at a time), a NaN (0x7F or 0xFF) at each
-  // position among the largest finite magnitudes (0x7E, 0xFE): found wherever it is, and dot then is NaN, which
-  // says the reductions took the NaN-carrying path for that row (without VBMI) or the byte tables (with it).
+  // Rows of 16, 40, 48 and 80 bytes (blocks of 32, one of 16, single bytes), a NaN (0x7F or 0xFF) at each position
+  // among the largest finite magnitudes (0x7E, 0xFE): found wherever it is, and dot then is NaN, which says the
+  // reductions took the NaN-carrying path for that row (without VBMI) or the byte tables (with it).
   KVC_SKIP_WITHOUT_INSTRUCTIONS();
-  for (Index const n : {Index{16}, Index{48}, Index{80}}) {
+  for (Index const n : {Index{16}, Index{40}, Index{48}, Index{80}}) {
     std::vector<kvc::float8_e4m3> row(static_cast<std::size_t>(n));
     for (std::size_t i = 0; i < row.size(); ++i)
       row[i] = kvc::float8_e4m3::from_bits(i % 2 ? 0x7e : 0xfe);
@@ -191,6 +191,20 @@ TEST_CASE("widen: e4m3_has_nan finds a NaN byte anywhere in a row, and the reduc
         CHECK(std::isnan(kvc::detail::dot(with.data(), ones.data(), n, 0.5f)));
         CHECK(std::isnan(kvc::detail::sum_squares(with.data(), n, kvc::Unit{})));
       }
+  }
+  // Every finite byte in one row (no NaN: the scaled widening's 16-byte path without the carry) reads as load().
+  std::vector<kvc::float8_e4m3> finite;
+  for (unsigned byte = 0; byte < 256; ++byte)
+    if ((byte & 0x7fu) != 0x7fu)
+      finite.push_back(kvc::float8_e4m3::from_bits(static_cast<std::uint8_t>(byte)));
+  CHECK_FALSE(kvc::detail::e4m3_has_nan(finite.data(), static_cast<Index>(finite.size())));
+  for (float const s : {0.3f, 3e-39f}) {
+    std::vector<float> wide(finite.size());
+    kvc::detail::widen(finite.data(), wide.data(), static_cast<Index>(finite.size()), s);
+    Index wrong = 0;
+    for (std::size_t i = 0; i < finite.size(); ++i)
+      wrong += bits_of(wide[i]) == bits_of(kvc::load(finite[i], s)) ? 0 : 1;
+    CHECK(wrong == 0);
   }
 }
 #endif

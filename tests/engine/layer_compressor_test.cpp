@@ -439,13 +439,14 @@ TEST_CASE("push_queries: rows and positions land after the buffer's count", "[en
 
 TEST_CASE("layer compressor: compresses_next() and replayed() count steps as decode() does", "[engine][compressor]") {
   // An engine with CUDA graphs calls decode() for the first plain and the first compressing step (capturing them)
-  // and replayed() for the rest; the host's schedule must then advance as in a session of decode() calls.
+  // and replayed() for the rest; the host's schedule and the query buffer's count must then advance as in a session
+  // of decode() calls (SnapKV: a window of the last 3 buffered rows, a compression every 3 steps).
   Scenario const sc;
   HostPrompt p1{sc}, p2{sc};
   kvc::CompressorOptions<kvc::HostSpace> options;
   options.decode = true;
   options.schedule = {3, 16, 3};
-  kvc::Press const policy{kvc::H2OScorer{}, kvc::TopKSelector{kvc::RatioBudget{0.5}, 0, 4}};
+  kvc::Press const policy{kvc::SnapKVScorer{.window_size = 3}, kvc::TopKSelector{kvc::RatioBudget{0.5}, 0, 3}};
   kvc::LayerCompressor called(kvc::Cpu{}, policy, options), replaying(kvc::Cpu{}, policy, options);
   bool flag = true;
   CHECK(replaying.replayed(&flag).code() == kvc::Errc::invalid_argument);  // not planned
@@ -479,6 +480,8 @@ TEST_CASE("layer compressor: compresses_next() and replayed() count steps as dec
     seen[kind] = true;
     done_replaying.push_back(compressed);
     CHECK(replaying.counter().steps == called.counter().steps);
+    CHECK(replaying.query_buffer().count == called.query_buffer().count);
+    CHECK(*called.query_buffer().fill == called.query_buffer().count);  // the CPU's push keeps the fill too
   }
   CHECK(next == std::vector<int>{0, 0, 1, 0, 0, 1, 0, 0});
   CHECK(done == next);
@@ -486,6 +489,29 @@ TEST_CASE("layer compressor: compresses_next() and replayed() count steps as dec
   CHECK(done_replaying == next);
   CHECK(replaying.counter().compressions == 2);
   CHECK(called.counter().compressions == 2);
+
+  // A new sequence on the same graphs: replays alone count the buffer's rows (the captured steps' one row each).
+  REQUIRE(replaying.reset().ok());
+  REQUIRE(replaying.prefill(p2.cache(), {p2.rows(), p2.qpos.data()}, ws.get()).ok());
+  for (Index s = 1; s <= 2; ++s) {
+    REQUIRE(replaying.replayed().ok());
+    CHECK(replaying.query_buffer().count == s);
+  }
+  REQUIRE(replaying.replayed(&flag).ok());
+  CHECK((flag && replaying.query_buffer().count == 0 && replaying.counter().compressions == 1));
+
+  // H2O folds each step's rows into its state and keeps no buffer; a step without query rows still counts.
+  kvc::LayerCompressor h2o(kvc::Cpu{}, kvc::Press{kvc::H2OScorer{}, kvc::TopKSelector{kvc::RatioBudget{0.5}, 0, 4}},
+                           options);
+  REQUIRE(h2o.plan(p1.cache(), shape).ok());
+  CHECK(h2o.query_buffer().capacity == 0);
+  REQUIRE((h2o.bind(memory.alloc<std::byte>(h2o.state_bytes()), h2o.state_bytes()).ok() && h2o.reset().ok()));
+  kvc::test::OwnedWorkspace h2o_ws(h2o.workspace_bytes());
+  REQUIRE(h2o.prefill(p1.cache(), {p1.rows(), p1.qpos.data()}, h2o_ws.get()).ok());
+  kvc::LayerQueries<float> const none{{q.data(), kvc::bhtd_layout({sc.batch, sc.q_heads, 0, sc.dim})}, qpos.data()};
+  REQUIRE(h2o.decode(p1.cache(), none, h2o_ws.get()).ok());
+  REQUIRE(h2o.decode(p1.cache(), step, h2o_ws.get()).ok());
+  CHECK(h2o.counter().steps == 2);
 
   // Without decode-time compression nothing is due and replayed() counts nothing; MomentKV replays only after its
   // prefill, as it decodes.

@@ -83,6 +83,11 @@ inline constexpr bool is_ada_kv<AdaKVSelector<Bu>> = true;
 template <class S>
 inline constexpr bool reads_queries = has_need(S::needs, Needs::window_queries) ||
                                       has_need(S::needs, Needs::query_statistics) || is_h2o<S> || is_uncomp<S>;
+/// Whether its decode-time compressions read buffered queries (window queries or statistics; H2O and UNComp fold
+/// each step's queries into their state instead, so they keep no buffer).
+template <class S>
+inline constexpr bool buffers_queries = has_need(S::needs, Needs::window_queries) ||
+                                        has_need(S::needs, Needs::query_statistics);
 
 /// A budget that reads a per-head table keeps it while decoding; the others become the schedule's target.
 template <class Bu>
@@ -165,8 +170,8 @@ class LayerCompressor<Press<S, Sel>, B, Q> {
     keys_ = e;
     value_dim_ = cache.values.extents().dim;
     queries_ = shape;
-    step_rows_ = shape.step_rows;  // what replayed() pushes until a decode() pushes its own rows
-    Index const rows = detail::reads_queries<S> && options.decode ? options.schedule.compression_interval : 0;
+    step_rows_[0] = step_rows_[1] = shape.step_rows;  // what replayed() pushes until decode() pushes its own rows
+    Index const rows = detail::buffers_queries<S> && options.decode ? options.schedule.compression_interval : 0;
     if (!checked_product(buffer_rows_, rows, shape.step_rows))
       return {Errc::invalid_argument, "kvc::LayerCompressor::plan: compression_interval x step_rows overflows"};
     state_bytes_ = carve_state(nullptr, saturated_bytes);
@@ -287,24 +292,24 @@ class LayerCompressor<Press<S, Sel>, B, Q> {
     KVC_RETURN_IF_ERROR(check_call(cache, ws));
     if (!options.decode)
       return {};
-    if (detail::is_moment_kv<S> && !prefilled_)
-      return {Errc::invalid_argument,
-              "kvc::LayerCompressor::decode: MomentKV decodes from a compressed prompt: call prefill() first"};
+    KVC_RETURN_IF_ERROR(
+        check_prefilled("kvc::LayerCompressor::decode: MomentKV decodes from a compressed prompt: call "
+                        "prefill() first"));
     if constexpr (detail::reads_queries<S>) {
       KVC_RETURN_IF_ERROR(check_queries(queries, queries_.step_rows, "decode"));
-      KVC_RETURN_IF_ERROR(push_queries(backend, buffer_, queries.rows, queries.positions));
-      step_rows_ = queries.rows.extents().tokens;
+      Index const rows = queries.rows.extents().tokens;
       if constexpr (StatefulScorer<S>) {
-        if (step_rows_ == 0)
-          return decode_step(backend, decode_scorer(), decode_selector(), options.schedule, cache, buffer_, counter_,
-                             options.rope, ws, compressed);
-        // H2O, UNComp: the step's queries join the state, read from the caller's rows rather than from the buffer
-        // at the host's fill, so that a graph captured at one step replays at any other (decode_step then folds
-        // nothing again).
+        // H2O, UNComp (MomentKV's is a no-op): the step's queries join the state, read from the caller's rows rather
+        // than from a buffer at the host's count, so that a graph captured at one step replays at any other.
         auto const step = observe(WindowQueries<Q, memory_space>{queries.rows, options.rope, queries.positions});
-        KVC_RETURN_IF_ERROR(update(backend, decode_scorer(), cache, step, ws));
-        buffer_.fresh = 0;
+        if (rows > 0)
+          KVC_RETURN_IF_ERROR(update(backend, decode_scorer(), cache, step, ws));
       }
+      if constexpr (detail::buffers_queries<S>) {  // the compression's window or statistics read the buffer
+        KVC_RETURN_IF_ERROR(push_queries(backend, buffer_, queries.rows, queries.positions));
+        buffer_.fresh = 0;  // folded above: decode_step folds nothing again
+      }
+      step_rows_[compresses_next() ? 1 : 0] = rows;
     }
     return decode_step(backend, decode_scorer(), decode_selector(), options.schedule, cache, buffer_, counter_,
                        options.rope, ws, compressed);
@@ -316,10 +321,10 @@ class LayerCompressor<Press<S, Sel>, B, Q> {
 
   /// Records a decode step the engine runs by replaying a CUDA graph captured around decode() (docs/integration.md):
   /// advances the host's counters as that decode() did, without launching anything. The buffer's count grows by the
-  /// rows the last decode() pushed (before any: the plan's step_rows; reset() keeps it, since graphs outlive
-  /// sequences); the schedule counts the step and, when compresses_next() was true, a compression (so the graph
-  /// replayed must be the compressing one then, and the plain one otherwise). `compressed` (optional) reports whether
-  /// the step compresses.
+  /// rows the last decode() of the same kind pushed (a plain or a compressing step; before any: the plan's step_rows,
+  /// and reset() keeps them, since graphs outlive sequences); the schedule counts the step and, when
+  /// compresses_next() is true, a compression (so the graph replayed must be the compressing one then, and the plain
+  /// one otherwise). `compressed` (optional) reports whether the step compresses.
   Status replayed(bool* compressed = nullptr) {
     if (compressed)
       *compressed = false;
@@ -327,19 +332,21 @@ class LayerCompressor<Press<S, Sel>, B, Q> {
       return detail::not_ready();
     if (!options.decode)
       return {};
-    if (detail::is_moment_kv<S> && !prefilled_)
-      return {Errc::invalid_argument,
-              "kvc::LayerCompressor::replayed: MomentKV decodes from a compressed prompt: call prefill() first"};
-    if constexpr (detail::reads_queries<S>) {
-      KVC_RETURN_IF_ERROR(buffer_.push(step_rows_));
-      buffer_.fresh = 0;
-    }
-    bool const compressing = kvc::compresses_next(counter_, options.schedule);
+    KVC_RETURN_IF_ERROR(
+        check_prefilled("kvc::LayerCompressor::replayed: MomentKV decodes from a compressed prompt: "
+                        "call prefill() first"));
+    bool const compressing = compresses_next();
+    if constexpr (detail::buffers_queries<S>)
+      KVC_RETURN_IF_ERROR(buffer_.push(step_rows_[compressing ? 1 : 0]));
     detail::count_decode_step(counter_, buffer_, compressing);
     if (compressed)
       *compressed = compressing;
     return {};
   }
+
+  /// The decode schedule's query buffer (rows, positions and the host's count; empty for policies that buffer no
+  /// queries), e.g. to check that replays keep its count.
+  QueryBuffer<Q, memory_space> const& query_buffer() const noexcept { return buffer_; }
 
   /// Attention of `queries` (post-RoPE, attend_rows per sequence at most) over the layer into `out`: kvc::attend,
   /// or kvc::attend_corrected for MomentKV (options.corrected).
@@ -376,6 +383,13 @@ class LayerCompressor<Press<S, Sel>, B, Q> {
     if (!planned_ || !bound_.on || !ready_.on)
       return detail::not_ready();
     return detail::check_compressor_call(keys_, value_dim_, workspace_bytes_, cache, ws);
+  }
+
+  /// MomentKV decodes (and replays) only after its prefill (Algorithm 1 starts from the compressed prompt).
+  Status check_prefilled(char const* message) const {
+    if (detail::is_moment_kv<S> && !prefilled_)
+      return {Errc::invalid_argument, message};
+    return {};
   }
 
   Status check_queries(LayerQueries<Q, memory_space> const& q, Index most, char const* call) const {
@@ -497,8 +511,15 @@ class LayerCompressor<Press<S, Sel>, B, Q> {
                     workspace_round(bytes_product(e.batch, e.heads, sizeof(Index))), before, step, workspace_slack);
     }
     std::size_t decode = 0;
-    if (options.decode)
+    if (options.decode) {
       decode = decode_workspace_bytes(backend, decode_scorer(), decode_selector(), options.schedule, e, buffer_);
+      if constexpr (StatefulScorer<S>) {  // decode() folds the step's own rows
+        Rows const step(nullptr, bhtd_layout({e.batch, queries_.heads, queries_.step_rows, e.dim}));
+        std::size_t const fold = update_workspace_bytes(backend, decode_scorer(), e,
+                                                        observe(WindowQueries<Q, memory_space>{step, options.rope}));
+        decode = decode > fold ? decode : fold;
+      }
+    }
     AttendQueries<Q, memory_space> const attend_q{
         Rows(nullptr, bhtd_layout({e.batch, queries_.heads, queries_.attend_rows, e.dim}))};
     std::size_t attend = 0;
@@ -521,7 +542,7 @@ class LayerCompressor<Press<S, Sel>, B, Q> {
   void* state_ = nullptr;
   // The state's pieces (in the bound memory).
   QueryBuffer<Q, memory_space> buffer_{};
-  Index step_rows_ = 0;  // query rows the last decode() pushed (plan: step_rows), what replayed() pushes again
+  Index step_rows_[2] = {0, 0};  // rows the last plain [0] / compressing [1] decode() pushed: replayed() repeats them
   DecodeCounter counter_{};
   float* accumulated_ = nullptr;  // H2O: [batch, Hkv, tokens]
   float* window_rows_ = nullptr;  // UNComp: [batch, Hkv, tokens, w]

@@ -91,9 +91,6 @@ constexpr void count_decode_step(DecodeCounter& counter, QueryBuffer<T, Space>& 
   ++counter.compressions;
   buf.count = 0;
 }
-}  // namespace detail
-
-namespace detail {
 
 /// kvc::compact of `cache` by `plan`, carrying the scorer's per-token state when it has one (carried_state).
 template <Backend B, Scorer S, KVCacheView C>

@@ -4,8 +4,9 @@
 // fp8 (E4M3, E5M2) goes through the same F16C conversion: each byte becomes a binary16 bit pattern first (E5M2 is the
 // top byte of one; E4M3 maps to one of value / 2^8, see e4m3_binary16), 8 bytes at a time with F16C alone, 16 with
 // AVX2 (one vpmovsxbw / vpmovzxbw of 16 bytes). With AVX-512 VBMI, the reductions and widen() read E4M3 64 bytes at a
-// time through byte tables straight to fp32 (e4m3_widen64); without it, they check a row once for NaN bytes
-// (e4m3_has_nan) and widen a row without any, nearly all, without e4m3_binary16's NaN carry.
+// time through byte tables straight to fp32 (e4m3_widen64); without VBMI but with AVX2, the reductions and the scaled
+// widen() check a row once for NaN bytes (e4m3_has_nan) and widen a row without any, nearly all, without
+// e4m3_binary16's NaN carry.
 //
 // fp16 uses the hardware conversion where the compile target has it: F16C on x86 (vcvtph2ps, 8 halves per
 // instruction, 16 with AVX-512; -mf16c, implied by -march=haswell and later or -march=native on such a CPU) or the
@@ -158,6 +159,18 @@ inline bool e4m3_has_nan(float8_e4m3 const* src, Index n) noexcept {
   return nan;
 }
 
+/// Whether src[0, n) may be widened without the NaN carry: E4M3 bytes holding no NaN, where VBMI's tables are absent
+/// (with them the reductions never use e4m3_binary16).
+template <class T>
+inline bool e4m3_without_nan(T const* src, Index n) noexcept {
+#    if !defined(__AVX512VBMI__)
+  if constexpr (std::is_same_v<std::remove_const_t<T>, float8_e4m3>)
+    return !e4m3_has_nan(src, n);
+#    endif
+  (void)src, (void)n;
+  return false;
+}
+
 /// src[0, 16) as binary16 bits of value / f16c_unbias<T> (AVX2: one widening of 16 bytes for fp8); `has_nan` false
 /// for E4M3 bytes known to hold no NaN.
 template <class T, bool has_nan = true>
@@ -288,17 +301,15 @@ inline void widen(T const* src, float* dst, Index n, S scale) noexcept {
     if constexpr (f16c_widens<T>) {  // the product in the register (one pass over dst), E4M3's 2^8 folded into it
       float const s = scale * f16c_unbias<T>;
       if (folds_exactly(s, scale)) {
-#  if defined(__AVX2__) && !defined(__AVX512VBMI__)
+#  if defined(__AVX2__)
         // E4M3 without VBMI's tables: a row without NaN (checked once) skips the NaN carry, 16 bytes at a time.
-        if constexpr (std::is_same_v<std::remove_const_t<T>, float8_e4m3>)
-          if (!e4m3_has_nan(src + i, (n - i) - (n - i) % 16))
-            for (; i + 16 <= n; i += 16) {
-              __m256i const bits = f16c_bits16<T, false>(src + i);
-              _mm256_storeu_ps(dst + i,
-                               _mm256_mul_ps(_mm256_cvtph_ps(_mm256_castsi256_si128(bits)), _mm256_set1_ps(s)));
-              _mm256_storeu_ps(dst + i + 8,
-                               _mm256_mul_ps(_mm256_cvtph_ps(_mm256_extracti128_si256(bits, 1)), _mm256_set1_ps(s)));
-            }
+        if (e4m3_without_nan(src + i, (n - i) - (n - i) % 16))
+          for (; i + 16 <= n; i += 16) {
+            __m256i const bits = f16c_bits16<T, false>(src + i);
+            _mm256_storeu_ps(dst + i, _mm256_mul_ps(_mm256_cvtph_ps(_mm256_castsi256_si128(bits)), _mm256_set1_ps(s)));
+            _mm256_storeu_ps(dst + i + 8,
+                             _mm256_mul_ps(_mm256_cvtph_ps(_mm256_extracti128_si256(bits, 1)), _mm256_set1_ps(s)));
+          }
 #  endif
         for (; i + 8 <= n; i += 8)
           _mm256_storeu_ps(dst + i, _mm256_mul_ps(_mm256_cvtph_ps(f16c_bits8(src + i)), _mm256_set1_ps(s)));
@@ -397,11 +408,10 @@ inline Index f16c_lanes(T const* a, float const* b, Index dim, float* acc, S sca
     if (!folds_exactly(s, scale))
       return 0;
   }
-#  if defined(__AVX2__) && !defined(__AVX512VBMI__)
+#  if defined(__AVX2__)
   // E4M3 without VBMI's tables: a row without NaN (checked once) skips the NaN carry of every element.
-  if constexpr (std::is_same_v<std::remove_const_t<T>, float8_e4m3>)
-    if (!e4m3_has_nan(a, dim - dim % 16))
-      return f16c_lanes_blocks<false>(a, b, dim, acc, scale, s);
+  if (e4m3_without_nan(a, dim - dim % 16))
+    return f16c_lanes_blocks<false>(a, b, dim, acc, scale, s);
 #  endif
   return f16c_lanes_blocks<true>(a, b, dim, acc, scale, s);
 }
