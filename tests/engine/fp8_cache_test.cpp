@@ -60,19 +60,12 @@ ScenarioResult run(std::string const& name, Scenario const& sc) {
   return r;
 }
 
-std::vector<std::string> every_policy() {
-  std::vector<std::string> names = kvc::test::scenario_policies();
-  for (std::string const& p : kvc::test::scenario_packed_policies())
-    names.push_back(p);
-  return names;
-}
-
 template <class F8>
 void check_equals_dequantised(CacheFormat format) {
   Scenario fp8;
   fp8.format = format;
   Scenario plain;  // the unquantised values: the fp8 cache must differ from them, or nothing was quantised
-  for (std::string const& name : every_policy()) {
+  for (std::string const& name : kvc::test::all_scenario_policies()) {
     INFO(name);
     ScenarioResult const q = run<F8>(name, fp8);
     ScenarioResult const d = run<float>(name, fp8);  // the dequantised fp32 cache

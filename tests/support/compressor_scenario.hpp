@@ -67,6 +67,14 @@ inline std::vector<std::string> const& scenario_packed_policies() {
   return names;
 }
 
+/// scenario_policies() then scenario_packed_policies(): every policy the scenario runs.
+inline std::vector<std::string> all_scenario_policies() {
+  std::vector<std::string> names = scenario_policies();
+  for (std::string const& p : scenario_packed_policies())
+    names.push_back(p);
+  return names;
+}
+
 /// How the session's cache holds K and V.
 enum class CacheFormat {
   fp32,  ///< the values themselves

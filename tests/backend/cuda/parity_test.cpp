@@ -3214,9 +3214,7 @@ TEST_CASE("parity: every policy's decode steps replayed from two CUDA graphs equ
   // step to step from device memory: the query buffer's fill, the step's query rows. The session (17 steps, a
   // compression every 8 or every step) must equal the CPU's, which calls decode() every step.
   KVC_REQUIRE_DEVICE();
-  std::vector<std::string> names = kvc::test::scenario_policies();
-  for (std::string const& p : kvc::test::scenario_packed_policies())
-    names.push_back(p);
+  std::vector<std::string> const names = kvc::test::all_scenario_policies();
   for (std::string const& name : names) {
     INFO(name);
     kvc::test::Scenario const sc;
@@ -3235,9 +3233,7 @@ TEST_CASE("parity: every policy's session on an fp8 cache (E4M3 and E5M2, a scal
   // same fp8 cache; and on the device itself it equals bit for bit the session on the dequantised fp32 cache (each
   // element is read as decode(byte) * scale: an exact decode and one rounding), packed stores included.
   KVC_REQUIRE_DEVICE();
-  std::vector<std::string> names = kvc::test::scenario_policies();
-  for (std::string const& p : kvc::test::scenario_packed_policies())
-    names.push_back(p);
+  std::vector<std::string> const names = kvc::test::all_scenario_policies();
   for (auto const format : {kvc::test::CacheFormat::e4m3, kvc::test::CacheFormat::e5m2}) {
     kvc::test::Scenario sc;
     sc.format = format;
