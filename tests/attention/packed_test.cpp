@@ -159,6 +159,31 @@ TEST_CASE("attend_packed: all 16 bits with K passthrough equals kvc::attend on t
   }
 }
 
+TEST_CASE("attend_packed: a non-finite FP16 key is skipped as kvc::attend skips it", "[attention]") {
+  auto c = kvc::tools::HostCache<kvc::half>::random({1, 2, 150, 64}, 11);
+  OwnedBitPlan bp = random_plan(c.ext, 1, {16}, {16});
+  kvc::PackedKV kv;
+  REQUIRE(kvc::pack(c.view(), bp.plan, {}, kv).ok());
+  // kvc::pack refuses non-finite values, a store written otherwise may hold them: token 70 of head 0 (the second
+  // tile; all 16 bits, so packed order = slot order and k_perm = identity) gets an infinite key element and a NaN
+  // value element, in the store and in the cache.
+  kvc::PackedHead const& hd = kv.head_mut(0, 0);
+  REQUIRE(hd.k_count[3] == 64);
+  auto* k_raw = reinterpret_cast<kvc::half*>(kv.arena_mut() + hd.k_raw);
+  auto* v_raw = reinterpret_cast<kvc::half*>(kv.arena_mut() + hd.v_raw);
+  kvc::half const inf(std::numeric_limits<float>::infinity()), nan(std::numeric_limits<float>::quiet_NaN());
+  k_raw[70 * 64 + 3] = c.k[static_cast<std::size_t>(70 * 64 + 3)] = inf;
+  v_raw[70 * 64 + 9] = c.v[static_cast<std::size_t>(70 * 64 + 9)] = nan;
+  kvc::KVExtents const qe{1, 8, 2, 64};
+  auto const q = random_queries<float>(qe, 12);
+  std::vector<Index> decode = {160, 161};
+  auto const queries = queries_of(q, qe, decode.data());
+  Result const packed = run_packed(kv, queries);
+  for (float x : packed.out)
+    REQUIRE(std::isfinite(x));
+  check_close(packed, run_dense(c.view(), queries, 64), 1e-5);
+}
+
 TEST_CASE("attend_packed: evicted tokens leave the softmax, pruned channels add exactly 0 (Q3)", "[attention]") {
   auto c = kvc::tools::HostCache<kvc::half>::random({1, 2, 40, 32}, 4);
   std::vector<std::int8_t> vb(80, 16), kb(64, 16);
@@ -216,7 +241,7 @@ TEST_CASE("attend_packed: random mixed plans equal kvc::attend over the dequanti
   for (Case const& cs : cases)
     for (int half_cache = 0; half_cache < 2; ++half_cache)
       for (Index g : {1, 4}) {
-        kvc::KVExtents const e{2, 2, 53, cs.dim};
+        kvc::KVExtents const e{2, 2, 150, cs.dim};  // three tiles of kvc::attend's 64 tokens
         kvc::PackOptions opt;
         opt.k_group = cs.k_group;
         opt.v_group = cs.v_group;
@@ -225,7 +250,7 @@ TEST_CASE("attend_packed: random mixed plans equal kvc::attend over the dequanti
         kvc::PackedKV kv;
         if (half_cache) {
           auto c = kvc::tools::HostCache<kvc::half>::random(e, seed);
-          c.lengths = {53, 40, 17, 53};  // ragged heads
+          c.lengths = {150, 100, 17, 150};  // ragged heads
           c.per_head = true;
           REQUIRE(kvc::pack(c.view(), bp.plan, opt, kv).ok());
         } else {
@@ -241,7 +266,7 @@ TEST_CASE("attend_packed: random mixed plans equal kvc::attend over the dequanti
                     << (cs.zp == kvc::ZeroPoint::integer) << " fp16 " << half_cache << " g " << g);
         auto const queries = queries_of(q, qe);
         check_close(run_packed(kv, queries), run_dense(ref.cache.view(), queries, cs.dim), 1e-5);
-        std::vector<Index> decode = {60, 61, 62, 55, 56, 57};  // past every stored position
+        std::vector<Index> decode = {160, 161, 162, 155, 156, 157};  // past every stored position
         auto const later = queries_of(q, qe, decode.data());
         check_close(run_packed(kv, later), run_dense(ref.cache.view(), later, cs.dim), 1e-5);
       }
@@ -350,7 +375,8 @@ TEST_CASE("attend_packed: bit-identical for any thread count, empty heads give 0
   kvc::PackedKV kv;
   REQUIRE(kvc::pack(c.view(), bp.plan, {}, kv).ok());
   REQUIRE(kv.tokens(0, 1) == 0);
-  kvc::KVExtents const qe{2, 16, 5, 64};  // 20 rows per KV head: two passes of packed_block_rows
+  constexpr Index n = 17;
+  kvc::KVExtents const qe{2, 16, n, 64};  // 68 rows per KV head: two passes of kvc::attend's 64 rows
   auto const q = random_queries<kvc::bfloat16>(qe, 33);
   auto const queries = queries_of(q, qe);
   Result const serial = run_packed(kv, queries);
@@ -361,8 +387,8 @@ TEST_CASE("attend_packed: bit-identical for any thread count, empty heads give 0
     CHECK(par.lse == serial.lse);
   }
   for (Index hq = 4; hq < 8; ++hq)  // query heads of KV head 1 in sequence 0
-    for (Index i = 0; i < 5; ++i) {
-      Index const row = hq * 5 + i;
+    for (Index i = 0; i < n; ++i) {
+      Index const row = hq * n + i;
       CHECK(serial.lse[static_cast<std::size_t>(row)] == -std::numeric_limits<float>::infinity());
       for (Index ch = 0; ch < 64; ++ch)
         CHECK(serial.out[static_cast<std::size_t>(row * 64 + ch)] == 0.0f);

@@ -14,15 +14,15 @@
 //    one weight per (token, group) times the codes, and a per-group bias added once at the end.
 //  - The split layouts (quant/bitpack.hpp) put channels i, i + n/4, i + n/2, i + 3n/4 in byte i (2 bits), so 16
 //    consecutive bytes unpack with a shift and a mask into 4 vectors of 16 consecutive channels: no shuffles.
-// Softmax: two passes over the head's T_eff tokens (logits of a block of query rows into the worker's scratch, then
-// max, exponentials, denominator, then the weighted values); fp32 throughout, summation orders fixed by the layout
-// (16 lanes per dot as detail::dot, tokens in packed order), so results are bit-identical for any thread count and
-// any grouping of query rows. Causal mask: a token is visible to a query iff its stored position <= the query's;
-// packed order is not position order, so the mask is per token (skipped when every row is past the head's end).
-// Throughput (benchmarks/attention/packed_bench.cpp; decode, g = 4, d = 128, one core): per token about as fast as
-// the fp16 kernel at 4 bits and faster at 2 bits with whole-axis groups; 32-token/32-channel groups (KIVI) cost the
-// per-group query scaling and per-tile params. Each token's codes are unpacked once for packed_group query rows and
-// two tokens share each query load (as attend_logits); the value pass runs in tiles of packed_value_tile tokens.
+// Everything else is kvc::attend's: detail::PackedSource is an AttendSource of detail::attend_head (the same tiles of
+// attend_tile tokens, online softmax, causal mask by position, non-finite logits skipped, GQA row passes and output
+// as a cache of any layout or accessor), so packed attention is not a fork of the attention kernel: it supplies the
+// query's channel order, the logits and the weighted values of a tile. fp32 throughout; summation orders fixed by the
+// layout (16 lanes per dot as detail::dot, tokens in packed order), so results are bit-identical for any thread count
+// and any grouping of query rows. Packed order is not position order: the tiles' positions are read from the store.
+// Throughput (benchmarks/attention/packed_bench.cpp; decode, g = 4, d = 128, one core): see docs/benchmarks.md. Each
+// token's codes are unpacked once for attend_group query rows and two tokens share each query load (as
+// attend_logits); the value pass keeps a tile's code rows in L1 while it sweeps their column chunks.
 #pragma once
 
 #include <kvc/attention/packed.hpp>
@@ -44,14 +44,6 @@
 
 namespace kvc {
 namespace detail {
-
-/// Query rows one pass over a head serves (bounds the logits scratch: rows x T_eff floats per worker).
-inline constexpr Index packed_block_rows = 16;
-/// Query rows whose logits and value sums one inner loop computes together (codes unpacked once for all of them).
-inline constexpr Index packed_group = 4;
-/// Tokens per tile of the value pass: the tile's code rows (64 x 128 B at d = 128, 8 bits) stay in L1 while the
-/// pass sweeps its column chunks, so V is read from memory once.
-inline constexpr Index packed_value_tile = 64;
 
 /// n rounded up to whole lanes.
 constexpr Index round_lanes(Index n) noexcept {
@@ -223,7 +215,7 @@ KVC_PACKED_INLINE void packed_dots(Lanes* acc, float const* qa, Index q_stride, 
     packed_dot_raw<RG, NT>(acc, qa + raw_q0, q_stride, raw + t * raw_count, raw_count);
 }
 
-/// s[r * s_stride + t] = bias[r] + <q'_r, codes of token t> for tokens [t0, t1) and RG rows (q' = the scaled query
+/// s[r * s_stride + t - t0] = bias[r] + <q'_r, codes of token t> for tokens [t0, t1) and RG rows (q' = the scaled query
 /// of the tokens' K group, q_stride floats per row): two tokens at a time (their sums by lanes_sums2, bit-identical
 /// to lanes_sums), then the odd one.
 template <Index RG>
@@ -238,8 +230,8 @@ inline void packed_logits(float const* qa, Index q_stride, float const* bias, Pa
     lanes_sums2<RG>(acc, acc + RG, sums, 2);
     KVC_PACKED_UNROLL
     for (Index r = 0; r < RG; ++r) {
-      s[r * s_stride + t] = sums[2 * r] + bias[r];
-      s[r * s_stride + t + 1] = sums[2 * r + 1] + bias[r];
+      s[r * s_stride + t - t0] = sums[2 * r] + bias[r];
+      s[r * s_stride + t - t0 + 1] = sums[2 * r + 1] + bias[r];
     }
   }
   if (t < t1) {
@@ -249,7 +241,7 @@ inline void packed_logits(float const* qa, Index q_stride, float const* bias, Pa
     lanes_sums<RG>(acc, sums, 1);
     KVC_PACKED_UNROLL
     for (Index r = 0; r < RG; ++r)
-      s[r * s_stride + t] = sums[r] + bias[r];
+      s[r * s_stride + t - t0] = sums[r] + bias[r];
   }
 }
 
@@ -373,56 +365,247 @@ inline void packed_values_raw(float const* p, Index p_stride, half const* raw, I
   }
 }
 
+/// One (sequence, KV head) of a packed store as detail::attend_head reads it (an AttendSource):
+///  - prepare: the query row scaled by the logit scale and permuted into packed channel order (pads and pruned
+///    channels 0);
+///  - logits: per K token group the tile touches, q' = q a and the bias Σ q c once per pass (staged, kept while the
+///    group lasts), then packed_logits, attend_group rows per read of a token's codes;
+///  - values: per V segment the tile touches, the weighted codes (packed_values_fast, or a per-column path for
+///    layouts it cannot take and for tiles with a skipped slot) plus the per-group bias Σ_t p_t c_{t,g}, or the FP16
+///    rows of zone B.
+/// Scratch (per worker, scratch_bytes): the rows' q', the K group's a and c, the bias per row, a V tile's (a, c) per
+/// (token, group) and c per (group, token), the widening buffer.
+class PackedSource {
+ public:
+  /// Floats per prepared query row (packed channels, whole lanes) and per output accumulator row (the V segments'
+  /// padded channels: up to 8 / bits - 1 past value_dim).
+  static Index query_floats_of(PackedKVView<HostSpace> const& kv) noexcept { return round_lanes(kv.max_k_channels()); }
+  static Index value_floats_of(PackedKVView<HostSpace> const& kv) noexcept { return round_lanes(kv.value_dim + 4); }
+  static std::size_t scratch_bytes(Index rows, PackedKVView<HostSpace> const& kv) {
+    Index const qf = query_floats_of(kv), tile_params = attend_tile * kv.v_groups();
+    return bytes_sum(
+        workspace_round(bytes_product(rows, qf, sizeof(float))), workspace_round(bytes_product(2, qf, sizeof(float))),
+        workspace_round(bytes_product(rows, sizeof(float))), workspace_round(bytes_product(tile_params, sizeof(float))),
+        workspace_round(bytes_product(2, std::max(qf, tile_params), sizeof(float))));
+  }
+
+  PackedSource(PackedKVView<HostSpace> const& kv, Index b, Index h, Index max_rows, WorkspaceCarver& carve) noexcept
+      : kv_(kv),
+        hd_(kv.head(b, h)),
+        qf_(query_floats_of(kv)),
+        of_(value_floats_of(kv)),
+        v_groups_(kv.v_groups()),
+        kg_(kv.quant.k_group > 0 ? kv.quant.k_group : std::max<Index>(hd_.tokens, 1)),
+        gsize_(kv.quant.v_group > 0 ? kv.quant.v_group : std::max<Index>(kv.value_dim, 1)),
+        perm_(kv.at<std::int32_t>(hd_.k_perm)),
+        pos_(kv.at<Index>(hd_.positions)),
+        k_raw_(kv.at<half>(hd_.k_raw)) {
+    for (int k = 0; k < 3; ++k)
+      seg_[k] = {kv.at<std::uint8_t>(hd_.k_codes[k]), packed_bytes(hd_.k_count[k], segment_bits(k)), hd_.k_begin(k),
+                 segment_bits(k)};
+    qa_ = carve.take<float>(max_rows * qf_);
+    ka_ = carve.take<float>(2 * qf_);
+    kc_ = ka_ + qf_;
+    kbias_ = carve.take<float>(max_rows);
+    vct_ = carve.take<float>(attend_tile * v_groups_);
+    wide_ = carve.take<float>(2 * std::max(qf_, attend_tile * v_groups_));
+  }
+
+  Index tokens() const noexcept { return hd_.tokens; }
+  Index query_floats() const noexcept { return qf_; }
+  Index value_floats() const noexcept { return of_; }
+  Index value_dim() const noexcept { return kv_.value_dim; }
+
+  template <class T>
+  void prepare(float* dst, T const* src, float scale) const noexcept {
+    Index const channels = hd_.k_channels();
+    for (Index c = 0; c < channels; ++c)
+      dst[c] = perm_[c] >= 0 ? scale * to_float(src[perm_[c]]) : 0.0f;
+    std::fill(dst + channels, dst + qf_, 0.0f);
+  }
+  void rows_ready() noexcept { staged_ = -1; }
+  Index const* positions(Index t0, Index, Index*) const noexcept { return pos_ + t0; }
+
+  void logits(float const* q, Index rows, Index t0, Index tn, float* s) noexcept {
+    constexpr Index rg = attend_group;
+    Index const raw_q0 = hd_.k_begin(3), raw_count = hd_.k_count[3];
+    for (Index t = t0; t < t0 + tn;) {
+      Index const g = t / kg_, t1 = std::min(t0 + tn, (g + 1) * kg_);
+      if (g != staged_)
+        stage(q, rows, g);
+      Index r = 0;
+      for (; r + rg <= rows; r += rg)
+        packed_logits<rg>(qa_ + r * qf_, qf_, kbias_ + r, seg_, k_raw_, raw_count, raw_q0, t, t1,
+                          s + r * attend_tile + (t - t0), attend_tile);
+      for (; r < rows; ++r)
+        packed_logits<1>(qa_ + r * qf_, qf_, kbias_ + r, seg_, k_raw_, raw_count, raw_q0, t, t1,
+                         s + r * attend_tile + (t - t0), attend_tile);
+      t = t1;
+    }
+  }
+
+  void values(float const* p, Index rows, Index t0, Index tn, bool skipped, float* o) noexcept {
+    for (int k = 0; k < packed_segments; ++k) {
+      Index const vb = hd_.v_begin(k), a = std::max(t0, vb), e = std::min(t0 + tn, vb + hd_.v_count[k]);
+      if (a < e)
+        segment_values(k, p + (a - t0), rows, a - vb, e - a, skipped, o);
+    }
+  }
+
+ private:
+  /// q' = q a of K group g for every row, raw FP16 channels copied, and the bias Σ_i q_i c_i (16 lanes, fixed order).
+  void stage(float const* q, Index rows, Index g) noexcept {
+    ZeroPoint const zp = kv_.quant.zero_point;
+    for (int k = 0; k < 3; ++k) {
+      Index const cnt = hd_.k_count[k], c0 = hd_.k_begin(k);
+      affine_params(kv_.at<QuantParams>(hd_.k_params[k]) + g * cnt, cnt, zp, wide_, ka_ + c0, kc_ + c0);
+    }
+    Index const quantised = hd_.k_begin(3), raw_q0 = quantised, raw_count = hd_.k_count[3];
+    for (Index r = 0; r < rows; ++r) {
+      float* qar = qa_ + r * qf_;
+      float const* qr = q + r * qf_;
+      scale_into(qar, qr, ka_, quantised);
+      for (Index i = 0; i < raw_count; ++i)
+        qar[raw_q0 + i] = qr[raw_q0 + i];
+      float lanes[reduce_lanes] = {};
+      Index const full = quantised - quantised % reduce_lanes;
+      for (Index i = 0; i < full; i += reduce_lanes)
+        for (Index j = 0; j < reduce_lanes; ++j)
+          lanes[j] += qr[i + j] * kc_[i + j];
+      for (Index i = full; i < quantised; ++i)
+        lanes[i % reduce_lanes] += qr[i] * kc_[i];
+      for (Index width = reduce_lanes / 2; width > 0; width /= 2)
+        for (Index j = 0; j < width; ++j)
+          lanes[j] += lanes[j + width];
+      kbias_[r] = lanes[0];
+    }
+    staged_ = g;
+  }
+
+  /// o += the weighted values of tokens [u0, u0 + un) of V segment k (weights p, attend_tile per row).
+  void segment_values(int k, float const* p, Index rows, Index u0, Index un, bool skipped, float* o) noexcept {
+    constexpr Index rg = attend_group;
+    Index const dv = kv_.value_dim;
+    if (k == 3) {  // zone B: FP16 rows
+      half const* raw = kv_.at<half>(hd_.v_raw) + u0 * dv;
+      Index r = 0;
+      if (skipped) [[unlikely]] {
+        for (; r < rows; ++r)
+          for (Index t = 0; t < un; ++t)
+            if (float const w = p[r * attend_tile + t]; w != 0.0f)
+              for (Index c = 0; c < dv; ++c)
+                o[r * of_ + c] += w * to_float(raw[t * dv + c]);
+        return;
+      }
+      for (; r + rg <= rows; r += rg)
+        packed_values_raw<rg>(p + r * attend_tile, attend_tile, raw, dv, un, o + r * of_, of_);
+      for (; r < rows; ++r)
+        packed_values_raw<1>(p + r * attend_tile, attend_tile, raw, dv, un, o + r * of_, of_);
+      return;
+    }
+    int const bits = segment_bits(k);
+    Index const row_bytes = kv_.v_row_bytes(k), per = 8 / bits, vg = kv_.quant.v_group;
+    std::uint8_t const* codes = kv_.at<std::uint8_t>(hd_.v_codes[k]) + u0 * row_bytes;
+    affine_pairs(kv_.at<QuantParams>(hd_.v_params[k]) + u0 * v_groups_, un * v_groups_, kv_.quant.zero_point,
+                 wide_);  // (a, c) per (token, group)
+    bool const fast = row_bytes % reduce_lanes == 0 && (vg == 0 || vg % reduce_lanes == 0);
+    if (!fast || skipped) {
+      // Any layout: dequantise each code (x̂ = code a + c, as kvc::dequantize) and weight it; zero weights left out.
+      unsigned const mask = (1u << static_cast<unsigned>(bits)) - 1u;
+      for (Index t = 0; t < un; ++t) {
+        std::uint8_t const* row = codes + t * row_bytes;
+        for (Index j = 0; j < per; ++j)
+          for (Index i = 0; i < row_bytes; ++i) {
+            Index const c = j * row_bytes + i;
+            if (c >= dv)
+              break;
+            Index const g = t * v_groups_ + c / gsize_;
+            float const x = static_cast<float>((row[i] >> (j * bits)) & mask) * wide_[2 * g] + wide_[2 * g + 1];
+            for (Index r = 0; r < rows; ++r)
+              if (float const w = p[r * attend_tile + t]; w != 0.0f)
+                o[r * of_ + c] += w * x;
+          }
+      }
+      return;
+    }
+    // The per-group bias Σ_t p_t c_{t,g} (16 lanes over the tokens, detail::dot's tree), added to the group's
+    // columns; then the weighted codes.
+    for (Index t = 0; t < un; ++t)
+      for (Index g = 0; g < v_groups_; ++g)
+        vct_[g * attend_tile + t] = wide_[2 * (t * v_groups_ + g) + 1];
+    for (Index r = 0; r < rows; ++r) {
+      float const* pr = p + r * attend_tile;
+      for (Index g = 0; g < v_groups_; ++g) {
+        float const* cg = vct_ + g * attend_tile;
+        float lanes[reduce_lanes] = {};
+        Index const full = un - un % reduce_lanes;
+        for (Index t = 0; t < full; t += reduce_lanes)
+          for (Index j = 0; j < reduce_lanes; ++j)
+            lanes[j] += pr[t + j] * cg[t + j];
+        for (Index t = full; t < un; ++t)
+          lanes[t % reduce_lanes] += pr[t] * cg[t];
+        for (Index width = reduce_lanes / 2; width > 0; width /= 2)
+          for (Index j = 0; j < width; ++j)
+            lanes[j] += lanes[j + width];
+        for (Index c = g * gsize_; c < std::min(dv, (g + 1) * gsize_); ++c)
+          o[r * of_ + c] += lanes[0];
+      }
+    }
+    auto run_fast = [&](auto rg_tag, Index r) {
+      constexpr Index RG = decltype(rg_tag)::value;
+      float const* pr = p + r * attend_tile;
+      float* orow = o + r * of_;
+      if (per == 4)
+        packed_values_fast<RG, 4>(pr, attend_tile, wide_, codes, row_bytes, v_groups_, vg, un, bits, orow, of_);
+      else if (per == 2)
+        packed_values_fast<RG, 2>(pr, attend_tile, wide_, codes, row_bytes, v_groups_, vg, un, bits, orow, of_);
+      else
+        packed_values_fast<RG, 1>(pr, attend_tile, wide_, codes, row_bytes, v_groups_, vg, un, bits, orow, of_);
+    };
+    Index r = 0;
+    for (; r + rg <= rows; r += rg)
+      run_fast(std::integral_constant<Index, rg>{}, r);
+    for (; r < rows; ++r)
+      run_fast(std::integral_constant<Index, 1>{}, r);
+  }
+
+  PackedKVView<HostSpace> const& kv_;
+  PackedHead const& hd_;
+  Index qf_, of_, v_groups_;
+  Index kg_;     // K group tokens (the head's tokens for whole-axis groups)
+  Index gsize_;  // V group channels
+  std::int32_t const* perm_;
+  Index const* pos_;
+  half const* k_raw_;
+  PackedKSegment seg_[3];
+  float *qa_ = nullptr, *ka_ = nullptr, *kc_ = nullptr, *kbias_ = nullptr, *vct_ = nullptr, *wide_ = nullptr;
+  Index staged_ = -1;  // the K group whose q' and bias are in qa_ and kbias_
+};
+
 }  // namespace detail
 
-/// One (sequence, KV head) per item through the backend's parallel-for; per worker scratch from the workspace; no
-/// allocation. Per block of up to packed_block_rows query rows of the head's GQA group (g·n rows):
-///  1. the rows, scaled by the logit scale, permuted into packed channel order (pads and pruned channels dropped);
-///  2. per K token group: q' = q a and the bias Σ q c, then the logits of the group's tokens (packed_logits,
-///     packed_group rows per read of a token's codes);
-///  3. causal mask by stored positions, row max, e^(s - max) (detail::exp_nonpositive), denominator (16 lanes);
-///  4. V: per quantised segment the weighted codes (fast path, or a per-column path for layouts the fast path cannot
-///     take) and the per-group bias, then the FP16 rows of zone B; out = o / l, lse = max + ln l.
+/// One (sequence, KV head) per item through the backend's parallel-for: detail::attend_head over a
+/// detail::PackedSource; per worker scratch from the workspace; no allocation.
 template <>
 struct Kernel<PackedAttention, Cpu> {
-  static Index block_rows(KVExtents const& q, Index kv_heads) noexcept {
-    Index const group = kv_heads > 0 ? q.heads / kv_heads : 0;
-    Index const rows = group > 0 && q.tokens > 0 ? group * std::min(q.tokens, detail::packed_block_rows) : 0;
-    return std::min(rows, detail::packed_block_rows);
-  }
-  /// Floats per row of each scratch piece: query (permuted), scaled query, logits, value accumulator.
-  static Index query_floats(PackedKVView<HostSpace> const& kv) noexcept {
-    return detail::round_lanes(kv.max_k_channels());
-  }
-  static Index logit_floats(PackedKVView<HostSpace> const& kv) noexcept { return detail::round_lanes(kv.max_tokens); }
-  static Index value_floats(PackedKVView<HostSpace> const& kv) noexcept {
-    return detail::round_lanes(kv.value_dim + 4);
-  }
-  /// Per worker: queries (permuted, scaled), logits/weights, value accumulators and biases per query row; the K
-  /// group's a and c per packed channel; a V tile's a and c per (token, group); the widening buffer.
   static std::size_t worker_bytes(Index rows, PackedKVView<HostSpace> const& kv) {
-    Index const tile_params = detail::packed_value_tile * kv.v_groups();
-    Index const wide = 2 * std::max(query_floats(kv), tile_params);
-    return bytes_sum(
-        workspace_round(bytes_product(2, rows, query_floats(kv), sizeof(float))),
-        workspace_round(bytes_product(2, query_floats(kv), sizeof(float))),
-        workspace_round(bytes_product(tile_params, sizeof(float))), workspace_round(bytes_product(wide, sizeof(float))),
-        workspace_round(bytes_product(rows, logit_floats(kv), sizeof(float))),
-        workspace_round(bytes_product(rows, value_floats(kv), sizeof(float))),
-        workspace_round(bytes_product(rows, kv.v_groups(), detail::reduce_lanes + 1, sizeof(float))),
-        workspace_round(bytes_product(3, rows, sizeof(float))), workspace_round(bytes_product(rows, sizeof(Index))));
+    using Source = detail::PackedSource;
+    return bytes_sum(detail::AttendScratch::bytes(rows, Source::query_floats_of(kv), Source::value_floats_of(kv)),
+                     Source::scratch_bytes(rows, kv));
   }
   template <class Q>
   static std::size_t workspace_bytes(Cpu const& cpu, PackedAttention const&, Q const& queries,
                                      PackedKVView<HostSpace> const& kv) {
-    return bytes_product(cpu.workers(), worker_bytes(block_rows(queries.rows.extents(), kv.kv_heads), kv));
+    return bytes_product(cpu.workers(),
+                         worker_bytes(detail::attend_pass_rows(queries.rows.extents(), kv.kv_heads), kv));
   }
 
   template <Element T>
   static Status run(Cpu const& cpu, PackedAttention const& op, AttendQueries<T, HostSpace> const& queries,
                     PackedKVView<HostSpace> const& kv, AttendOutput<HostSpace> out, Workspace ws) {
+    using Source = detail::PackedSource;
     KVExtents const q = queries.rows.extents();
-    Index const dk = kv.dim, dv = kv.value_dim, max_rows = block_rows(q, kv.kv_heads);
+    Index const max_rows = detail::attend_pass_rows(q, kv.kv_heads);
     std::size_t const per_worker = worker_bytes(max_rows, kv);
     auto* base = WorkspaceCarver(ws).take<std::byte>(static_cast<Index>(workspace_bytes(cpu, op, queries, kv)));
     if (base == nullptr && max_rows > 0)
@@ -443,228 +626,18 @@ struct Kernel<PackedAttention, Cpu> {
                 "kvc::attend_packed: a head's descriptor does not fit the view (tokens > max_tokens, channels > "
                 "d_k + 4, unpadded segments or k_perm outside [-1, d_k))"};
     }
-    float const scale = op.attention.scale > 0 ? op.attention.scale : 1.0f / std::sqrt(static_cast<float>(dk));
-    Index const group = q.heads / kv.kv_heads, total_rows = group * q.tokens;
-    Index const qf = query_floats(kv), lf = logit_floats(kv), of = value_floats(kv), v_groups = kv.v_groups();
-    ZeroPoint const zp = kv.quant.zero_point;
-    constexpr Index rg = detail::packed_group, tile = detail::packed_value_tile;
-    constexpr float neg_inf = -std::numeric_limits<float>::infinity();
-
+    float const scale = op.attention.scale > 0 ? op.attention.scale : 1.0f / std::sqrt(static_cast<float>(kv.dim));
     detail::parallel_for(cpu, kv.batch * kv.kv_heads, [&](Index item, Index worker) {
       Index const b = item / kv.kv_heads, h = item % kv.kv_heads;
-      PackedHead const& hd = kv.head(b, h);
-      Index const n = hd.tokens, channels = hd.k_channels();
       WorkspaceCarver carve({base + static_cast<std::size_t>(worker) * per_worker, per_worker});
-      float* qp = carve.take<float>(max_rows * qf);  // permuted, scaled queries
-      float* qa = carve.take<float>(max_rows * qf);  // times the K group's scales
-      float* s = carve.take<float>(max_rows * lf);   // logits, then weights
-      float* o = carve.take<float>(max_rows * of);
-      // The V group biases: 16 lanes per (row, group) across the pass, then their sums.
-      float* vbias_lanes = carve.take<float>(max_rows * v_groups * (detail::reduce_lanes + 1));
-      float* vbias = vbias_lanes + max_rows * v_groups * detail::reduce_lanes;
-      float* ka = carve.take<float>(2 * qf);  // the K group's a, then c, per packed channel
-      float* kc = ka + qf;
-      // A V tile's a and c per (token, group), and c per (group, token).
-      float* vct = carve.take<float>(tile * v_groups);  // a V tile's c per (group, token)
-      float* wide = carve.take<float>(2 * std::max(qf, tile * v_groups));
-      float* kbias = carve.take<float>(3 * max_rows);
-      float* m = kbias + max_rows;
-      float* l = m + max_rows;
-      Index* q_pos = carve.take<Index>(max_rows);
-      Index end = 0;
+      detail::AttendScratch const w =
+          detail::AttendScratch::carve(carve, max_rows, Source::query_floats_of(kv), Source::value_floats_of(kv));
+      Source src(kv, b, h, max_rows, carve);
+      Index end = 0;  // queries without positions end at the sequence's context end (its heads' largest)
       if (!queries.positions)
         for (Index hh = 0; hh < kv.kv_heads; ++hh)
           end = std::max(end, kv.head(b, hh).end_position);
-      Index const* pos = kv.at<Index>(hd.positions);
-      std::int32_t const* perm = kv.at<std::int32_t>(hd.k_perm);
-      detail::PackedKSegment seg[3];
-      for (int k = 0; k < 3; ++k)
-        seg[k] = {kv.at<std::uint8_t>(hd.k_codes[k]), packed_bytes(hd.k_count[k], segment_bits(k)), hd.k_begin(k),
-                  segment_bits(k)};
-      half const* k_raw = kv.at<half>(hd.k_raw);
-      Index const raw_q0 = hd.k_begin(3), raw_count = hd.k_count[3];
-      Index const kg = kv.quant.k_group > 0 ? kv.quant.k_group : std::max<Index>(n, 1);
-      Index const n_pad = detail::round_lanes(n);
-
-      for (Index r0 = 0; r0 < total_rows; r0 += max_rows) {
-        Index const rows = std::min(max_rows, total_rows - r0);
-        // 1. Rows r0.. of the group: query head h·g + row / n, query row % n; fp32, scaled, in packed order.
-        Index q_min = std::numeric_limits<Index>::max();
-        for (Index r = 0; r < rows; ++r) {
-          Index const hq = h * group + (r0 + r) / q.tokens, i = (r0 + r) % q.tokens;
-          auto const* src = queries.rows.row(b, hq, i);
-          for (Index c = 0; c < channels; ++c)
-            qp[r * qf + c] = perm[c] >= 0 ? scale * to_float(src[perm[c]]) : 0.0f;
-          q_pos[r] = queries.positions ? queries.positions[b * q.tokens + i] : end - q.tokens + i;
-          q_min = std::min(q_min, q_pos[r]);
-        }
-        // 2. Logits, per K token group.
-        for (Index t0 = 0; t0 < n; t0 += kg) {
-          Index const t1 = std::min(n, t0 + kg), g = t0 / kg;
-          for (int k = 0; k < 3; ++k) {
-            Index const cnt = hd.k_count[k], c0 = hd.k_begin(k);
-            detail::affine_params(kv.at<QuantParams>(hd.k_params[k]) + g * cnt, cnt, zp, wide, ka + c0, kc + c0);
-          }
-          Index const quantised = hd.k_begin(3);
-          for (Index r = 0; r < rows; ++r) {
-            float* qar = qa + r * qf;
-            float const* qpr = qp + r * qf;
-            detail::scale_into(qar, qpr, ka, quantised);
-            for (Index i = 0; i < raw_count; ++i)
-              qar[raw_q0 + i] = qpr[raw_q0 + i];
-            float lanes[detail::reduce_lanes] = {};  // Σ_i q_i c_i in 16 lanes (vectorised, fixed order)
-            Index const full = quantised - quantised % detail::reduce_lanes;
-            for (Index i = 0; i < full; i += detail::reduce_lanes)
-              for (Index j = 0; j < detail::reduce_lanes; ++j)
-                lanes[j] += qpr[i + j] * kc[i + j];
-            for (Index i = full; i < quantised; ++i)
-              lanes[i % detail::reduce_lanes] += qpr[i] * kc[i];
-            for (Index width = detail::reduce_lanes / 2; width > 0; width /= 2)
-              for (Index j = 0; j < width; ++j)
-                lanes[j] += lanes[j + width];
-            kbias[r] = lanes[0];
-          }
-          Index r = 0;
-          for (; r + rg <= rows; r += rg)
-            detail::packed_logits<rg>(qa + r * qf, qf, kbias + r, seg, k_raw, raw_count, raw_q0, t0, t1, s + r * lf,
-                                      lf);
-          for (; r < rows; ++r)
-            detail::packed_logits<1>(qa + r * qf, qf, kbias + r, seg, k_raw, raw_count, raw_q0, t0, t1, s + r * lf, lf);
-        }
-        // 3. Mask (packed order is not position order: per token, unless every row is past the head's end), pad
-        // to whole lanes with -inf, max, weights, denominator.
-        bool const masked = op.attention.causal && n > 0 && q_min < hd.end_position - 1;
-        for (Index r = 0; r < rows; ++r) {
-          float* sr = s + r * lf;
-          if (masked)
-            for (Index t = 0; t < n; ++t)
-              sr[t] = pos[t] <= q_pos[r] ? sr[t] : neg_inf;
-          std::fill(sr + n, sr + n_pad, neg_inf);
-          float lanes[detail::reduce_lanes];
-          std::fill(lanes, lanes + detail::reduce_lanes, neg_inf);
-          for (Index t = 0; t < n_pad; t += detail::reduce_lanes)
-            for (Index j = 0; j < detail::reduce_lanes; ++j)
-              lanes[j] = lanes[j] < sr[t + j] ? sr[t + j] : lanes[j];
-          float peak = neg_inf;
-          for (Index j = 0; j < detail::reduce_lanes; ++j)
-            peak = peak < lanes[j] ? lanes[j] : peak;
-          m[r] = peak;
-          if (peak == neg_inf) {  // nothing visible: zero weights, l = 0
-            std::fill(sr, sr + n_pad, 0.0f);
-            l[r] = 0.0f;
-            continue;
-          }
-          for (Index t = 0; t < n_pad; ++t)
-            sr[t] = detail::exp_nonpositive(sr[t] - peak);
-          std::fill(lanes, lanes + detail::reduce_lanes, 0.0f);
-          for (Index t = 0; t < n_pad; t += detail::reduce_lanes)
-            for (Index j = 0; j < detail::reduce_lanes; ++j)
-              lanes[j] += sr[t + j];
-          for (Index width = detail::reduce_lanes / 2; width > 0; width /= 2)
-            for (Index j = 0; j < width; ++j)
-              lanes[j] += lanes[j + width];
-          l[r] = lanes[0];
-        }
-        // 4. Values.
-        std::fill(o, o + rows * of, 0.0f);
-        std::fill(vbias_lanes, vbias_lanes + rows * v_groups * detail::reduce_lanes, 0.0f);
-        Index const gsize = kv.quant.v_group > 0 ? kv.quant.v_group : std::max<Index>(dv, 1);
-        for (int k = 0; k < 3; ++k) {
-          Index const v0 = hd.v_begin(k);
-          int const bits = segment_bits(k);
-          Index const row_bytes = kv.v_row_bytes(k), per = 8 / bits, vg = kv.quant.v_group;
-          std::uint8_t const* codes = kv.at<std::uint8_t>(hd.v_codes[k]);
-          QuantParams const* params = kv.at<QuantParams>(hd.v_params[k]);
-          bool const fast = row_bytes % detail::reduce_lanes == 0 && (vg == 0 || vg % detail::reduce_lanes == 0);
-          unsigned const mask = (1u << static_cast<unsigned>(bits)) - 1u;
-          for (Index t0 = 0; t0 < hd.v_count[k]; t0 += tile) {
-            Index const tn = std::min(tile, hd.v_count[k] - t0);
-            std::uint8_t const* tcodes = codes + t0 * row_bytes;
-            detail::affine_pairs(params + t0 * v_groups, tn * v_groups, zp, wide);  // (a, c) per (token, group)
-            if (fast) {
-              // The per-group bias Σ_t p_t c_{t,g} (16 lanes over the tile's tokens), then the weighted codes.
-              for (Index t = 0; t < tn; ++t)
-                for (Index g = 0; g < v_groups; ++g)
-                  vct[g * tile + t] = wide[2 * (t * v_groups + g) + 1];
-              for (Index r = 0; r < rows; ++r) {
-                float const* p = s + r * lf + v0 + t0;
-                for (Index g = 0; g < v_groups; ++g) {
-                  float const* cg = vct + g * tile;
-                  float* acc = vbias_lanes + (r * v_groups + g) * detail::reduce_lanes;
-                  float lanes[detail::reduce_lanes];  // local: the workspace copy may alias p and cg
-                  std::copy(acc, acc + detail::reduce_lanes, lanes);
-                  Index const full = tn - tn % detail::reduce_lanes;
-                  for (Index t = 0; t < full; t += detail::reduce_lanes)
-                    for (Index j = 0; j < detail::reduce_lanes; ++j)
-                      lanes[j] += p[t + j] * cg[t + j];
-                  for (Index t = full; t < tn; ++t)
-                    lanes[t % detail::reduce_lanes] += p[t] * cg[t];
-                  std::copy(lanes, lanes + detail::reduce_lanes, acc);
-                }
-              }
-              auto run_fast = [&](auto rg_tag, Index r) {
-                constexpr Index RG = decltype(rg_tag)::value;
-                float const* p = s + r * lf + v0 + t0;
-                float* orow = o + r * of;
-                if (per == 4)
-                  detail::packed_values_fast<RG, 4>(p, lf, wide, tcodes, row_bytes, v_groups, vg, tn, bits, orow, of);
-                else if (per == 2)
-                  detail::packed_values_fast<RG, 2>(p, lf, wide, tcodes, row_bytes, v_groups, vg, tn, bits, orow, of);
-                else
-                  detail::packed_values_fast<RG, 1>(p, lf, wide, tcodes, row_bytes, v_groups, vg, tn, bits, orow, of);
-              };
-              Index r = 0;
-              for (; r + rg <= rows; r += rg)
-                run_fast(std::integral_constant<Index, rg>{}, r);
-              for (; r < rows; ++r)
-                run_fast(std::integral_constant<Index, 1>{}, r);
-            } else {
-              // Any layout: dequantise each code (x̂ = code a + c, as kvc::dequantize) and weight it.
-              for (Index t = 0; t < tn; ++t) {
-                std::uint8_t const* row = tcodes + t * row_bytes;
-                for (Index j = 0; j < per; ++j)
-                  for (Index i = 0; i < row_bytes; ++i) {
-                    Index const c = j * row_bytes + i;
-                    if (c >= dv)
-                      break;
-                    Index const g = t * v_groups + c / gsize;
-                    float const x = static_cast<float>((row[i] >> (j * bits)) & mask) * wide[2 * g] + wide[2 * g + 1];
-                    for (Index r = 0; r < rows; ++r)
-                      o[r * of + c] += s[r * lf + v0 + t0 + t] * x;
-                  }
-              }
-            }
-          }
-        }
-        if (hd.v_count[3] > 0) {
-          Index const v0 = hd.v_begin(3);
-          half const* raw = kv.at<half>(hd.v_raw);
-          for (Index t0 = 0; t0 < hd.v_count[3]; t0 += tile) {
-            Index const tn = std::min(tile, hd.v_count[3] - t0);
-            Index r = 0;
-            for (; r + rg <= rows; r += rg)
-              detail::packed_values_raw<rg>(s + r * lf + v0 + t0, lf, raw + t0 * dv, dv, tn, o + r * of, of);
-            for (; r < rows; ++r)
-              detail::packed_values_raw<1>(s + r * lf + v0 + t0, lf, raw + t0 * dv, dv, tn, o + r * of, of);
-          }
-        }
-        for (Index i = 0; i < rows * v_groups; ++i) {  // the biases' lanes by detail::dot's tree
-          float* lanes = vbias_lanes + i * detail::reduce_lanes;
-          for (Index width = detail::reduce_lanes / 2; width > 0; width /= 2)
-            for (Index j = 0; j < width; ++j)
-              lanes[j] += lanes[j + width];
-          vbias[i] = lanes[0];
-        }
-        for (Index r = 0; r < rows; ++r) {
-          Index const hq = h * group + (r0 + r) / q.tokens, i = (r0 + r) % q.tokens;
-          Index const at = (b * q.heads + hq) * q.tokens + i;
-          float* dst = out.out + at * dv;
-          for (Index c = 0; c < dv; ++c)
-            dst[c] = l[r] > 0 ? (o[r * of + c] + vbias[r * v_groups + c / gsize]) / l[r] : 0.0f;
-          if (out.lse)
-            out.lse[at] = l[r] > 0 ? m[r] + std::log(l[r]) : neg_inf;
-        }
-      }
+      detail::attend_head(src, op.attention, queries, b, h, q.heads / kv.kv_heads, scale, end, max_rows, w, out);
     });
     return {};
   }

@@ -10,11 +10,13 @@
 #include <algorithm>
 #include <bit>
 #include <cmath>
+#include <concepts>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
 #include <limits>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 namespace kvc {
@@ -442,233 +444,323 @@ inline void attend_values_nonzero(float const* p, T const* const* values, S scal
           o[r * dim + c] += w * load(values[j][c], scale);
 }
 
-}  // namespace detail
+/// Per-worker scratch of attend_head for a pass of `rows` query rows: the prepared queries [rows][query_floats],
+/// output accumulators [rows][value_floats], one tile's logits, then weights [rows][attend_tile], the running max and
+/// denominator [rows] each (fp32), and the rows' positions [rows].
+struct AttendScratch {
+  float* q = nullptr;
+  float* o = nullptr;
+  float* s = nullptr;
+  float* m = nullptr;
+  float* l = nullptr;
+  Index* pos = nullptr;
 
-/// FlashAttention-style, one (sequence, KV head) per item. Why: decode reads each K and V byte once per call, so it
-/// is bound by memory, and the g = Hq / Hkv query heads of a GQA group (times n queries) share the KV head. The
-/// previous kernel looped over each query row with two passes (logits, then weighted values) and read K and V 2g
-/// times from memory; this one serves all g·n rows of the group (up to attend_block_rows per pass) in one pass over
-/// the head's valid slots, in tiles of attend_tile slots:
-///  1. the rows are widened to fp32 once and pre-scaled by the logit scale;
-///  2. per tile, the slots' positions are read once (in place where a head's position entries are consecutive): a
-///     tile past every row's position is skipped (nothing of it is visible; its K and V are not read), a tile before
-///     every row's position needs no mask, any other is masked slot by slot against each row's position
-///     (cache.position(b, h, j) <= the query's, the causal contract);
-///  3. logits of all rows from the K tile (attend_logits): each K chunk is read from the cache and widened in
-///     registers once for attend_group rows (no fp32 copy of the tile), while the next tile's K and V rows are
-///     prefetched, so that memory keeps streaming during the arithmetic;
-///  4. online softmax per row: the running max m, denominator l and fp32 output accumulator o are rescaled by
-///     e^(m_old - m_new) when the tile raises the max, and the tile's weights are e^(s - m_new) (exp_shifted);
-///  5. o += weights x V (attend_values), each V chunk widened in registers once for attend_group rows.
-/// At the end o / l is written, and lse = m + ln l (scaled-logit units); a row that saw no slot gets zeros and
-/// lse = -inf. A slot whose logit is NaN or Inf (a non-finite key) is skipped as if masked: the row's softmax runs
-/// over its finite slots, and the tile's values are summed without zero-weight slots (attend_values_nonzero). Every
-/// row's arithmetic (dot lanes, tile boundaries at multiples of attend_tile slots of its head, sum orders) is the same
-/// whatever rows share its pass and whatever the thread count or layout, so two caches holding the same tokens give
-/// bit-identical outputs. The layout only enters through cache.keys.row(b, h, t): a tile's rows need not be contiguous
-/// with each other (paged, per-head paged, ragged and strided caches alike).
-template <>
-struct Kernel<Attention, Cpu> {
-  /// Query rows of one pass: g·n, capped at attend_block_rows (0 for shapes attend() will reject).
-  static Index block_rows(KVExtents const& q, KVExtents const& k) noexcept {
-    Index const group = k.heads > 0 ? q.heads / k.heads : 0;
-    Index const rows = group > 0 && q.tokens > 0 ? group * std::min(q.tokens, detail::attend_block_rows) : 0;
-    return std::min(rows, detail::attend_block_rows);
-  }
-  /// Per worker, per query row of a pass: its fp32 query, output accumulator, tile weights, running max, denominator
-  /// and position.
-  static std::size_t worker_bytes(Index rows, Index dk, Index dv) {
-    constexpr Index tile = detail::attend_tile;
-    return bytes_sum(workspace_round(bytes_product(rows, dk, sizeof(float))),
-                     workspace_round(bytes_product(rows, dv, sizeof(float))),
-                     workspace_round(bytes_product(rows, tile, sizeof(float))),
+  static std::size_t bytes(Index rows, Index query_floats, Index value_floats) {
+    return bytes_sum(workspace_round(bytes_product(rows, query_floats, sizeof(float))),
+                     workspace_round(bytes_product(rows, value_floats, sizeof(float))),
+                     workspace_round(bytes_product(rows, attend_tile, sizeof(float))),
                      workspace_round(bytes_product(2, rows, sizeof(float))),
                      workspace_round(bytes_product(rows, sizeof(Index))));
   }
-  template <class Q, KVCacheView C>
-  static std::size_t workspace_bytes(Cpu const& cpu, Attention const&, Q const& queries, C const& cache) {
-    return bytes_product(cpu.workers(), worker_bytes(block_rows(queries.rows.extents(), cache.keys.extents()),
-                                                     cache.keys.extents().dim, cache.values.extents().dim));
+  static AttendScratch carve(WorkspaceCarver& carve, Index rows, Index query_floats, Index value_floats) noexcept {
+    AttendScratch w;
+    w.q = carve.take<float>(rows * query_floats);
+    w.o = carve.take<float>(rows * value_floats);
+    w.s = carve.take<float>(rows * attend_tile);
+    w.m = carve.take<float>(2 * rows);
+    w.l = w.m + rows;
+    w.pos = carve.take<Index>(rows);
+    return w;
+  }
+};
+
+/// What attend_head reads of one (sequence, KV head): its tokens, in tiles of at most attend_tile consecutive tokens
+/// (t0 a multiple of attend_tile). Two sources implement it: CacheSource (a KV view of any layout and accessor: fp32,
+/// fp16, bf16, fp8 with scales) and the packed store of RDKV and KIVI (backend/cpu/attention/packed.hpp), so the
+/// softmax, the causal mask, non-finite handling, GQA row blocks and the output are written once for both.
+///  - prepare(dst, src, scale): one query row of d_k elements into query_floats() fp32 values, times the logit scale
+///    (the source's own channel order; a packed store permutes and prunes);
+///  - rows_ready(): the pass's prepared rows are in place (a source may derive per-pass data from them);
+///  - positions(t0, tn, scratch): the tile's positions (in place or written to scratch [attend_tile]);
+///  - logits(q, rows, t0, tn, s): s[r * attend_tile + j] = <q_r, k_{t0 + j}> for the pass's rows;
+///  - values(p, rows, t0, tn, skipped, o): o[r * value_floats() + c] += sum_j p[r * attend_tile + j] v_{t0 + j}[c],
+///    leaving out slots of weight 0 when `skipped` (a tile with a non-finite logit: 0 x NaN would still be NaN).
+/// logits and values are called for the same tile in turn, tiles in ascending order, tiles no row sees left out.
+template <class S>
+concept AttendSource = requires(S& src, S const& c, float* f, float const* cf, Index i, Index* ip, bool flag) {
+  { c.tokens() } -> std::same_as<Index>;
+  { c.query_floats() } -> std::same_as<Index>;
+  { c.value_floats() } -> std::same_as<Index>;
+  { c.value_dim() } -> std::same_as<Index>;
+  src.rows_ready();
+  { c.positions(i, i, ip) } -> std::same_as<Index const*>;
+  src.logits(cf, i, i, i, f);
+  src.values(cf, i, i, i, flag, f);
+};
+
+/// The tokens of head (b, h) of a KV view (any layout, any accessor) as attend_head reads them: row pointers per tile,
+/// double-buffered so that the logits of tile t ask for the cache lines of tile t + 1 while they compute.
+template <KVCacheView C>
+class CacheSource {
+ public:
+  using KT = typename C::keys_type::value_type;
+  using VT = typename C::values_type::value_type;
+
+  CacheSource(C const& cache, Index b, Index h) noexcept
+      : cache_(cache),
+        b_(b),
+        h_(h),
+        n_(cache.length(b, h)),
+        // Prepared once per head for the lanes (E4M3's 2^8 folded in, the overflow check out of the loops).
+        k_scale_(lane_scale<KT>(cache.keys.scale(b, h))),
+        v_scale_(lane_scale<VT>(cache.values.scale(b, h))) {}
+
+  Index tokens() const noexcept { return n_; }
+  Index query_floats() const noexcept { return cache_.keys.extents().dim; }
+  Index value_floats() const noexcept { return cache_.values.extents().dim; }
+  Index value_dim() const noexcept { return cache_.values.extents().dim; }
+
+  template <class T>
+  void prepare(float* dst, T const* src, float scale) const noexcept {
+    Index const dk = query_floats();
+    for (Index c = 0; c < dk; ++c)
+      dst[c] = scale * to_float(src[c]);
+  }
+  void rows_ready() noexcept {}
+
+  /// Positions of a head's slots t0, t0 + 1, ... are consecutive entries for every layout but the per-head paged one
+  /// (KVCache::position_slot: [batch, heads, tokens] or a ragged row number): read in place there (a vectorised
+  /// min/max follows).
+  Index const* positions(Index t0, Index tn, Index* scratch) const noexcept {
+    using KL = typename C::keys_type::layout_type;
+    constexpr bool contiguous = std::is_same_v<KL, RaggedLayout> || !requires(KL const& lay) {
+      lay.slot(0, 0, 0);
+    };
+    if (cache_.positions && contiguous)
+      return cache_.positions + cache_.position_slot(b_, h_, t0);
+    for (Index j = 0; j < tn; ++j)
+      scratch[j] = cache_.position(b_, h_, t0 + j);
+    return scratch;
   }
 
-  /// Rows t0 + j (j < n) of head (b, h) of K and V. Strided and ragged rows are evenly spaced within a head, so
-  /// their pointers are the first plus j rows; other layouts (paged) map every slot.
-  template <KVCacheView C, class KT, class VT>
-  static void tile_rows(C const& cache, Index b, Index h, Index t0, Index n, KT const** keys, VT const** values) {
+  /// attend_logits, attend_group rows per read of a key chunk; the first group asks for the next tile's K and V rows,
+  /// slot by slot, so that memory keeps streaming while this tile computes.
+  void logits(float const* q, Index rows, Index t0, Index tn, float* s) noexcept {
+    Index const cur = (t0 / attend_tile) % 2, next = 1 - cur, dk = query_floats();
+    if (filled_[cur] != t0) {
+      tile_rows(t0, tn, key_rows_[cur], value_rows_[cur]);
+      filled_[cur] = t0;
+    }
+    TileAhead<KT, VT> ahead{key_rows_[next], value_rows_[next], std::min(attend_tile, n_ - t0 - attend_tile),
+                            dk * Index{sizeof(KT)}, value_dim() * Index{sizeof(VT)}};
+    tile_rows(t0 + attend_tile, ahead.n, key_rows_[next], value_rows_[next]);
+    filled_[next] = t0 + attend_tile;
+    Index r = 0;
+    for (; r + attend_group <= rows; r += attend_group, ahead.n = 0)
+      attend_logits<attend_group>(q + r * dk, dk, key_rows_[cur], k_scale_, tn, s + r * attend_tile, ahead);
+    for (; r < rows; ++r, ahead.n = 0)
+      attend_logits<1>(q + r * dk, dk, key_rows_[cur], k_scale_, tn, s + r * attend_tile, ahead);
+  }
+
+  /// attend_values, attend_group rows per read of a value chunk (attend_values_nonzero for a skipped tile).
+  void values(float const* p, Index rows, Index t0, Index tn, bool skipped, float* o) const noexcept {
+    VT const* const* v = value_rows_[(t0 / attend_tile) % 2];
+    Index const dv = value_dim();
+    if (skipped) [[unlikely]] {
+      attend_values_nonzero(p, v, v_scale_, tn, dv, o, rows);
+      return;
+    }
+    Index r = 0;
+    for (; r + attend_group <= rows; r += attend_group)
+      attend_values<attend_group>(p + r * attend_tile, v, v_scale_, tn, dv, o + r * dv);
+    for (; r < rows; ++r)
+      attend_values<1>(p + r * attend_tile, v, v_scale_, tn, dv, o + r * dv);
+  }
+
+ private:
+  /// Rows t0 + j (j < n) of the head's K and V. Strided and ragged rows are evenly spaced within a head, so their
+  /// pointers are the first plus j rows; other layouts (paged) map every slot.
+  void tile_rows(Index t0, Index n, KT const** keys, VT const** values) const noexcept {
     using KL = typename C::keys_type::layout_type;
     using VL = typename C::values_type::layout_type;
     if constexpr ((std::is_same_v<KL, StridedLayout> || std::is_same_v<KL, RaggedLayout>)&&(
                       std::is_same_v<VL, StridedLayout> || std::is_same_v<VL, RaggedLayout>)) {
       if (n <= 0)
         return;
-      KT const* k0 = cache.keys.row(b, h, t0);
-      VT const* v0 = cache.values.row(b, h, t0);
-      Index const ks = cache.keys.layout().stride_t, vs = cache.values.layout().stride_t;
+      KT const* k0 = cache_.keys.row(b_, h_, t0);
+      VT const* v0 = cache_.values.row(b_, h_, t0);
+      Index const ks = cache_.keys.layout().stride_t, vs = cache_.values.layout().stride_t;
       for (Index j = 0; j < n; ++j) {
         keys[j] = k0 + j * ks;
         values[j] = v0 + j * vs;
       }
     } else {
       for (Index j = 0; j < n; ++j) {
-        keys[j] = cache.keys.row(b, h, t0 + j);
-        values[j] = cache.values.row(b, h, t0 + j);
+        keys[j] = cache_.keys.row(b_, h_, t0 + j);
+        values[j] = cache_.values.row(b_, h_, t0 + j);
       }
     }
+  }
+
+  C const& cache_;
+  Index b_, h_, n_;
+  decltype(lane_scale<KT>(std::declval<C const&>().keys.scale(0, 0))) k_scale_;
+  decltype(lane_scale<VT>(std::declval<C const&>().values.scale(0, 0))) v_scale_;
+  // The tile's row pointers live in the source (on the worker's stack: no aliasing with the cache's tables).
+  KT const* key_rows_[2][attend_tile];
+  VT const* value_rows_[2][attend_tile];
+  Index filled_[2] = {-1, -1};  // the first slot of the tile each buffer holds
+};
+
+/// Attention of the query rows of KV head h's GQA group (query head h·g + r / n, row r % n) over `src`'s tokens,
+/// FlashAttention-style. Why: decode reads each K and V byte once per call, so it is bound by memory, and the
+/// g = Hq / Hkv query heads of a GQA group (times n queries) share the KV head. One pass over the head's tokens
+/// serves up to `max_rows` rows, in tiles of attend_tile tokens:
+///  1. the rows are prepared once (fp32, pre-scaled by the logit scale: Source::prepare);
+///  2. per tile, the tokens' positions are read once: a tile past every row's position is skipped (nothing of it is
+///     visible; its K and V are not read), a tile before every row's position needs no mask, any other is masked slot
+///     by slot against each row's position (position <= the query's, the causal contract);
+///  3. logits of all rows (Source::logits);
+///  4. online softmax per row: the running max m, denominator l and fp32 output accumulator o are rescaled by
+///     e^(m_old - m_new) when the tile raises the max, and the tile's weights are e^(s - m_new) (exp_shifted);
+///  5. o += weights x V (Source::values).
+/// At the end o / l is written, and lse = m + ln l (scaled-logit units); a row that saw no slot gets zeros and
+/// lse = -inf. A slot whose logit is NaN or Inf (a non-finite key) is skipped as if masked: the row's softmax runs
+/// over its finite slots, and the tile's values are summed without zero-weight slots. Every row's arithmetic (tile
+/// boundaries at multiples of attend_tile tokens of its head, sum orders) is the same whatever rows share its pass and
+/// whatever the thread count, given the source's own arithmetic per row is. `end`: the context end that queries
+/// without positions are placed before (query i of n at end - n + i).
+template <AttendSource Source, class Q>
+void attend_head(Source& src, Attention const& op, Q const& queries, Index b, Index h, Index group, float scale,
+                 Index end, Index max_rows, AttendScratch const& w, AttendOutput<HostSpace> out) noexcept {
+  constexpr Index tile = attend_tile;
+  constexpr float neg_inf = -std::numeric_limits<float>::infinity();
+  KVExtents const q = queries.rows.extents();
+  Index const n = src.tokens(), qf = src.query_floats(), of = src.value_floats(), dv = src.value_dim();
+  Index const total_rows = group * q.tokens;
+  for (Index r0 = 0; r0 < total_rows; r0 += max_rows) {
+    Index const rows = std::min(max_rows, total_rows - r0);
+    // 1. Rows r0.. of the group.
+    Index q_min = std::numeric_limits<Index>::max(), q_max = std::numeric_limits<Index>::min();
+    for (Index r = 0; r < rows; ++r) {
+      Index const hq = h * group + (r0 + r) / q.tokens, i = (r0 + r) % q.tokens;
+      src.prepare(w.q + r * qf, queries.rows.row(b, hq, i), scale);
+      w.pos[r] = queries.positions ? queries.positions[b * q.tokens + i] : end - q.tokens + i;
+      q_min = std::min(q_min, w.pos[r]);
+      q_max = std::max(q_max, w.pos[r]);
+      w.m[r] = neg_inf;
+      w.l[r] = 0.0f;
+    }
+    src.rows_ready();
+    std::fill(w.o, w.o + rows * of, 0.0f);
+
+    Index slot_pos[tile];
+    for (Index t0 = 0; t0 < n; t0 += tile) {
+      Index const tn = std::min(tile, n - t0);
+      // 2. Positions: skip a tile no row sees, mask one that only some rows see in part.
+      bool masked = false;
+      Index const* tile_pos = nullptr;
+      if (op.causal) {
+        tile_pos = src.positions(t0, tn, slot_pos);
+        Index p_min = tile_pos[0], p_max = tile_pos[0];
+        for (Index j = 1; j < tn; ++j) {
+          p_min = std::min(p_min, tile_pos[j]);
+          p_max = std::max(p_max, tile_pos[j]);
+        }
+        if (p_min > q_max)
+          continue;
+        masked = p_max > q_min;
+      }
+      // 3. Logits.
+      src.logits(w.q, rows, t0, tn, w.s);
+      // 4. Online softmax: skip non-finite logits, mask, pad the tile to its full width with -inf, rescale,
+      // exponentiate. A NaN or Inf logit (a non-finite key) is skipped like a masked slot, so one bad token leaves
+      // the softmax over the others instead of turning the whole row into NaN.
+      bool skipped = false;
+      for (Index r = 0; r < rows; ++r) {
+        float* sr = w.s + r * tile;
+        unsigned bad = 0;
+        for (Index j = 0; j < tn; ++j) {  // |x| <= FLT_MAX is false for NaN and +-Inf; vectorises
+          bool const finite = std::abs(sr[j]) <= std::numeric_limits<float>::max();
+          bad |= finite ? 0u : 1u;
+          sr[j] = finite ? sr[j] : neg_inf;
+        }
+        skipped = skipped || bad != 0;
+        if (masked)
+          for (Index j = 0; j < tn; ++j)
+            sr[j] = tile_pos[j] <= w.pos[r] ? sr[j] : neg_inf;
+        std::fill(sr + tn, sr + tile, neg_inf);
+        float const peak = std::max(w.m[r], tile_max(sr));
+        if (peak == neg_inf) {  // nothing visible to this row yet: zero weights
+          std::fill(sr, sr + tile, 0.0f);
+          continue;
+        }
+        if (w.m[r] < peak && w.m[r] > neg_inf) {  // the max grew: rescale what was accumulated
+          float const alpha = exp_nonpositive(w.m[r] - peak);
+          w.l[r] *= alpha;
+          for (Index c = 0; c < of; ++c)
+            w.o[r * of + c] *= alpha;
+        }
+        w.m[r] = peak;
+        exp_shifted(sr, peak);
+        w.l[r] += tile_sum(sr);
+      }
+      // 5. o += weights x V.
+      src.values(w.s, rows, t0, tn, skipped, w.o);
+    }
+
+    for (Index r = 0; r < rows; ++r) {
+      Index const hq = h * group + (r0 + r) / q.tokens, i = (r0 + r) % q.tokens;
+      Index const at = (b * q.heads + hq) * q.tokens + i;
+      float* dst = out.out + at * dv;
+      for (Index c = 0; c < dv; ++c)
+        dst[c] = w.l[r] > 0 ? w.o[r * of + c] / w.l[r] : 0.0f;
+      if (out.lse)
+        out.lse[at] = w.l[r] > 0 ? w.m[r] + std::log(w.l[r]) : neg_inf;
+    }
+  }
+}
+
+/// Query rows one pass over a KV head serves: g·n, capped at attend_block_rows (0 for shapes attention rejects).
+inline Index attend_pass_rows(KVExtents const& q, Index kv_heads) noexcept {
+  Index const group = kv_heads > 0 ? q.heads / kv_heads : 0;
+  Index const rows = group > 0 && q.tokens > 0 ? group * std::min(q.tokens, attend_block_rows) : 0;
+  return std::min(rows, attend_block_rows);
+}
+
+}  // namespace detail
+
+/// One (sequence, KV head) per item: detail::attend_head over a detail::CacheSource. The layout only enters through
+/// cache.keys.row(b, h, t): a tile's rows need not be contiguous with each other (paged, per-head paged, ragged and
+/// strided caches alike), so two caches holding the same tokens give bit-identical outputs.
+template <>
+struct Kernel<Attention, Cpu> {
+  template <class Q, KVCacheView C>
+  static std::size_t workspace_bytes(Cpu const& cpu, Attention const&, Q const& queries, C const& cache) {
+    Index const rows = detail::attend_pass_rows(queries.rows.extents(), cache.keys.extents().heads);
+    return bytes_product(cpu.workers(),
+                         detail::AttendScratch::bytes(rows, cache.keys.extents().dim, cache.values.extents().dim));
   }
 
   template <Element T, KVCacheView C>
   static Status run(Cpu const& cpu, Attention const& op, AttendQueries<T, HostSpace> const& queries, C const& cache,
                     AttendOutput<HostSpace> out, Workspace ws) {
-    using KT = typename C::keys_type::value_type;
-    using VT = typename C::values_type::value_type;
     KVExtents const q = queries.rows.extents(), k = cache.keys.extents();
-    Index const dk = k.dim, dv = cache.values.extents().dim, max_rows = block_rows(q, k);
-    std::size_t const per_worker = worker_bytes(max_rows, dk, dv);
+    Index const dk = k.dim, dv = cache.values.extents().dim, max_rows = detail::attend_pass_rows(q, k.heads);
+    std::size_t const per_worker = detail::AttendScratch::bytes(max_rows, dk, dv);
     auto* base = WorkspaceCarver(ws).take<std::byte>(static_cast<Index>(workspace_bytes(cpu, op, queries, cache)));
     if (base == nullptr)
       return {Errc::out_of_capacity, "kvc::attend: workspace smaller than attend_workspace_bytes()"};
     KVC_RETURN_IF_ERROR(detail::check_lengths(cache.lengths, k.batch, k.heads, k.tokens,
                                               "kvc::attend: every valid length must be in [0, tokens]"));
     float const scale = op.scale > 0 ? op.scale : 1.0f / std::sqrt(static_cast<float>(dk));
-    Index const group = q.heads / k.heads, total_rows = group * q.tokens;
-    constexpr Index tile = detail::attend_tile, rg = detail::attend_group;
-    // Positions of a head's slots t0, t0 + 1, ... are consecutive entries for every layout but the per-head paged
-    // one (KVCache::position_slot: [batch, heads, tokens] or a ragged row number).
-    using KL = typename C::keys_type::layout_type;
-    constexpr bool contiguous_positions = std::is_same_v<KL, RaggedLayout> || !requires(KL const& lay) {
-      lay.slot(0, 0, 0);
-    };
-    constexpr float neg_inf = -std::numeric_limits<float>::infinity();
-
     detail::parallel_for(cpu, k.batch * k.heads, [&](Index item, Index worker) {
-      Index const b = item / k.heads, h = item % k.heads, n = cache.length(b, h);
-      // Prepared once per head for the lanes (E4M3's 2^8 folded in, the overflow check out of the loops).
-      auto const k_scale = detail::lane_scale<typename C::keys_type::value_type>(cache.keys.scale(b, h));
-      auto const v_scale = detail::lane_scale<typename C::values_type::value_type>(cache.values.scale(b, h));
+      Index const b = item / k.heads, h = item % k.heads;
       WorkspaceCarver carve({base + static_cast<std::size_t>(worker) * per_worker, per_worker});
-      float* qs = carve.take<float>(max_rows * dk);
-      float* o = carve.take<float>(max_rows * dv);
-      float* s = carve.take<float>(max_rows * tile);
-      float* m = carve.take<float>(2 * max_rows);
-      float* l = m + max_rows;
-      Index* q_pos = carve.take<Index>(max_rows);
-      Index const end = queries.positions ? 0 : context_end(cache, b);
-
-      for (Index r0 = 0; r0 < total_rows; r0 += max_rows) {
-        Index const rows = std::min(max_rows, total_rows - r0);
-        // 1. Rows r0.. of the group: query head h * g + row / n, query row % n; fp32, pre-scaled.
-        Index q_min = std::numeric_limits<Index>::max(), q_max = std::numeric_limits<Index>::min();
-        for (Index r = 0; r < rows; ++r) {
-          Index const hq = h * group + (r0 + r) / q.tokens, i = (r0 + r) % q.tokens;
-          auto const* src = queries.rows.row(b, hq, i);
-          for (Index c = 0; c < dk; ++c)
-            qs[r * dk + c] = scale * to_float(src[c]);
-          q_pos[r] = queries.positions ? queries.positions[b * q.tokens + i] : end - q.tokens + i;
-          q_min = std::min(q_min, q_pos[r]);
-          q_max = std::max(q_max, q_pos[r]);
-          m[r] = neg_inf;
-          l[r] = 0.0f;
-        }
-        std::fill(o, o + rows * dv, 0.0f);
-
-        // The tile's row pointers and positions live on the stack (no aliasing with the cache's tables). Row
-        // pointers are double-buffered: tile t's are computed while tile t - 1 runs, to prefetch its rows.
-        KT const* key_rows[2][tile];
-        VT const* value_rows[2][tile];
-        Index filled[2] = {-1, -1};  // the first slot of the tile each buffer holds
-        Index slot_pos[tile];
-        for (Index t0 = 0; t0 < n; t0 += tile) {
-          Index const tn = std::min(tile, n - t0);
-          // 2. Positions: skip a tile no row sees, mask one that only some rows see in part.
-          bool masked = false;
-          Index const* tile_pos = slot_pos;
-          if (op.causal) {
-            if (cache.positions && contiguous_positions) {  // read in place: a vectorised min/max
-              tile_pos = cache.positions + cache.position_slot(b, h, t0);
-            } else {
-              for (Index j = 0; j < tn; ++j)
-                slot_pos[j] = cache.position(b, h, t0 + j);
-            }
-            Index p_min = tile_pos[0], p_max = tile_pos[0];
-            for (Index j = 1; j < tn; ++j) {
-              p_min = std::min(p_min, tile_pos[j]);
-              p_max = std::max(p_max, tile_pos[j]);
-            }
-            if (p_min > q_max)
-              continue;
-            masked = p_max > q_min;
-          }
-          Index const cur = (t0 / tile) % 2, next = 1 - cur;
-          if (filled[cur] != t0) {
-            tile_rows(cache, b, h, t0, tn, key_rows[cur], value_rows[cur]);
-            filled[cur] = t0;
-          }
-          // 3. Logits of every row, attend_group rows per read of a key chunk. The first pass asks for the next
-          // tile's K and V rows, slot by slot, so that memory keeps streaming while this tile computes.
-          detail::TileAhead<KT, VT> ahead{key_rows[next], value_rows[next], std::min(tile, n - t0 - tile),
-                                          dk * Index{sizeof(KT)}, dv * Index{sizeof(VT)}};
-          tile_rows(cache, b, h, t0 + tile, ahead.n, key_rows[next], value_rows[next]);
-          filled[next] = t0 + tile;
-          Index r = 0;
-          for (; r + rg <= rows; r += rg, ahead.n = 0)
-            detail::attend_logits<rg>(qs + r * dk, dk, key_rows[cur], k_scale, tn, s + r * tile, ahead);
-          for (; r < rows; ++r, ahead.n = 0)
-            detail::attend_logits<1>(qs + r * dk, dk, key_rows[cur], k_scale, tn, s + r * tile, ahead);
-          // 4. Online softmax: skip non-finite logits, mask, pad the tile to its full width with -inf, rescale,
-          // exponentiate. A NaN or Inf logit (a non-finite key) is skipped like a masked slot, so one bad token
-          // leaves the softmax over the others instead of turning the whole row into NaN.
-          bool skipped = false;
-          for (r = 0; r < rows; ++r) {
-            float* sr = s + r * tile;
-            unsigned bad = 0;
-            for (Index j = 0; j < tn; ++j) {  // |x| <= FLT_MAX is false for NaN and +-Inf; vectorises
-              bool const finite = std::abs(sr[j]) <= std::numeric_limits<float>::max();
-              bad |= finite ? 0u : 1u;
-              sr[j] = finite ? sr[j] : neg_inf;
-            }
-            skipped = skipped || bad != 0;
-            if (masked)
-              for (Index j = 0; j < tn; ++j)
-                sr[j] = tile_pos[j] <= q_pos[r] ? sr[j] : neg_inf;
-            std::fill(sr + tn, sr + tile, neg_inf);
-            float const peak = std::max(m[r], detail::tile_max(sr));
-            if (peak == neg_inf) {  // nothing visible to this row yet: zero weights
-              std::fill(sr, sr + tile, 0.0f);
-              continue;
-            }
-            if (m[r] < peak && m[r] > neg_inf) {  // the max grew: rescale what was accumulated
-              float const alpha = detail::exp_nonpositive(m[r] - peak);
-              l[r] *= alpha;
-              for (Index c = 0; c < dv; ++c)
-                o[r * dv + c] *= alpha;
-            }
-            m[r] = peak;
-            detail::exp_shifted(sr, peak);
-            l[r] += detail::tile_sum(sr);
-          }
-          // 5. o += weights x V, attend_group rows per read of a value chunk. A tile with a skipped slot takes the
-          // scalar path that leaves out zero weights: the skipped token's value is usually as bad as its key, and
-          // 0 x NaN would still be NaN.
-          if (skipped) [[unlikely]] {
-            detail::attend_values_nonzero(s, value_rows[cur], v_scale, tn, dv, o, rows);
-          } else {
-            for (r = 0; r + rg <= rows; r += rg)
-              detail::attend_values<rg>(s + r * tile, value_rows[cur], v_scale, tn, dv, o + r * dv);
-            for (; r < rows; ++r)
-              detail::attend_values<1>(s + r * tile, value_rows[cur], v_scale, tn, dv, o + r * dv);
-          }
-        }
-
-        for (Index r = 0; r < rows; ++r) {
-          Index const hq = h * group + (r0 + r) / q.tokens, i = (r0 + r) % q.tokens;
-          Index const at = (b * q.heads + hq) * q.tokens + i;
-          float* dst = out.out + at * dv;
-          for (Index c = 0; c < dv; ++c)
-            dst[c] = l[r] > 0 ? o[r * dv + c] / l[r] : 0.0f;
-          if (out.lse)
-            out.lse[at] = l[r] > 0 ? m[r] + std::log(l[r]) : neg_inf;
-        }
-      }
+      detail::AttendScratch const w = detail::AttendScratch::carve(carve, max_rows, dk, dv);
+      detail::CacheSource<C> src(cache, b, h);
+      detail::attend_head(src, op, queries, b, h, q.heads / k.heads, scale,
+                          queries.positions ? 0 : context_end(cache, b), max_rows, w, out);
     });
     return {};
   }
