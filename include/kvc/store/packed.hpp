@@ -102,8 +102,8 @@ struct PackedHead {
 };
 
 /// A packed layer as kernels read it: non-owning, in memory space `Space` (arena and descriptors both there).
-/// `dim` is d_k (the queries' and k_perm's channel space), `value_dim` d_v; `max_tokens` is the largest T_eff of any
-/// head (workspace sizes come from it without reading the descriptors, which may live on a device).
+/// `dim` is d_k (the queries' and k_perm's channel space), `value_dim` d_v; `max_tokens` bounds every head's T_eff
+/// (what a descriptor may claim: the CPU kernel checks the host descriptors against it).
 template <class Space = HostSpace>
 struct PackedKVView {
   using memory_space = Space;
@@ -134,6 +134,14 @@ struct PackedKVView {
   }
   /// An upper bound of any head's packed K channels: d_k plus the pads of the 2- and 4-bit segments.
   KVC_HOST_DEVICE constexpr Index max_k_channels() const noexcept { return dim + 4; }
+  /// Sequence b's context end: 1 + its largest stored position over its heads (0 when all are empty). Queries without
+  /// positions sit just before it, as kvc::context_end places them for a cache.
+  KVC_HOST_DEVICE constexpr Index context_end(Index b) const noexcept {
+    Index end = 0;
+    for (Index h = 0; h < kv_heads; ++h)
+      end = head(b, h).end_position > end ? head(b, h).end_position : end;
+    return end;
+  }
 };
 
 namespace detail {

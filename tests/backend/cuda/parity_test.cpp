@@ -1914,10 +1914,10 @@ TEST_CASE("cuda: packed attention matches the CPU (bit mixes, evictions, pruned 
         }
 }
 
-TEST_CASE("cuda: packed attention with K groups longer than a 256-token chunk (300 and 384, 700 tokens, d = 128)",
+TEST_CASE("cuda: packed attention with K groups spanning many chunks of 32 tokens (300 and 384, 700 tokens, d = 128)",
           "[cuda][attention][rdkv]") {
-  // A chunk of 256 tokens that starts in one group and ends in the next (group 300: tokens 256-511) needs both
-  // groups' scaled queries and biases staged (the device once staged only the first: wrong logits past it).
+  // Groups that end inside a warp's chunk of 32 tokens (group 300: tokens 288-319), so one chunk reads two groups'
+  // parameters (the previous kernel staged a 256-token chunk's groups and once staged only the first).
   KVC_REQUIRE_DEVICE();
   std::uint64_t seed = 950;
   for (Index group : {Index{300}, Index{384}})

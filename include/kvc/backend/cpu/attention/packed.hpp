@@ -77,11 +77,14 @@ struct CodeBytes {
   __m512i w;
 };
 KVC_PACKED_INLINE void code_bytes_load(CodeBytes& b, std::uint8_t const* src) noexcept {
-  b.w = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<__m128i const*>(src)));
+  // maskz with a full mask, here and below: the same instructions, without the undefined source operand GCC 12
+  // reports as maybe-uninitialized (an error under -Werror in the engines that include this header).
+  b.w = _mm512_maskz_cvtepu8_epi32(0xffff, _mm_loadu_si128(reinterpret_cast<__m128i const*>(src)));
 }
 KVC_PACKED_INLINE void codes_to_lanes(Lanes& out, CodeBytes const& b, int shift, unsigned mask) noexcept {
-  __m512 const f = _mm512_cvtepi32_ps(
-      _mm512_and_si512(_mm512_srl_epi32(b.w, _mm_cvtsi32_si128(shift)), _mm512_set1_epi32(static_cast<int>(mask))));
+  __m512 const f =
+      _mm512_maskz_cvtepi32_ps(0xffff, _mm512_and_si512(_mm512_maskz_srl_epi32(0xffff, b.w, _mm_cvtsi32_si128(shift)),
+                                                        _mm512_set1_epi32(static_cast<int>(mask))));
   std::memcpy(&out, &f, sizeof out);
 }
 #elif defined(__AVX2__)
@@ -427,19 +430,15 @@ class PackedSource {
   Index const* positions(Index t0, Index, Index*) const noexcept { return pos_ + t0; }
 
   void logits(float const* q, Index rows, Index t0, Index tn, float* s) noexcept {
-    constexpr Index rg = attend_group;
     Index const raw_q0 = hd_.k_begin(3), raw_count = hd_.k_count[3];
     for (Index t = t0; t < t0 + tn;) {
       Index const g = t / kg_, t1 = std::min(t0 + tn, (g + 1) * kg_);
       if (g != staged_)
         stage(q, rows, g);
-      Index r = 0;
-      for (; r + rg <= rows; r += rg)
-        packed_logits<rg>(qa_ + r * qf_, qf_, kbias_ + r, seg_, k_raw_, raw_count, raw_q0, t, t1,
-                          s + r * attend_tile + (t - t0), attend_tile);
-      for (; r < rows; ++r)
-        packed_logits<1>(qa_ + r * qf_, qf_, kbias_ + r, seg_, k_raw_, raw_count, raw_q0, t, t1,
-                         s + r * attend_tile + (t - t0), attend_tile);
+      for_row_groups(rows, [&](auto group, Index r) {
+        packed_logits<decltype(group)::value>(qa_ + r * qf_, qf_, kbias_ + r, seg_, k_raw_, raw_count, raw_q0, t, t1,
+                                              s + r * attend_tile + (t - t0), attend_tile);
+      });
       t = t1;
     }
   }
@@ -467,40 +466,27 @@ class PackedSource {
       scale_into(qar, qr, ka_, quantised);
       for (Index i = 0; i < raw_count; ++i)
         qar[raw_q0 + i] = qr[raw_q0 + i];
-      float lanes[reduce_lanes] = {};
-      Index const full = quantised - quantised % reduce_lanes;
-      for (Index i = 0; i < full; i += reduce_lanes)
-        for (Index j = 0; j < reduce_lanes; ++j)
-          lanes[j] += qr[i + j] * kc_[i + j];
-      for (Index i = full; i < quantised; ++i)
-        lanes[i % reduce_lanes] += qr[i] * kc_[i];
-      for (Index width = reduce_lanes / 2; width > 0; width /= 2)
-        for (Index j = 0; j < width; ++j)
-          lanes[j] += lanes[j + width];
-      kbias_[r] = lanes[0];
+      kbias_[r] = dot(qr, kc_, quantised);
     }
     staged_ = g;
   }
 
   /// o += the weighted values of tokens [u0, u0 + un) of V segment k (weights p, attend_tile per row).
   void segment_values(int k, float const* p, Index rows, Index u0, Index un, bool skipped, float* o) noexcept {
-    constexpr Index rg = attend_group;
     Index const dv = kv_.value_dim;
     if (k == 3) {  // zone B: FP16 rows
       half const* raw = kv_.at<half>(hd_.v_raw) + u0 * dv;
-      Index r = 0;
       if (skipped) [[unlikely]] {
-        for (; r < rows; ++r)
+        for (Index r = 0; r < rows; ++r)
           for (Index t = 0; t < un; ++t)
             if (float const w = p[r * attend_tile + t]; w != 0.0f)
               for (Index c = 0; c < dv; ++c)
                 o[r * of_ + c] += w * to_float(raw[t * dv + c]);
         return;
       }
-      for (; r + rg <= rows; r += rg)
-        packed_values_raw<rg>(p + r * attend_tile, attend_tile, raw, dv, un, o + r * of_, of_);
-      for (; r < rows; ++r)
-        packed_values_raw<1>(p + r * attend_tile, attend_tile, raw, dv, un, o + r * of_, of_);
+      for_row_groups(rows, [&](auto group, Index r) {
+        packed_values_raw<decltype(group)::value>(p + r * attend_tile, attend_tile, raw, dv, un, o + r * of_, of_);
+      });
       return;
     }
     int const bits = segment_bits(k);
@@ -536,23 +522,13 @@ class PackedSource {
     for (Index r = 0; r < rows; ++r) {
       float const* pr = p + r * attend_tile;
       for (Index g = 0; g < v_groups_; ++g) {
-        float const* cg = vct_ + g * attend_tile;
-        float lanes[reduce_lanes] = {};
-        Index const full = un - un % reduce_lanes;
-        for (Index t = 0; t < full; t += reduce_lanes)
-          for (Index j = 0; j < reduce_lanes; ++j)
-            lanes[j] += pr[t + j] * cg[t + j];
-        for (Index t = full; t < un; ++t)
-          lanes[t % reduce_lanes] += pr[t] * cg[t];
-        for (Index width = reduce_lanes / 2; width > 0; width /= 2)
-          for (Index j = 0; j < width; ++j)
-            lanes[j] += lanes[j + width];
+        float const bias = dot(pr, vct_ + g * attend_tile, un);
         for (Index c = g * gsize_; c < std::min(dv, (g + 1) * gsize_); ++c)
-          o[r * of_ + c] += lanes[0];
+          o[r * of_ + c] += bias;
       }
     }
-    auto run_fast = [&](auto rg_tag, Index r) {
-      constexpr Index RG = decltype(rg_tag)::value;
+    for_row_groups(rows, [&](auto group, Index r) {
+      constexpr Index RG = decltype(group)::value;
       float const* pr = p + r * attend_tile;
       float* orow = o + r * of_;
       if (per == 4)
@@ -561,12 +537,7 @@ class PackedSource {
         packed_values_fast<RG, 2>(pr, attend_tile, wide_, codes, row_bytes, v_groups_, vg, un, bits, orow, of_);
       else
         packed_values_fast<RG, 1>(pr, attend_tile, wide_, codes, row_bytes, v_groups_, vg, un, bits, orow, of_);
-    };
-    Index r = 0;
-    for (; r + rg <= rows; r += rg)
-      run_fast(std::integral_constant<Index, rg>{}, r);
-    for (; r < rows; ++r)
-      run_fast(std::integral_constant<Index, 1>{}, r);
+    });
   }
 
   PackedKVView<HostSpace> const& kv_;
@@ -611,7 +582,7 @@ struct Kernel<PackedAttention, Cpu> {
     if (base == nullptr && max_rows > 0)
       return {Errc::out_of_capacity, "kvc::attend_packed: workspace smaller than attend_packed_workspace_bytes()"};
     // The descriptors are read on the host: a view not built by kvc::pack is checked before anything is read
-    // through it (token and channel counts within the workspace's bounds, packable counts, channels in [-1, d_k)).
+    // through it (token and channel counts within the view's bounds, packable counts, channels in [-1, d_k)).
     for (Index i = 0; i < kv.batch * kv.kv_heads; ++i) {
       PackedHead const& hd = kv.heads[i];
       bool bad = hd.tokens < 0 || hd.tokens > kv.max_tokens || hd.k_channels() > kv.max_k_channels() ||
@@ -633,11 +604,8 @@ struct Kernel<PackedAttention, Cpu> {
       detail::AttendScratch const w =
           detail::AttendScratch::carve(carve, max_rows, Source::query_floats_of(kv), Source::value_floats_of(kv));
       Source src(kv, b, h, max_rows, carve);
-      Index end = 0;  // queries without positions end at the sequence's context end (its heads' largest)
-      if (!queries.positions)
-        for (Index hh = 0; hh < kv.kv_heads; ++hh)
-          end = std::max(end, kv.head(b, hh).end_position);
-      detail::attend_head(src, op.attention, queries, b, h, q.heads / kv.kv_heads, scale, end, max_rows, w, out);
+      detail::attend_head(src, op.attention, queries, b, h, q.heads / kv.kv_heads, scale,
+                          queries.positions ? 0 : kv.context_end(b), max_rows, w, out);
     });
     return {};
   }

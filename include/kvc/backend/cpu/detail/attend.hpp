@@ -444,6 +444,18 @@ inline void attend_values_nonzero(float const* p, T const* const* values, S scal
           o[r * dim + c] += w * load(values[j][c], scale);
 }
 
+/// f(std::integral_constant<Index, attend_group>{}, r) for each whole group of attend_group rows from r, then
+/// f(std::integral_constant<Index, 1>{}, r) for each remaining row: how every attention micro-kernel blocks a pass's
+/// rows (a row's arithmetic does not depend on the group it is computed in).
+template <class F>
+inline void for_row_groups(Index rows, F&& f) {
+  Index r = 0;
+  for (; r + attend_group <= rows; r += attend_group)
+    f(std::integral_constant<Index, attend_group>{}, r);
+  for (; r < rows; ++r)
+    f(std::integral_constant<Index, 1>{}, r);
+}
+
 /// Per-worker scratch of attend_head for a pass of `rows` query rows: the prepared queries [rows][query_floats],
 /// output accumulators [rows][value_floats], one tile's logits, then weights [rows][attend_tile], the running max and
 /// denominator [rows] each (fp32), and the rows' positions [rows].
@@ -555,11 +567,10 @@ class CacheSource {
                             dk * Index{sizeof(KT)}, value_dim() * Index{sizeof(VT)}};
     tile_rows(t0 + attend_tile, ahead.n, key_rows_[next], value_rows_[next]);
     filled_[next] = t0 + attend_tile;
-    Index r = 0;
-    for (; r + attend_group <= rows; r += attend_group, ahead.n = 0)
-      attend_logits<attend_group>(q + r * dk, dk, key_rows_[cur], k_scale_, tn, s + r * attend_tile, ahead);
-    for (; r < rows; ++r, ahead.n = 0)
-      attend_logits<1>(q + r * dk, dk, key_rows_[cur], k_scale_, tn, s + r * attend_tile, ahead);
+    for_row_groups(rows, [&](auto group, Index r) {
+      attend_logits<decltype(group)::value>(q + r * dk, dk, key_rows_[cur], k_scale_, tn, s + r * attend_tile, ahead);
+      ahead.n = 0;  // asked for once
+    });
   }
 
   /// attend_values, attend_group rows per read of a value chunk (attend_values_nonzero for a skipped tile).
@@ -570,11 +581,9 @@ class CacheSource {
       attend_values_nonzero(p, v, v_scale_, tn, dv, o, rows);
       return;
     }
-    Index r = 0;
-    for (; r + attend_group <= rows; r += attend_group)
-      attend_values<attend_group>(p + r * attend_tile, v, v_scale_, tn, dv, o + r * dv);
-    for (; r < rows; ++r)
-      attend_values<1>(p + r * attend_tile, v, v_scale_, tn, dv, o + r * dv);
+    for_row_groups(rows, [&](auto group, Index r) {
+      attend_values<decltype(group)::value>(p + r * attend_tile, v, v_scale_, tn, dv, o + r * dv);
+    });
   }
 
  private:

@@ -153,13 +153,7 @@ struct PackedSources {
   __host__ __device__ Index kv_heads() const { return kv.kv_heads; }
   __host__ __device__ Index value_dim() const { return kv.value_dim; }
   __host__ __device__ Index query_floats() const { return kv.max_k_channels(); }
-  /// 1 + the sequence's largest stored position, over its heads (as on the CPU).
-  __device__ Index context_end(Index b) const {
-    Index end = 0;
-    for (Index k = 0; k < kv.kv_heads; ++k)
-      end = kv.head(b, k).end_position > end ? kv.head(b, k).end_position : end;
-    return end;
-  }
+  __device__ Index context_end(Index b) const { return kv.context_end(b); }
   __device__ Head source(Index b, Index h) const {
     Head d{&kv, &kv.head(b, h), {}, {}, 0};
     for (int s = 0; s < packed_segments; ++s) {

@@ -1,7 +1,8 @@
 // SPDX-License-Identifier: Apache-2.0
 // kvc/backend/cuda/detail/attend.cuh: the CUDA attention kernel over any token source (GQA, causal by position,
 // online softmax, fp32 accumulation): KV views of every layout and accessor, and the packed store.
-// Shared: corrected attention builds on it; the public header is kvc/backend/cuda/attention/attend.cuh.
+// Shared: corrected attention builds on it and the packed store is one of its sources; the public header is
+// kvc/backend/cuda/attention/attend.cuh.
 #pragma once
 
 #include <kvc/attention/attend.hpp>
@@ -23,21 +24,20 @@ inline constexpr int attend_max_chunks = 8;  // output channels per lane: d_v <=
 /// the softmax, the causal mask, non-finite handling, GQA and the output are written once for both.
 ///   Sources: kv_heads(), value_dim(), query_floats() (floats per prepared query row, shared memory),
 ///            context_end(b) (where queries without positions end), source(b, h);
-///   source:  tokens(), position(j), prepare(q, row, scale, lane) (the warp writes query_floats() floats: the query
-///            row times the logit scale, in the source's channel order), logit(j, q) (the dot of token j with the
-///            prepared query), value_row(j) (a reader: element c of token j's value row in fp32 by operator()(c)).
+///   source:  tokens(), position(j), prepare(q, row, scale, lane) (the warp writes at most query_floats() floats:
+///            the query row times the logit scale, in the source's channel order), logit(j, q) (the dot of token j
+///            with the prepared query; it reads only what prepare wrote), value_row(j) (a reader: element c of token
+///            j's value row in fp32 by operator()(c)).
 /// The sources of a KV view.
 template <class C>
 struct CacheSources {
-  using KScale = decltype(std::declval<C const&>().keys.scale(0, 0));  // kvc::Unit unless the cache is fp8
-  using VScale = decltype(std::declval<C const&>().values.scale(0, 0));
+  using VScale = decltype(std::declval<C const&>().values.scale(0, 0));  // kvc::Unit unless the cache is fp8
 
   C cache;
 
   struct Head {
     C const& cache;
     Index b, h, n;
-    KScale ks;
     VScale vs;
 
     struct Row {
@@ -53,13 +53,7 @@ struct CacheSources {
       for (Index c = lane; c < cache.keys.extents().dim; c += warp_size)
         q[c] = scale * to_float(row[c]);
     }
-    __device__ float logit(Index j, float const* q) const {
-      auto const* k = cache.keys.row(b, h, j);
-      float dot = 0.0f;
-      for (Index c = 0; c < cache.keys.extents().dim; ++c)
-        dot += q[c] * load(k[c], ks);
-      return dot;
-    }
+    __device__ float logit(Index j, float const* q) const { return key_dot(cache, b, h, j, q); }
     __device__ Row value_row(Index j) const { return {cache.values.row(b, h, j), vs}; }
   };
 
@@ -68,7 +62,7 @@ struct CacheSources {
   __host__ __device__ Index query_floats() const { return cache.keys.extents().dim; }
   __device__ Index context_end(Index b) const { return ::kvc::context_end(cache, b); }
   __device__ Head source(Index b, Index h) const {
-    return {cache, b, h, cache.clamped_length(b, h), cache.keys.scale(b, h), cache.values.scale(b, h)};
+    return {cache, b, h, cache.clamped_length(b, h), cache.values.scale(b, h)};
   }
 };
 

@@ -1,6 +1,6 @@
 // SPDX-License-Identifier: Apache-2.0
 // kvc/backend/cuda/detail/logits.cuh: attention logits of one query row against a head's slots, and their
-// warp-wide log-sum-exp (shared by the attention kernel and the window-attention kernels).
+// warp-wide log-sum-exp (the window-attention kernels; the attention kernel shares key_dot).
 #pragma once
 
 #include <kvc/backend/cuda/config.cuh>
@@ -10,6 +10,17 @@
 
 namespace kvc::backend::cuda {
 
+/// <q, key(b, h, j)> in fp32, channels in order (q: `dim` floats, already widened; the key under its view's scale).
+template <class C>
+__device__ inline float key_dot(C const& cache, Index b, Index h, Index j, float const* q) {
+  auto const* k = cache.keys.row(b, h, j);
+  auto const ks = cache.keys.scale(b, h);  // kvc::Unit (no instruction) unless the cache is fp8
+  float dot = 0.0f;
+  for (Index c = 0; c < cache.keys.extents().dim; ++c)
+    dot += q[c] * load(k[c], ks);
+  return dot;
+}
+
 /// scale * <q, key(b, h, j)> in fp32 (q: `dim` floats, already widened), or -inf when `causal` and the slot's
 /// position is past `q_pos`, or when the logit is not finite (a NaN or Inf key): such a slot is skipped like a masked
 /// one, as on the CPU (docs/api_checks.md), so one bad token neither erases its head nor spreads NaN.
@@ -18,12 +29,7 @@ __device__ inline float slot_logit(C const& cache, Index b, Index h, Index j, fl
                                    bool causal) {
   if (causal && cache.position(b, h, j) > q_pos)
     return -CUDART_INF_F;
-  auto const* k = cache.keys.row(b, h, j);
-  auto const ks = cache.keys.scale(b, h);  // kvc::Unit (no instruction) unless the cache is fp8
-  float dot = 0.0f;
-  for (Index c = 0; c < cache.keys.extents().dim; ++c)
-    dot += q[c] * load(k[c], ks);
-  return detail::finite_logit(scale * dot);
+  return detail::finite_logit(scale * key_dot(cache, b, h, j, q));
 }
 
 /// Warp-wide (every lane gets it): log of the sum over slots [0, n) of exp(slot_logit), max-shifted; -inf when no
