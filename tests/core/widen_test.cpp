@@ -13,6 +13,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <string_view>
 #include <vector>
 
@@ -167,6 +168,77 @@ TEST_CASE("widen: every fp8 byte widens to element.hpp's exact value, and dot an
   };
   check(kvc::float8_e4m3{});
   check(kvc::float8_e5m2{});
+}
+
+TEST_CASE("widen: sum_squares_rows gives each row's sum_squares bit for bit (2, 3 and 4 rows, a NaN in one row)",
+          "[core][widen]") {
+  // Rows of random finite bit patterns (fp16, bf16, E4M3, E5M2; fp32 values) of 16, 45, 128 and 150 elements (whole
+  // blocks and tails), unscaled, scaled (0.3: not a power of two) and scaled past E4M3's folding (2^120: the portable
+  // loop); then row 1 of each set gets a NaN (the carrying path for every row of the pass, without VBMI).
+  std::uint32_t state = 12345u;
+  auto next = [&state] {
+    state = state * 1664525u + 1013904223u;
+    return state >> 8;
+  };
+  auto check = [&](auto tag, auto make, auto nan) {
+    using T = decltype(tag);
+    for (Index const n : {Index{16}, Index{45}, Index{128}, Index{150}})
+      for (int with_nan = 0; with_nan < 2; ++with_nan) {
+        std::vector<T> rows[3];
+        for (auto& row : rows)
+          for (Index i = 0; i < n; ++i)
+            row.push_back(make(next()));
+        if (with_nan)
+          rows[1][static_cast<std::size_t>(n / 2)] = nan;
+        auto same = [&](auto scale) {
+          T const* const two[2] = {rows[0].data(), rows[1].data()};
+          T const* const three[3] = {rows[0].data(), rows[1].data(), rows[2].data()};
+          T const* const four[4] = {rows[2].data(), rows[0].data(), rows[1].data(), rows[2].data()};
+          float out2[2], out3[3], out4[4];
+          kvc::detail::sum_squares_rows<2>(two, n, scale, out2);
+          kvc::detail::sum_squares_rows<3>(three, n, scale, out3);
+          kvc::detail::sum_squares_rows<4>(four, n, scale, out4);
+          for (int r = 0; r < 3; ++r) {
+            INFO("row " << r << " of " << n << " NaN " << with_nan << " scale " << float(1.0f * scale));
+            float const alone = kvc::detail::sum_squares(rows[r].data(), n, scale);
+            CHECK(std::isnan(alone) == (with_nan && r == 1));
+            CHECK(bits_of(out3[r]) == bits_of(alone));
+            CHECK(bits_of(out4[(r + 1) % 4]) == bits_of(alone));
+            if (r < 2)
+              CHECK(bits_of(out2[r]) == bits_of(alone));
+          }
+        };
+        same(kvc::Unit{});
+        same(0.3f);
+        same(0x1p120f);
+      }
+  };
+  auto finite16 = [](auto tag, std::uint32_t r, unsigned exponent_mask) {
+    auto b = static_cast<std::uint16_t>(r);
+    if ((b & exponent_mask) == exponent_mask)
+      b = static_cast<std::uint16_t>(b & ~0x4000u);  // an all-ones exponent: one below
+    return decltype(tag)::from_bits(b);
+  };
+  check(
+      kvc::half{}, [&](std::uint32_t r) { return finite16(kvc::half{}, r, 0x7c00u); }, kvc::half::from_bits(0x7e00));
+  check(
+      kvc::bfloat16{}, [&](std::uint32_t r) { return finite16(kvc::bfloat16{}, r & 0xc7ffu, 0x7f80u); },
+      kvc::bfloat16::from_bits(0x7fc0));
+  check(
+      kvc::float8_e4m3{},
+      [](std::uint32_t r) {
+        return kvc::float8_e4m3::from_bits(static_cast<std::uint8_t>((r & 0x7fu) == 0x7fu ? r - 1 : r));
+      },
+      kvc::float8_e4m3::from_bits(0x7f));
+  check(
+      kvc::float8_e5m2{},
+      [](std::uint32_t r) {
+        return kvc::float8_e5m2::from_bits(static_cast<std::uint8_t>((r & 0x7cu) == 0x7cu ? r & 0xbbu : r));
+      },
+      kvc::float8_e5m2::from_bits(0x7e));
+  check(
+      0.0f, [](std::uint32_t r) { return static_cast<float>(r % 4001u) / 1000.0f - 2.0f; },
+      std::numeric_limits<float>::quiet_NaN());
 }
 
 #if KVC_CPU_F16_CONVERT == 1 && defined(__AVX2__)

@@ -42,7 +42,8 @@ inline float dot(T const* a, float const* b, Index dim, S scale = {}) noexcept {
   float acc[reduce_lanes] = {};
   Index i = 0;
   if constexpr (hardware_lanes<T>) {  // fp16 and fp8 widened by F16C, same lanes and order
-    i = f16c_lanes(a, b, dim, acc, scale);
+    float* lanes = acc;
+    i = f16c_lanes<1>(&a, b, dim, &lanes, scale);
   } else {
     for (; i + reduce_lanes <= dim; i += reduce_lanes)
       for (Index j = 0; j < reduce_lanes; ++j)
@@ -56,24 +57,61 @@ inline float dot(T const* a, float const* b, Index dim, S scale = {}) noexcept {
   return acc[0];
 }
 
+/// out[r] = sum_i a[r][i]^2 in fp32 for R rows (they may hold 16-bit or 8-bit elements under a view's scale, loaded
+/// in registers); each row's sum is bit-identical to sum_squares' of it alone. Why several: one row's reduce_lanes
+/// partial sums form a chain of dependent adds (8 at d = 128), which bounds a loop over rows by the add latency; R
+/// rows in one loop give R independent chains (reduction_rows says how many pay off).
+template <int R, class T, class S = Unit>
+inline void sum_squares_rows(T const* const (&a)[R], Index dim, S scale, float (&out)[R]) noexcept {
+  float acc[R][reduce_lanes] = {};
+  Index blocks = 0;  // elements done by the hardware lanes, all rows together
+  if constexpr (hardware_lanes<T>) {
+    float* lanes[R];
+    for (int r = 0; r < R; ++r)
+      lanes[r] = acc[r];
+    blocks = f16c_lanes<R>(a, nullptr, dim, lanes, scale);
+  }
+  for (int r = 0; r < R; ++r) {  // the portable loop row by row (interleaved rows kept GCC 12 from vectorising it)
+    Index i = blocks;
+    for (; i + reduce_lanes <= dim; i += reduce_lanes)
+      for (Index j = 0; j < reduce_lanes; ++j)
+        acc[r][j] += load(a[r][i + j], scale) * load(a[r][i + j], scale);
+    for (; i < dim; ++i)
+      acc[r][i % reduce_lanes] += load(a[r][i], scale) * load(a[r][i], scale);
+    for (Index width = reduce_lanes / 2; width > 0; width /= 2)
+      for (Index j = 0; j < width; ++j)
+        acc[r][j] += acc[r][j + width];
+    out[r] = acc[r][0];
+  }
+}
+
+/// Rows of T a row-wise reduction (sum_squares_rows) should take per pass: 4 where one row's chain of adds bounds the
+/// loop, measured on Knorm (docs/benchmarks.md, "Knorm: rows per pass"): fp16 and fp8 with AVX2 and without AVX-512
+/// (two ymm chains per row; E4M3 and E5M2 1.6-1.7x faster, fp16 bound by memory either way), and E4M3 with AVX-512
+/// but without VBMI (its integer widening). Elsewhere 1: with AVX-512, four rows made fp16 and E5M2 slower (1.4x).
+template <class T>
+inline constexpr int reduction_rows = [] {
+  using E = std::remove_const_t<T>;
+  if constexpr (!hardware_lanes<E>) {
+    return 1;
+  } else {
+#if defined(__AVX512F__) && !defined(__AVX512VBMI__)
+    return std::is_same_v<E, float8_e4m3> ? 4 : 1;
+#elif defined(__AVX2__) && !defined(__AVX512F__)
+    return 4;
+#else
+    return 1;
+#endif
+  }
+}();
+
 /// sum_i a[i]^2 in fp32 (a may hold 16-bit or 8-bit elements under a view's scale, loaded in registers).
 template <class T, class S = Unit>
 inline float sum_squares(T const* a, Index dim, S scale = {}) noexcept {
-  float acc[reduce_lanes] = {};
-  Index i = 0;
-  if constexpr (hardware_lanes<T>) {
-    i = f16c_lanes(a, nullptr, dim, acc, scale);
-  } else {
-    for (; i + reduce_lanes <= dim; i += reduce_lanes)
-      for (Index j = 0; j < reduce_lanes; ++j)
-        acc[j] += load(a[i + j], scale) * load(a[i + j], scale);
-  }
-  for (; i < dim; ++i)
-    acc[i % reduce_lanes] += load(a[i], scale) * load(a[i], scale);
-  for (Index width = reduce_lanes / 2; width > 0; width /= 2)
-    for (Index j = 0; j < width; ++j)
-      acc[j] += acc[j + width];
-  return acc[0];
+  T const* const rows[1] = {a};
+  float out[1];
+  sum_squares_rows<1>(rows, dim, scale, out);
+  return out[0];
 }
 
 /// sum_i a[i]^2 in fp64, in index order: the rare path for rows outside sum_squares_in_range().

@@ -353,55 +353,72 @@ inline constexpr bool hardware_lanes = f16c_widens<T>;
 /// e4m3_widen64 where VBMI is compiled); two 8-wide conversions with AVX2 (after one 16-byte widening for fp8) or with
 /// F16C alone (8 bytes or halves per load). Returns the index after the last whole block.
 #if KVC_CPU_F16_CONVERT == 1
-/// f16c_lanes' loop over the whole blocks of 16; `has_nan` false for E4M3 rows known to hold no NaN.
-template <bool has_nan, class T, class S>
-inline Index f16c_lanes_blocks(T const* a, float const* b, Index dim, float* acc, [[maybe_unused]] S scale,
-                               float s) noexcept {
+/// f16c_lanes' loop over the whole blocks of 16 of R rows a[r] (accumulators acc[r]); `has_nan` false for E4M3 rows
+/// known to hold no NaN. The rows are interleaved block by block, each into its own registers: a row's arithmetic is
+/// that of R = 1, and R rows give R independent add chains (one row's 8 dependent adds at d = 128 otherwise bound the
+/// loop by their latency, not by the conversions).
+template <bool has_nan, int R, class T, class S>
+inline Index f16c_lanes_blocks(T const* const* a, float const* b, Index dim, float* const* acc,
+                               [[maybe_unused]] S scale, float s) noexcept {
   constexpr bool multiply = !std::is_same_v<S, Unit> || f16c_unbias<T> != 1.0f;
   Index i = 0;
 #  if defined(__AVX512F__)
-  __m512 sum = _mm512_loadu_ps(acc);
+  __m512 sum[R];
+  for (int r = 0; r < R; ++r)
+    sum[r] = _mm512_loadu_ps(acc[r]);
 #    if defined(__AVX512VBMI__)
   if constexpr (std::is_same_v<std::remove_const_t<T>, float8_e4m3>)
-    for (; i + 64 <= dim; i += 64) {
-      __m512 x[4];
-      e4m3_widen64(a + i, x, scale);
-      for (int k = 0; k < 4; ++k)
-        sum = _mm512_add_ps(sum, _mm512_mul_ps(x[k], b ? _mm512_loadu_ps(b + i + 16 * k) : x[k]));
-    }
+    for (; i + 64 <= dim; i += 64)
+      for (int r = 0; r < R; ++r) {
+        __m512 x[4];
+        e4m3_widen64(a[r] + i, x, scale);
+        for (int k = 0; k < 4; ++k)
+          sum[r] = _mm512_add_ps(sum[r], _mm512_mul_ps(x[k], b ? _mm512_loadu_ps(b + i + 16 * k) : x[k]));
+      }
 #    endif
-  for (; i + 16 <= dim; i += 16) {
-    // maskz with a full mask: see widen() below (GCC 12's maybe-uninitialized warning on _mm512_cvtph_ps).
-    __m512 x = _mm512_maskz_cvtph_ps(0xffff, f16c_bits16<T, has_nan>(a + i));
-    if constexpr (multiply)  // the dequantised values: one rounding each
-      x = _mm512_mul_ps(x, _mm512_set1_ps(s));
-    sum = _mm512_add_ps(sum, _mm512_mul_ps(x, b ? _mm512_loadu_ps(b + i) : x));
-  }
-  _mm512_storeu_ps(acc, sum);
+  for (; i + 16 <= dim; i += 16)
+    for (int r = 0; r < R; ++r) {
+      // maskz with a full mask: see widen() below (GCC 12's maybe-uninitialized warning on _mm512_cvtph_ps).
+      __m512 x = _mm512_maskz_cvtph_ps(0xffff, f16c_bits16<T, has_nan>(a[r] + i));
+      if constexpr (multiply)  // the dequantised values: one rounding each
+        x = _mm512_mul_ps(x, _mm512_set1_ps(s));
+      sum[r] = _mm512_add_ps(sum[r], _mm512_mul_ps(x, b ? _mm512_loadu_ps(b + i) : x));
+    }
+  for (int r = 0; r < R; ++r)
+    _mm512_storeu_ps(acc[r], sum[r]);
 #  else
-  __m256 lo = _mm256_loadu_ps(acc), hi = _mm256_loadu_ps(acc + 8);
-  for (; i + 16 <= dim; i += 16) {
-#    if defined(__AVX2__)
-    __m256i const bits = f16c_bits16<T, has_nan>(a + i);
-    __m256 x = _mm256_cvtph_ps(_mm256_castsi256_si128(bits)), y = _mm256_cvtph_ps(_mm256_extracti128_si256(bits, 1));
-#    else
-    __m256 x = _mm256_cvtph_ps(f16c_bits8(a + i)), y = _mm256_cvtph_ps(f16c_bits8(a + i + 8));
-#    endif
-    if constexpr (multiply) {
-      x = _mm256_mul_ps(x, _mm256_set1_ps(s));
-      y = _mm256_mul_ps(y, _mm256_set1_ps(s));
-    }
-    lo = _mm256_add_ps(lo, _mm256_mul_ps(x, b ? _mm256_loadu_ps(b + i) : x));
-    hi = _mm256_add_ps(hi, _mm256_mul_ps(y, b ? _mm256_loadu_ps(b + i + 8) : y));
+  __m256 lo[R], hi[R];
+  for (int r = 0; r < R; ++r) {
+    lo[r] = _mm256_loadu_ps(acc[r]);
+    hi[r] = _mm256_loadu_ps(acc[r] + 8);
   }
-  _mm256_storeu_ps(acc, lo);
-  _mm256_storeu_ps(acc + 8, hi);
+  for (; i + 16 <= dim; i += 16)
+    for (int r = 0; r < R; ++r) {
+#    if defined(__AVX2__)
+      __m256i const bits = f16c_bits16<T, has_nan>(a[r] + i);
+      __m256 x = _mm256_cvtph_ps(_mm256_castsi256_si128(bits)), y = _mm256_cvtph_ps(_mm256_extracti128_si256(bits, 1));
+#    else
+      __m256 x = _mm256_cvtph_ps(f16c_bits8(a[r] + i)), y = _mm256_cvtph_ps(f16c_bits8(a[r] + i + 8));
+#    endif
+      if constexpr (multiply) {
+        x = _mm256_mul_ps(x, _mm256_set1_ps(s));
+        y = _mm256_mul_ps(y, _mm256_set1_ps(s));
+      }
+      lo[r] = _mm256_add_ps(lo[r], _mm256_mul_ps(x, b ? _mm256_loadu_ps(b + i) : x));
+      hi[r] = _mm256_add_ps(hi[r], _mm256_mul_ps(y, b ? _mm256_loadu_ps(b + i + 8) : y));
+    }
+  for (int r = 0; r < R; ++r) {
+    _mm256_storeu_ps(acc[r], lo[r]);
+    _mm256_storeu_ps(acc[r] + 8, hi[r]);
+  }
 #  endif
   return i;
 }
 
-template <class T, class S>
-inline Index f16c_lanes(T const* a, float const* b, Index dim, float* acc, S scale) noexcept {
+/// The lanes of R rows a[r] at once (see f16c_lanes_blocks); returns the index after the last whole block (0 when
+/// the scale does not fold exactly: the caller's portable loop does the rows).
+template <int R, class T, class S>
+inline Index f16c_lanes(T const* const* a, float const* b, Index dim, float* const* acc, S scale) noexcept {
   float s = f16c_unbias<T>;
   if constexpr (!std::is_same_v<S, Unit>) {
     s *= scale;
@@ -409,15 +426,18 @@ inline Index f16c_lanes(T const* a, float const* b, Index dim, float* acc, S sca
       return 0;
   }
 #  if defined(__AVX2__)
-  // E4M3 without VBMI's tables: a row without NaN (checked once) skips the NaN carry of every element.
-  if (e4m3_without_nan(a, dim - dim % 16))
-    return f16c_lanes_blocks<false>(a, b, dim, acc, scale, s);
+  // E4M3 without VBMI's tables: rows without NaN (checked once each) skip the NaN carry of every element.
+  bool clean = true;
+  for (int r = 0; r < R; ++r)
+    clean = clean && e4m3_without_nan(a[r], dim - dim % 16);
+  if (clean)
+    return f16c_lanes_blocks<false, R>(a, b, dim, acc, scale, s);
 #  endif
-  return f16c_lanes_blocks<true>(a, b, dim, acc, scale, s);
+  return f16c_lanes_blocks<true, R>(a, b, dim, acc, scale, s);
 }
 #else
-template <class T, class S>
-inline Index f16c_lanes(T const*, float const*, Index, float*, S) noexcept {
+template <int R, class T, class S>
+inline Index f16c_lanes(T const* const*, float const*, Index, float* const*, S) noexcept {
   return 0;  // never called: hardware_lanes<T> is false without F16C
 }
 #endif

@@ -8,6 +8,7 @@
 
 #include <cmath>
 #include <cstddef>
+#include <type_traits>
 
 namespace kvc {
 
@@ -31,13 +32,26 @@ struct Kernel<KnormScorer, Cpu> {
     Index const dim = keys.extents().dim;
     return detail::for_each_head(cpu, out, [&](Index b, Index h, Index n, float* score, Index) {
       auto const scale = keys.scale(b, h);
-      for (Index t = 0; t < n; ++t) {
-        float const sq = detail::sum_squares(keys.row(b, h, t), dim, scale);
-        score[t] = detail::sum_squares_in_range(sq) ? -std::sqrt(sq) : 1.0f;  // every real score is <= 0
+      // detail::reduction_rows rows per pass: independent add chains where one row's chain bounds the loop.
+      using Row = decltype(keys.row(b, h, 0));
+      constexpr int per_pass = detail::reduction_rows<std::remove_pointer_t<Row>>;
+      Index t = 0;
+      for (; t + per_pass <= n; t += per_pass) {
+        Row rows[per_pass];
+        for (int k = 0; k < per_pass; ++k)
+          rows[k] = keys.row(b, h, t + k);
+        float sq[per_pass];
+        detail::sum_squares_rows<per_pass>(rows, dim, scale, sq);
+        for (int k = 0; k < per_pass; ++k)
+          score[t + k] = detail::sum_squares_in_range(sq[k]) ? -std::sqrt(sq[k]) : 1.0f;  // every real score is <= 0
       }
-      for (Index t = 0; t < n; ++t)
-        if (score[t] > 0.0f) [[unlikely]]
-          score[t] = knorm_fp64_score(detail::sum_squares_fp64(keys.row(b, h, t), dim, scale));
+      for (; t < n; ++t) {
+        float const sq = detail::sum_squares(keys.row(b, h, t), dim, scale);
+        score[t] = detail::sum_squares_in_range(sq) ? -std::sqrt(sq) : 1.0f;
+      }
+      for (Index i = 0; i < n; ++i)
+        if (score[i] > 0.0f) [[unlikely]]
+          score[i] = knorm_fp64_score(detail::sum_squares_fp64(keys.row(b, h, i), dim, scale));
     });
   }
 };
