@@ -33,11 +33,11 @@ struct Kernel<KnormScorer, Cpu> {
     return detail::for_each_head(cpu, out, [&](Index b, Index h, Index n, float* score, Index) {
       auto const scale = keys.scale(b, h);
       // detail::reduction_rows rows per pass: independent add chains where one row's chain bounds the loop.
-      using Row = decltype(keys.row(b, h, 0));
-      constexpr int per_pass = detail::reduction_rows<std::remove_pointer_t<Row>>;
+      using Element = std::remove_const_t<std::remove_pointer_t<decltype(keys.row(b, h, 0))>>;
+      constexpr int per_pass = detail::reduction_rows<Element>;
       Index t = 0;
       for (; t + per_pass <= n; t += per_pass) {
-        Row rows[per_pass];
+        Element const* rows[per_pass];
         for (int k = 0; k < per_pass; ++k)
           rows[k] = keys.row(b, h, t + k);
         float sq[per_pass];
