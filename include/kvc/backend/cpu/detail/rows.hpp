@@ -88,7 +88,7 @@ inline void sum_squares_rows(T const* const (&a)[R], Index dim, S scale, float (
 /// Rows of T a row-wise reduction (sum_squares_rows) should take per pass: 4 where one row's chain of adds bounds the
 /// loop, measured on Knorm (docs/benchmarks.md, "Knorm: rows per pass"): fp16 and fp8 with AVX2 and without AVX-512
 /// (two ymm chains per row; E4M3 and E5M2 1.6-1.7x faster, fp16 bound by memory either way), and E4M3 with AVX-512
-/// but without VBMI (its integer widening). Elsewhere 1: with AVX-512, four rows made fp16 and E5M2 slower (1.4x).
+/// but without VBMI (its integer widening). Elsewhere 1: with AVX-512, four rows made fp16 and E5M2 1.2-1.4x slower.
 template <class T>
 inline constexpr int reduction_rows = [] {
   using E = std::remove_const_t<T>;

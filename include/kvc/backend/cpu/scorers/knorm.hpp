@@ -35,6 +35,8 @@ struct Kernel<KnormScorer, Cpu> {
       // detail::reduction_rows rows per pass: independent add chains where one row's chain bounds the loop.
       using Element = std::remove_const_t<std::remove_pointer_t<decltype(keys.row(b, h, 0))>>;
       constexpr int per_pass = detail::reduction_rows<Element>;
+      // A placeholder above 0 (every real score is <= 0) for a sum out of range: the fp64 pass below redoes it.
+      auto const score_of = [](float sq) { return detail::sum_squares_in_range(sq) ? -std::sqrt(sq) : 1.0f; };
       Index t = 0;
       for (; t + per_pass <= n; t += per_pass) {
         Element const* rows[per_pass];
@@ -43,12 +45,10 @@ struct Kernel<KnormScorer, Cpu> {
         float sq[per_pass];
         detail::sum_squares_rows<per_pass>(rows, dim, scale, sq);
         for (int k = 0; k < per_pass; ++k)
-          score[t + k] = detail::sum_squares_in_range(sq[k]) ? -std::sqrt(sq[k]) : 1.0f;  // every real score is <= 0
+          score[t + k] = score_of(sq[k]);
       }
-      for (; t < n; ++t) {
-        float const sq = detail::sum_squares(keys.row(b, h, t), dim, scale);
-        score[t] = detail::sum_squares_in_range(sq) ? -std::sqrt(sq) : 1.0f;
-      }
+      for (; t < n; ++t)
+        score[t] = score_of(detail::sum_squares(keys.row(b, h, t), dim, scale));
       for (Index i = 0; i < n; ++i)
         if (score[i] > 0.0f) [[unlikely]]
           score[i] = knorm_fp64_score(detail::sum_squares_fp64(keys.row(b, h, i), dim, scale));
