@@ -5,7 +5,7 @@
 A header may include its own layer and the layers below it, never one above:
 
     core      config.hpp, version.hpp, core/          the views, plans, status, workspaces: no policy
-    math      quant/, io/, rate_distortion/           formats and solvers over core types
+    math      quant/, rate_distortion/                quantisation and bit-allocation solvers over core types
     policies  scorers/, selectors/                    each policy's parameters and host-side decisions
     store     store/                                  ragged, paged and packed stores
     pipeline  pipeline/                               the drivers (compress, blockwise, decode, packing)
@@ -28,7 +28,7 @@ import tempfile
 
 LAYERS = [
     ("core", ["config.hpp", "version.hpp", "core/"]),
-    ("math", ["quant/", "io/", "rate_distortion/"]),
+    ("math", ["quant/", "rate_distortion/"]),
     ("policies", ["scorers/", "selectors/"]),
     ("store", ["store/"]),
     ("pipeline", ["pipeline/"]),

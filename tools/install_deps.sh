@@ -7,7 +7,7 @@
 # (KVC_APT_LOCK_TIMEOUT seconds, default 600) and says so, instead of failing at once.
 set -euo pipefail
 
-packages=(cmake make g++ libeigen3-dev catch2 libbenchmark-dev python3 python3-numpy)
+packages=(cmake make g++ libeigen3-dev catch2 libbenchmark-dev libcli11-dev nlohmann-json3-dev python3 python3-numpy)
 if [[ "${KVC_DEPS_CI:-0}" == "1" ]]; then
   packages+=(clang clang-format clang-tidy libclang-rt-14-dev git ninja-build)
 fi

@@ -17,10 +17,11 @@
 #include <kvc/backend/cpu/scorers/tova.hpp>
 #include <kvc/backend/cpu/selectors/top_k.hpp>
 #include <kvc/core/validate.hpp>
-#include <kvc/io/npy.hpp>
 #include <kvc/pipeline/press.hpp>
 
+#include "common/attention_error.hpp"
 #include "common/synthetic.hpp"
+#include "io/npy.hpp"
 
 #include <algorithm>
 #include <chrono>
@@ -107,7 +108,8 @@ void run_policy(Workload const& w, char const* name, Scorer scorer, std::vector<
     if (auto const st = kvc::compact(kvc::Cpu{}, plan, compressed.view()); !st.ok())
       die(st.message());
     double error = 0;
-    if (auto const st = kvc::attention_error(queries, w.cache.view(), compressed.view(), error, {.causal = w.causal});
+    if (auto const st =
+            kvc::tools::attention_error(queries, w.cache.view(), compressed.view(), error, {.causal = w.causal});
         !st.ok())
       die(st.message());
     Index kept = 0;

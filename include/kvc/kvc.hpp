@@ -37,7 +37,6 @@
 #include <kvc/calibration/matrix_entropy.hpp>
 #include <kvc/core/validate.hpp>
 #include <kvc/engine/layer_compressor.hpp>
-#include <kvc/io/npy.hpp>
 #include <kvc/pipeline/blockwise.hpp>
 #include <kvc/pipeline/decode.hpp>
 #include <kvc/pipeline/layer_stages.hpp>

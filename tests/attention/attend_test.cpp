@@ -4,6 +4,7 @@
 #include <kvc/backend/cpu/pipeline/compact.hpp>
 #include <kvc/backend/cpu/thread_pool.hpp>
 
+#include "common/attention_error.hpp"
 #include "common/synthetic.hpp"
 #include "support/catch.hpp"
 #include "support/helpers.hpp"
@@ -82,7 +83,7 @@ TEST_CASE("attend: compaction keeps positions, so a compressed cache that kept e
   auto qs = kvc::tools::HostCache<float>::random({1, 2, 3, 4}, 6);
   auto const queries = queries_of(qs.k, qs.ext);
   double err = -1;
-  REQUIRE(kvc::attention_error(queries, full.view(), c.view(), err).ok());
+  REQUIRE(kvc::tools::attention_error(queries, full.view(), c.view(), err).ok());
   CHECK(err == 0.0);
   // Head 0 keeps {0, 2, 5}, head 1 keeps everything: a per-head table records the new lengths.
   kvc::test::OwnedPlan plan(1, 2, 6);
@@ -91,7 +92,7 @@ TEST_CASE("attend: compaction keeps positions, so a compressed cache that kept e
   REQUIRE(kvc::compact(kvc::Cpu{}, plan.plan, c.view()).ok());
   CHECK(c.lengths == std::vector<Index>{3, 6});
   CHECK(std::vector<Index>(c.positions.begin(), c.positions.begin() + 3) == std::vector<Index>{0, 2, 5});
-  REQUIRE(kvc::attention_error(queries, full.view(), c.view(), err).ok());
+  REQUIRE(kvc::tools::attention_error(queries, full.view(), c.view(), err).ok());
   CHECK(err > 1e-3);
   // Query 0 (position 3) sees slots at positions <= 3 of head 0: {0, 2}; bit-identical threads change nothing.
   kvc::ThreadPool pool(2);

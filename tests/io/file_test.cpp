@@ -1,7 +1,8 @@
 // SPDX-License-Identifier: Apache-2.0
-// tests/io/file_test.cpp: kvc/io/file.hpp: staged outputs (whole or not at all, alone and as a group), the
+// tests/io/file_test.cpp: tools/io/file.hpp: staged outputs (whole or not at all, alone and as a group), the
 // regular-file reader and the read-only mapping.
-#include <kvc/io/file.hpp>
+
+#include "io/file.hpp"
 
 #include "support/catch.hpp"
 

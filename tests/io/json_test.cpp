@@ -1,10 +1,11 @@
 // SPDX-License-Identifier: Apache-2.0
-// tests/io/json_test.cpp mirrors include/kvc/io/json.hpp: the accepted grammar, every rejection class (with the
+// tests/io/json_test.cpp mirrors tools/io/json.hpp: the accepted grammar, every rejection class (with the
 // byte offset of the error), UTF-8 and escape decoding against hand-written bytes, to_int64's edges, the depth
 // limit, duplicate keys (also in a 200K-member object) and member order.
-#include <kvc/io/file.hpp>
-#include <kvc/io/json.hpp>
 
+#include "io/json.hpp"
+
+#include "io/file.hpp"
 #include "support/catch.hpp"
 
 #include <chrono>

@@ -1,7 +1,8 @@
 // SPDX-License-Identifier: Apache-2.0
-// tests/io/npy_test.cpp mirrors include/kvc/io/npy.hpp: round trips, every malformed-file class, and a
+// tests/io/npy_test.cpp mirrors tools/io/npy.hpp: round trips, every malformed-file class, and a
 // deterministic mutation fuzz loop (run under ASan/UBSan in CI; tools/fuzz has the libFuzzer harness).
-#include <kvc/io/npy.hpp>
+
+#include "io/npy.hpp"
 
 #include "common/synthetic.hpp"
 #include "support/catch.hpp"

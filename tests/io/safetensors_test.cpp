@@ -1,9 +1,10 @@
 // SPDX-License-Identifier: Apache-2.0
-// tests/io/safetensors_test.cpp mirrors include/kvc/io/safetensors.hpp: hand-built files (header text and
+// tests/io/safetensors_test.cpp mirrors tools/io/safetensors.hpp: hand-built files (header text and
 // little-endian bytes written here, not by the writer) accepted and refused class by class, the writer's exact
 // bytes and round trip, the in-memory and mapped readers, the real tinystories-656k weights when shared/ has them,
 // and a deterministic mutation loop (run under ASan/UBSan in CI; tools/fuzz has the libFuzzer harness).
-#include <kvc/io/safetensors.hpp>
+
+#include "io/safetensors.hpp"
 
 #include "common/synthetic.hpp"
 #include "support/catch.hpp"

@@ -5,6 +5,7 @@
 // exact greedy with a full sort, and hand-computed closed forms (worked out in the comments).
 #include <kvc/rate_distortion/knapsack.hpp>
 
+#include "common/knapsack_dp.hpp"
 #include "support/catch.hpp"
 
 #include <algorithm>
@@ -185,7 +186,7 @@ Bits lagrangian(Weights const& w, EpsilonTable const& t, bool evict, double targ
 
 Bits dp(Weights const& w, EpsilonTable const& t, bool evict, std::int64_t budget) {
   Bits b(w.size(), -1);
-  kvc::Status const st = kvc::dp_bits(w.data(), size(w), t, BitOptions{evict}, budget, b.data());
+  kvc::Status const st = kvc::tools::dp_bits(w.data(), size(w), t, BitOptions{evict}, budget, b.data());
   INFO(st.message());
   REQUIRE(st.ok());
   return b;
@@ -321,7 +322,8 @@ TEST_CASE("P3 a budget below the floor without eviction is invalid_argument nami
       kvc::exact_bits(w.data(), 3, llama_v, BitOptions{false}, 5, b.data(), s.bytes.data(), s.bytes.size());
   CHECK(st.code() == kvc::Errc::invalid_argument);
   CHECK(std::string(st.message()).find("budget_bits") != std::string::npos);
-  CHECK(kvc::dp_bits(w.data(), 3, llama_v, BitOptions{false}, 5, b.data()).code() == kvc::Errc::invalid_argument);
+  CHECK(kvc::tools::dp_bits(w.data(), 3, llama_v, BitOptions{false}, 5, b.data()).code() ==
+        kvc::Errc::invalid_argument);
   // 6 = 2 * 3 is enough: all at 2 bits.
   CHECK(exact(w, llama_v, false, 6) == Bits{2, 2, 2});
   // The Lagrangian never fails on the floor: a target below 2 gives everything 2 (it may exceed the budget).
@@ -667,7 +669,7 @@ TEST_CASE("solver errors name their argument") {
   CHECK(st.code() == kvc::Errc::non_finite);
   CHECK(std::string(st.message()).find("`w`") != std::string::npos);
   CHECK(kvc::lagrangian_bits(w.data(), 2, llama_v, {}, 4.0, {}, b.data()).code() == kvc::Errc::non_finite);
-  CHECK(kvc::dp_bits(w.data(), 2, llama_v, {}, 8, b.data()).code() == kvc::Errc::non_finite);
+  CHECK(kvc::tools::dp_bits(w.data(), 2, llama_v, {}, 8, b.data()).code() == kvc::Errc::non_finite);
   CHECK(std::isnan(kvc::hull_lower_bound(w.data(), 2, llama_v, {}, 8.0)));
   w[1] = -1.0f;
   CHECK(kvc::exact_bits(w.data(), 2, llama_v, {}, 8, b.data(), s.bytes.data(), s.bytes.size()).code() ==
@@ -685,7 +687,7 @@ TEST_CASE("solver errors name their argument") {
   st = kvc::exact_bits(w.data(), 2, EpsilonTable{{1, 0.5, 0.6, 0.1, 0}}, {}, 8, b.data(), s.bytes.data(),
                        s.bytes.size());
   CHECK(std::string(st.message()).find("eps[2]") != std::string::npos);
-  st = kvc::dp_bits(w.data(), 2, llama_v, {}, 1000, b.data(), 10);
+  st = kvc::tools::dp_bits(w.data(), 2, llama_v, {}, 1000, b.data(), 10);
   CHECK(st.code() == kvc::Errc::invalid_argument);
   CHECK(std::string(st.message()).find("dp_cell_limit") != std::string::npos);
   CHECK(kvc::exact_bits_scratch_bytes(1000) >= 1000 * 4 * 16);

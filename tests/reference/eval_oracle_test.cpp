@@ -9,10 +9,10 @@
 // so its logits may move by a small multiple of u times the logits' scale: the test bounds the largest deviation by
 // 8 u max|logit| (measured: 0.9 u to 3.9 u on these models) and requires bf16's to exceed fp16's and fp16's fp32's
 // (a cache that ignored its type would fail them).
-#include <kvc/io/npy.hpp>
 
 #include "eval/engine.hpp"
 #include "eval/model.hpp"
+#include "io/npy.hpp"
 #include "support/catch.hpp"
 
 #include <cmath>

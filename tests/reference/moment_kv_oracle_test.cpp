@@ -26,10 +26,10 @@
 #include <kvc/backend/cpu/scorers/moment_kv.hpp>
 #include <kvc/backend/cpu/scorers/snap_kv.hpp>
 #include <kvc/backend/cpu/selectors/top_k.hpp>
-#include <kvc/io/npy.hpp>
 #include <kvc/pipeline/moment_kv.hpp>
 
 #include "common/moment_kv.hpp"
+#include "io/npy.hpp"
 #include "support/catch.hpp"
 #include "support/helpers.hpp"
 #include "support/vectors.hpp"

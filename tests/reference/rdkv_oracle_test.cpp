@@ -26,7 +26,6 @@
 #include <kvc/backend/cpu/attention/packed.hpp>
 #include <kvc/backend/cpu/scorers/rdkv.hpp>
 #include <kvc/backend/cpu/selectors/rdkv.hpp>
-#include <kvc/io/npy.hpp>
 #include <kvc/pipeline/pack.hpp>
 #include <kvc/rate_distortion/epsilon.hpp>
 #include <kvc/rate_distortion/knapsack.hpp>
@@ -34,6 +33,8 @@
 #include <kvc/selectors/rdkv.hpp>
 #include <kvc/store/packed_kv.hpp>
 
+#include "common/knapsack_dp.hpp"
+#include "io/npy.hpp"
 #include "support/catch.hpp"
 #include "support/helpers.hpp"
 #include "support/vectors.hpp"
@@ -265,17 +266,16 @@ bool compare_head(Case const& c, Plan const& got, Plan const& ref, Index b, Inde
   return dv == 0 && dk == 0;
 }
 
+/// The library solver of an oracle solver name (dp is the tools' reference, not a library solver: exact stands in).
 kvc::BitSolver solver_named(std::string const& s) {
   if (s == "lagrangian")
     return kvc::BitSolver::lagrangian;
-  if (s == "dp")
-    return kvc::BitSolver::dp;
-  REQUIRE(s == "exact");
+  REQUIRE((s == "exact" || s == "dp"));
   return kvc::BitSolver::exact;
 }
 
-/// The knapsacks of one head straight through kvc::exact_bits / lagrangian_bits / dp_bits on the oracle's fp32
-/// weights and the oracle's budgets: V over the head's n tokens, K over the d channels.
+/// The knapsacks of one head straight through kvc::exact_bits / lagrangian_bits / kvc::tools::dp_bits on the oracle's
+/// fp32 weights and the oracle's budgets: V over the head's n tokens, K over the d channels.
 void check_knapsacks(Case const& c, std::string const& solver, kvc::BitOptions opt, std::vector<float> const& tw,
                      std::vector<float> const& cw, std::vector<double> const& budgets, std::vector<double> const& gaps,
                      Plan const& ref, Index b, Index h, std::string const& plan) {
@@ -308,7 +308,7 @@ void check_knapsacks(Case const& c, std::string const& solver, kvc::BitOptions o
       else
         CHECK(diff <= 1);
     } else {
-      REQUIRE(kvc::dp_bits(w[side], m, *eps[side], opt, static_cast<std::int64_t>(budget), bits.data()).ok());
+      REQUIRE(kvc::tools::dp_bits(w[side], m, *eps[side], opt, static_cast<std::int64_t>(budget), bits.data()).ok());
       std::int64_t sum = 0;
       for (std::int8_t x : bits)
         sum += x;
@@ -410,7 +410,7 @@ TEST_CASE("rdkv oracle: bit plans of allocate_bits and of the knapsack solvers o
       for (Index b = 0; b < c.B; ++b)
         for (Index h = 0; h < c.H; ++h)
           check_knapsacks(c, solver, a.options, tw, cw, budgets, gaps, ref, b, h, plan);
-      if (solver == "dp")  // allocate_bits refuses dp (a test reference): the knapsacks above cover it
+      if (solver == "dp")  // a tools reference, not a library solver: the knapsacks above cover it
         continue;
       Plan const got = allocate(c, a, tw, cw);
       Plan const mine = allocate(c, a, own.token, own.channel);

@@ -24,9 +24,9 @@
 #include <kvc/calibration/head_budgets.hpp>
 #include <kvc/calibration/head_groups.hpp>
 #include <kvc/calibration/matrix_entropy.hpp>
-#include <kvc/io/npy.hpp>
 #include <kvc/pipeline/press.hpp>
 
+#include "io/npy.hpp"
 #include "support/catch.hpp"
 #include "support/helpers.hpp"
 #include "support/vectors.hpp"

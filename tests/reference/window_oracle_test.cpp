@@ -13,9 +13,9 @@
 #include <kvc/backend/cpu/scorers/snap_kv.hpp>
 #include <kvc/backend/cpu/scorers/tova.hpp>
 #include <kvc/backend/cpu/selectors/top_k.hpp>
-#include <kvc/io/npy.hpp>
 #include <kvc/pipeline/press.hpp>
 
+#include "io/npy.hpp"
 #include "support/catch.hpp"
 #include "support/helpers.hpp"
 #include "support/vectors.hpp"

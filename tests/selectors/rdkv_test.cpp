@@ -367,7 +367,7 @@ TEST_CASE("allocate_bits errors name their argument") {
   bad_c[7] = std::numeric_limits<float>::infinity();
   CHECK(message_has(run(with_budget(4), 1, 1, 16, 8, tw, bad_c).status, "channel_weights"));
   RDKVAllocator a = with_budget(4);
-  a.solver = BitSolver::dp;
+  a.solver = static_cast<BitSolver>(7);
   CHECK(message_has(run(a, 1, 1, 16, 8, tw, cw).status, "solver"));
   a = with_budget(4);
   a.ratio = 1.5;

@@ -4,8 +4,8 @@
 #pragma once
 
 #include <kvc/core/keep_plan.hpp>
-#include <kvc/io/npy.hpp>
 
+#include "io/npy.hpp"
 #include "support/catch.hpp"
 
 #include <algorithm>

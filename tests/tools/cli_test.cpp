@@ -4,11 +4,11 @@
 // the window policies (SnapKV, TOVA) and of the stateful ones (ExpectedAttention, H2O), and outputs with the
 // documented shapes. The scores themselves are checked against the NumPy oracle by tools/reference/check_cli.py
 // (ctest kvc.tools.cli_oracle).
-#include <kvc/io/npy.hpp>
-#include <kvc/io/safetensors.hpp>
 
 #include "common/synthetic.hpp"
 #include "common/uncomp.hpp"
+#include "io/npy.hpp"
+#include "io/safetensors.hpp"
 #include "support/catch.hpp"
 
 #include <algorithm>

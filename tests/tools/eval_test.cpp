@@ -5,8 +5,6 @@
 // ragged per-head store (lossless at ratio 0, equal to the uniform rows when AdaKV is uniform, the memory measured
 // from the store, PyramidKV's per-layer schedule, decoding), the outputs' format, the model loader's checks on
 // damaged files, and the program's exit codes.
-#include <kvc/io/json.hpp>
-#include <kvc/io/npy.hpp>
 #include <kvc/selectors/pyramid_kv.hpp>
 
 #include "common/rdkv.hpp"
@@ -19,6 +17,8 @@
 #include "eval/report.hpp"
 #include "eval/run.hpp"
 #include "eval/tokenizer.hpp"
+#include "io/json.hpp"
+#include "io/npy.hpp"
 #include "support/catch.hpp"
 
 #include <algorithm>

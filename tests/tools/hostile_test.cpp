@@ -5,8 +5,8 @@
 // temporary (".<name>.kvc-XXXXXX" beside the destination) is left behind, and the inputs keep their bytes.
 // Every run is wrapped in `timeout 20`, so a hang fails the test instead of blocking ctest.
 #include <kvc/core/element.hpp>
-#include <kvc/io/npy.hpp>
 
+#include "io/npy.hpp"
 #include "support/catch.hpp"
 
 #include <algorithm>

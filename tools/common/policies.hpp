@@ -225,9 +225,7 @@ inline std::vector<PolicyInfo> const& policies() {
          "lagrangian solver, integer zero point, K16 clamped to 8)",
          Stage::allocation},
         {"k_budget_ratio", "0.5", "rho in (0, 1): K's share of the bits, V gets 1 - rho", Stage::allocation},
-        {"solver", "exact",
-         "exact (never over the budget) or lagrangian (the authors' bisection, may overshoot 1%); dp (the optimal "
-         "DP) is a test reference the allocator refuses (exit 3)",
+        {"solver", "exact", "exact (never over the budget) or lagrangian (the authors' bisection, may overshoot 1%)",
          Stage::allocation, nullptr, "lagrangian"},
         {"window_size", "32", "w: the last w rows of --queries give the token and channel weights"},
         {"kernel_size", "5", "avg pooling of the token weights along the tokens (reflect padding), odd"},

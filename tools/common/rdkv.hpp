@@ -104,8 +104,7 @@ inline RDKVConfig rdkv_config(PolicyInfo const& policy, Params const& p) {
   c.authors = choice<bool>(p, "reference", {{"default", false}, {"authors", true}});
   RDKVAllocator& a = c.allocator;
   a.k_budget_ratio = parse_open_real(p, "k_budget_ratio", 0.0, 1.0);
-  a.solver = choice<BitSolver>(
-      p, "solver", {{"exact", BitSolver::exact}, {"lagrangian", BitSolver::lagrangian}, {"dp", BitSolver::dp}});
+  a.solver = choice<BitSolver>(p, "solver", {{"exact", BitSolver::exact}, {"lagrangian", BitSolver::lagrangian}});
   bool const llama = choice<bool>(p, "eps", {{"llama31", true}, {"default", false}});
   a.eps_v = llama ? EpsilonTable::llama31_v() : EpsilonTable::default_v();
   a.eps_k = llama ? EpsilonTable::llama31_k() : EpsilonTable::default_k();

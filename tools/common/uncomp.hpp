@@ -12,9 +12,9 @@
 #include <kvc/calibration/head_budgets.hpp>
 #include <kvc/calibration/head_groups.hpp>
 #include <kvc/calibration/matrix_entropy.hpp>
-#include <kvc/io/file.hpp>
-#include <kvc/io/json.hpp>
 
+#include "io/file.hpp"
+#include "io/json.hpp"
 #include "policies.hpp"
 
 #include <algorithm>

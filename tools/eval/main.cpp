@@ -12,8 +12,6 @@
 //                   [--rule mean|majority_vote] [--param NAME=VALUE]...
 // Exit codes as kvc's: 0 success, 2 usage error, 3 invalid input (the message names the file); outputs appear whole
 // or not at all (staged, then committed together).
-#include <kvc/io/file.hpp>
-#include <kvc/io/npy.hpp>
 
 #include "common/policies.hpp"
 #include "common/rdkv.hpp"
@@ -27,6 +25,8 @@
 #include "eval/run.hpp"
 #include "eval/svg_plot.hpp"
 #include "eval/tokenizer.hpp"
+#include "io/file.hpp"
+#include "io/npy.hpp"
 
 #include <algorithm>
 #include <cerrno>

@@ -15,9 +15,10 @@
 #include <kvc/core/element.hpp>
 #include <kvc/core/extents.hpp>
 #include <kvc/core/rope.hpp>
-#include <kvc/io/file.hpp>
-#include <kvc/io/json.hpp>
-#include <kvc/io/safetensors.hpp>
+
+#include "io/file.hpp"
+#include "io/json.hpp"
+#include "io/safetensors.hpp"
 
 #include <Eigen/Core>
 

@@ -15,8 +15,8 @@
 // Tool code, not a hot path: it allocates.
 #pragma once
 
-#include <kvc/io/file.hpp>
-#include <kvc/io/json.hpp>
+#include "io/file.hpp"
+#include "io/json.hpp"
 
 #include <algorithm>
 #include <array>

@@ -12,9 +12,9 @@
 //   - exit 0 writes every output, each a .npy file of the documented shape (moment_kv: each head's kept and evicted
 //     counts add up to N; attend: finite outputs); exit 3 writes none;
 //   - no temporary file is left behind, and the inputs are unchanged.
-#include <kvc/io/npy.hpp>
 
 #include "cli.hpp"
+#include "io/npy.hpp"
 
 #include <algorithm>
 #include <cmath>

@@ -1,7 +1,8 @@
 // SPDX-License-Identifier: Apache-2.0
 // tools/fuzz/npy_fuzz.cpp: libFuzzer harness for the .npy parser (files are untrusted input).
 //   cmake -DCMAKE_CXX_COMPILER=clang++ -DKVC_BUILD_FUZZERS=ON ... && ./tools/kvc_npy_fuzz -max_total_time=60
-#include <kvc/io/npy.hpp>
+
+#include "io/npy.hpp"
 
 #include <cstddef>
 #include <cstdint>

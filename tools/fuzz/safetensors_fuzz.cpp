@@ -5,8 +5,9 @@
 // data buffer exactly with consistent sizes; an accepted JSON value is no deeper than the limit and its numbers and
 // strings are what the grammar allows; every rejection says why.
 //   cmake -DCMAKE_CXX_COMPILER=clang++ -DKVC_BUILD_FUZZERS=ON ... && ./tools/kvc_safetensors_fuzz -max_total_time=60
-#include <kvc/io/json.hpp>
-#include <kvc/io/safetensors.hpp>
+
+#include "io/json.hpp"
+#include "io/safetensors.hpp"
 
 #include <algorithm>
 #include <cstddef>

@@ -26,19 +26,20 @@
 #include <kvc/core/rope.hpp>
 #include <kvc/core/validate.hpp>
 #include <kvc/engine/layer_compressor.hpp>
-#include <kvc/io/file.hpp>
-#include <kvc/io/json.hpp>
-#include <kvc/io/npy.hpp>
-#include <kvc/io/safetensors.hpp>
 #include <kvc/pipeline/moment_kv.hpp>
 #include <kvc/pipeline/press.hpp>
 #include <kvc/store/ragged.hpp>
 
+#include "common/isa.hpp"
 #include "common/moment_kv.hpp"
 #include "common/observations.hpp"
 #include "common/policies.hpp"
 #include "common/rdkv.hpp"
 #include "common/uncomp.hpp"
+#include "io/file.hpp"
+#include "io/json.hpp"
+#include "io/npy.hpp"
+#include "io/safetensors.hpp"
 
 #include <algorithm>
 #include <cerrno>
@@ -1099,9 +1100,9 @@ void print_time(char const* command, PolicyInfo const& policy, std::string const
   }
   std::fprintf(io.err,
                "{\"command\": \"%s\", \"policy\": \"%s\"%s, \"seconds\": %.9g%s, \"repeats\": %d, \"bytes_read\": %zu, "
-               "\"workspace_bytes\": %zu%s, \"threads\": %lld}\n",
+               "\"workspace_bytes\": %zu%s, \"threads\": %lld, \"isa\": \"%s\"}\n",
                command, policy.name, extra.c_str(), t.seconds, selection, timing_repeats, t.bytes_read,
-               t.workspace_bytes, memory.c_str(), static_cast<long long>(t.threads));
+               t.workspace_bytes, memory.c_str(), static_cast<long long>(t.threads), compiled_isa().c_str());
 }
 
 /// --threads N (default 1): the worker threads of kvc::ThreadPool the kernels spread (sequence, head) items over.

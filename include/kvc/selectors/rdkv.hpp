@@ -23,7 +23,6 @@
 // Solvers (rate_distortion/knapsack.hpp): `solver` picks exact (default: Σ bits <= budget, A7) or lagrangian (the
 // authors' bisection, may overshoot by tol). The authors' full preset (the tools' `reference=authors`) is solver =
 // lagrangian here plus PackOptions{ZeroPoint::integer, clamp_k16_to_8 = true} in the packer (pipeline/pack.hpp).
-// BitSolver::dp is refused (it allocates and is O(n · budget): a test reference only).
 // options.evict = false (no 0 bits, the quant-only ablation): exact mode reports invalid_argument when a head's
 // (scope layer: a sequence's) V budget is below 2 bits per token or its K budget below 2 bits per channel.
 // Weights must be finite and >= 0 on valid slots (padding is ignored: -inf there is fine); a scorer whose scores
@@ -75,10 +74,6 @@ struct RDKVAllocator {
       return {Errc::invalid_argument, "RDKVAllocator: `ratio` must be in [0, 1] (or negative to use budget_tokens)"};
     if (!(k_budget_ratio >= 0.0 && k_budget_ratio <= 1.0))
       return {Errc::invalid_argument, "RDKVAllocator: `k_budget_ratio` must be in [0, 1]"};
-    if (solver == BitSolver::dp)
-      return {Errc::invalid_argument,
-              "RDKVAllocator: `solver` dp is a reference for small cases; use exact or "
-              "lagrangian"};
     if (solver != BitSolver::exact && solver != BitSolver::lagrangian)
       return {Errc::invalid_argument, "RDKVAllocator: unknown `solver`"};
     if (!lagrangian.check().ok())

@@ -1,5 +1,5 @@
 // SPDX-License-Identifier: Apache-2.0
-// kvc/io/file.hpp: reading untrusted input files and writing outputs that appear whole or not at all (POSIX).
+// tools/io/file.hpp: reading untrusted input files and writing outputs that appear whole or not at all (POSIX).
 //
 // Inputs: only regular files are read, opened with O_NONBLOCK so that a FIFO without a writer or a device never
 // blocks, read whole with every short read and error checked. Outputs: written to a temporary file in the

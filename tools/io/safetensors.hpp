@@ -1,5 +1,5 @@
 // SPDX-License-Identifier: Apache-2.0
-// kvc/io/safetensors.hpp: a hardened reader and a writer for .safetensors files
+// tools/io/safetensors.hpp: a hardened reader and a writer for .safetensors files
 // (https://github.com/huggingface/safetensors): an 8-byte little-endian u64 header length N, N bytes of JSON header,
 // then the data buffer.
 //
@@ -14,8 +14,9 @@
 #pragma once
 
 #include <kvc/core/extents.hpp>
-#include <kvc/io/file.hpp>
-#include <kvc/io/json.hpp>
+
+#include "io/file.hpp"
+#include "io/json.hpp"
 
 #include <algorithm>
 #include <bit>

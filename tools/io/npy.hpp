@@ -1,5 +1,5 @@
 // SPDX-License-Identifier: Apache-2.0
-// kvc/io/npy.hpp: a hardened reader and a writer for NumPy .npy files (format versions 1.0, 2.0 and 3.0).
+// tools/io/npy.hpp: a hardened reader and a writer for NumPy .npy files (format versions 1.0, 2.0 and 3.0).
 //
 // Files are untrusted input. The parser bounds-checks every read, accepts only little-endian C-order float32,
 // float16, float64, int64 and int32 arrays, rejects sizes that overflow 64 bits, and requires the data to be exactly
@@ -8,7 +8,8 @@
 #pragma once
 
 #include <kvc/core/extents.hpp>
-#include <kvc/io/file.hpp>
+
+#include "io/file.hpp"
 
 #include <bit>
 #include <cstddef>

@@ -1,5 +1,5 @@
 // SPDX-License-Identifier: Apache-2.0
-// kvc/io/json.hpp: a small, strict JSON (RFC 8259) parser into a DOM, for untrusted files (safetensors headers,
+// tools/io/json.hpp: a small, strict JSON (RFC 8259) parser into a DOM, for untrusted files (safetensors headers,
 // tokenizer.json, model configs).
 //
 // Strict: one value with optional whitespace (space, tab, LF, CR) around it; no comments, trailing commas, NaN,
