@@ -17,7 +17,7 @@
 namespace kvc::tools {
 
 /// Exact multiple-choice knapsack DP over the hull options (optimal among allocations on the hull with Σ bits <=
-/// budget_bits, P9; for a convex table, every real one, that is optimal over all of {0, 2, 4, 8, 16}). O(n · C)
+/// budget_bits; for a convex table, every real one, that is optimal over all of {0, 2, 4, 8, 16}). O(n · C)
 /// time and memory with C = budget_bits / 2 + 1 capacities (capped at what all-16 needs); refuses (invalid_argument)
 /// when n · C > dp_cell_limit. Allocates (std::vector: n · C choices + two rows): a reference for tests and
 /// small cases, not for kernels. Ties: options are scanned in increasing bits and only a strict improvement

@@ -1,10 +1,10 @@
 // SPDX-License-Identifier: Apache-2.0
-// kvc/attention/corrected.hpp: MomentKV's normalisation-corrected attention (shared/specs/moment_kv.md §2.4–2.6).
+// kvc/attention/corrected.hpp: MomentKV's normalisation-corrected attention (arXiv 2606.01563, §4.2, Eq. 12).
 //
 // The retained attention (o_R, lse_R) comes from kvc::attend over the compressed cache. The evicted set of KV head
 // g(q) enters as one virtual token with log-weight and query-dependent value
-//   lse_E = log n + c qᵀk̄                      (Jensen's lower bound of log Z_E, §2.5)
-//   f̂_E(q) = v̄ + (c / n) C̃ q                    (first order, §2.4; MomentOrder::zeroth: v̄)
+//   lse_E = log n + c qᵀk̄                      (Jensen's lower bound of log Z_E, Eq. 11)
+//   f̂_E(q) = v̄ + (c / n) C̃ q                    (first order, Eq. 9; MomentOrder::zeroth: v̄)
 // and the two states merge in the log domain as split-KV partial attention does (FlashInfer's merge_state):
 //   lse = logaddexp(lse_R, lse_E);  out = e^{lse_R − lse} o_R + e^{lse_E − lse} f̂_E.
 // n = 0 leaves o_R unchanged (no 0/0). GQA: query head q reads the moments of KV head q / (Hq / Hkv); its G query

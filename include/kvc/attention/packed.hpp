@@ -1,14 +1,14 @@
 // SPDX-License-Identifier: Apache-2.0
-// kvc/attention/packed.hpp: attention over the packed store (RDKV / KIVI zones A + B, spec rdkv §2.8), reading the
+// kvc/attention/packed.hpp: attention over the packed store (RDKV / KIVI zones A + B, RDKV's Fig. 3), reading the
 // codes directly and dequantising in registers: the point of the packed store is the memory it frees, which an
 // unpack to 16 bits before attention would give back (and pay for with a pass over the cache).
 //
 // out[b, q, i] = Σ_t softmax_t(scale · <query[b, q, i], k̂_t>) v̂_t over the kept tokens t of KV head q / (Hq / Hkv)
 // (GQA as kvc::attend), masked causally by the stored positions, where k̂, v̂ are the dequantised K and V
-// (store/packed.hpp's dequantized()). It equals kvc::attend over a cache of those dequantised tokens (spec S4) up to
-// fp32 summation order. Evicted tokens (V bits 0) are not in the softmax at all (true removal, spec A2); a pruned K
-// channel contributes exactly 0 to every logit. The decode tail (zone C: tokens appended after packing, or KIVI's
-// FP16 residual window) is an ordinary kvc cache attended with kvc::attend and merged by kvc::merge_attention
+// (store/packed.hpp's dequantized()). It equals kvc::attend over a cache of those dequantised tokens up to fp32
+// summation order. Evicted tokens (V bits 0) are not in the softmax (true removal, docs/policies/rdkv.md decision A2);
+// a pruned K channel contributes exactly 0 to every logit. The decode tail (zone C: tokens appended after packing, or
+// KIVI's FP16 residual window) is an ordinary kvc cache attended with kvc::attend and merged by kvc::merge_attention
 // (attention/merge.hpp) through both results' log-sum-exps. Kernels: Kernel<PackedAttention, B> in
 // backend/*/attention/packed.hpp.
 #pragma once

@@ -1,9 +1,9 @@
 // SPDX-License-Identifier: Apache-2.0
 // kvc/calibration/head_budgets.hpp: UNComp's per-head KV budgets inside a layer from the head groups (Xiong et al.,
-// arXiv 2410.03090, Eq. 11 and Table 9; spec uncomp.md §2.6 and §7.6, §7.7, §7.16). Host only, no allocation.
+// arXiv 2410.03090, Eq. 11, Table 9; decisions A6, A7, A16 in docs/policies/uncomp.md). Host only, no allocation.
 //
 // Group g (0-based here; the paper's g + 1) of a layer keeps N_g tokens per head, group 0 = highest entropy = most:
-//  - preserving (default, spec §2.6 [rec]): N_g = B̄ + (c − (g + 1))·Δ with c = Σ_g n_g (g + 1) / H, so that
+//  - preserving (default, kvc's closed form, A6): N_g = B̄ + (c − (g + 1))·Δ with c = Σ_g n_g (g + 1) / H, so that
 //    Σ_h N_{g(h)} = H·B̄ for any group sizes n_g (c = (M+1)/2 for equal sizes: B̄ = 384, M = 8, Δ = 74 gives
 //    [643, 569, 495, 421, 347, 273, 199, 125]);
 //  - paper (Eq. 11, g = 1..M−1): N_g = N_max − g·Δ (640 and 74: [640, 566, …, 122], mean 381);
@@ -21,7 +21,7 @@
 
 namespace kvc {
 
-/// How the per-group budgets are made (spec §2.6).
+/// How the per-group budgets are made (docs/policies/uncomp.md, decision A6).
 enum class BudgetSchedule : std::uint8_t {
   preserving,  ///< N_g = B̄ + (c − g)·Δ, g = 1..M: the layer total is H·B̄ exactly (default)
   paper,       ///< N_1 = N_max, N_{g+1} = N_g − Δ (Eq. 11; not budget-preserving)

@@ -1,6 +1,6 @@
 // SPDX-License-Identifier: Apache-2.0
 // kvc/calibration/head_groups.hpp: UNComp's offline head grouping (Xiong et al., arXiv 2410.03090, §3.3.1 and
-// Alg. 1; spec uncomp.md §2.5 and §7.5, §7.15, §7.16). Host only, no Eigen, no allocation except in
+// Alg. 1; decisions A5, A15, A16 in docs/policies/uncomp.md#decisions). Host only, no Eigen, no allocation except in
 // EntropyCalibration (which owns its sums and the per-sample labels of the vote).
 //
 // Within one layer, heads are ranked by their entropy (any strictly monotone unit: H_k, Ĥ_k or erank_k give the same
@@ -136,8 +136,8 @@ inline Status majority_vote_groups(Index const* labels /*[samples, heads]*/, Ind
   return {};
 }
 
-/// GQA (spec §7.15): per-KV-head value = the mean over the g = heads / kv_heads query heads of each KV head, query
-/// head h belonging to KV head h / g (Hugging Face's repeat_kv layout). Any unit (erank_k is the spec's choice).
+/// GQA (decision A15): per-KV-head value = the mean over the g = heads / kv_heads query heads of each KV head, query
+/// head h belonging to KV head h / g (Hugging Face's repeat_kv layout). Any unit (kvc's calibration uses erank_k).
 /// per_query_head [heads], per_kv_head [kv_heads]; heads must be a multiple of kv_heads >= 1.
 inline Status reduce_to_kv_heads(double const* per_query_head /*[heads]*/, Index heads, Index kv_heads,
                                  double* per_kv_head /*[kv_heads]*/) noexcept {

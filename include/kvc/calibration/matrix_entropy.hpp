@@ -1,7 +1,8 @@
 // SPDX-License-Identifier: Apache-2.0
 // kvc/calibration/matrix_entropy.hpp: the truncated matrix entropy of a head's token rows (UNComp, Xiong et al.,
-// arXiv 2410.03090, Eq. 1-6; spec uncomp.md §2.2-2.4 and §9). CPU only, fp64, Eigen: it is computed offline on
-// calibration text (kvc calibrate), never at inference, so no CUDA kernel exists (docs/policies/uncomp.md).
+// arXiv 2410.03090, §3.2, Eq. 1-6; the authors' uncomp/utils/entropy_utils.py). CPU only, fp64, Eigen: it is
+// computed offline on calibration text (kvc calibrate), never at inference, so no CUDA kernel exists
+// (docs/policies/uncomp.md).
 //
 // For rows X [n, d] (one head's post-RoPE queries):
 //   R = X − 1 x̄ᵀ (centred over tokens)
@@ -38,9 +39,9 @@ namespace kvc {
 /// spectrum). `automatic` picks the smaller.
 enum class Gram : std::uint8_t { automatic, features, tokens };
 
-/// Options of the truncated matrix entropy (spec §7.1-7.4).
+/// Options of the truncated matrix entropy (decisions A1–A4 in docs/policies/uncomp.md#decisions).
 struct MatrixEntropyOptions {
-  Index top_k = 0;  ///< k, leading eigenvalues kept; 0 = d / 4 (at least 1: the spec's 32 at d = 128, §7.4); clamped
+  Index top_k = 0;  ///< k, leading eigenvalues kept; 0 = d / 4 (at least 1: the paper's 32 at d = 128, A4); clamped
                     ///< to min(n, d)
   bool normalize_rows = true;     ///< the authors' centred, row-L2-normalised second moment; false: Eq. 1's covariance
   bool renormalize_topk = false;  ///< divide the top k by their sum (isotropic then gives ln k, not (k/d) ln d)
@@ -96,7 +97,7 @@ class MatrixEntropySolver {
 
   /// The entropies of rows [n, dim] of element type T, row r at rows + r * row_stride. With a non-empty `rope`, row
   /// r is first rotated to position positions[r] (or r when `positions` is null): pre-RoPE queries become the
-  /// post-RoPE queries the spec measures. Errors name the argument.
+  /// post-RoPE queries the authors measure. Errors name the argument.
   template <Element T>
   Status compute(T const* rows, Index n, Index row_stride, MatrixEntropy& out, RopeTable<HostSpace> const& rope = {},
                  Index const* positions = nullptr) {
@@ -196,7 +197,7 @@ class MatrixEntropySolver {
     if (!(trace > 0.0) || !std::isfinite(trace)) {
       if (!std::isfinite(trace))  // finite rows can still overflow the fp64 sums (|x| ~ 1e154 and above)
         return {Errc::non_finite, "matrix entropy: the second moment of `rows` overflows"};
-      return {};  // no variation: an empty spectrum, H = 0 and erank = 1 (spec §7.19)
+      return {};  // no variation: an empty spectrum, H = 0 and erank = 1 (decision A19)
     }
     // The upper triangle is unset (rankUpdate wrote the lower); the solver reads the lower one only.
     solver_.compute(m, Eigen::EigenvaluesOnly);

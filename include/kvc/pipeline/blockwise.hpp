@@ -3,7 +3,7 @@
 // the prompt is processed in blocks of B tokens under a fixed budget N, evicting after every block; decoding is
 // the same loop with B = 1. The peak cache per head is N + B tokens instead of the prompt length.
 //
-//   C_0 = {};  for each block i:  C_i = pi_N(C_{i-1} || block_i)   (blocks start at 0, B, 2B, ...; spec A11)
+//   C_0 = {};  for each block i:  C_i = pi_N(C_{i-1} || block_i)   (blocks start at 0, B, 2B, ... as in Eq. 6)
 //
 // Written against the entry points only (append, compress, compact), so it runs on every backend that has their
 // kernels. Generic over scorers that read only keys and values (KeyDiff, Knorm, StreamingLLM); attention-based

@@ -1,7 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
 // kvc/pipeline/decode.hpp: the decode driver: compression while generating, on a schedule, for any scorer.
 //
-// Semantics of kvpress's DecodingPress (kvpress_reference.md §2.12), per layer:
+// Semantics of kvpress's DecodingPress (NVIDIA/kvpress, kvpress/presses/decoding_press.py), per layer:
 //   every decode forward:  steps += 1; the new pre-RoPE queries are in the layer's QueryBuffer; a stateful scorer
 //                          folds them in (kvc::update: H2O's accumulated attention);
 //   when steps >= compression_interval:
@@ -220,8 +220,8 @@ Status decode_step(Bk const& backend, S const& scorer, Sel const& selector, Deco
     float* mean = sc.take<float>(e.batch * buf.heads * e.dim);
     float* cov = sc.take<float>(e.batch * buf.heads * e.dim * e.dim);
     Workspace const after = sc.rest();
-    // Authors: samples at absolute positions >= n_sink, t0 the next position; kvpress (A1/A2): the buffer without
-    // its first n_sink rows, t0 its length.
+    // Authors: samples at absolute positions >= n_sink, t0 the next position; kvpress: the buffer without its first
+    // n_sink rows, t0 its length (docs/policies/expected_attention.md, decisions A1 and A2).
     bool const kvpress = scorer.reference == Reference::kvpress;
     // Rows [count - n, count) of the whole buffer (its positions are [batch, capacity]).
     StatisticsRows const sample{kvpress ? 0 : scorer.n_sink, buf.count - n + (kvpress ? scorer.n_sink : 0), buf.count};

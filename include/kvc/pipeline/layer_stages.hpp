@@ -1,12 +1,13 @@
 // SPDX-License-Identifier: Apache-2.0
 // kvc/pipeline/layer_stages.hpp: UNComp's layer groups ("stages") and hidden-state pruning at prefill (Xiong et al.,
-// arXiv 2410.03090, Eq. 8-10 and Alg. 2; spec uncomp.md §2.9 and §7.8-7.14). Host only, no allocation.
+// arXiv 2410.03090, §3.3.2, Eq. 8-10 and Alg. 2; the authors' uncomp/stage_division.py; decisions A8–A14 in
+// docs/policies/uncomp.md#decisions). Host only, no allocation.
 //
-// Layer scores s_l (the spec's rec: mean erank_k of the layer's heads; the threshold ε is in the same unit) fall with
-// depth; a drop s_{l−1} − s_l > ε starts a new stage at layer l (Eq. 8 and the authors' code; Alg. 2's opposite sign
-// is a typo), so there are 1 + #drops stages (Eq. 9 counts the drops). Stage c (0-based) keeps K_c hidden-state rows:
-// K_0 = n, then K_c = max(min_tokens, n − c·step), chosen by the attention the last w queries pay them (summed over
-// heads) with the last w rows always kept. Pruning happens at stage boundaries only; the kept rows keep their
+// Layer scores s_l (kvc's choice, A11: mean erank_k of the layer's heads; the threshold ε is in the same unit) fall
+// with depth; a drop s_{l−1} − s_l > ε starts a new stage at layer l (Eq. 8 and the authors' code; Alg. 2's opposite
+// sign is a typo), so there are 1 + #drops stages (Eq. 9 counts the drops). Stage c (0-based) keeps K_c hidden-state
+// rows: K_0 = n, then K_c = max(min_tokens, n − c·step), chosen by the attention the last w queries pay them (summed
+// over heads) with the last w rows always kept. Pruning happens at stage boundaries only; the kept rows keep their
 // original positions (the caller gathers position ids with the same indices, so RoPE stays correct).
 #pragma once
 
@@ -44,7 +45,7 @@ inline Status partition_layers(double const* layer_score /*[layers]*/, Index lay
   return {};
 }
 
-/// Stages with a target count (spec §7.11): the (stages − 1) largest drops layer_score[l − 1] − layer_score[l],
+/// Stages with a target count (decision A11): the (stages − 1) largest drops layer_score[l − 1] − layer_score[l],
 /// l >= 1 (ties: lower layer; a "drop" may be negative when stages − 1 exceeds the real drops) start stages.
 /// 1 <= stages <= layers; layer_score finite. stage_of_layer [layers] as for partition_layers. O(layers²).
 inline Status partition_layers_count(double const* layer_score /*[layers]*/, Index layers, Index stages,
@@ -71,7 +72,7 @@ inline Status partition_layers_count(double const* layer_score /*[layers]*/, Ind
 }
 
 /// Hidden-state rows kept in each stage c (0-based), counts [stages]: K_0 = n, K_c = max(min_tokens, n − c·step),
-/// never above n (spec §7.13: the code's floor 1536 and step, relative to the actual n). step <= 0 means the code's
+/// never above n (decision A13: the code's floor 1536 and step, relative to the actual n). step <= 0 means the code's
 /// default ⌊(n − min_tokens)/(stages − 1)⌋ (so K_{stages−1} = min_tokens + (n − min_tokens) mod (stages − 1)).
 /// No pruning (every K_c = n) when n <= min_tokens. n >= 0, stages >= 1, min_tokens >= 0.
 inline Status hidden_state_counts(Index n, Index stages, Index min_tokens, Index step,

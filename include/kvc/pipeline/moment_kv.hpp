@@ -1,8 +1,8 @@
 // SPDX-License-Identifier: Apache-2.0
-// kvc/pipeline/moment_kv.hpp: MomentKV's prefill compression (shared/specs/moment_kv.md §4, §9.1): the paper's
+// kvc/pipeline/moment_kv.hpp: MomentKV's prefill compression (docs/policies/moment_kv.md, decision A1): the paper's
 // Algorithm 1 is decode-only, and the exact greedy over the N − L prefill evictions costs O((N − L) N d²), so the
 // evictions run in `prefill_rounds` rounds:
-//   1. α = the base score (SnapKV's window attention, pooled), once; frozen for every round (property 25);
+//   1. α = the base score (SnapKV's window attention, pooled), once; frozen for every round;
 //   2. each head's budget L_h = what `selector` keeps on α (TopKSelector: uniform; AdaKVSelector: Ada-KV's
 //      head-wise budgets; PyramidKVBudget: per layer), protected tokens included;
 //   3. each round: MI scores α_j ‖r_j‖ under the current moments; a head with n > L_h slots keeps

@@ -1,5 +1,5 @@
 // SPDX-License-Identifier: Apache-2.0
-// kvc/pipeline/pack.hpp: the CPU builders of the packed store (spec rdkv §2.7–2.8; layout in store/packed.hpp):
+// kvc/pipeline/pack.hpp: the CPU builders of the packed store (RDKV's obkv_accel/packing.py; layout: store/packed.hpp):
 // kvc::pack fills an owning PackedKV (it allocates: the tools' way), kvc::pack_into a caller-memory PackedStore
 // (nothing allocates: the engine's way, kvc::LayerCompressor's). Both write each head with the same three steps
 // (detail::order_packed_head, layout_packed_head, detail::fill_packed_head); they differ only in where a head starts.

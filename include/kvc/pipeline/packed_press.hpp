@@ -1,6 +1,6 @@
 // SPDX-License-Identifier: Apache-2.0
 // kvc/pipeline/packed_press.hpp: the packed policies as single policy objects, the way kvc::Press is one for the
-// token-eviction policies: kvc::RDKVPress (rate-distortion bit allocation, spec rdkv.md) and kvc::KIVIPress (KIVI's
+// token-eviction policies: kvc::RDKVPress (bit allocation, docs/policies/rdkv.md) and kvc::KIVIPress (KIVI's
 // uniform 2- or 4-bit plan). kvc::LayerCompressor composes them (engine/packed_compressor.hpp): after the prompt a
 // bit plan per (sequence, KV head), the newest `residual` tokens left in the engine's cache as the fp16 tail (zone C,
 // where decoded tokens are appended), the rest packed (kvc::pack_into); attention over the packed store and the tail,
@@ -27,7 +27,7 @@ namespace kvc {
 
 /// RDKV as one policy. Token weights from `scorer`: RDKVTokenScorer (the authors' attn_linear or the derived
 /// weight), or another token scorer (SnapKV, TOVA, KeyDiff, Knorm, StreamingLLM, random, ExpectedAttention, H2O over
-/// the prompt's queries; spec A1), whose scores become weights by kvc::scores_as_weights. Channel weights: ThinK.
+/// the prompt's queries; decision A1), whose scores become weights by kvc::scores_as_weights. Channel weights: ThinK.
 /// The allocation: `allocator` (its `residual` newest tokens stay fp16 in the engine's cache). The quantiser: `pack`.
 /// The authors' preset (reference=authors) is allocator.solver = lagrangian with pack = {ZeroPoint::integer,
 /// clamp_k16_to_8 = true}.

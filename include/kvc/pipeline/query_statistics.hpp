@@ -4,9 +4,9 @@
 //
 // For sequence b and query head q, over the sample rows i of `queries` ([batch, Hq, R, d]) that pass `rows`:
 //   mu    = (1/N) sum_i x_i                       (fp32 out; accumulated in fp64 on the CPU)
-//   Sigma = (1/N) sum_i (x_i - mu)(x_i - mu)ᵀ     (population covariance, spec §2.2 / A3; never inverted)
-// N = 0 gives mu = 0 and Sigma = 0 (ExpectedAttention then ranks by ||v||, spec A3). Row order does not matter, so a
-// ring buffer of decode queries can be passed as it lies.
+//   Sigma = (1/N) sum_i (x_i - mu)(x_i - mu)ᵀ     (population covariance, as kvpress; never inverted)
+// N = 0 gives mu = 0 and Sigma = 0 (ExpectedAttention then ranks by ||v||: docs/policies/expected_attention.md, A3).
+// Row order does not matter, so a ring buffer of decode queries can be passed as it lies.
 #pragma once
 
 #include <kvc/core/backend.hpp>
@@ -24,7 +24,7 @@ namespace kvc {
 /// Step tag of kvc::query_statistics.
 struct QueryStatisticsStep {};
 
-/// Which sample rows count. Prefill: every context query but the sinks (`n_sink`). Decoding, authors (spec A2):
+/// Which sample rows count. Prefill: every context query but the sinks (`n_sink`). Decoding, authors (decision A2):
 /// the buffer's rows whose absolute position is >= n_sink. Decoding, kvpress: the buffer without its first
 /// `skip_rows` rows, whatever their positions.
 struct StatisticsRows {

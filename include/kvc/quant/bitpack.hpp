@@ -1,6 +1,6 @@
 // SPDX-License-Identifier: Apache-2.0
-// kvc/quant/bitpack.hpp: packing of 2-, 4- and 8-bit codes into bytes in the RDKV split layouts (spec rdkv §2.7,
-// §2.8; obkv_accel/bitpack.py). Host and device, no allocation.
+// kvc/quant/bitpack.hpp: packing of 2-, 4- and 8-bit codes into bytes in the RDKV split layouts (the authors'
+// obkv_accel/bitpack.py, github.com/Junkai1860/RDKV @287a4a5). Host and device, no allocation.
 //
 // A run of n codes (n padded to a multiple of 8 / bits) is split into 8 / bits equal segments and byte i holds code
 // i of every segment, the first segment in the low bits:

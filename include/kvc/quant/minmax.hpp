@@ -1,6 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
 // kvc/quant/minmax.hpp: uniform asymmetric min-max quantisation of one group of values at 2, 4 or 8 bits
-// (spec rdkv §2.7): the KIVI float-min offset (default) and the RDKV reference's integer zero-point.
+// (docs/policies/rdkv.md): the KIVI float-min offset (default; github.com/jy-yuan/KIVI, quant/new_pack.py) and the
+// RDKV reference's integer zero-point (github.com/Junkai1860/RDKV, obkv_accel/packing.py).
 //
 // Host and device (no Eigen, no exceptions, no allocation). Parameters are stored as FP16 and rounded to half
 // *before* any code is computed, so quantize() and dequantize() use exactly the stored scale and offset: a value
@@ -14,12 +15,12 @@
 // Dequantisation is reproducible under FMA contraction too: code * scale has at most 8 + 11 significant bits,
 // so the product is exact in float and `code * a + c` rounds once whether or not it is fused.
 //
-// Round-trip bound (tested, Q1), with s = the float scale before rounding, s_h = half(s), and for float_min
+// Round-trip bound (tested), with s = the float scale before rounding, s_h = half(s), and for float_min
 // mn = the group minimum, o_h = half(mn):
 //   float_min:                        |x - x̂| <= max(s, s_h) / 2 + |mn - o_h| + (2^b - 1) |s - s_h|
 //   integer, zero-straddling groups:  |x - x̂| <= max(s, s_h) / 2 + (2^b - 1) |s - s_h|
 // i.e. s/2 plus the FP16 rounding of the offset and of the scale times the largest code (plus float rounding).
-// Groups that exclude 0 break the integer mode (the reference's clipping quirk, Q7): zp is clamped to
+// Groups that exclude 0 break the integer mode (the reference's clipping quirk): zp is clamped to
 // [0, 2^b - 1] before use, so a 2-bit group in [10, 11] reconstructs as ~1.
 //
 // Values must fit FP16 (|x| <= 65504 and range / (2^b - 1) <= 65504); NaN/Inf input is the caller's problem

@@ -1,5 +1,5 @@
 // SPDX-License-Identifier: Apache-2.0
-// kvc/rate_distortion/bit_plan.hpp: the bit plan of one layer (RDKV, spec rdkv §2.6): a bit width per V token and per K
+// kvc/rate_distortion/bit_plan.hpp: an RDKV layer's bit plan (docs/policies/rdkv.md): a bit width per V token and per K
 // channel of every (sequence, KV head), each from {0, 2, 4, 8, 16}. The allocator (selectors/rdkv.hpp) writes it, the
 // packer (pipeline/pack.hpp) reads it. Its own header so that both can include it without including each other.
 #pragma once

@@ -1,11 +1,12 @@
 // SPDX-License-Identifier: Apache-2.0
-// kvc/rate_distortion/epsilon.hpp: RDKV's rate-distortion model, a normalised distortion per bit width (spec
-// rdkv.md §2.4). Host and device, no allocation.
+// kvc/rate_distortion/epsilon.hpp: RDKV's rate-distortion model, a normalised distortion per bit width (the
+// authors' calibrate_epsilon.py and their results/epsilon_calibration_llama31_8b.json, github.com/Junkai1860/RDKV
+// @287a4a5; docs/policies/rdkv.md). Host and device, no allocation.
 //
 // A unit (a V token, a K channel) quantised at b bits costs D_u(b) = w_u · eps(b), with eps(b) = E(x − x̂)² / Var(x)
 // measured offline (calibrate_epsilon.py) and two sentinels: eps(0) = 1 (evicted: the whole signal is lost) and
 // eps(16) = 0 (kept in FP16). The solvers of rate_distortion/knapsack.hpp only ever pick options on the lower convex
-// hull of the points (b, eps(b)): an option above the hull is never the minimum of w·eps(b) + λ·b for any λ (P11),
+// hull of the points (b, eps(b)): an option above the hull is never the minimum of w·eps(b) + λ·b for any λ,
 // and the exact solver's increments are the hull's edges.
 #pragma once
 
@@ -33,7 +34,7 @@ KVC_HOST_DEVICE constexpr int bit_option_index(int b) noexcept {
 
 /// Normalised MSE eps(b) = E(x - x̂)² / Var(x) per option [0, 2, 4, 8, 16] (double). Valid: eps[0] = 1, eps[4] = 0,
 /// strictly decreasing, finite. `hull` marks the options on the lower convex hull of (b, eps(b)) (0 and 16 always
-/// are); a solver never picks an option off the hull (P11). Per-layer tables (eps_mode = per_layer) are one
+/// are); a solver never picks an option off the hull. Per-layer tables (eps_mode = per_layer) are one
 /// EpsilonTable per layer, chosen by the caller.
 struct EpsilonTable {
   double eps[kBitOptions] = {1.0, 0.312, 0.0138, 4.8e-5, 0.0};

@@ -1,6 +1,6 @@
 // SPDX-License-Identifier: Apache-2.0
-// kvc/rate_distortion/knapsack.hpp: RDKV's bit allocation over one knapsack (spec rdkv.md §2.5, §2.6; properties
-// §8 P1–P11). Host only.
+// kvc/rate_distortion/knapsack.hpp: RDKV's bit allocation over one knapsack (the authors' knapsack_solver.py,
+// github.com/Junkai1860/RDKV @287a4a5; docs/policies/rdkv.md). Host only.
 //
 // A knapsack is n units of equal cost (the V tokens of a head: cost dim per bit; the K channels of a head: cost
 // T_eff per bit; the common cost is absorbed into the budget), weights w[u] >= 0 (fp32, finite; NaN, Inf or a
@@ -9,9 +9,9 @@
 //
 // Every solver works on the lower convex hull of the table (epsilon.hpp: EpsilonTable::hull_of): a unit moves up
 // the hull edge by edge, edge k of unit u having the gain rate w_u · s_k with s_k = (eps_k − eps_{k+1}) / (b_{k+1}
-// − b_k), non-increasing in k. So an option off the hull is never chosen (P11), and:
+// − b_k), non-increasing in k. So an option off the hull is never chosen, and:
 //  - a unit of weight 0 gets the lowest option (0 bits; 2 without eviction) in every solver, whatever the budget
-//    (spec A14: the authors' λ = 0 rule, kept; a w = 0 edge never lowers ΔD);
+//    (docs/policies/rdkv.md, decision A14: the authors' λ = 0 rule, kept; a w = 0 edge never lowers ΔD);
 //  - ties go to fewer bits (the authors' argmin: lowest index).
 // Everything is deterministic and independent of thread count; nothing allocates: exact_bits takes caller scratch.
 // (The optimal multiple-choice DP, which allocates O(n · budget), is a test reference in tools/common/knapsack_dp.hpp.)
@@ -34,7 +34,7 @@ namespace kvc {
 
 /// Which discrete solver an allocation runs.
 enum class BitSolver : std::uint8_t {
-  exact,       ///< Σ bits <= budget always (P1) and maximal (P2): greedy over hull edges + fill (default)
+  exact,       ///< Σ bits <= budget always, and maximal: greedy over hull edges + fill (default)
   lagrangian,  ///< the authors' bisection on λ (knapsack_solver.py): may overshoot the target by `tol`
 };
 
@@ -89,7 +89,7 @@ constexpr RDHull rd_hull(EpsilonTable const& e, BitOptions opt) noexcept {
 
 /// Hull level of a unit of weight w at multiplier λ: the number of leading edges whose gain rate w·s_k beats λ
 /// strictly (a tie keeps fewer bits). Non-decreasing in w and non-increasing in λ, exactly (rounded products are
-/// monotone), which is what P4 and P5 need.
+/// monotone), so the Lagrangian's bits are monotone in the weight and in the budget.
 inline int rd_level(RDHull const& h, double w, double lambda) noexcept {
   int k = 0;
   while (k < h.count - 1 && w * h.slope[k] > lambda)
@@ -138,7 +138,7 @@ inline std::int64_t rd_solve(RDHull const& h, float const* w, Index n, double la
 
 }  // namespace detail
 
-/// b(λ) for one λ (an Everett point: optimal for the bits it spends, P8): b_u = argmin over the hull options of
+/// b(λ) for one λ (an Everett point: optimal for the bits it spends): b_u = argmin over the hull options of
 /// w_u eps(b) + λ b, ties to fewer bits. Preconditions (unchecked): eps.check() passes, w finite and >= 0, λ >= 0.
 inline void bits_at_lambda(float const* w, Index n, EpsilonTable const& eps, BitOptions opt, double lambda,
                            std::int8_t* bits) {
@@ -149,10 +149,10 @@ inline void bits_at_lambda(float const* w, Index n, EpsilonTable const& eps, Bit
 /// 1e-8), doubled while avg(λ_hi) > target (at most `max_doublings` times, not past 1e12); if λ = 0 meets the target
 /// its bits are returned (w > 0 -> 16, w = 0 -> 0); else at most `max_iter` midpoints, stopping at the first with
 /// |avg − target| / target < tol (else the last midpoint's bits). b_u(λ) as bits_at_lambda. `target_avg` = average
-/// bits per unit (>= 0). The result may exceed the budget (by up to tol when converged, more when not: spec A7).
+/// bits per unit (>= 0). The result may exceed the budget (by up to tol when converged, more when not: decision A7).
 /// Deliberate difference: a target at or below the floor (0 bits, or 2 without eviction) gives every unit the floor
-/// (λ = +inf), where the authors' bisection would return its last midpoint, which can spend bits (P7: budget 0
-/// evicts everything). Averages are exact (Σ bits / n in double; the authors' are fp32 means). `lambda_out`: the λ
+/// (λ = +inf), where the authors' bisection would return its last midpoint, which can spend bits (budget 0 must
+/// evict everything). Averages are exact (Σ bits / n in double; the authors' are fp32 means). `lambda_out`: the λ
 /// of the returned bits. Errors: bad table or options, n < 0, null pointers, weights NaN/Inf/negative, target NaN,
 /// Inf or negative.
 inline Status lagrangian_bits(float const* w, Index n, EpsilonTable const& eps, BitOptions opt, double target_avg,
@@ -200,10 +200,10 @@ inline std::size_t exact_bits_scratch_bytes(Index n) {
   return bytes_sum(bytes_product(n, kBitOptions - 1, sizeof(detail::RDIncrement)), workspace_slack);
 }
 
-/// Exact mode: Σ bits <= budget_bits always (P1), maximal (P2). The greedy over hull edges in decreasing gain rate
+/// Exact mode: Σ bits <= budget_bits always, and maximal. The greedy over hull edges in decreasing gain rate
 /// w_u (eps_k − eps_{k+1}) / (b_{k+1} − b_k) (ties: lower unit first, then lower edge): an edge that fits the
 /// remaining budget is taken; one that does not is skipped and blocks its unit's later edges; scanning on fills the
-/// slack with cheaper edges of other units. Edges of zero gain (w = 0) are never taken (A14).
+/// slack with cheaper edges of other units. Edges of zero gain (w = 0) are never taken (decision A14).
 /// How: the taken prefix of that order (every edge before the first that does not fit) is found by a weighted
 /// quickselect over the edges (expected O(n), std::sort past a depth limit); the fill then needs at most
 /// slack / 2 < 8 passes over the units, since the slack left is below the skipped edge's cost (<= 16 bits).
@@ -351,7 +351,7 @@ inline double distortion(float const* w, Index n, EpsilonTable const& eps, std::
   return d;
 }
 
-/// Continuous relaxation over the hull (Prop. A.3's lower bound, spec §2.5): the fractional multiple-choice
+/// Continuous relaxation over the hull (Prop. A.3's lower bound in the RDKV paper): the fractional multiple-choice
 /// knapsack, each unit's distortion the piecewise-linear hull between its options, Σ b_u <= budget_bits (real).
 /// Returns the minimal ΔD: every edge of gain rate above the threshold λ* taken, and the rest of the budget spent
 /// at rate λ*, with λ* found by bisection over the bit patterns of doubles (exact, ~64 passes; not a hot path).
@@ -394,13 +394,13 @@ inline double hull_lower_bound(float const* w, Index n, EpsilonTable const& eps,
   return distortion_at(lambda) - lambda * (spare - cost_at(lambda));
 }
 
-/// Reverse water-filling (spec §2.5, the continuous model D_u(b) = w_u σ_u² 2^{−2b}): b_u = clip(½ log2(w_u σ_u² /
+/// Reverse water-filling (the continuous model D_u(b) = w_u σ_u² 2^{−2b}): b_u = clip(½ log2(w_u σ_u² /
 /// (c_u θ)), 0, b_max), the water level θ such that Σ_u c_u b_u = budget. Inputs: w_var [n] = w_u σ_u² (>= 0,
 /// finite), cost [n] = c_u (> 0, finite), budget (finite), b_max (> 0, finite). Writes the real-valued bits [n] and
 /// returns θ. θ is found by bisection on log2 θ, then solved in closed form on the units strictly inside (0, b_max).
 /// Endpoints: budget <= 0 -> every b_u = 0, θ = max_u w_var_u / c_u; budget >= Σ_{w_var > 0} c_u b_max -> every
 /// unit with w_var > 0 at b_max, θ = min over those of w_var_u / (c_u 4^b_max). Units with w_var = 0 get 0 bits.
-/// Returns NaN (bits untouched) on invalid input.
+/// Returns NaN (bits untouched) on invalid input. (Cover & Thomas, Elements of Information Theory, ch. 10.)
 inline double water_filling(double const* w_var, double const* cost, Index n, double budget, double b_max,
                             double* bits) {
   constexpr double nan = std::numeric_limits<double>::quiet_NaN();

@@ -2,11 +2,11 @@
 // kvc/scorers/expected_attention.hpp: Expected Attention (Devoto, Jeblick and Jégou, "Expected Attention: KV Cache
 // Compression by Estimating Attention from Future Queries Distribution", arXiv 2510.00636; kvpress's
 // ExpectedAttentionPress). Future queries are modelled as Gaussian; the attention they will pay each key has a
-// closed form, so no attention matrix is ever formed. Spec: shared/specs/expected_attention.md (§ below).
+// closed form, so no attention matrix is ever formed. Decisions A1–A22: docs/policies/expected_attention.md.
 //
 // Inputs: per query head q the mean mu_q [d] and covariance Sigma_q [d, d] of PRE-RoPE query samples
 // (kvc::query_statistics builds them), post-RoPE keys and the values. For KV head (b, h) with n valid slots:
-//   R̄       = (1/T) sum_{p = t0}^{t0 + T - 1} R_p, from the RoPE table: per pair a scaled rotation (§2.3)
+//   R̄       = (1/T) sum_{p = t0}^{t0 + T - 1} R_p, from the RoPE table: per pair a scaled rotation (Eq. 6)
 //   mū, Σ̄  = R̄ mu_q,  R̄ Sigma_q R̄ᵀ                       (Σ̄ = 0 when use_covariance is false)
 //   λ_q[j]  = s mū·k_j + (s²/2) k_jᵀ Σ̄ k_j                    (Eq. 7; s = scale, default 1/sqrt(d))
 //   â_q[j]  = softmax over j in I of λ_q                       (Eq. 8; I = slots [n_sink, n), or all with
@@ -14,7 +14,7 @@
 //   ā[j]    = mean (or max) over the group's query heads of â_q[j]
 //   s[j]    = (ā[j] + epsilon) ||v_j||_2  if use_vnorm, else ā[j]                       (Eq. 9, ||v|| for ||W_o v||)
 //   sinks   : slots j < n_sink score (max over every (b, h) and non-sink slot of s) + 1, so top-k keeps them.
-// t0, the first future position (§2.3, ambiguity A1): authors (default) the absolute position of the next token,
+// t0, the first future position (Eq. 6, decision A1): authors (default) the absolute position of the next token,
 // QueryStatistics::next_position (absent: one past the largest position in the cache); reference=kvpress,
 // QueryStatistics::observed (the number of query rows the statistics summarise: the context length in prefill,
 // the hidden-state buffer's length while decoding, which is what kvpress's `hidden_states.shape[1]` gives).
@@ -37,13 +37,13 @@ struct ExpectedAttentionScorer {
   static constexpr Needs needs = Needs::keys | Needs::values | Needs::query_statistics;
   static constexpr std::string_view name = "expected_attention";
 
-  Reference reference = Reference::authors;  ///< only changes t0 (see the file comment, ambiguity A1)
+  Reference reference = Reference::authors;  ///< only changes t0 (see the file comment, decision A1)
   Index n_future_positions = 512;            ///< T: R̄ averages RoPE over positions [t0, t0 + T)
   Index n_sink = 4;                          ///< first slots: not scored, outside the softmax, always kept
   bool use_covariance = true;                ///< the (s²/2) kᵀΣ̄k term of Eq. 7
   bool use_vnorm = true;                     ///< weight by ||v|| (Eq. 9); epsilon is ignored without it
   float epsilon = 0.01f;                     ///< the paper's 0.01 (kvpress's class default is 0)
-  GqaReduce gqa = GqaReduce::mean;           ///< mean of probabilities (kvpress) or max (ambiguity A6)
+  GqaReduce gqa = GqaReduce::mean;           ///< mean of probabilities (kvpress) or max (decision A6)
   bool normalize_sinks = false;              ///< softmax over every slot, sinks included (Eq. 8 as printed; A5)
   float scale = 0.0f;                        ///< softmax scale s; 0 means 1/sqrt(head dim) (A14)
 

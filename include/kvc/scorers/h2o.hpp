@@ -1,14 +1,15 @@
 // SPDX-License-Identifier: Apache-2.0
 // kvc/scorers/h2o.hpp: H2O, Heavy-Hitter Oracle (Zhang et al., "H2O: Heavy-Hitter Oracle for Efficient Generative
 // Inference of Large Language Models", arXiv 2306.14048), and kvpress's one-shot ObservedAttentionPress.
-// Spec: shared/specs/original_baselines.md §1, kvpress_reference.md §2.6.
+// Code: FMInference/H2O h2o_hf/utils_real_drop/modify_llama.py (the authors'), NVIDIA/kvpress
+// kvpress/presses/observed_attention_press.py; docs/policies/h2o.md.
 //
 // H2OScorer (the authors' real-drop cache, variant (a), the default): every cached token accumulates the attention
 // it receives while cached, from its own step on. With P(q, i, j) the causal fp32 softmax of query row i of query
 // head q over the slots of KV head (b, h):
 //   acc[j] += (1/g) sum_{q in group(h)} sum_i P(q, i, j)      (kvc::update, every prefill chunk and decode step)
 //   s[j]    = acc[j]                                            (kvc::score)
-// The GQA mean is the library's extension (the authors' code is MHA-only; spec §1.6: it ranks as the group sum).
+// The GQA mean is the library's extension (the authors' code is MHA-only; it ranks as the group sum).
 // Heavy hitters plus a recent window is TopKSelector{FixedBudget{hh + recent}, 0, recent}: the last `recent` slots
 // are protected and the rest compete on acc. The state lives in caller-owned buffers (H2OState): the accumulator
 // travels through kvc::compact as an extra TokenArray, and `tracked` counts the slots whose accumulator holds data

@@ -16,10 +16,10 @@
 
 namespace kvc {
 
-/// Which anchor the cosine is measured against (paper Table 2 ablation; spec ambiguity A1).
+/// Which anchor the cosine is measured against (paper Table 2 ablation; docs/policies/key_diff.md#decisions).
 enum class KeyDiffAnchor : std::uint8_t {
   normalized_mean,  ///< mean of unit keys, paper Eq. 8 and kvpress (default)
-  raw_mean,         ///< mean of raw keys, which §3.2 calls equivalent; invariant only to one global scale
+  raw_mean,         ///< mean of raw keys, which the paper's §3.2 calls equivalent; invariant only to one global scale
 };
 
 /// KeyDiff scorer parameters. Pair it with TopKSelector{FixedBudget{N}} and the block-wise driver for the

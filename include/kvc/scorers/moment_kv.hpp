@@ -1,7 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
 // kvc/scorers/moment_kv.hpp: MomentKV's moment-informed (MI) eviction score (Li, Li, Lan, "MomentKV: Closing the
-// Directional Gap in KV Cache Eviction for Long-Context Inference", arXiv 2606.01563; shared/specs/moment_kv.md
-// §2.7, §4, §9).
+// Directional Gap in KV Cache Eviction for Long-Context Inference", arXiv 2606.01563: §4.2,
+// Eq. 10, Algorithm 1, the §5.1 prefill protocol; decisions A1–A18: docs/policies/moment_kv.md#decisions).
 //
 // For retained slot j of KV head (b, h), with the moments (n, k̄, v̄, C) of the head's evicted set (scorers/moments.hpp)
 // and the logit scale c:
@@ -9,18 +9,18 @@
 //                                              n = 0: r_j = v_j; C̃ = C with entries |x| < clamp_tau zeroed)
 //   s[j]    = α_j · ‖r_j‖₂                      (low = explained by the summary = evicted first; higher = keep)
 // α_j is the base score, SnapKV's window attention (scorers/snap_kv.hpp, its shared kernel):
-//   - prefill (spec §4): the last w = 32 prompt queries, pooled over aligned chunks of 4 (Pooling::chunk_mean, the
-//     paper's "chunks of size 4"; Pooling::max with kernel 7 is Ada-KV's, kernel_size 1 is none), group mean (§9.3);
+//   - prefill (paper §5.1): the last w = 32 prompt queries, pooled over aligned chunks of 4 (Pooling::chunk_mean, the
+//     paper's "chunks of size 4"; Pooling::max with kernel 7 is Ada-KV's, kernel_size 1 is none), group mean (A3);
 //   - decode (Algorithm 1): the current query's softmax over the retained slots, group mean: the same kernel with a
 //     one-row window and kernel_size 1 (MomentKVScorer::decode()).
 // The score is pure: the moments change only through kvc::on_evict, which folds the plan's complement (the evicted
 // slots of each head) into them before kvc::compact moves the cache (one GEMM of the centred evicted rows, then
 // Chan's merge). kvc::update is a no-op (the moments hold evicted tokens only).
 //
-// Protected tokens are the selector's (spec §9.5): the sink (n_sink = 1) and the observation window (n_recent = w);
+// Protected tokens are the selector's (A5): the sink (n_sink = 1) and the observation window (n_recent = w);
 // give the MI score to a TopKSelector or AdaKVSelector with them. Budgets count everything kept, protected included.
 // `fixed_base`, when set, replaces the window attention by a frozen per-slot base score (the prefill rounds of
-// pipeline/moment_kv.hpp: spec §9.1, property 25).
+// pipeline/moment_kv.hpp, A1).
 #pragma once
 
 #include <kvc/core/budget.hpp>
@@ -36,7 +36,7 @@
 
 namespace kvc {
 
-/// The optional cache of u_j = C k_j per retained slot (spec §4 [ext]): with it, an eviction updates every u_j in
+/// The optional cache of u_j = C k_j per retained slot (kvc's extension): with it, an eviction updates every u_j in
 /// O(d) (u_j += (n_a / (n_a + 1)) (v* − v̄_a) ((k* − k̄_a)ᵀ k_j), Chan's rank-1 term applied to k_j) and the MI score
 /// costs O(L d) instead of O(L d²). Caller-owned, slots as in the cache:
 ///  - `rows` [batch, heads, tokens, d_v] fp32 (compaction moves them: the decode driver passes them as the scorer's
@@ -72,9 +72,9 @@ struct MomentKVScorer {
   /// The base score α: SnapKV's window attention with the paper's prefill protocol (w = 32, aligned chunks of 4,
   /// window sum per query head then group mean; the sum ranks as the Ada-KV repo's mean).
   SnapKVScorer base{Reference::authors, 32, 4, Pooling::chunk_mean, GqaReduce::mean};
-  float scale = 0.0f;       ///< logit scale c of the residual; 0 = 1 / sqrt(d_k) (spec §9.7: the model's own)
+  float scale = 0.0f;       ///< logit scale c of the residual; 0 = 1 / sqrt(d_k) (A7: the model's own)
   float clamp_tau = 1e-6f;  ///< entries of C with |x| < clamp_tau read as 0 (paper App. C.2; 0 disables)
-  /// Rounds of the prefill eviction (spec §9.1; kvc::moment_kv_prefill): each evicts an even share of what is
+  /// Rounds of the prefill eviction (A1; kvc::moment_kv_prefill): each evicts an even share of what is
   /// left, folds it into the moments and rescores. 1 = one shot (α_j ‖v_j‖); N − L = the exact greedy.
   Index prefill_rounds = 8;
   /// When set ([batch, heads, >= tokens] of the cache): α_j = fixed_base(b, h, j), the window attention is not run.

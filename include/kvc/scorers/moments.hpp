@@ -1,18 +1,18 @@
 // SPDX-License-Identifier: Apache-2.0
-// kvc/scorers/moments.hpp: the moments of an evicted set (MomentKV, shared/specs/moment_kv.md §2.2–2.6), their storage,
+// kvc/scorers/moments.hpp: the moments of an evicted set (MomentKV, arXiv 2606.01563, Eqs. 8–12, 22–25), their storage,
 // their memory, and the scalar algebra every backend shares.
 //
-// For the evicted set E of one (sequence, KV head), kvc stores the numerically stable Welford form (spec §2.3):
+// For the evicted set E of one (sequence, KV head), kvc stores the numerically stable Welford form:
 //   n  = |E|                                   (int64)
 //   k̄  = (1/n) Σ_E k_i                          [d_k]
 //   v̄  = (1/n) Σ_E v_i                          [d_v]
 //   C  = Σ_E (v_i − v̄)(k_i − k̄)ᵀ = S − s_v s_kᵀ/n = S̃   [d_v, d_k], row-major (value index first)
 // instead of the paper's raw sums (s_k = n k̄, s_v = n v̄, S = C + n v̄ k̄ᵀ): the means cannot overflow a 16-bit
-// store and the co-moment does not cancel catastrophically (spec §9.10). Two sets merge with Chan's formula, which
-// is also how one evicted block (a GEMM of its centred rows) or one evicted token (Welford) joins the state: the
-// update is additive, so the order of evictions does not matter (up to rounding).
+// store and the co-moment does not cancel catastrophically (docs/policies/moment_kv.md, A10). Two sets merge with
+// Chan's formula, which is also how one evicted block (a GEMM of its centred rows) or one evicted token (Welford) joins
+// the state: the update is additive, so the order of evictions does not matter (up to rounding).
 //
-// Keys are post-RoPE, exactly as the cache stores them (spec §9.8). All arithmetic is fp32 (fp64 in the tests'
+// Keys are post-RoPE, exactly as the cache stores them (A8). All arithmetic is fp32 (fp64 in the tests'
 // instantiations of the algebra below); storage is fp32 by default or 16-bit (the paper's setting), rounded once
 // per update.
 #pragma once
@@ -65,8 +65,8 @@ struct MomentState {
   }
 };
 
-/// Bytes of the moments of one KV head (spec §4, §10.29): (d_v·d_k + d_k + d_v) elements of `element_bytes` plus
-/// the 8-byte count. At d = 128 in 16 bits: 33,280 + 8 bytes.
+/// Bytes of the moments of one KV head (paper App. A.1, Table 5): (d_v·d_k + d_k + d_v) elements of `element_bytes`
+/// plus the 8-byte count. At d = 128 in 16 bits: 33,280 + 8 bytes.
 constexpr std::size_t moment_head_bytes(Index key_dim, Index value_dim, std::size_t element_bytes) noexcept {
   return bytes_sum(bytes_product(bytes_sum(bytes_product(value_dim, key_dim), static_cast<std::size_t>(key_dim),
                                            static_cast<std::size_t>(value_dim)),
@@ -80,7 +80,7 @@ constexpr std::size_t moment_state_bytes(Index batch, Index heads, Index key_dim
   return bytes_product(bytes_product(batch, heads), moment_head_bytes(key_dim, value_dim, sizeof(T)));
 }
 
-/// The moments' memory beside the cache they summarise (spec §4): per head and relative to `kept` retained tokens
+/// The moments' memory beside the cache they summarise: per head and relative to `kept` retained tokens
 /// of K and V stored as `cache_element_bytes` (the paper's ratio (d + 2) / (2L) for d_k = d_v = d, 16-bit both).
 struct MomentMemory {
   std::size_t head_bytes = 0;  ///< moment_head_bytes
@@ -97,7 +97,7 @@ constexpr MomentMemory moment_memory(Index key_dim, Index value_dim, std::size_t
   return m;
 }
 
-/// Which estimate of the evicted attention output the correction uses (spec §2.4).
+/// Which estimate of the evicted attention output the correction uses (paper Eq. 9; Table 4's ablation).
 enum class MomentOrder : unsigned char {
   first,   ///< f̂_E(q) = v̄ + (c / n) C̃ q (the paper's)
   zeroth,  ///< f̂_E = v̄ (the paper's Table 4 ablation; still weighted by Ẑ_E)
@@ -112,7 +112,7 @@ KVC_HOST_DEVICE constexpr Real clamp_small(Real x, Real tau) noexcept {
 }
 
 /// Chan's merge of set B (n_b, k̄_b, v̄_b, C_b) into set A (n_a, k̄_a, v̄_a, C_a), in place in A's fp `Real` arrays
-/// (spec §2.3). n_b = 1 with C_b = 0 is Welford's single add. C_b may be null (zero). Exact for n_a = 0.
+/// (paper Eq. 25, centred). n_b = 1 with C_b = 0 is Welford's single add. C_b may be null (zero). Exact for n_a = 0.
 ///   n = n_a + n_b;  Δk = k̄_b − k̄_a;  Δv = v̄_b − v̄_a;  k̄ += (n_b/n) Δk;  v̄ += (n_b/n) Δv;
 ///   C = C_a + C_b + (n_a n_b / n) Δv Δkᵀ
 template <class Real>
@@ -149,7 +149,7 @@ KVC_HOST_DEVICE inline Real log_add_exp(Real a, Real b) noexcept {
   return hi + std::log1p(std::exp(lo - hi));
 }
 
-/// The normalisation-corrected merge of one query row (spec §2.6, the log-domain form): the retained attention
+/// The normalisation-corrected merge of one query row (paper Eq. 12 in the log domain, Eq. 37): the retained attention
 /// (out_r [d_v], lse_r = log Z_R) and the evicted set as one virtual token with log-weight lse_e = log n + c qᵀk̄
 /// and value f̂_E [d_v] (in `estimate`) become out = ŵ_R out_r + ŵ_E f̂_E with ŵ_R = sigmoid(lse_r − lse_e) and
 /// ŵ_E = 1 − ŵ_R, written in place into out_r. Returns lse = logaddexp(lse_r, lse_e), the merged state's

@@ -1,6 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
 // kvc/scorers/rdkv.hpp: the unit weights of RDKV (rate-distortion bit allocation, arXiv 2605.08317; the authors'
-// code github.com/Junkai1860/RDKV @287a4a5, obkv_fast.py; shared/specs/rdkv.md §2.2, §2.3, A1, A12, A15):
+// code github.com/Junkai1860/RDKV @287a4a5, obkv_fast.py `_score_one_layer`; decisions A1, A12, A15 in
+// docs/policies/rdkv.md#decisions):
 // one weight per V token (RDKVTokenScorer, a kvc Scorer) and one per K channel (ThinKChannelScorer, its own entry
 // point kvc::score_channels). The allocator (selectors/rdkv.hpp, RDKVAllocator) turns them into bit widths.
 //
@@ -11,15 +12,15 @@
 //   n_j        = #{ window rows i : qpos(i) >= pos(j) }  (the rows that see slot j; W for slots before the window,
 //                W − i for the i-th window token in the authors' contiguous prefill — their `correct_norm`)
 //
-// RDKVTokenScorer, weight = attn_linear (the default; the authors' shipped `v_score_type=attn_linear`, §2.2):
+// RDKVTokenScorer, weight = attn_linear (the default; the authors' shipped `v_score_type=attn_linear`):
 //   s_j = ( sum_{q in group} sum_{i in window} a(q, i, j) ) / n_j          (0 when n_j = 0: no window row sees j)
 //   w_j = AvgPool1d(s, kernel k' = min(kernel_size, 2n − 1), stride 1, REFLECT padding)_j
 //       = (1 / k') sum_{o = −r..r} s_{reflect(j + o)},  r = k' / 2,  reflect(x) = −x (x < 0), 2(n − 1) − x (x >= n)
 //   (PyTorch's F.pad(mode="reflect") mirrors without repeating the edge: s_{−1} = s_1. n = 1: the identity;
 //   n = 2: kernel 3. The authors shrink the kernel so that the reflection exists, r < n.) Linear attention mass:
-//   not squared, no sigma². Window tokens are scored like every other token (no protection, spec A12): the
+//   not squared, no sigma². Window tokens are scored like every other token (no protection, A12): the
 //   allocator may evict or quantise them.
-// RDKVTokenScorer, weight = derived (spec A1's option, the first-order theory of §2.2 [RECON]):
+// RDKVTokenScorer, weight = derived (A1's option, the first-order distortion of quantising v_j; docs/policies/rdkv.md):
 //   e_j = ( sum_{q in group} sum_{i in window} a(q, i, j)² ) / n_j          (E_i[a²] summed over the group)
 //   w_j = AvgPool1d(e)_j · d_v · sigma_j²,  sigma_j² = population variance of the d_v entries of value_j
 //   The pooling (same kernel and reflect rule; kernel_size = 1 turns it off, the bare theory weight) smooths only
@@ -28,15 +29,15 @@
 // logits, the softmax and the sums in fp32 (16-bit keys, values and queries are widened exactly), i.e. the
 // authors' OBKV_SCORE_FP32=1 path. FP16 scores only add rounding noise that the allocation then depends on.
 //
-// ThinKChannelScorer (the authors' `k_score_type=think`, §2.3, A15):
+// ThinKChannelScorer (the authors' `k_score_type=think`, A15):
 //   w_c = mean_{q in group, i in window}( query_{q,i,c}² )  ·  mean_{j < n}( key_{j,c}² )
 // over post-RoPE queries (rotated as above) and keys as stored: mean squares, not variances, not pooled; one score
 // per (sequence, KV head, channel), out [batch, Hkv, d_k] fp32 (the mean over an empty head's tokens is 0).
 //
-// Any kvc token scorer can supply V-token weights instead of RDKVTokenScorer (spec A1: SnapKV, ExpectedAttention,
+// Any kvc token scorer can supply V-token weights instead of RDKVTokenScorer (A1: SnapKV, ExpectedAttention,
 // KeyDiff, TOVA, H2O...): RDKVAllocator takes any ScoreSpan. The allocator needs weights >= 0 and finite on valid
 // slots, so scores that can be negative (KeyDiff's negated cosine, log-domain scores) must be shifted or
-// exponentiated by the caller; scale does not matter (spec P6).
+// exponentiated by the caller; a common positive factor does not change the plan.
 #pragma once
 
 #include <kvc/core/backend.hpp>
@@ -57,7 +58,7 @@ namespace kvc {
 /// Which per-token weight RDKVTokenScorer computes (see the file comment).
 enum class RDKVTokenWeight : std::uint8_t {
   attn_linear,  ///< sum over the group and window of a, divided by n_j, reflect-pooled (the authors' default)
-  derived,      ///< E_window[a²] summed over the group, reflect-pooled, times d_v · var(v_j) (spec A1 option)
+  derived,      ///< E_window[a²] summed over the group, reflect-pooled, times d_v · var(v_j) (A1's option)
 };
 
 /// Slot j of PyTorch's AvgPool1d(kernel k', stride 1) over F.pad(x, (r, r), mode="reflect") of x(0 .. n - 1), with

@@ -1,12 +1,14 @@
 // SPDX-License-Identifier: Apache-2.0
 // kvc/scorers/uncomp.hpp: UNComp's per-head token scorer (Xiong et al., "UNComp: Can Matrix Entropy Uncover
-// Sparsity? A Compressor Design from an Uncertainty-Aware Perspective", arXiv 2410.03090; shared/specs/uncomp.md
-// §2.7-2.8): a SnapKV-style observation-window score that keeps sliding while decoding.
+// Sparsity? A Compressor Design from an Uncertainty-Aware Perspective", arXiv 2410.03090, §3.3.3;
+// the authors' uncomp/uncomp_utils.py, github.com/menik1126/UNComp): a SnapKV-style observation-window score that keeps
+// sliding while decoding.
 //
 // The state holds, for every slot j of KV head (b, h), the attention the last w query rows paid it:
 //   A[i][j] = sum_{q in group(h)} softmax_j(<rope(query_{q,i}), key_j> / sqrt(d))     (i = 0 oldest .. w − 1 newest)
-// (the GQA group's sum, spec §7.15; a cache expanded to one KV head per query head is the authors' per-query-head
-// mode). Slots appended after a row was computed read 0 in it: the authors' zero column for a new key in old rows.
+// (the GQA group's sum, docs/policies/uncomp.md decision A15; a cache expanded to one KV head per query head is the
+// authors' per-query-head mode). Slots appended after a row was computed read 0 in it: the authors' zero column for a
+// new key in old rows.
 //   kvc::update(queries of R new rows): every tracked slot's rows shift by min(R, w) (the oldest fall out), slots
 //     appended since the last update start at 0, then the newest min(R, w) rows are the new queries' attention over
 //     the current cache (the shared window-attention kernel, ColumnSums::per_window_row).
@@ -14,11 +16,11 @@
 //     prefix, max pads with −inf); window slots j >= m get max_{j' < m} s[j'] + 1, so any top-k keeps them.
 //   kvc::on_evict: tracked = kept (the kept slots' rows travel with them through kvc::compact: the decode driver
 //     passes state.window_rows as the scorer's carried state).
-// Prefill of a layer (spec §2.7): update with the last w prompt queries, then score: equal to
-// SnapKVScorer{authors, w, k, pooling, GqaReduce::sum} on every slot. Decode (spec §2.8): kvc::decode_step with
-// interval 1 and TopKSelector<PerHeadBudget>{budgets, 0, w}: every step recomputes the score from the last w
-// attention rows and evicts one token per head over budget. Compaction keeps slots ascending, so the cache stays in
-// position order (spec §7.18; the authors' decode path leaves it in score order after the first step).
+// Prefill of a layer (the authors' update_kv): update with the last w prompt queries, then score: equal to
+// SnapKVScorer{authors, w, k, pooling, GqaReduce::sum} on every slot. Decode (their update_head_kv_generate):
+// kvc::decode_step with interval 1 and TopKSelector<PerHeadBudget>{budgets, 0, w}: every step recomputes the score from
+// the last w attention rows and evicts one token per head over budget. Compaction keeps slots ascending, so the cache
+// stays in position order (decision A18; the authors' decode path leaves it in score order after the first step).
 // Budgets per head come from the entropy calibration (selectors/uncomp.hpp, calibration/).
 #pragma once
 

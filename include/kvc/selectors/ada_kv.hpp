@@ -1,6 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
 // kvc/selectors/ada_kv.hpp: AdaKV, head-adaptive budgets inside a layer (Feng et al., arXiv 2407.11550), over any
-// scorer's scores. Spec: original_baselines.md §5 (the authors' code) and kvpress_reference.md §2.10 (kvpress).
+// scorer's scores. Code: FFY0/AdaKV adaptive_snapkv/monkeypatch/snapkv_utils.py (AdaptiveSnapKVCluster, the
+// authors') and NVIDIA/kvpress kvpress/presses/adakv_press.py.
 //
 // For sequence b with heads of n_h valid tokens, each head's uniform share comes from the budget (kept =
 // budget.keep(b, h, n_h), protected tokens included, as for TopKSelector). Protected tokens (the first n_sink and
@@ -16,7 +17,7 @@
 //    the rest of the layer's Σ kept goes to the global best of the remaining tokens: exactly Σ kept per sequence
 //    (when the protected tokens fit in it).
 // Ranking across heads is by score, then by (head, index) ascending: ties go to the lower head, then the lower
-// index, on every backend. Scores must be comparable across heads (kvpress_reference.md §2.10).
+// index, on every backend. Scores must be comparable across heads (softmax outputs are; raw norms less so).
 #pragma once
 
 #include <kvc/core/allocator.hpp>

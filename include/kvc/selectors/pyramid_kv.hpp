@@ -1,7 +1,8 @@
 // SPDX-License-Identifier: Apache-2.0
 // kvc/selectors/pyramid_kv.hpp: PyramidKV's per-layer budget schedule (Cai et al., arXiv 2406.02069) as a Budget,
 // so TopKSelector (uniform heads) and AdaKVSelector (adaptive heads inside each layer) both take it unchanged.
-// Spec: original_baselines.md §6 (the authors' integer schedule and three branches) and kvpress_reference.md §2.9.
+// Code: Zefan-Cai/PyramidKV pyramidkv/pyramidkv_utils.py (PyramidKVCluster: the authors' integer schedule and three
+// branches) and NVIDIA/kvpress kvpress/presses/pyramidkv_press.py; docs/policies/pyramid_kv.md.
 #pragma once
 
 #include <kvc/core/allocator.hpp>

@@ -1,7 +1,8 @@
 // SPDX-License-Identifier: Apache-2.0
-// kvc/selectors/rdkv.hpp: RDKV's bit allocation (Zhang et al., arXiv 2605.08317; spec rdkv.md §2.6, ambiguities
-// A4–A7, A14): from token weights w_t [batch, Hkv, tokens] and channel weights w_c [batch, Hkv, dim] to a bit plan,
-// v_bits per token and k_bits per channel in {0, 2, 4, 8, 16} (0 = evicted / channel pruned, 16 = FP16).
+// kvc/selectors/rdkv.hpp: RDKV's bit allocation (Zhang et al., arXiv 2605.08317; the authors' obkv_fast.py
+// `_perhead_select_and_pack_joint`, knapsack_solver.py; decisions A4–A7, A14 in docs/policies/rdkv.md#decisions):
+// from token weights w_t [batch, Hkv, tokens] and channel weights w_c [batch, Hkv, dim] to a bit plan, v_bits per
+// token and k_bits per channel in {0, 2, 4, 8, 16} (0 = evicted / channel pruned, 16 = FP16).
 //
 // Per (sequence, KV head) with n valid tokens (scope = head, the authors' path):
 //  - B = ratio >= 0 ? floor(n (1 − ratio)) : budget_tokens, FP16-equivalent tokens; total bits 2 · B · dim · 16.
@@ -10,7 +11,7 @@
 //    budget B covers the m = n − min(R, n) tokens before them.
 //  - V knapsack over the m tokens (unit cost dim per bit, absorbed): exact: Σ_t b_t <= floor((1 − ρ) · 2 · B · 16);
 //    lagrangian: target v_avg = (1 − ρ) · 2·B·dim·16 / (m · dim), the authors' expression. v_avg >= 16 (exact:
-//    budget >= 16 m) -> every token at 16, also weight-0 ones (P7: short context T <= B is lossless; the authors
+//    budget >= 16 m) -> every token at 16, also weight-0 ones (a short context, T <= B, is lossless; the authors
 //    would evict w = 0 tokens there, a case attn_linear weights never produce).
 //  - T_eff = tokens of the m with b_t > 0 (the residual excluded).
 //  - K knapsack over the dim channels (unit cost T_eff per bit, absorbed): exact: Σ_c b_c <= floor(ρ · 2·B·dim·16 /
@@ -47,7 +48,7 @@
 
 namespace kvc {
 
-/// Which units share one V knapsack (spec A4).
+/// Which units share one V knapsack (docs/policies/rdkv.md, decision A4).
 enum class RDKVBudgetScope : std::uint8_t {
   head,   ///< one knapsack per (sequence, KV head): the authors' path
   layer,  ///< one λ over the V tokens of all heads of a sequence (budget: the heads' sum); K stays per head

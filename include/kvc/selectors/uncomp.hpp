@@ -1,13 +1,13 @@
 // SPDX-License-Identifier: Apache-2.0
-// kvc/selectors/uncomp.hpp: UNComp's entropy-driven head budgets as an allocator (Xiong et al., arXiv 2410.03090;
-// shared/specs/uncomp.md §2.6).
+// kvc/selectors/uncomp.hpp: UNComp's entropy-driven head budgets as an allocator (Xiong et al., arXiv 2410.03090,
+// §3.3.3 and Eq. 11; docs/policies/uncomp.md).
 //
 // The budgets of a layer's heads come from the offline calibration (calibration/head_groups.hpp groups the heads by
 // their truncated matrix entropy, calibration/head_budgets.hpp turns the groups into integer budgets whose layer
 // total is exact). At selection the allocator writes each (sequence, KV head)'s total:
-//   table[b, h] = min(n_bh, tokens[h])          (spec §2.6: a head whose budget covers it keeps everything)
+//   table[b, h] = min(n_bh, tokens[h])          (a head whose budget covers it keeps everything)
 // and the backend's TopKSelector<PerHeadBudget> keeps that many, the protected window included (the last n_recent
-// = w slots are kept even when tokens[h] < w: the clamp to [w, N] of §2.6). Budgets are the same for every sequence
+// = w slots are kept even when tokens[h] < w: budgets are clamped to [w, N]). Budgets are the same for every sequence
 // of a batch (the calibration is per model, not per input); the table is per sequence because lengths are.
 // An engine that sizes a ragged store calls kvc::allocate alone (store/ragged.hpp).
 #pragma once

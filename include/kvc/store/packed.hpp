@@ -1,5 +1,5 @@
 // SPDX-License-Identifier: Apache-2.0
-// kvc/store/packed.hpp: the packed mixed-precision store of RDKV and KIVI (spec rdkv §2.7–2.8, TriZone zones A + B):
+// kvc/store/packed.hpp: the packed mixed-precision store of RDKV and KIVI (RDKV's TriZone zones A + B, its Fig. 3):
 // its byte layout and the non-owning view that attention kernels read. Host and device (no Eigen, no std::vector);
 // the owning host object is kvc::PackedKV in <kvc/store/packed_kv.hpp>, the builder kvc::pack in
 // <kvc/pipeline/pack.hpp>.
@@ -266,7 +266,7 @@ constexpr Status check_packed_view(PackedKVView<Space> const& kv, char const* wh
 
 /// Dequantises head (b, h) of a host view: keys_out [tokens, dim] in the ORIGINAL channel order (pruned channels 0),
 /// values_out [tokens, value_dim], positions_out [tokens], all in packed order (any may be null). The oracle of the
-/// fused kernels (they must equal kvc::attend over these, spec S4) and the input of tools that compare with
+/// fused kernels (they must equal kvc::attend over these) and the input of tools that compare with
 /// dequantised tensors. Codes go through kvc::dequantize, raw values through the FP16 widening. Host only.
 inline void dequantized(PackedKVView<HostSpace> const& kv, Index b, Index h, float* keys_out, float* values_out,
                         Index* positions_out) noexcept {

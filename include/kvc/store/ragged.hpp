@@ -9,7 +9,7 @@
 // CUDA), kvc::compact compacts each head in place at later compressions, kvc::attend attends over it (every head its
 // own length, GQA groups sharing a KV head), and positions are stored per row (KVCache::position_slot).
 // To grow or shrink a ragged store, append the whole store into a new one with empty lengths: the authors' decode
-// re-layout (original_baselines.md §5.3: head h's rows move to offset cu[h] + h), done once per `reserve` tokens
+// re-layout (FFY0/AdaKV csrc/csrc/cuda_api.cu: head h's rows move to offset cu[h] + h), done once per `reserve` tokens
 // instead of every step.
 #pragma once
 

@@ -58,7 +58,7 @@ struct FutureRope {
 /// over the keys in tiles: λ for all g query heads from Eigen products (K mūᵀ, and K Σ̄ in column blocks whose
 /// row-wise dot with K gives kᵀΣ̄k, so the d² work runs at GEMM speed), stored per slot; then the softmax over
 /// the non-sink slots, the group reduction and the value-norm weighting. Sinks get the global max + 1 at the end.
-/// fp32 throughout (the logits are formed in fp32 from fp32 statistics; spec A13).
+/// fp32 throughout (the logits are formed in fp32 from fp32 statistics; docs/policies/expected_attention.md, A13).
 template <>
 struct Kernel<ExpectedAttentionScorer, Cpu> {
   static constexpr Index pack_floats = 16384;  ///< operands of one Eigen product stay on its stack (see window)

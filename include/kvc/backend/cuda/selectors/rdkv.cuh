@@ -1,7 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
 // kvc/backend/cuda/selectors/rdkv.cuh: RDKV's bit allocation on CUDA (Kernel<RDKVAllocator, Cuda>): one block per
 // (sequence, KV head), the V knapsack over the head's tokens, then the K knapsack over its channels, each solved by
-// the whole block. Bit for bit the CPU kernel's plan given the same weights (spec P12), because every quantity that
+// the whole block. Bit for bit the CPU kernel's plan given the same weights, because every quantity that
 // decides a bit is computed with the CPU's exact operations (kvc/rate_distortion/knapsack.hpp):
 //  - the hull (detail::rd_hull) is built on the host by the CPU's own function and passed by value;
 //  - a unit's level at λ compares w_u · s_k > λ: one rounded product (__dmul_rn: never fused) against a double;
