@@ -87,10 +87,11 @@ TEST_CASE("cli: score and compress write the documented shapes, and --time print
   auto const v = write_npy("v.npy", kvc::NpyDtype::f32, {1, 2, 10, 4}, randoms(80));
   auto const r = run("score --policy key_diff --keys " + k + " --out " + work("s.npy") + " --time");
   REQUIRE(r.code == 0);
-  CHECK(r.output.find("{\"command\": \"score\", \"policy\": \"key_diff\", \"seconds\": ") != std::string::npos);
+  CHECK(r.output.find("{\"command\":\"score\",\"policy\":\"key_diff\",\"seconds\":") != std::string::npos);
   // KeyDiff's scratch at d = 4, one worker: a 32-row tile (512 B), two rows (64 B each), an fp64 row (64 B), each
   // rounded to 64 B, plus 64 B of alignment slack.
-  CHECK(r.output.find("\"bytes_read\": 320, \"workspace_bytes\": 768, \"threads\": 1}") != std::string::npos);
+  CHECK(r.output.find("\"bytes_read\":320,\"workspace_bytes\":768,\"threads\":1,\"isa\":\"") != std::string::npos);
+  CHECK(r.output.find("\"isa\":\"\"") == std::string::npos);    // the instruction set kvc was compiled for
   CHECK(r.output.find("select_seconds") == std::string::npos);  // score does not select
   kvc::NpyArray a;
   std::string error;
@@ -110,10 +111,10 @@ TEST_CASE("cli: score and compress write the documented shapes, and --time print
   auto const t = run("compress --policy key_diff --ratio 0.5 --keys " + k + " --values " + v + " --out-dir " +
                      work("out2") + " --time --threads 2");
   REQUIRE(t.code == 0);
-  CHECK(t.output.find("{\"command\": \"compress\", \"policy\": \"key_diff\", \"seconds\": ") != std::string::npos);
+  CHECK(t.output.find("{\"command\":\"compress\",\"policy\":\"key_diff\",\"seconds\":") != std::string::npos);
   CHECK(t.output.find("select_seconds") == std::string::npos);
-  CHECK(t.output.find("\"state_bytes\": 64, \"input_bytes\": 640,") != std::string::npos);
-  CHECK(t.output.find("\"threads\": 2}") != std::string::npos);
+  CHECK(t.output.find("\"state_bytes\":64,\"input_bytes\":640,") != std::string::npos);
+  CHECK(t.output.find("\"threads\":2,") != std::string::npos);
   REQUIRE(run("compress --policy key_diff --ratio 0.5 --keys " + k + " --values " + v + " --out-dir " + work("out1"))
               .code == 0);
   kvc::NpyArray one, two;
@@ -306,9 +307,9 @@ bool valid_bits(int b) {
 }
 
 double json_real(std::string const& line, std::string const& key) {
-  std::size_t const at = line.find("\"" + key + "\": ");
+  std::size_t const at = line.find("\"" + key + "\":");
   REQUIRE(at != std::string::npos);
-  return std::strtod(line.c_str() + at + key.size() + 4, nullptr);
+  return std::strtod(line.c_str() + at + key.size() + 3, nullptr);
 }
 
 /// The synthetic layer of the RDKV tests: K, V [1, 2, 40, 8], pre-RoPE queries [1, 4, 8, 8].
@@ -685,10 +686,10 @@ TEST_CASE("cli: snap_kv, tova and random follow the documented contract", "[tool
 
   // --time counts K and Q bytes for the window policies, nothing for random.
   r = run("score --policy snap_kv" + f.kq() + " --out " + f.out("x.npy") + " --time");
-  CHECK(contains(r.output, "\"policy\": \"snap_kv\""));
-  CHECK(contains(r.output, "\"bytes_read\": " + std::to_string((2 * n * 4 + 4 * w * 4) * 4) + ", "));
+  CHECK(contains(r.output, "\"policy\":\"snap_kv\""));
+  CHECK(contains(r.output, "\"bytes_read\":" + std::to_string((2 * n * 4 + 4 * w * 4) * 4) + ","));
   r = run("score --policy random --keys " + f.keys + " --out " + f.out("x.npy") + " --time");
-  CHECK(contains(r.output, "\"bytes_read\": 0, "));
+  CHECK(contains(r.output, "\"bytes_read\":0,"));
 
   // random: deterministic per seed, in [0, 1), different for another seed.
   auto const r0 = scores("--policy random --keys " + f.keys);
@@ -887,6 +888,31 @@ TEST_CASE("cli: options belong to their command and are given once", "[tools][cl
   r = run("score --policy knorm --keys " + f.keys + " --out");
   CHECK(r.code == 2);
   CHECK(contains(r.output, "--out needs a value"));
+  // One value per occurrence: a stray word after it is an unknown argument, as is an unknown --name=value.
+  r = run("score --policy knorm --keys " + f.keys + " --out " + f.out("x.npy") + " extra");
+  CHECK(r.code == 2);
+  CHECK(contains(r.output, "unknown argument 'extra'"));
+  r = run("score --policy knorm --keys " + f.keys + " --bogus=3 --out " + f.out("x.npy"));
+  CHECK(r.code == 2);
+  CHECK(contains(r.output, "unknown argument '--bogus=3'"));
+  r = run("score --policy knorm --keys " + f.keys + " --out " + f.out("x.npy") + " --ratio=0.5");
+  CHECK(r.code == 2);
+  CHECK(contains(r.output, "--ratio is not an option of `kvc score`"));
+}
+
+TEST_CASE("cli: --name=value and --name value are the same option", "[tools][cli]") {
+  WindowFiles const f("equals");
+  auto const spaced = run("score --policy snap_kv --param window_size=4" + f.kq() + " --out " + f.out("a.npy"));
+  REQUIRE(spaced.code == 0);
+  auto const joined = run("score --policy=snap_kv --param=window_size=4 --keys=" + f.keys + " --queries=" + f.queries +
+                          " --out=" + f.out("b.npy"));
+  INFO(joined.output);
+  REQUIRE(joined.code == 0);
+  CHECK(floats(read(f.out("a.npy"))) == floats(read(f.out("b.npy"))));
+  // A joined value given twice is still given twice; --param repeats.
+  auto const twice = run("score --policy=knorm --policy=knorm --keys=" + f.keys + " --out=" + f.out("c.npy"));
+  CHECK(twice.code == 2);
+  CHECK(contains(twice.output, "--policy given twice"));
 }
 
 // ---------------------------------------------------------------------------------------------------------------
@@ -1162,10 +1188,10 @@ std::vector<std::string> lines_with(std::string const& text, std::string const& 
 
 /// The integer after "KEY": in a JSON line.
 long long json_int(std::string const& line, std::string const& key) {
-  auto const at = line.find("\"" + key + "\": ");
+  auto const at = line.find("\"" + key + "\":");
   INFO(line << " has no " << key);
   REQUIRE(at != std::string::npos);
-  return std::stoll(line.substr(at + key.size() + 4));
+  return std::stoll(line.substr(at + key.size() + 3));
 }
 
 /// Checks compress's outputs in `dir` over float32 keys k [B, H, N, d] and values v [B, H, N, dv]: keys.npy holds
@@ -1254,13 +1280,13 @@ TEST_CASE("cli: compress --allocator ada_kv gives each head its own count and wr
     auto const r = run("compress --policy knorm" + args + kv + " --out-dir " + work(out) + " --time");
     INFO(args << "\n" << r.output);
     REQUIRE(r.code == 0);
-    auto const lines = lines_with(r.output, "\"command\": \"compress\"");
+    auto const lines = lines_with(r.output, "\"command\":\"compress\"");
     REQUIRE(lines.size() == 1);
     return lines[0];
   };
   // authors (the default): per-head counts differ; the scaled heads keep the fewest.
   auto line = compress(" --ratio 0.5 --allocator ada_kv", "ada_authors");
-  CHECK(contains(line, "\"policy\": \"knorm\", \"allocator\": \"ada_kv\", \"seconds\": "));
+  CHECK(contains(line, "\"policy\":\"knorm\",\"allocator\":\"ada_kv\",\"seconds\":"));
   auto counts = check_store(work("ada_authors"), k, v, {B, H, N, d}, dv, true, line);
   for (Index b = 0; b < B; ++b) {
     auto const* c = counts.data() + b * H;
@@ -1394,16 +1420,16 @@ TEST_CASE("cli: compress --dump compresses every layer, with pyramid_kv's layer 
     for (Index t = 0; t < 4; ++t)
       CHECK(idx[static_cast<std::size_t>(authors[l] - 4 + t)] == N - 4 + t);
     std::string const lw = "dump4/layer" + std::to_string(l);
-    auto const lines = lines_with(text, "\"layer\": " + std::to_string(l) + ",");
+    auto const lines = lines_with(text, "\"layer\":" + std::to_string(l) + ",");
     REQUIRE(lines.size() == 1);
-    CHECK(contains(lines[0], "\"allocator\": \"pyramid_kv\", \"layer\": " + std::to_string(l) + ", \"seconds\""));
+    CHECK(contains(lines[0], "\"allocator\":\"pyramid_kv\",\"layer\":" + std::to_string(l) + ",\"seconds\""));
     check_store(ld, floats_of(work(lw + "/keys.npy")), floats_of(work(lw + "/values.npy")), {1, 2, N, 8}, 8, true,
                 lines[0]);
     ragged += json_int(lines[0], "ragged_bytes");
     padded += json_int(lines[0], "padded_bytes");
   }
   // The total: one line with "layers", the sums (row = 16 floats).
-  auto const total = lines_with(text, "\"layers\": 4");
+  auto const total = lines_with(text, "\"layers\":4");
   REQUIRE(total.size() == 1);
   CHECK(json_int(total[0], "ragged_bytes") == ragged);
   CHECK(ragged == (51 + 37 + 23 + 9) * 2 * 64);
@@ -1637,12 +1663,12 @@ TEST_CASE("cli: compress --policy moment_kv writes the kept cache and the moment
     CHECK(max_abs_diff(part(floats(cm), h, dv * dk), ref.c) < 1e-4);
   }
   // --time: the moments' memory beside the kept cache's: per head (16 + 4 + 4) fp32 + the 8-byte count.
-  auto const line = lines_with(r.output, "\"command\": \"compress\"");
+  auto const line = lines_with(r.output, "\"command\":\"compress\"");
   REQUIRE(line.size() == 1);
   CHECK(json_int(line[0], "moment_head_bytes") == 104);
   CHECK(json_int(line[0], "moment_bytes") == 208);
   CHECK(json_int(line[0], "ragged_bytes") == 24 * 32);
-  CHECK(contains(line[0], "\"moment_ratio\": 0.270833333"));
+  CHECK(json_real(line[0], "moment_ratio") == Approx(208.0 / 768).epsilon(1e-12));
   CHECK(!contains(line[0], "select_seconds"));  // the selection is inside the rounds
 
   // --threads changes nothing; storage fp16 writes float16 moments (the same kept set here), bf16 float32.
@@ -1695,7 +1721,7 @@ TEST_CASE("cli: compress --policy moment_kv --dump writes each layer's moments, 
     for (char const* name : {"indices.npy", "moment_comoment.npy"})
       CHECK(file_bytes(work("mkv_one/") + name) == file_bytes(ld + name));
   }
-  auto const total = lines_with(r.output, "\"layers\": 2");
+  auto const total = lines_with(r.output, "\"layers\":2");
   REQUIRE(total.size() == 1);
   CHECK(json_int(total[0], "moment_bytes") == 2 * 2 * ((64 + 16) * 4 + 8));
 }
@@ -1773,8 +1799,8 @@ TEST_CASE("cli: attend writes plain and corrected attention over a compressed ca
   auto const r = run("attend" + cache + q + " --moments " + f.out("c") + " --out-dir " + f.out("a") + " --time");
   INFO(r.output);
   REQUIRE(r.code == 0);
-  CHECK(r.output.rfind("{\"command\": \"attend\", \"seconds\": ", 0) == 0);
-  CHECK(contains(r.output, "\"corrected_seconds\": "));
+  CHECK(r.output.rfind("{\"command\":\"attend\",\"seconds\":", 0) == 0);
+  CHECK(contains(r.output, "\"corrected_seconds\":"));
   CHECK(json_int(r.output, "moment_bytes") == 208);
   auto const out = read(f.out("a/out.npy")), lse = read(f.out("a/lse.npy"));
   CHECK(out.dtype == kvc::NpyDtype::f32);
@@ -2172,7 +2198,7 @@ TEST_CASE("cli: compress --policy uncomp keeps each head's calibrated budget by 
   CHECK(ints(read(f.out("b12/offsets.npy"))) == std::vector<std::int64_t>{0, 11, 24});
   CHECK(read(f.out("b12/ragged_keys.npy")).shape == std::vector<Index>{24, 4});
   CHECK(read(f.out("b12/keys.npy")).shape == std::vector<Index>{1, 2, 13, 4});
-  CHECK(contains(text, "\"ragged_bytes\": 768"));         // 24 rows of K + V, 4 floats each
+  CHECK(contains(text, "\"ragged_bytes\":768"));          // 24 rows of K + V, 4 floats each
   auto const idx = ints(read(f.out("b12/indices.npy")));  // [1, 2, 13], -1 padding
   for (Index t = 0; t < 8; ++t) {                         // the window (the last 8 tokens) is always kept
     CHECK(idx[static_cast<std::size_t>(3 + t)] == 32 + t);
@@ -2213,7 +2239,7 @@ TEST_CASE("cli: compress --policy uncomp keeps each head's calibrated budget by 
   std::string const ex = compress(" --budget 12 --param gqa=expand --time", "ex");
   CHECK(ints(read(f.out("ex/counts.npy"))) == std::vector<std::int64_t>{11, 11, 13, 13});
   CHECK(read(f.out("ex/keys.npy")).shape == std::vector<Index>{1, 4, 13, 4});
-  CHECK(contains(ex, "\"ragged_bytes\": 1536"));  // twice the KV-head store
+  CHECK(contains(ex, "\"ragged_bytes\":1536"));  // twice the KV-head store
   auto const keys = floats_of(f.keys), kept = floats(read(f.out("ex/keys.npy")));
   auto const xi = ints(read(f.out("ex/indices.npy")));
   for (Index q = 0; q < 4; ++q)  // query head q holds rows of KV head q / 2
@@ -2251,7 +2277,7 @@ TEST_CASE("cli: compress --policy uncomp --dump takes each layer's groups from t
   for (int l = 0; l < 2; ++l)
     CHECK(ints(read(work("uncomp_dump_out/layer" + std::to_string(l) + "/counts.npy"))) ==
           std::vector<std::int64_t>{9, 11});
-  CHECK(contains(r.output, "\"layers\": 2"));
+  CHECK(contains(r.output, "\"layers\":2"));
   // A calibration of three layers does not fit a dump of two.
   auto const bad = run("compress --policy uncomp --calibration " + write_test_calibration("uncomp_cal3.json", 3, 8) +
                        " --dump " + dump + " --budget 10 --out-dir " + work("uncomp_dump_bad"));
@@ -2456,7 +2482,7 @@ TEST_CASE("cli: compress --policy rdkv --dump writes each layer's plans and the 
     std::string const ld = work("rd_dump_out/layer" + std::to_string(l));
     CHECK(read_int8(ld + "/v_bits.npy").shape == std::vector<Index>{1, 2, N});
     CHECK(read_int8(ld + "/k_bits.npy").shape == std::vector<Index>{1, 2, 8});
-    auto const lines = lines_with(r.output, "\"layer\": " + std::to_string(l) + ",");
+    auto const lines = lines_with(r.output, "\"layer\":" + std::to_string(l) + ",");
     REQUIRE(lines.size() == 1);
     payload += json_int(lines[0], "payload_bits");
     // Each layer is the job of its files with meta.json's RoPE.
@@ -2468,7 +2494,7 @@ TEST_CASE("cli: compress --policy rdkv --dump writes each layer's plans and the 
     for (char const* file : {"/v_bits.npy", "/k_bits.npy"})
       CHECK(file_bytes(work("rd_one") + file) == file_bytes(ld + file));
   }
-  auto const total = lines_with(r.output, "\"layers\": 2");
+  auto const total = lines_with(r.output, "\"layers\":2");
   REQUIRE(total.size() == 1);
   CHECK(json_int(total[0], "payload_bits") == payload);
   CHECK(json_int(total[0], "input_tokens") == L * 2 * N);

@@ -1079,7 +1079,7 @@ TEST_CASE("hostile: rdkv and kivi refuse NaN and values past fp16, write nothing
                        rdkv.substr(rdkv.find(" --param")) + " --values " + ok + " --out-dir " + out_dir + " --time");
   INFO(r.output);
   REQUIRE(r.code == 0);
-  CHECK(contains(r.output, "\"retention\": 1,"));
+  CHECK(contains(r.output, "\"retention\":1.0,"));
   auto const plan = slurp(out_dir + "/v_bits.npy");
   REQUIRE(plan);
   CHECK(plan->substr(plan->size() - 24) == std::string(24, '\x10'));  // 2 heads x 12 tokens at 16 bits

@@ -40,6 +40,7 @@
 #include "io/json.hpp"
 #include "io/npy.hpp"
 #include "io/safetensors.hpp"
+#include "options.hpp"
 
 #include <algorithm>
 #include <cerrno>
@@ -55,6 +56,7 @@
 #include <map>
 #include <memory>
 #include <new>
+#include <nlohmann/json.hpp>
 #include <optional>
 #include <span>
 #include <stdexcept>
@@ -70,272 +72,14 @@
 namespace {
 
 using namespace kvc::tools;  // the policy table, Failure and the exit codes (tools/common/policies.hpp)
+using kvc::cli::CommandInfo;
+using kvc::cli::Options;
 
 /// Where the tool prints: the standard streams for the program, others for the fuzzer.
 struct Streams {
   std::FILE* out = stdout;
   std::FILE* err = stderr;
 } io;
-
-// ---------------------------------------------------------------------------------------------------------------
-// Commands and options.
-
-struct CommandInfo {
-  char const* name;
-  char const* synopsis;     ///< usage lines (printed with usage errors)
-  char const* intro;        ///< what the command does (--help)
-  char const* own_options;  ///< the options only this command has (--help)
-  std::vector<std::string_view> options;
-};
-
-char const* const overview_text =
-    "kvc: score and compress .npy or .safetensors KV-cache dumps with kvc's policies.\n"
-    "usage:\n"
-    "  kvc score    --policy NAME [--param NAME=VALUE]... --keys K.npy [--queries Q.npy] --out scores.npy\n"
-    "  kvc score    --policy uncomp_entropy [--param NAME=VALUE]... --queries Q.npy --out E.npy   per-head\n"
-    "               truncated matrix entropies [B, Hq] (UNComp; calibration files: `kvc-eval calibrate`)\n"
-    "  kvc compress --policy NAME (--ratio R | --budget N) [--allocator A] [--param NAME=VALUE]...\n"
-    "               (--keys K.npy --values V.npy [--queries Q.npy] | --dump DIR) --out-dir DIR\n"
-    "  kvc attend   --keys K.npy --values V.npy --queries Q.npy [--indices I.npy] [--moments DIR]\n"
-    "               [--param NAME=VALUE]... --out-dir DIR   attention over a (compressed) cache, plain and\n"
-    "               corrected by MomentKV's moments\n"
-    "  kvc policies        every policy and allocator with its parameters and defaults\n"
-    "  kvc COMMAND --help  the options of one command\n"
-    "Keys and values are [B, Hkv, N, d] float32 or float16 .npy (C order), post-RoPE as an engine caches them, or\n"
-    "a tensor of a .safetensors file (FILE.safetensors:TENSOR, or FILE.safetensors holding one tensor; F32, F16,\n"
-    "BF16, or the fp8 caches F8_E4M3 and F8_E5M2 with --k-scale / --v-scale). Outputs are .npy.\n"
-    "Exit codes: 0 success, 2 usage error, 3 invalid input (the message names the file, the field and what was\n"
-    "expected).\n";
-
-char const* const input_details =
-    "  --policy NAME          a policy from `kvc policies`\n"
-    "  --param NAME=VALUE     a parameter of the policy (repeatable); names the policy does not have are rejected\n"
-    "  --keys K.npy           [B, Hkv, N, d] float32 or float16, C order, post-RoPE as an engine caches them;\n"
-    "                         slot t holds position t. Every input may instead be FILE.safetensors:TENSOR (split\n"
-    "                         at the last ':' after \".safetensors\"), or FILE.safetensors when it holds one\n"
-    "                         tensor; F32, F16 or BF16 (I64 for --positions); keys and values also F8_E4M3 or\n"
-    "                         F8_E5M2 (an fp8 cache; kept rows are written as their float32 values)\n"
-    "  --values V.npy         [B, Hkv, N, d_v], the keys' dtype\n"
-    "  --k-scale S            fp8 keys: each element's value is decode(byte) * S (vLLM's k_scale; default 1)\n"
-    "  --v-scale S            fp8 values: likewise (vLLM's v_scale; default 1)\n"
-    "  --queries Q.npy        [B, Hq, w, d] float32 or float16 (Hq a multiple of Hkv; query head q reads KV head\n"
-    "                         q / (Hq / Hkv)): the last w queries of the context. Required by the policies that\n"
-    "                         read queries (snap_kv, tova), rejected by the others. Pre-RoPE unless\n"
-    "                         --param queries=post_rope\n"
-    "  --positions P.npy      int64 [B, w]: each query's absolute position, for RoPE and the causal mask\n"
-    "                         (default: the context's last w positions, N - w + i)\n"
-    "  --rope theta=T,style=S the RoPE that rotates pre-RoPE queries (default theta=10000,style=neox); style neox\n"
-    "                         (rotate-half: Hugging Face Llama, Qwen, Mistral) or interleaved (GPT-J, llama.cpp);\n"
-    "                         rejected with --param queries=post_rope\n"
-    "  --time                 print one JSON line to stderr: {\"command\", \"policy\", \"seconds\" (scoring, median "
-    "of\n"
-    "                         7 calls, file I/O excluded), \"select_seconds\" (compress: the selection, likewise),\n"
-    "                         \"repeats\", \"bytes_read\" (K and Q bytes read per scoring call),\n"
-    "                         \"workspace_bytes\" (kvc's scratch for those calls), compress: the memory (below),\n"
-    "                         \"threads\"}\n"
-    "  --threads N            worker threads over (sequence, KV head) items, over sequences for tova (default 1;\n"
-    "                         results do not depend on it)\n";
-
-std::vector<CommandInfo> const& commands() {
-  static std::vector<CommandInfo> const list = {
-      {"score",
-       "usage: kvc score --policy NAME [--param NAME=VALUE]... --keys K.npy [--values V.npy]\n"
-       "                 [--queries Q.npy [--positions P.npy] [--rope theta=T,style=neox|interleaved]]\n"
-       "                 --out scores.npy [--time] [--threads N]\n"
-       "       kvc score --policy uncomp_entropy [--param NAME=VALUE]... --queries Q.npy [--positions P.npy]\n"
-       "                 [--rope theta=T,style=neox|interleaved] --out E.npy [--time]\n"
-       "       kvc score --policy rdkv [--param NAME=VALUE]... --keys K.npy [--values V.npy] --queries Q.npy\n"
-       "                 --out W.npy [--channel-out C.npy] [--time] [--threads N]\n",
-       "Scores every cached token with a policy: writes [B, Hkv, N] float32, higher = keep.\n"
-       "With --policy rdkv: RDKV's token weights [B, Hkv, N] (the distortion weight of each V token; --values with\n"
-       "--param weight=derived) and, with --channel-out, ThinK's channel weights [B, Hkv, d] (mean over the group's\n"
-       "window queries of q_c^2 times mean over the tokens of k_c^2), both float32 (kivi has no scores).\n"
-       "With --policy uncomp_entropy (no --keys): UNComp's truncated matrix entropy of each query head's rows of\n"
-       "--queries [B, Hq, n, d] (pre-RoPE ones rotated to --positions, default 0 .. n - 1), written as [B, Hq]\n"
-       "(--param unit=normalized|truncated|erank, dtype=float64|float32; head_dim at most 1024).\n",
-       "  --out scores.npy       the scores\n"
-       "  --channel-out C.npy    --policy rdkv: the channel weights [B, Hkv, d] too\n",
-       {"--policy", "--param", "--keys", "--values", "--queries", "--positions", "--rope", "--out", "--channel-out",
-        "--time", "--threads", "--k-scale", "--v-scale"}},
-      {"compress",
-       "usage: kvc compress --policy NAME (--ratio R | --budget N) [--allocator ada_kv|pyramid_kv|pyramid_kv+ada_kv]\n"
-       "                    [--param NAME=VALUE]... (--keys K.npy --values V.npy [--queries Q.npy\n"
-       "                    [--positions P.npy] [--rope theta=T,style=S]] | --dump DIR) --out-dir DIR [--time]\n"
-       "                    [--threads N]\n"
-       "       kvc compress --policy uncomp --calibration calib.json [--ratio R | --budget B] [--param NAME=VALUE]...\n"
-       "                    (--keys K.npy --values V.npy --queries Q.npy --layer L | --dump DIR) --out-dir DIR\n",
-       "Keeps the best-scored tokens of each (sequence, KV head) and writes, in DIR: keys.npy and values.npy\n"
-       "([B, Hkv, n_kept, d], input dtype; n_kept the longest head's count), indices.npy (int64 [B, Hkv, n_kept],\n"
-       "ascending, -1 padding where heads keep different counts) and counts.npy (int64 [B, Hkv]); with --allocator\n"
-       "also the ragged store that holds exactly each head's kept tokens: ragged_keys.npy [rows, d],\n"
-       "ragged_values.npy [rows, d_v] (rows = the sum of the counts) and offsets.npy (int64 [B * Hkv + 1]: head\n"
-       "b * Hkv + h holds rows offsets[i] .. offsets[i + 1] - 1). With --policy moment_kv also the moments of\n"
-       "each head's evicted set: moment_count.npy (int64 [B, Hkv]), moment_key_mean.npy [B, Hkv, d],\n"
-       "moment_value_mean.npy [B, Hkv, d_v] and moment_comoment.npy [B, Hkv, d_v, d] (float32, or float16 with\n"
-       "--param storage=fp16; bf16 storage is written as float32), which `kvc attend --moments` reads.\n"
-       "With --policy rdkv (--budget N: N fp16-equivalent tokens of memory per head, 2 N d 16 bits for K + V; --ratio\n"
-       "R: floor(N_tokens (1 - R)) of them) or --policy kivi (neither: its memory is what its bits give): the bit\n"
-       "plans instead, v_bits.npy (int8 [B, Hkv, N]: each token's V bits, 0 = evicted) and k_bits.npy (int8\n"
-       "[B, Hkv, d]: each channel's K bits, 0 = pruned), bits in {0, 2, 4, 8, 16}; the cache is packed\n"
-       "to measure its memory (--time). Every policy runs through its kvc::LayerCompressor, as in an engine.\n"
-       "All files are written, or none.\n",
-       "  --ratio R              the fraction of tokens removed, in [0, 1]: kept = floor(N * (1 - R))\n"
-       "  --budget N             tokens kept per head\n"
-       "  --allocator A          ada_kv (head-adaptive budgets inside a layer), pyramid_kv (per-layer budgets)\n"
-       "                         or pyramid_kv+ada_kv, over any policy's scores; their parameters are --param\n"
-       "                         too (`kvc policies`; reference=kvpress sets the policy's and the allocator's)\n"
-       "  --dump DIR             every layer of a `kvc-eval dump` folder (meta.json, layer<L>/keys.npy,\n"
-       "                         values.npy, queries_prerope.npy or, with --param queries=post_rope,\n"
-       "                         queries.npy) instead of --keys/--values/--queries; RoPE from meta.json;\n"
-       "                         pyramid_kv's layer and num_layers from the dump; outputs in --out-dir's layer<L>/\n"
-       "  --out-dir DIR          created if absent\n"
-       "  --calibration FILE     --policy uncomp: the calibration file `kvc-eval calibrate` writes; each layer's\n"
-       "                         per-head budgets come from its head groups (average B = --budget, or\n"
-       "                         floor(N * (1 - R)) with --ratio; neither with --param schedule=paper or list).\n"
-       "                         Writes the ragged store too; with --param gqa=expand every output is per query head\n"
-       "  --layer L              --policy uncomp without --dump: the calibration's layer of these keys\n"
-       "  --time                 one JSON line on stderr: \"seconds\" (the policy's compressor: reset + prefill,\n"
-       "                         median of 7, each over the original input), \"workspace_bytes\" and\n"
-       "                         \"state_bytes\" (the compressor's), then the memory\n"
-       "  memory (in --time)     \"input_bytes\" (K + V of the input), \"padded_bytes\" (a uniform cache padded to\n"
-       "                         the longest head: what keys.npy and values.npy hold), \"ragged_bytes\" (the\n"
-       "                         ragged store), \"row_bytes\" (one token's K + V row), \"input_tokens\",\n"
-       "                         \"kept_tokens\", in the input dtype; with --dump one line per layer and a total;\n"
-       "                         moment_kv adds \"moment_bytes\" (the moments, all heads, in the storage\n"
-       "                         dtype), \"moment_head_bytes\" and \"moment_ratio\" (moment_bytes / ragged_bytes)\n"
-       "                         rdkv and kivi: \"input_bytes\", \"input_tokens\", \"kept_tokens\" (packed + tail),\n"
-       "                         \"tail_tokens\" (the fp16 residual), \"payload_bits\" (codes + fp16 values, tail\n"
-       "                         included), \"overhead_bits\" (scales, offsets, pads, channel permutation),\n"
-       "                         \"payload_bytes\", \"overhead_bytes\", \"packed_bytes\" (their sum), \"state_bytes\"\n"
-       "                         (the compressor's state: the packed store as reserved) and \"retention\"\n"
-       "                         (payload / (2 N d 16))\n",
-       {"--policy", "--param", "--keys", "--values", "--queries", "--positions", "--rope", "--ratio", "--budget",
-        "--allocator", "--dump", "--out-dir", "--time", "--threads", "--calibration", "--layer", "--k-scale",
-        "--v-scale"}},
-      {"attend",
-       "usage: kvc attend --keys K.npy --values V.npy --queries Q.npy [--positions P.npy] [--rope theta=T,style=S]\n"
-       "                  [--indices I.npy] [--moments DIR] [--param NAME=VALUE]... --out-dir DIR [--time]\n"
-       "                  [--threads N]\n",
-       "Attention of the queries over a cache (kvc::attend), e.g. one `kvc compress` wrote, and with --moments\n"
-       "MomentKV's normalisation-corrected attention (kvc::attend_corrected): the evicted set of each KV head\n"
-       "enters as one virtual token of log-weight log n + c q.k_mean and value v_mean + (c / n) C q. Writes, in\n"
-       "DIR: out.npy (float32 [B, Hq, n, d_v]) and lse.npy (float32 [B, Hq, n], the softmax's log-sum-exp,\n"
-       "-inf for a query that sees nothing); with --moments out.npy and lse.npy are the corrected ones and\n"
-       "plain_out.npy and plain_lse.npy the uncorrected. All files are written, or none.\n",
-       "  --keys K.npy           [B, Hkv, N, d] float32 or float16 (or a .safetensors tensor, also BF16, F8_E4M3\n"
-       "                         and F8_E5M2)\n"
-       "  --values V.npy         [B, Hkv, N, d_v], the keys' dtype\n"
-       "  --k-scale S            fp8 keys: each element's value is decode(byte) * S (default 1)\n"
-       "  --v-scale S            fp8 values: likewise (default 1)\n"
-       "  --queries Q.npy        [B, Hq, n, d]: POST-RoPE by default (as the attention sees them); with --rope or\n"
-       "                         --param queries=pre_rope they are rotated to their positions first\n"
-       "  --positions P.npy      int64 [B, n]: each query's position, for the causal mask (and RoPE); default:\n"
-       "                         the cache's last n positions (context_end - n + i)\n"
-       "  --indices I.npy        int64 [B, Hkv, N]: each slot's original position, ascending, -1 padding after a\n"
-       "                         head's count (compress's indices.npy); default: slot t at position t, all full\n"
-       "  --moments DIR          the four moment_*.npy files `kvc compress --policy moment_kv` writes\n"
-       "  --param order=first    first (f_E = v_mean + (c / n) C q) or zeroth (f_E = v_mean); with --moments\n"
-       "  --param clamp_tau=1e-6 entries of C below tau in magnitude read as 0; with --moments\n"
-       "  --param scale=0        the logit scale c; 0: 1 / sqrt(d)\n"
-       "  --param queries=post_rope  post_rope or pre_rope (rotated with --rope, default theta=10000,style=neox)\n"
-       "  --rope theta=T,style=S the RoPE of pre-RoPE queries (neox or interleaved); implies queries=pre_rope\n"
-       "  --out-dir DIR          created if absent\n"
-       "  --threads N            worker threads over (sequence, KV head) items (default 1)\n"
-       "  --time                 one JSON line on stderr: \"seconds\" (kvc::attend, median of 7 calls),\n"
-       "                         \"corrected_seconds\" (kvc::attend_corrected), \"repeats\", \"bytes_read\",\n"
-       "                         \"workspace_bytes\", \"moment_bytes\", \"threads\"\n",
-       {"--keys", "--values", "--queries", "--positions", "--rope", "--indices", "--moments", "--param", "--out-dir",
-        "--time", "--threads", "--k-scale", "--v-scale"}},
-      {"policies",
-       "usage: kvc policies\n",
-       "Lists every policy with every parameter (--param NAME=DEFAULT) and what it reads, then the allocators\n"
-       "(compress --allocator) with theirs.\n",
-       "",
-       {}},
-  };
-  return list;
-}
-
-CommandInfo const* find_command(std::string_view name) {
-  for (auto const& c : commands())
-    if (name == c.name)
-      return &c;
-  return nullptr;
-}
-
-void print_help(CommandInfo const& c) {
-  std::fputs(c.synopsis, io.out);
-  std::fputs(c.intro, io.out);
-  if (std::string_view(c.name) == "attend") {
-    std::fputs(c.own_options, io.out);
-    std::fputs("Exit codes: 0 success, 2 usage error, 3 invalid input.\n", io.out);
-  } else if (std::string_view(c.name) != "policies") {
-    std::fputs(input_details, io.out);
-    std::fputs(c.own_options, io.out);
-    std::fprintf(io.out, "Policies: %s (parameters: `kvc policies`).\n", policy_names().c_str());
-    if (std::string_view(c.name) == "compress")
-      std::fputs("Allocators: ada_kv, pyramid_kv, pyramid_kv+ada_kv (parameters: `kvc policies`).\n", io.out);
-    std::fputs("Exit codes: 0 success, 2 usage error, 3 invalid input.\n", io.out);
-  }
-}
-
-struct Options {
-  CommandInfo const* command = nullptr;
-  std::map<std::string, std::string, std::less<>> values;  ///< option -> value, e.g. "--keys" -> path
-  std::vector<std::string> params;
-  bool time = false;
-  bool help = false;
-
-  bool has(std::string_view opt) const { return values.find(opt) != values.end(); }
-  std::string get(std::string_view opt) const {
-    auto const it = values.find(opt);
-    return it == values.end() ? std::string() : it->second;
-  }
-};
-
-Options parse_args(int argc, char const* const* argv) {
-  if (argc < 2)
-    fail(exit_usage, "missing command");
-  std::string const name = argv[1];
-  Options o;
-  if (name == "--help" || name == "-h" || name == "help") {
-    o.help = true;
-    o.command = argc > 2 ? find_command(argv[2]) : nullptr;
-    return o;
-  }
-  o.command = find_command(name);
-  if (o.command == nullptr)
-    fail(exit_usage, "unknown command '" + name + "'");
-  auto const& allowed = o.command->options;
-  for (int i = 2; i < argc; ++i)
-    if (std::string_view(argv[i]) == "--help" || std::string_view(argv[i]) == "-h")
-      o.help = true;
-  if (o.help)
-    return o;
-  std::vector<std::string_view> known;
-  for (auto const& c : commands())
-    known.insert(known.end(), c.options.begin(), c.options.end());
-  for (int i = 2; i < argc; ++i) {
-    std::string const a = argv[i];
-    if (std::find(allowed.begin(), allowed.end(), a) == allowed.end()) {
-      if (std::find(known.begin(), known.end(), a) != known.end())
-        fail(exit_usage, a + " is not an option of `kvc " + name + "`");
-      fail(exit_usage, "unknown argument '" + a + "'");
-    }
-    if (a == "--time") {
-      o.time = true;
-      continue;
-    }
-    if (i + 1 >= argc)
-      fail(exit_usage, a + " needs a value");
-    std::string const value = argv[++i];
-    if (a == "--param")
-      o.params.push_back(value);
-    else if (!o.values.emplace(a, value).second)
-      fail(exit_usage, a + " given twice");
-  }
-  return o;
-}
 
 /// --rope theta=T,style=neox|interleaved (either key may be left out). Malformed text is a usage error.
 kvc::RopeSpec parse_rope(std::string const& text) {
@@ -1043,6 +787,11 @@ struct Memory {
   }
 };
 
+/// One --time line on stderr: compact JSON (nlohmann-json), keys in the order set.
+void print_json_line(nlohmann::ordered_json const& j) {
+  std::fprintf(io.err, "%s\n", j.dump().c_str());
+}
+
 /// What --time prints (one JSON line on stderr).
 struct Timing {
   double seconds = 0;               ///< scoring, median
@@ -1056,53 +805,54 @@ struct Timing {
 
 /// The --time line. `allocator` (empty: none) and `layer` (a --dump layer; "layers" for a dump's total line) are
 /// printed when given.
-void print_time(char const* command, PolicyInfo const& policy, std::string const& allocator, std::string const& layer,
-                Timing const& t) {
-  std::string extra;
+void print_time(char const* command, PolicyInfo const& policy, std::string const& allocator,
+                std::optional<std::pair<char const*, kvc::Index>> layer, Timing const& t) {
+  nlohmann::ordered_json j;
+  j["command"] = command;
+  j["policy"] = policy.name;
   if (!allocator.empty())
-    extra += ", \"allocator\": \"" + allocator + "\"";
-  extra += layer;
-  char selection[64] = "";
+    j["allocator"] = allocator;
+  if (layer)
+    j[layer->first] = layer->second;  // "layer": L (one layer of a dump) or "layers": count (the total)
+  j["seconds"] = t.seconds;
   if (t.select_seconds >= 0)
-    std::snprintf(selection, sizeof selection, ", \"select_seconds\": %.9g", t.select_seconds);
-  std::string memory;
+    j["select_seconds"] = t.select_seconds;
+  j["repeats"] = timing_repeats;
+  j["bytes_read"] = t.bytes_read;
+  j["workspace_bytes"] = t.workspace_bytes;
   if (t.memory && t.memory->packed) {
     Memory const& m = *t.memory;
-    char retention[64];
-    std::snprintf(retention, sizeof retention, "%.9g",
-                  m.full_bits > 0 ? static_cast<double>(m.payload_bits) / static_cast<double>(m.full_bits) : 0.0);
     std::int64_t const payload_bytes = (m.payload_bits + 7) / 8, overhead_bytes = (m.overhead_bits + 7) / 8;
-    memory = ", \"input_bytes\": " + std::to_string(m.input_bytes) +
-             ", \"input_tokens\": " + std::to_string(m.input_tokens) +
-             ", \"kept_tokens\": " + std::to_string(m.kept_tokens) +
-             ", \"tail_tokens\": " + std::to_string(m.tail_tokens) +
-             ", \"payload_bits\": " + std::to_string(m.payload_bits) +
-             ", \"overhead_bits\": " + std::to_string(m.overhead_bits) +
-             ", \"payload_bytes\": " + std::to_string(payload_bytes) +
-             ", \"overhead_bytes\": " + std::to_string(overhead_bytes) +
-             ", \"packed_bytes\": " + std::to_string(payload_bytes + overhead_bytes) +
-             ", \"state_bytes\": " + std::to_string(t.state_bytes) + ", \"retention\": " + retention;
+    j["input_bytes"] = m.input_bytes;
+    j["input_tokens"] = m.input_tokens;
+    j["kept_tokens"] = m.kept_tokens;
+    j["tail_tokens"] = m.tail_tokens;
+    j["payload_bits"] = m.payload_bits;
+    j["overhead_bits"] = m.overhead_bits;
+    j["payload_bytes"] = payload_bytes;
+    j["overhead_bytes"] = overhead_bytes;
+    j["packed_bytes"] = payload_bytes + overhead_bytes;
+    j["state_bytes"] = t.state_bytes;
+    j["retention"] = m.full_bits > 0 ? static_cast<double>(m.payload_bits) / static_cast<double>(m.full_bits) : 0.0;
   } else if (t.memory) {
     Memory const& m = *t.memory;
-    memory =
-        ", \"state_bytes\": " + std::to_string(t.state_bytes) + ", \"input_bytes\": " + std::to_string(m.input_bytes) +
-        ", \"padded_bytes\": " + std::to_string(m.padded_bytes) +
-        ", \"ragged_bytes\": " + std::to_string(m.ragged_bytes) + ", \"row_bytes\": " + std::to_string(m.row_bytes) +
-        ", \"input_tokens\": " + std::to_string(m.input_tokens) + ", \"kept_tokens\": " + std::to_string(m.kept_tokens);
+    j["state_bytes"] = t.state_bytes;
+    j["input_bytes"] = m.input_bytes;
+    j["padded_bytes"] = m.padded_bytes;
+    j["ragged_bytes"] = m.ragged_bytes;
+    j["row_bytes"] = m.row_bytes;
+    j["input_tokens"] = m.input_tokens;
+    j["kept_tokens"] = m.kept_tokens;
     if (m.moments) {
-      char ratio[64];
-      std::snprintf(
-          ratio, sizeof ratio, "%.9g",
-          m.ragged_bytes > 0 ? static_cast<double>(m.moment_bytes) / static_cast<double>(m.ragged_bytes) : 0.0);
-      memory += ", \"moment_bytes\": " + std::to_string(m.moment_bytes) +
-                ", \"moment_head_bytes\": " + std::to_string(m.moment_head_bytes) + ", \"moment_ratio\": " + ratio;
+      j["moment_bytes"] = m.moment_bytes;
+      j["moment_head_bytes"] = m.moment_head_bytes;
+      j["moment_ratio"] =
+          m.ragged_bytes > 0 ? static_cast<double>(m.moment_bytes) / static_cast<double>(m.ragged_bytes) : 0.0;
     }
   }
-  std::fprintf(io.err,
-               "{\"command\": \"%s\", \"policy\": \"%s\"%s, \"seconds\": %.9g%s, \"repeats\": %d, \"bytes_read\": %zu, "
-               "\"workspace_bytes\": %zu%s, \"threads\": %lld, \"isa\": \"%s\"}\n",
-               command, policy.name, extra.c_str(), t.seconds, selection, timing_repeats, t.bytes_read,
-               t.workspace_bytes, memory.c_str(), static_cast<long long>(t.threads), compiled_isa().c_str());
+  j["threads"] = t.threads;
+  j["isa"] = compiled_isa();
+  print_json_line(j);
 }
 
 /// --threads N (default 1): the worker threads of kvc::ThreadPool the kernels spread (sequence, head) items over.
@@ -1518,7 +1268,7 @@ int cmd_score_entropy(Options const& o) {
   };
   once();
   if (o.time)
-    print_time("score", job.policy, "", "",
+    print_time("score", job.policy, "", std::nullopt,
                {median_seconds(timing_repeats, once), -1, 0, threads, q.file_bytes, std::nullopt});
   std::vector<float> narrow;
   if (!cfg.float64) {
@@ -1622,7 +1372,7 @@ int cmd_score_rdkv(Options const& o, Job& job) {
     };
     once();
     if (o.time)
-      print_time("score", job.policy, "", "",
+      print_time("score", job.policy, "", std::nullopt,
                  {median_seconds(timing_repeats, once), -1, ws, threads, job.bytes_read(), std::nullopt});
   });
   std::vector<Output> files = {{o.get("--out"), kvc::NpyDtype::f32, {e.batch, e.heads, e.tokens}, tokens.data()}};
@@ -1766,7 +1516,7 @@ int cmd_score(Options const& o) {
     auto once = [&] { check_status(kvc::score(cpu, scorer, cache, obs, out, ws.span()), job.context()); };
     once();
     if (o.time)
-      print_time("score", job.policy, "", "",
+      print_time("score", job.policy, "", std::nullopt,
                  {median_seconds(timing_repeats, once), -1, ws.size, threads, job.bytes_read(), std::nullopt});
   };
   if (moment_kv) {
@@ -2386,7 +2136,8 @@ int cmd_compress(Options const& o) {
     total.bytes_read = total.workspace_bytes = total.state_bytes = 0;
     for (std::size_t i = 0; i < timings.size(); ++i) {
       Timing const& t = timings[i];
-      print_time("compress", setup.policy, alloc, d ? ", \"layer\": " + std::to_string(i) : std::string(), t);
+      print_time("compress", setup.policy, alloc,
+                 d ? std::optional(std::pair{"layer", static_cast<kvc::Index>(i)}) : std::nullopt, t);
       total.seconds += t.seconds;
       total.select_seconds += t.select_seconds;
       total.bytes_read += t.bytes_read;
@@ -2395,7 +2146,7 @@ int cmd_compress(Options const& o) {
       *total.memory += *t.memory;
     }
     if (d)
-      print_time("compress", setup.policy, alloc, ", \"layers\": " + std::to_string(d->layers), total);
+      print_time("compress", setup.policy, alloc, std::pair{"layers", d->layers}, total);
   }
   return 0;
 }
@@ -2710,15 +2461,18 @@ int cmd_attend(Options const& o) {
                                  : "the attention output of query " + at + " over " + context + " is not finite");
     }
   if (o.time) {
-    char corrected[64] = "";
+    nlohmann::ordered_json j;
+    j["command"] = "attend";
+    j["seconds"] = seconds;
     if (corrected_seconds >= 0)
-      std::snprintf(corrected, sizeof corrected, ", \"corrected_seconds\": %.9g", corrected_seconds);
-    std::size_t const bytes_read = keys.array.data.size() + values.array.data.size() + q.file_bytes + mi.file_bytes;
-    std::fprintf(io.err,
-                 "{\"command\": \"attend\", \"seconds\": %.9g%s, \"repeats\": %d, \"bytes_read\": %zu, "
-                 "\"workspace_bytes\": %zu, \"moment_bytes\": %zu, \"threads\": %lld}\n",
-                 seconds, corrected, timing_repeats, bytes_read, workspace_bytes, moment_bytes,
-                 static_cast<long long>(threads));
+      j["corrected_seconds"] = corrected_seconds;
+    j["repeats"] = timing_repeats;
+    j["bytes_read"] = keys.array.data.size() + values.array.data.size() + q.file_bytes + mi.file_bytes;
+    j["workspace_bytes"] = workspace_bytes;
+    j["moment_bytes"] = moment_bytes;
+    j["threads"] = threads;
+    j["isa"] = compiled_isa();
+    print_json_line(j);
   }
   std::vector<Output> files = {
       {out_dir + "/" + attend_outputs[0], kvc::NpyDtype::f32, {q.ext.batch, q.ext.heads, n, dv}, out.data()},
@@ -2796,10 +2550,7 @@ int run(int argc, char const* const* argv, std::FILE* out, std::FILE* err) {
     Options const o = parse_args(argc, argv);
     command = o.command;
     if (o.help) {
-      if (o.command)
-        print_help(*o.command);
-      else
-        std::fputs(overview_text, io.out);
+      std::fputs(o.command ? help_text(*o.command).c_str() : overview_text, io.out);
       return 0;
     }
     std::string_view const name = o.command->name;

@@ -340,7 +340,7 @@ def run_full(cmd):
 
 def time_lines(stderr):
     """The --time JSON lines of a compress run."""
-    return [json.loads(line) for line in stderr.splitlines() if line.startswith('{"command": "compress"')]
+    return [json.loads(line) for line in stderr.splitlines() if line.startswith('{"command":"compress"')]
 
 
 def expected_allocation(scores, alloc, params, budget):
