@@ -769,7 +769,10 @@ TEST_CASE("cli: invalid queries, positions and window parameters exit 3 naming t
           "ph.npy: field 'data': position 1099511627776 needs a RoPE table over 1 GiB");
   // Bad parameter values.
   std::string const base = "score --policy snap_kv --param window_size=8" + f.kq() + out;
-  expect3(base + " --param kernel_size=4", "--param kernel_size = 4: expected an odd integer");
+  // An even kernel is refused by SnapKVScorer::check() (what ties members together), named by policy and member.
+  expect3(base + " --param kernel_size=4", "policy snap_kv: SnapKVScorer: `kernel_size` must be odd");
+  expect3(base + " --param kernel_size=0", "--param kernel_size = 0: expected an integer >= 1");
+  expect3(base + " --param kernel_size=7.5", "--param kernel_size = '7.5': expected an integer");
   expect3(base + " --param pooling=median", "--param pooling = 'median': expected max or avg");
   expect3(base + " --param gqa=min", "--param gqa = 'min': expected mean, max, sum or per_query_head");
   expect3(base + " --param reference=kvpress --param gqa=max", "reference=kvpress averages over the GQA group");

@@ -15,15 +15,18 @@
 #include <kvc/backend/cpu/scorers/tova.hpp>
 #include <kvc/backend/cpu/selectors/ada_kv.hpp>
 #include <kvc/backend/cpu/selectors/top_k.hpp>
+#include <kvc/core/params.hpp>
 #include <kvc/selectors/pyramid_kv.hpp>
 
 #include <algorithm>
 #include <cerrno>
+#include <charconv>
 #include <cstdint>
 #include <cstdlib>
 #include <initializer_list>
 #include <map>
 #include <optional>
+#include <set>
 #include <stdexcept>
 #include <string>
 #include <string_view>
@@ -54,6 +57,9 @@ struct Failure {
 /// RDKV's bit allocation and packing (compress and kvc-eval only: `kvc score` writes the weights it does not change).
 enum class Stage : std::uint8_t { scorer, selection, queries, allocation };
 
+/// Parameter values by name (after resolve_params: every parameter of the policy, defaults filled in).
+using Params = std::map<std::string, std::string, std::less<>>;
+
 struct ParamInfo {
   char const* name;
   char const* default_value;
@@ -75,6 +81,118 @@ struct PolicyInfo {
   bool token_scores = true;
 };
 
+// ---------------------------------------------------------------------------------------------------------------
+// Declared parameters (kvc/core/params.hpp): a policy struct's parameters() become table rows and are parsed from
+// NAME=VALUE text here, once for every tool.
+
+/// Table rows one after the other (a policy's declared parameters, then the tools' own).
+inline std::vector<ParamInfo> operator+(std::vector<ParamInfo> a, std::vector<ParamInfo> const& b) {
+  a.insert(a.end(), b.begin(), b.end());
+  return a;
+}
+
+/// A string that lives as long as the program (the table's rows are C strings built once).
+inline char const* intern(std::string text) {
+  static std::set<std::string> strings;
+  return strings.insert(std::move(text)).first->c_str();
+}
+
+/// The shortest text that reads back as exactly `v` (std::to_chars: 0.01f is "0.01", not "0.00999999978").
+template <class T>
+std::string number_text(T v) {
+  char buf[64];
+  auto const r = std::to_chars(buf, buf + sizeof buf, v);
+  return std::string(buf, r.ptr);
+}
+
+/// A parameter's value as --param spells it.
+template <class O, class T, std::size_t N>
+std::string value_text(kvc::Param<O, T, N> const& p, T v) {
+  if constexpr (N > 0) {
+    for (auto const& n : p.names)
+      if (n.value == v)
+        return std::string(n.name);
+    throw std::logic_error("kvc: parameter " + std::string(p.name) + " has a default outside its names");
+  } else {
+    return number_text(v);
+  }
+}
+
+/// The table rows of policy struct S's declared parameters, at `stage`: defaults from S{}, kvpress defaults from
+/// S::kvpress() where it differs (not for `reference` itself).
+template <kvc::DeclaresParameters S>
+std::vector<ParamInfo> declared_params(Stage stage = Stage::scorer) {
+  std::vector<ParamInfo> rows;
+  S const defaults{};
+  auto row = [&](auto const& p) {
+    ParamInfo info{intern(std::string(p.name)), intern(value_text(p, defaults.*p.member)), intern(std::string(p.doc)),
+                   stage};
+    if constexpr (requires { S::kvpress(); })
+      if (p.name != "reference" && S::kvpress().*p.member != defaults.*p.member)
+        info.kvpress_default = intern(value_text(p, S::kvpress().*p.member));
+    rows.push_back(info);
+  };
+  std::apply([&](auto const&... p) { (row(p), ...); }, S::parameters());
+  return rows;
+}
+
+/// Sets one declared parameter from its text (bad values exit 3, naming the parameter and what it takes).
+template <class O, class T, std::size_t N>
+void assign_param(O& s, kvc::Param<O, T, N> const& p, std::string const& text) {
+  std::string const what = "--param " + std::string(p.name);
+  if constexpr (N > 0) {
+    std::string expected;  // "a, b or c"
+    for (std::size_t i = 0; i < N; ++i) {
+      if (text == p.names[i].name) {
+        s.*p.member = p.names[i].value;
+        return;
+      }
+      expected += (i == 0 ? "" : (i + 1 == N ? " or " : ", ")) + std::string(p.names[i].name);
+    }
+    fail(exit_invalid, what + " = '" + text + "': expected " + expected);
+  } else if constexpr (std::is_integral_v<T>) {
+    bool const unsigned64 = std::is_same_v<T, std::uint64_t>;
+    std::string const range = unsigned64 && p.hi >= 18446744073709551615.0 ? "an integer in [0, 2^64)"
+                              : p.hi >= kvc::max_param_index
+                                  ? "an integer >= " + number_text(p.lo)
+                                  : "an integer in [" + number_text(p.lo) + ", " + number_text(p.hi) + "]";
+    T v{};
+    auto const r = std::from_chars(text.data(), text.data() + text.size(), v);
+    if (text.empty() || r.ptr != text.data() + text.size() || r.ec == std::errc::invalid_argument)
+      fail(exit_invalid, what + " = '" + text + "': expected " + (unsigned64 ? range : "an integer"));
+    if (r.ec == std::errc::result_out_of_range || static_cast<double>(v) < p.lo || static_cast<double>(v) > p.hi)
+      fail(exit_invalid, what + " = " + text + ": expected " + range);
+    s.*p.member = v;
+  } else {
+    char* end = nullptr;
+    errno = 0;
+    double const v = std::strtod(text.c_str(), &end);
+    if (text.empty() || *end != '\0' || errno == ERANGE || !(v >= p.lo && v <= p.hi))
+      fail(exit_invalid,
+           what + " = '" + text + "': expected a number in [" + number_text(p.lo) + ", " + number_text(p.hi) + "]");
+    s.*p.member = static_cast<T>(v);
+  }
+}
+
+/// Policy struct S with its declared parameters set from `p` (defaults where absent), then S::check(), called once
+/// here (exit 3 with the policy's message).
+template <kvc::DeclaresParameters S>
+S from_params(Params const& p, S s = {}) {
+  std::apply(
+      [&](auto const&... param) {
+        auto set = [&](auto const& one) {
+          if (auto const it = p.find(one.name); it != p.end())
+            assign_param(s, one, it->second);
+        };
+        (set(param), ...);
+      },
+      S::parameters());
+  if constexpr (requires { s.check(); })
+    if (auto const st = s.check(); !st.ok())
+      fail(exit_invalid, "policy " + std::string(S::name) + ": " + std::string(st.message()));
+  return s;
+}
+
 inline ParamInfo const n_sink_param{"n_sink", "0", "first tokens always kept (compress only)", Stage::selection};
 inline ParamInfo const n_recent_param{"n_recent", "0", "last tokens always kept (compress only)", Stage::selection};
 inline ParamInfo const queries_param{
@@ -82,62 +200,33 @@ inline ParamInfo const queries_param{
 
 inline std::vector<PolicyInfo> const& policies() {
   static std::vector<PolicyInfo> const list = {
-      {"streaming_llm",
-       "attention sinks + most recent tokens (Xiao et al., arXiv 2309.17453)",
-       {{"n_sink", "4", "first tokens always kept"}},
-       false,
-       false},
-      {"key_diff",
-       "keep keys least similar to the mean unit key (Park et al., arXiv 2504.15364, Eq. 8)",
-       {{"anchor", "normalized_mean", "normalized_mean (paper, kvpress) or raw_mean"},
-        {"n_sink", "0", "first tokens always kept (KeyDiff + sinks; compress only)", Stage::selection},
-        {"n_recent", "0", "last tokens always kept (KeyDiff + Recent, paper Table 11; compress only)",
-         Stage::selection}},
-       true,
-       false},
+      {"streaming_llm", "attention sinks + most recent tokens (Xiao et al., arXiv 2309.17453)",
+       declared_params<StreamingLLMScorer>(), false, false},
+      {"key_diff", "keep keys least similar to the mean unit key (Park et al., arXiv 2504.15364, Eq. 8)",
+       declared_params<KeyDiffScorer>() +
+           std::vector<ParamInfo>{
+               {"n_sink", "0", "first tokens always kept (KeyDiff + sinks; compress only)", Stage::selection},
+               {"n_recent", "0", "last tokens always kept (KeyDiff + Recent, paper Table 11; compress only)",
+                Stage::selection}},
+       true, false},
       {"knorm",
        "keep the lowest-norm keys (Devoto et al., EMNLP 2024; kvpress KnormPress)",
        {n_sink_param, n_recent_param},
        true,
        false},
-      {"snap_kv",
-       "the last window_size queries vote for the prefix keys they attend to (Li et al., arXiv 2404.14469)",
-       {{"reference", "authors", "authors (paper code) or kvpress (SnapKVPress, with the kvpress defaults below)"},
-        {"window_size", "32", "observation window w: the last w rows of --queries vote", Stage::scorer, "64"},
-        {"kernel_size", "7", "pooling kernel along the tokens, odd", Stage::scorer, "5"},
-        {"pooling", "max", "max or avg (avg always divides by kernel_size, as PyTorch)", Stage::scorer, "avg"},
-        {"gqa", "mean", "GQA reduction: mean, max, sum or per_query_head (Hq = Hkv); kvpress: mean"},
-        queries_param,
-        n_sink_param,
-        n_recent_param},
-       true,
-       true},
+      {"snap_kv", "the last window_size queries vote for the prefix keys they attend to (Li et al., arXiv 2404.14469)",
+       declared_params<SnapKVScorer>() + std::vector{queries_param, n_sink_param, n_recent_param}, true, true},
       {"tova",
        "keep the tokens the newest query attends to most, mean over query heads (Oren et al., arXiv 2401.06104)",
-       {{"reference", "authors", "authors (the newest token competes) or kvpress (TOVAPress: it is always kept)"},
-        queries_param,
-        n_sink_param,
-        n_recent_param},
-       true,
-       true},
+       declared_params<TOVAScorer>() + std::vector{queries_param, n_sink_param, n_recent_param}, true, true},
       {"expected_attention",
        "the attention Gaussian future queries will pay each key, in closed form, times ||v|| (Devoto et al., arXiv "
        "2510.00636)",
-       {{"reference", "authors",
-         "authors (future RoPE from the next absolute position) or kvpress (from the number of query rows, "
-         "ExpectedAttentionPress; with its class default epsilon 0)"},
-        {"n_future_positions", "512", "T: RoPE averaged over the next T positions"},
-        {"n_sink", "4", "first tokens: left out of the statistics and the softmax, always kept"},
-        {"use_covariance", "true", "true or false: the k^T Sigma k / 2d term of Eq. 7"},
-        {"use_vnorm", "true", "true or false: weight by ||v|| (Eq. 9); needs --values"},
-        {"epsilon", "0.01", "added to the attention before the ||v|| weighting (paper 0.01)", Stage::scorer, "0"},
-        {"gqa", "mean", "mean (kvpress) or max of the group's probabilities"},
-        {"normalize_sinks", "false", "true: the softmax runs over the sinks too (Eq. 8 as printed)"},
-        {"queries", "pre_rope", "pre_rope only: the statistics are of pre-RoPE queries", Stage::queries},
-        n_recent_param},
-       true,
-       true,
-       true},
+       declared_params<ExpectedAttentionScorer>() +
+           std::vector<ParamInfo>{
+               {"queries", "pre_rope", "pre_rope only: the statistics are of pre-RoPE queries", Stage::queries},
+               n_recent_param},
+       true, true, true},
       {"h2o",
        "heavy hitters (attention accumulated while cached) plus a recent window (Zhang et al., arXiv 2306.14048)",
        {{"reference", "authors",
@@ -255,13 +344,8 @@ inline std::vector<PolicyInfo> const& policies() {
         {"residual", "128", "the newest tokens kept in fp16", Stage::allocation}},
        true,
        false},
-      {"random",
-       "uniform random eviction, the baseline every policy must beat (kvpress RandomPress)",
-       {{"seed", "0", "64-bit; scores hash (seed, b, h, t): the same on every run and backend"},
-        n_sink_param,
-        n_recent_param},
-       false,
-       false},
+      {"random", "uniform random eviction, the baseline every policy must beat (kvpress RandomPress)",
+       declared_params<RandomScorer>() + std::vector{n_sink_param, n_recent_param}, false, false},
   };
   return list;
 }
@@ -287,8 +371,6 @@ inline ParamInfo const* find_param(PolicyInfo const& policy, std::string_view na
       return &p;
   return nullptr;
 }
-
-using Params = std::map<std::string, std::string, std::less<>>;
 
 /// Parameter values after --param overrides and the defaults (kvpress's where reference=kvpress). Unknown names,
 /// repeats, and selection parameters given to `score` are usage errors.
@@ -600,52 +682,19 @@ void with_policy(PolicyInfo const& policy, Params const& p, Fn&& fn) {
   };
   std::string_view const name = policy.name;
   if (name == "streaming_llm") {
-    emit(kvc::StreamingLLMScorer{count("n_sink")});
+    emit(from_params<kvc::StreamingLLMScorer>(p));
   } else if (name == "key_diff") {
-    kvc::KeyDiffScorer s;
-    s.anchor = choice<kvc::KeyDiffAnchor>(
-        p, "anchor",
-        {{"normalized_mean", kvc::KeyDiffAnchor::normalized_mean}, {"raw_mean", kvc::KeyDiffAnchor::raw_mean}});
-    emit(s);
+    emit(from_params<kvc::KeyDiffScorer>(p));
   } else if (name == "knorm") {
     emit(kvc::KnormScorer{});
   } else if (name == "snap_kv") {
-    kvc::SnapKVScorer s;
-    s.reference = reference_of(p);
-    s.window_size = count("window_size", 1);
-    s.kernel_size = count("kernel_size", 1);
-    if (s.kernel_size % 2 == 0)
-      fail(exit_invalid, "--param kernel_size = " + p.at("kernel_size") +
-                             ": expected an odd integer (an even kernel shifts the pooled scores)");
-    s.pooling = choice<kvc::Pooling>(p, "pooling", {{"max", kvc::Pooling::max}, {"avg", kvc::Pooling::avg}});
-    s.gqa = choice<kvc::GqaReduce>(p, "gqa",
-                                   {{"mean", kvc::GqaReduce::mean},
-                                    {"max", kvc::GqaReduce::max},
-                                    {"sum", kvc::GqaReduce::sum},
-                                    {"per_query_head", kvc::GqaReduce::per_query_head}});
-    if (s.reference == kvc::Reference::kvpress && s.gqa != kvc::GqaReduce::mean)
-      fail(exit_invalid, "--param gqa = " + p.at("gqa") +
-                             ": reference=kvpress averages over the GQA group (use gqa=mean, or reference=authors)");
-    if (auto const st = s.check(); !st.ok())
-      fail(exit_invalid, "policy snap_kv: " + std::string(st.message()));
-    emit(s);
+    emit(from_params<kvc::SnapKVScorer>(p));
   } else if (name == "tova") {
-    emit(kvc::TOVAScorer{reference_of(p)});
+    emit(from_params<kvc::TOVAScorer>(p));
   } else if (name == "expected_attention") {
-    kvc::ExpectedAttentionScorer s;
-    s.reference = reference_of(p);
-    s.n_future_positions = count("n_future_positions", 1);
-    s.n_sink = count("n_sink");
-    s.use_covariance = parse_bool(p, "use_covariance");
-    s.use_vnorm = parse_bool(p, "use_vnorm");
-    s.epsilon = static_cast<float>(parse_real(p, "epsilon", 0.0, 1e30));
-    s.gqa = choice<kvc::GqaReduce>(p, "gqa", {{"mean", kvc::GqaReduce::mean}, {"max", kvc::GqaReduce::max}});
-    s.normalize_sinks = parse_bool(p, "normalize_sinks");
     if (!pre_rope(p))
       fail(exit_invalid, "--param queries = post_rope: policy expected_attention needs pre-RoPE query samples");
-    if (auto const st = s.check(); !st.ok())
-      fail(exit_invalid, "policy expected_attention: " + std::string(st.message()));
-    emit(s);
+    emit(from_params<kvc::ExpectedAttentionScorer>(p));
   } else if (name == "h2o") {
     if (reference_of(p) == kvc::Reference::kvpress)
       emit(kvc::ObservedAttentionScorer{});
@@ -661,13 +710,7 @@ void with_policy(PolicyInfo const& policy, Params const& p, Fn&& fn) {
   } else if (name == "uncomp_entropy") {
     throw std::logic_error("kvc: uncomp_entropy writes per-head entropies, not token scores (tools/common/uncomp.hpp)");
   } else if (name == "random") {
-    std::string const& seed = p.at("seed");
-    char* end = nullptr;
-    errno = 0;
-    unsigned long long const v = std::strtoull(seed.c_str(), &end, 10);
-    if (seed.empty() || seed[0] == '-' || seed[0] == '+' || *end != '\0' || errno == ERANGE)
-      fail(exit_invalid, "--param seed = '" + seed + "': expected an integer in [0, 2^64)");
-    emit(kvc::RandomScorer{static_cast<std::uint64_t>(v)});
+    emit(from_params<kvc::RandomScorer>(p));
   } else {
     throw std::logic_error("kvc: policy " + std::string(name) + " is in the table but has no scorer");
   }

@@ -22,6 +22,7 @@
 // head-adaptive budgets; TopKSelector gives kvpress's uniform per-head ScorerPress.
 #pragma once
 
+#include <kvc/core/params.hpp>
 #include <kvc/core/scorer.hpp>
 #include <kvc/core/status.hpp>
 #include <kvc/scorers/reference.hpp>
@@ -29,6 +30,7 @@
 
 #include <cmath>
 #include <string_view>
+#include <tuple>
 
 namespace kvc {
 
@@ -59,6 +61,34 @@ struct ExpectedAttentionScorer {
     if (!(scale >= 0.0f) || !(scale < INFINITY))
       return {Errc::invalid_argument, "ExpectedAttentionScorer: `scale` must be finite and >= 0 (0: 1/sqrt(d))"};
     return {};
+  }
+
+  /// kvpress's ExpectedAttentionPress: t0 from the number of query rows, its class default epsilon 0.
+  static constexpr ExpectedAttentionScorer kvpress() noexcept {
+    ExpectedAttentionScorer s;
+    s.reference = Reference::kvpress;
+    s.epsilon = 0.0f;
+    return s;
+  }
+
+  /// The parameters the tools expose (core/params.hpp; the defaults above, kvpress()'s under reference=kvpress).
+  static constexpr auto parameters() noexcept {
+    using S = ExpectedAttentionScorer;
+    return std::tuple{
+        named_param("reference", &S::reference, reference_names,
+                    "authors (future RoPE from the next absolute position) or kvpress (from the number of query "
+                    "rows, ExpectedAttentionPress; with its class default epsilon 0)"),
+        number_param("n_future_positions", &S::n_future_positions, 1, max_param_index,
+                     "T: RoPE averaged over the next T positions"),
+        number_param("n_sink", &S::n_sink, 0, max_param_index,
+                     "first tokens: left out of the statistics and the softmax, always kept"),
+        flag_param("use_covariance", &S::use_covariance, "true or false: the k^T Sigma k / 2d term of Eq. 7"),
+        flag_param("use_vnorm", &S::use_vnorm, "true or false: weight by ||v|| (Eq. 9); needs --values"),
+        number_param("epsilon", &S::epsilon, 0, 1e30, "added to the attention before the ||v|| weighting (paper 0.01)"),
+        named_param("gqa", &S::gqa, {{"mean", GqaReduce::mean}, {"max", GqaReduce::max}},
+                    "mean (kvpress) or max of the group's probabilities"),
+        flag_param("normalize_sinks", &S::normalize_sinks,
+                   "true: the softmax runs over the sinks too (Eq. 8 as printed)")};
   }
 };
 

@@ -9,10 +9,12 @@
 // scores 0. The anchor is recomputed from the n valid keys on every call (KeyDiff is stateless).
 #pragma once
 
+#include <kvc/core/params.hpp>
 #include <kvc/core/scorer.hpp>
 
 #include <cstdint>
 #include <string_view>
+#include <tuple>
 
 namespace kvc {
 
@@ -31,6 +33,14 @@ struct KeyDiffScorer {
   KeyDiffAnchor anchor = KeyDiffAnchor::normalized_mean;
   float unit_eps = 1e-12f;   ///< floor on ||k|| when normalising keys for the anchor (F.normalize)
   float cosine_eps = 1e-8f;  ///< floor on ||mu|| and ||k|| in the cosine (torch.cosine_similarity)
+
+  /// The parameters the tools expose (core/params.hpp).
+  static constexpr auto parameters() noexcept {
+    return std::tuple{
+        named_param("anchor", &KeyDiffScorer::anchor,
+                    {{"normalized_mean", KeyDiffAnchor::normalized_mean}, {"raw_mean", KeyDiffAnchor::raw_mean}},
+                    "normalized_mean (paper, kvpress) or raw_mean")};
+  }
 };
 
 /// The weight of key k_i in the anchor's sum (fp32, or fp64 on the range paths): 1 / max(||k_i||, unit_eps) for the

@@ -6,10 +6,12 @@
 //   the lengths.
 #pragma once
 
+#include <kvc/core/params.hpp>
 #include <kvc/core/scorer.hpp>
 
 #include <cstdint>
 #include <string_view>
+#include <tuple>
 
 namespace kvc {
 
@@ -19,6 +21,12 @@ struct RandomScorer {
   static constexpr std::string_view name = "random";
 
   std::uint64_t seed = 0;
+
+  /// The parameters the tools expose (core/params.hpp): any 64-bit seed.
+  static constexpr auto parameters() noexcept {
+    return std::tuple{number_param("seed", &RandomScorer::seed, 0, 18446744073709551615.0,
+                                   "64-bit; scores hash (seed, b, h, t): the same on every run and backend")};
+  }
 
   /// The score of slot t of head (b, h): the top 24 bits of a SplitMix64 hash, as a float in [0, 1).
   KVC_HOST_DEVICE constexpr float at(Index b, Index h, Index t) const noexcept {

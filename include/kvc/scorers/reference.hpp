@@ -2,6 +2,8 @@
 // kvc/scorers/reference.hpp: which implementation a policy reproduces where the paper's authors and kvpress differ.
 #pragma once
 
+#include <kvc/core/params.hpp>
+
 #include <cstdint>
 
 namespace kvc {
@@ -12,5 +14,9 @@ enum class Reference : std::uint8_t {
   authors,  ///< the paper and its authors' code (the default)
   kvpress,  ///< NVIDIA kvpress
 };
+
+/// How the tools spell a Reference (`--param reference=authors|kvpress`).
+inline constexpr Named<Reference> reference_names[] = {{"authors", Reference::authors},
+                                                       {"kvpress", Reference::kvpress}};
 
 }  // namespace kvc

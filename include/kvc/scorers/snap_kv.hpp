@@ -16,12 +16,14 @@
 // n <= C); kvpress's ratio r is TopKSelector{RatioBudget{r}}.
 #pragma once
 
+#include <kvc/core/params.hpp>
 #include <kvc/core/scorer.hpp>
 #include <kvc/core/status.hpp>
 #include <kvc/scorers/reference.hpp>
 
 #include <cstdint>
 #include <string_view>
+#include <tuple>
 
 namespace kvc {
 
@@ -98,6 +100,24 @@ struct SnapKVScorer {
   /// kvpress's SnapKVPress defaults: w = 64, kernel 5, avg pooling, mean over the window and the group.
   static constexpr SnapKVScorer kvpress() noexcept {
     return {Reference::kvpress, 64, 5, Pooling::avg, GqaReduce::mean};
+  }
+
+  /// The parameters the tools expose (core/params.hpp; the defaults above, kvpress()'s under reference=kvpress).
+  static constexpr auto parameters() noexcept {
+    return std::tuple{named_param("reference", &SnapKVScorer::reference, reference_names,
+                                  "authors (paper code) or kvpress (SnapKVPress, with the kvpress defaults below)"),
+                      number_param("window_size", &SnapKVScorer::window_size, 1, max_param_index,
+                                   "observation window w: the last w rows of --queries vote"),
+                      number_param("kernel_size", &SnapKVScorer::kernel_size, 1, max_param_index,
+                                   "pooling kernel along the tokens, odd"),
+                      named_param("pooling", &SnapKVScorer::pooling, {{"max", Pooling::max}, {"avg", Pooling::avg}},
+                                  "max or avg (avg always divides by kernel_size, as PyTorch)"),
+                      named_param("gqa", &SnapKVScorer::gqa,
+                                  {{"mean", GqaReduce::mean},
+                                   {"max", GqaReduce::max},
+                                   {"sum", GqaReduce::sum},
+                                   {"per_query_head", GqaReduce::per_query_head}},
+                                  "GQA reduction: mean, max, sum or per_query_head (Hq = Hkv); kvpress: mean")};
   }
 
   constexpr Status check() const noexcept {

@@ -9,9 +9,11 @@
 // Positions are exact in fp32 up to 2^24 tokens per sequence; longer caches are rejected.
 #pragma once
 
+#include <kvc/core/params.hpp>
 #include <kvc/core/scorer.hpp>
 
 #include <string_view>
+#include <tuple>
 
 namespace kvc {
 
@@ -21,6 +23,12 @@ struct StreamingLLMScorer {
   static constexpr std::string_view name = "streaming_llm";
 
   Index n_sink = 4;  ///< attention-sink tokens at the start, always ranked first (paper and kvpress default: 4)
+
+  /// The parameters the tools expose (core/params.hpp).
+  static constexpr auto parameters() noexcept {
+    return std::tuple{
+        number_param("n_sink", &StreamingLLMScorer::n_sink, 0, max_param_index, "first tokens always kept")};
+  }
 };
 
 /// Largest token count StreamingLLM ranks exactly (fp32 holds every integer up to 2^24).

@@ -17,6 +17,7 @@
 #include <kvc/scorers/snap_kv.hpp>
 
 #include <string_view>
+#include <tuple>
 
 namespace kvc {
 
@@ -28,6 +29,15 @@ struct TOVAScorer {
   Reference reference = Reference::authors;
 
   constexpr Status check() const noexcept { return {}; }
+
+  /// kvpress's TOVAPress.
+  static constexpr TOVAScorer kvpress() noexcept { return {Reference::kvpress}; }
+
+  /// The parameters the tools expose (core/params.hpp).
+  static constexpr auto parameters() noexcept {
+    return std::tuple{named_param("reference", &TOVAScorer::reference, reference_names,
+                                  "authors (the newest token competes) or kvpress (TOVAPress: it is always kept)")};
+  }
 };
 
 /// TOVA's score of one slot before protection is the mean of its attention over every query head of the sequence,
