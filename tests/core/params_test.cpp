@@ -9,6 +9,8 @@
 #include <kvc/scorers/snap_kv.hpp>
 #include <kvc/scorers/streaming_llm.hpp>
 #include <kvc/scorers/tova.hpp>
+#include <kvc/selectors/ada_kv.hpp>
+#include <kvc/selectors/pyramid_kv.hpp>
 
 #include "support/catch.hpp"
 
@@ -34,8 +36,8 @@ bool accepts(P const& p, T v) {
 }
 
 template <kvc::DeclaresParameters S>
-void check_declarations() {
-  INFO(S::name);
+void check_declarations(char const* label) {
+  INFO(label);
   S const defaults{};
   std::set<std::string_view> names;
   std::apply(
@@ -75,12 +77,14 @@ struct Toy {
 }  // namespace
 
 TEST_CASE("params: every declaring policy's parameters are unique, documented and hold their defaults") {
-  check_declarations<kvc::StreamingLLMScorer>();
-  check_declarations<kvc::KeyDiffScorer>();
-  check_declarations<kvc::SnapKVScorer>();
-  check_declarations<kvc::TOVAScorer>();
-  check_declarations<kvc::ExpectedAttentionScorer>();
-  check_declarations<kvc::RandomScorer>();
+  check_declarations<kvc::StreamingLLMScorer>("kvc::StreamingLLMScorer");
+  check_declarations<kvc::KeyDiffScorer>("kvc::KeyDiffScorer");
+  check_declarations<kvc::SnapKVScorer>("kvc::SnapKVScorer");
+  check_declarations<kvc::TOVAScorer>("kvc::TOVAScorer");
+  check_declarations<kvc::ExpectedAttentionScorer>("kvc::ExpectedAttentionScorer");
+  check_declarations<kvc::RandomScorer>("kvc::RandomScorer");
+  check_declarations<kvc::AdaKVSelector<kvc::FixedBudget>>("kvc::AdaKVSelector<kvc::FixedBudget>");
+  check_declarations<kvc::PyramidKVBudget>("kvc::PyramidKVBudget");
 }
 
 TEST_CASE("params: a declaration names its member, range and spellings (hand-made struct)") {

@@ -1509,7 +1509,7 @@ TEST_CASE("cli: allocator and --dump errors exit 2 or 3 naming the option, the f
          {"compress needs --policy, --out-dir, and --keys and --values or --dump"});
   // Invalid input (exit 3).
   expect(3, knorm + " --allocator pyramid_kv --param layer=4 --param num_layers=4",
-         {"--param layer = 4: expected a layer in [0, num_layers = 4)"});
+         {"policy pyramid_kv: PyramidKVBudget: need num_layers >= 1 and layer in [0, num_layers)"});
   expect(3, knorm + " --allocator ada_kv --param alpha_safeguard=1.5", {"--param alpha_safeguard = '1.5'"});
   expect(3, knorm + " --allocator pyramid_kv --param beta=0", {"--param beta = 0: expected an integer >= 1"});
   expect(3, knorm + " --allocator ada_kv --param reference=both", {"--param reference = 'both'"});

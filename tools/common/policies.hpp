@@ -177,7 +177,8 @@ void assign_param(O& s, kvc::Param<O, T, N> const& p, std::string const& text) {
 /// Policy struct S with its declared parameters set from `p` (defaults where absent), then S::check(), called once
 /// here (exit 3 with the policy's message).
 template <kvc::DeclaresParameters S>
-S from_params(Params const& p, S s = {}) {
+S from_params(Params const& p, std::string_view policy = S::name) {
+  S s{};
   std::apply(
       [&](auto const&... param) {
         auto set = [&](auto const& one) {
@@ -189,7 +190,7 @@ S from_params(Params const& p, S s = {}) {
       S::parameters());
   if constexpr (requires { s.check(); })
     if (auto const st = s.check(); !st.ok())
-      fail(exit_invalid, "policy " + std::string(S::name) + ": " + std::string(st.message()));
+      fail(exit_invalid, "policy " + std::string(policy) + ": " + std::string(st.message()));
   return s;
 }
 
@@ -503,24 +504,11 @@ inline std::vector<AllocatorInfo> const& allocators() {
       {"ada_kv",
        "head-adaptive budgets inside a layer: a global top-k over the layer's heads with a safeguard floor (Feng et "
        "al., arXiv 2407.11550)",
-       {{"reference", "authors",
-         "authors (b_h = round((1-alpha) c_h + floor(alpha B)), the window on top) or kvpress (AdaKVPress: each "
-         "head's top floor(alpha kept) pinned, exactly Hkv x kept per layer)",
-         Stage::selection},
-        {"alpha_safeguard", "0.2", "alpha in [0, 1]: the share of each head's budget it keeps whatever the others",
-         Stage::selection}}},
+       declared_params<AdaKVSelector<FixedBudget>>(Stage::selection)},
       {"pyramid_kv",
        "per-layer budgets falling linearly from the first layer to the last, window included (Cai et al., arXiv "
        "2406.02069)",
-       {{"reference", "authors",
-         "authors (integer schedule from the capacity C, no compression below C, uniform below 2(C - w)) or kvpress "
-         "(PyramidKVPress: float schedule from the ratio, uniform fallback)",
-         Stage::selection},
-        {"window_size", "8", "w: the window kept on top of each layer's prefix budget (shared with snap_kv's)",
-         Stage::selection, "64"},
-        {"beta", "20", "beta: the last layer keeps about 1/beta of the mean prefix budget", Stage::selection},
-        {"layer", "0", "this layer's index (set per layer by --dump and kvc-eval)", Stage::selection},
-        {"num_layers", "1", "the model's layer count (set by --dump and kvc-eval)", Stage::selection}}},
+       declared_params<PyramidKVBudget>(Stage::selection)},
   };
   return list;
 }
@@ -629,14 +617,7 @@ void with_selection(AllocatorChoice const& alloc, Params const& p, Selection con
   kvc::Index window = p.count("window_size") ? count("window_size") : 0;
   if (alloc.pyramid_kv) {
     kvc::PyramidKVBudget& py = b.pyramid;
-    py.reference = kvpress ? kvc::Reference::kvpress : kvc::Reference::authors;
-    py.window_size = window;
-    py.beta = count("beta", 1);
-    py.num_layers = count("num_layers", 1);
-    py.layer = count("layer");
-    if (py.layer >= py.num_layers)
-      fail(exit_invalid,
-           "--param layer = " + p.at("layer") + ": expected a layer in [0, num_layers = " + p.at("num_layers") + ")");
+    py = from_params<kvc::PyramidKVBudget>(p, "pyramid_kv");  // reference, window, beta, layer of num_layers
     if (ratio)
       py.compression_ratio = *ratio;
     else if (kvpress)
@@ -650,10 +631,11 @@ void with_selection(AllocatorChoice const& alloc, Params const& p, Selection con
   if (!kvpress && alloc.any() && p.count("window_size"))  // the authors' window sits on top of the budget
     n_recent = std::max(n_recent, window);
   if (alloc.ada_kv) {
-    kvc::AdaKVSelector<ToolBudget> const ada{b, parse_real(p, "alpha_safeguard", 0.0, 1.0),
-                                             kvpress ? kvc::Reference::kvpress : kvc::Reference::authors, sel.n_sink,
-                                             n_recent};
-    fn(ada);
+    auto ada = from_params<kvc::AdaKVSelector<ToolBudget>>(p, "ada_kv");  // reference, alpha_safeguard
+    ada.budget = b;
+    ada.n_sink = sel.n_sink;
+    ada.n_recent = n_recent;
+    fn(std::as_const(ada));
   } else {
     fn(kvc::TopKSelector<ToolBudget>{b, sel.n_sink, n_recent});
   }

@@ -22,12 +22,14 @@
 
 #include <kvc/core/allocator.hpp>
 #include <kvc/core/budget.hpp>
+#include <kvc/core/params.hpp>
 #include <kvc/core/scorer.hpp>
 #include <kvc/scorers/reference.hpp>
 #include <kvc/selectors/allocated_top_k.hpp>
 #include <kvc/selectors/top_k.hpp>
 
 #include <cstdint>
+#include <tuple>
 
 namespace kvc {
 
@@ -47,6 +49,16 @@ struct AdaKVSelector {
     if (n_sink < 0 || n_recent < 0)
       return {Errc::invalid_argument, "AdaKVSelector: `n_sink` and `n_recent` must be >= 0"};
     return budget.check();
+  }
+
+  /// The parameters the tools expose (core/params.hpp); the budget and the protected tokens are the caller's.
+  static constexpr auto parameters() noexcept {
+    return std::tuple{
+        named_param("reference", &AdaKVSelector::reference, reference_names,
+                    "authors (b_h = round((1-alpha) c_h + floor(alpha B)), the window on top) or kvpress "
+                    "(AdaKVPress: each head's top floor(alpha kept) pinned, exactly Hkv x kept per layer)"),
+        number_param("alpha_safeguard", &AdaKVSelector::alpha_safeguard, 0, 1,
+                     "alpha in [0, 1]: the share of each head's budget it keeps whatever the others")};
   }
 };
 

@@ -7,8 +7,11 @@
 
 #include <kvc/core/allocator.hpp>
 #include <kvc/core/budget.hpp>
+#include <kvc/core/params.hpp>
 #include <kvc/core/scorer.hpp>
 #include <kvc/scorers/reference.hpp>
+
+#include <tuple>
 
 namespace kvc {
 
@@ -80,6 +83,31 @@ struct PyramidKVBudget {
     if (reference == Reference::kvpress && max_capacity_prompt > 0)
       return {Errc::invalid_argument, "PyramidKVBudget: kvpress's schedule reads `compression_ratio`, not a capacity"};
     return {};
+  }
+
+  /// kvpress's PyramidKVPress: its float schedule, a window of 64.
+  static constexpr PyramidKVBudget kvpress() noexcept {
+    PyramidKVBudget b;
+    b.reference = Reference::kvpress;
+    b.window_size = 64;
+    return b;
+  }
+
+  /// The parameters the tools expose (core/params.hpp); the budget itself (capacity or ratio) is the caller's.
+  static constexpr auto parameters() noexcept {
+    using P = PyramidKVBudget;
+    return std::tuple{
+        named_param("reference", &P::reference, reference_names,
+                    "authors (integer schedule from the capacity C, no compression below C, uniform below 2(C - w)) "
+                    "or kvpress (PyramidKVPress: float schedule from the ratio, uniform fallback)"),
+        number_param("window_size", &P::window_size, 0, max_param_index,
+                     "w: the window kept on top of each layer's prefix budget (shared with snap_kv's)"),
+        number_param("beta", &P::beta, 1, max_param_index,
+                     "beta: the last layer keeps about 1/beta of the mean prefix budget"),
+        number_param("layer", &P::layer, 0, max_param_index,
+                     "this layer's index (set per layer by --dump and kvc-eval)"),
+        number_param("num_layers", &P::num_layers, 1, max_param_index,
+                     "the model's layer count (set by --dump and kvc-eval)")};
   }
 };
 
