@@ -5,9 +5,9 @@
 #include <kvc/backend/cpu/attention/attend.hpp>
 #include <kvc/backend/cpu/attention/corrected.hpp>
 
-#include "common.hpp"
 #include "common/isa.hpp"
 #include "common/moment_kv.hpp"
+#include "internal.hpp"
 
 #include <cmath>
 #include <sys/stat.h>

@@ -6,10 +6,10 @@
 // Files are untrusted (docs/cli.md "Untrusted input"): inputs must be regular files whose sizes bound every
 // allocation; outputs are staged beside their destination and renamed into place only when all of them are whole.
 // The commands are in score.cpp, compress.cpp (compress_job.cpp, compress_packed.cpp), attend.cpp and
-// policies.cpp; what they share in common.hpp.
+// policies.cpp; what they share in internal.hpp.
 #include "cli.hpp"
 
-#include "common.hpp"
+#include "internal.hpp"
 
 #include <cstdio>
 #include <exception>

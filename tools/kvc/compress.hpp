@@ -9,9 +9,9 @@
 #include <kvc/engine/layer_compressor.hpp>
 #include <kvc/store/ragged.hpp>
 
-#include "common.hpp"
 #include "common/rdkv.hpp"
 #include "common/uncomp.hpp"
+#include "internal.hpp"
 
 #include <cstdint>
 #include <optional>

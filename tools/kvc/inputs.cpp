@@ -3,7 +3,7 @@
 // tensors (load_tensor), the queries with their positions and RoPE table (load_queries), --rope, and the checks of
 // the query rows a scorer reads.
 
-#include "common.hpp"
+#include "internal.hpp"
 #include "io/json.hpp"
 
 #include <cmath>

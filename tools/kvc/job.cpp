@@ -3,7 +3,7 @@
 // option checks, reading the job's keys, values and queries, the workspaces, and the policies with paths of their
 // own (moment_kv, uncomp).
 
-#include "common.hpp"
+#include "internal.hpp"
 
 #include <cmath>
 #include <cstdlib>

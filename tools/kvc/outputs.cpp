@@ -3,7 +3,7 @@
 // input is read, the staging of .npy files beside their destination, renamed into place all together, and the
 // folders --out-dir creates.
 
-#include "common.hpp"
+#include "internal.hpp"
 
 #include <cerrno>
 #include <cstring>

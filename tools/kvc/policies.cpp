@@ -1,7 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
 // tools/kvc/policies.cpp: `kvc policies`: the policy table and the allocators, with their parameters.
 
-#include "common.hpp"
+#include "internal.hpp"
 
 namespace kvc::cli {
 

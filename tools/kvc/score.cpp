@@ -4,10 +4,10 @@
 
 #include <kvc/backend/cpu/scorers/uncomp.hpp>
 
-#include "common.hpp"
 #include "common/moment_kv.hpp"
 #include "common/rdkv.hpp"
 #include "common/uncomp.hpp"
+#include "internal.hpp"
 
 namespace kvc::cli {
 

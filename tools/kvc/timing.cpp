@@ -1,8 +1,8 @@
 // SPDX-License-Identifier: Apache-2.0
 // tools/kvc/timing.cpp: the --time lines of `kvc score` and `kvc compress` (compact JSON on stderr).
 
-#include "common.hpp"
 #include "common/isa.hpp"
+#include "internal.hpp"
 
 namespace kvc::cli {
 

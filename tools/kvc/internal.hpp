@@ -1,5 +1,5 @@
 // SPDX-License-Identifier: Apache-2.0
-// tools/kvc/common.hpp: what the units of the `kvc` tool share (internal to tools/kvc): the output streams (io), the
+// tools/kvc/internal.hpp: what the units of the `kvc` tool share (internal to tools/kvc): the output streams (io), the
 // memory checks, the inputs (InputSpec, Array, Input, Queries), the output staging (Output, Staged), the timing
 // (Timing, Memory), and the jobs score and compress run (Job, Scratch). The templates are defined here; every other
 // function once in a unit (inputs.cpp, outputs.cpp, timing.cpp, job.cpp) and declared here. Arrays are C order,
