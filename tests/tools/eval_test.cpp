@@ -7,6 +7,7 @@
 // damaged files, and the program's exit codes.
 #include <kvc/selectors/pyramid_kv.hpp>
 
+#include "common/isa.hpp"
 #include "common/rdkv.hpp"
 #include "common/uncomp.hpp"
 #include "eval/calibrate.hpp"
@@ -722,7 +723,10 @@ TEST_CASE("results.json holds every field docs/eval.md lists") {
   CHECK(rec.find("model")->as_string() == "m\"odel");
   CHECK(rec.find("cache")->as_string() == "fp8_e4m3");
   CHECK(rec.find("reference_cache")->as_string() == "fp16");
-  CHECK(rec.find("layer_error")->items()[1].is_null());  // NaN is not JSON: null
+  CHECK(rec.find("isa") != nullptr);
+  CHECK(rec.find("layer_error")->items()[0].as_double() == 0.5);
+  CHECK(rec.find("layer_error")->items()[1].is_null());                                 // NaN is not JSON: null
+  CHECK(text.find("{\"policy\": \"snap_kv\", \"ratio\": 0.5, ") != std::string::npos);  // one record a line
   CHECK(results_csv({r}).rfind(
             "policy,ratio,kl,top1,perplexity,perplexity_full,kv_bytes,kv_bytes_full,seconds,"
             "samples,kv_held_bytes,kv_held_bytes_full,kept_min,kept_max,moment_bytes,payload_bytes,overhead_bytes,"
@@ -817,10 +821,37 @@ TEST_CASE("kvc-eval: exit codes 2 (usage) and 3 (invalid input), logits and dump
   std::string const eval = KVC_EVAL;
   std::string out;
   CHECK(run_command(eval, out) == 2);
+  CHECK(out.find("missing command") != std::string::npos);
   CHECK(run_command(eval + " frobnicate", out) == 2);
   CHECK(out.find("unknown command 'frobnicate'") != std::string::npos);
   CHECK(run_command(eval + " run --model x", out) == 2);  // --out-dir missing
-  CHECK(out.find("missing --out-dir") != std::string::npos);
+  CHECK(out.find("kvc-eval run: error: --out-dir is required") != std::string::npos);
+  CHECK(out.find("kvc-eval run --help") != std::string::npos);
+  // Options through CLI11: --name=value as --name value, one value each, a repeated option or a missing value named.
+  CHECK(run_command(eval + " run --model x --out-dir y --model z", out) == 2);
+  CHECK(out.find("--model given twice") != std::string::npos);
+  CHECK(run_command(eval + " run --model x --out-dir y --no-progress --no-progress", out) == 2);
+  CHECK(out.find("--no-progress given twice") != std::string::npos);
+  CHECK(run_command(eval + " run --model x --out-dir y --seed", out) == 2);
+  CHECK(out.find("--seed: 1 required X missing") != std::string::npos);
+  CHECK(run_command(eval + " run --model x --out-dir y --bogus=1", out) == 2);
+  CHECK(out.find("unknown option '--bogus' for kvc-eval run") != std::string::npos);
+  CHECK(run_command(eval + " run --model x y --out-dir z", out) == 2);
+  CHECK(out.find("unexpected argument 'y'") != std::string::npos);
+  CHECK(run_command(eval + " run --model=/nonexistent --out-dir=y --samples=0", out) == 3);
+  CHECK(out.find("--samples = 0: expected an integer >= 1") != std::string::npos);
+  CHECK(run_command(eval + " run --model=/nonexistent --out-dir=y --no-progress", out) == 3);
+  CHECK(out.find("/nonexistent") != std::string::npos);
+  // --help: the command's options and explanations, exit 0; the program's commands.
+  REQUIRE(run_command(eval + " run --help", out) == 0);
+  for (char const* needle : {"Usage: kvc-eval run [OPTIONS]", "--model DIR REQUIRED", "--param POLICY.NAME=VALUE",
+                             "POLICY(NAME=VALUE,...)", "--decode interval=I,target=T"})
+    CHECK(out.find(needle) != std::string::npos);
+  REQUIRE(run_command(eval + " --help", out) == 0);
+  for (char const* command : {"run", "logits", "dump", "correction", "calibrate"})
+    CHECK(out.find(command) != std::string::npos);
+  REQUIRE(run_command(eval + " calibrate --help", out) == 0);
+  CHECK(out.find("--rule mean|majority_vote") != std::string::npos);
   CHECK(run_command(eval + " run --model x --out-dir y --schedule decode", out) == 2);
   CHECK(out.find("pass --decode interval=I,target=T") != std::string::npos);
   CHECK(run_command(eval + " run --model x --out-dir y --decode interval=8", out) == 2);  // no target
@@ -830,7 +861,7 @@ TEST_CASE("kvc-eval: exit codes 2 (usage) and 3 (invalid input), logits and dump
   CHECK(run_command(eval + " run --model x --out-dir y --decode interval=0,target=4", out) == 3);
   CHECK(run_command(eval + " run --model x --out-dir y --decode interval=8,target=4,relayout=never", out) == 2);
   CHECK(out.find("relayout=fill|compress") != std::string::npos);
-  CHECK(out.find("--decode interval") != std::string::npos);
+  CHECK(out.find("run `kvc-eval run --help` for the options") != std::string::npos);  // where the syntax is
   // Allocators: unknown or repeated names, bad parameters, and the per-layer parameters kvc-eval sets itself.
   CHECK(run_command(eval + " run --model x --out-dir y --policies snap_kv+foo_kv", out) == 2);
   CHECK(out.find("unknown allocator 'foo_kv' (expected ada_kv, pyramid_kv or pyramid_kv+ada_kv)") != std::string::npos);
@@ -897,6 +928,11 @@ TEST_CASE("kvc-eval: exit codes 2 (usage) and 3 (invalid input), logits and dump
   REQUIRE(v.items().size() == 6);  // snap_kv, snap_kv+ada_kv and random at two ratios
   CHECK(v.items()[2].find("policy")->as_string() == "snap_kv+ada_kv");
   CHECK(v.items()[2].find("params")->as_string().find("alpha_safeguard=0.2") != std::string::npos);
+  CHECK(v.items()[0].find("isa")->as_string() == kvc::tools::compiled_isa());  // built with kvc-eval's flags
+  // dump's meta.json reads back with the strict reader, as kvc's --dump reads it.
+  REQUIRE(kvc::json::parse(read_text(dir + "/dump/meta.json"), v, error));
+  CHECK(v.find("layers")->as_double() == 2);
+  CHECK(v.find("rope")->find("style")->as_string() == "neox");
 }
 
 // ---------------------------------------------------------------------------------------------------------------
@@ -1070,6 +1106,10 @@ TEST_CASE("moment_kv on real tinystories K, V and Q: the corrected attention err
   //   ratio 0.75: layer 0 plain 0.7724 corrected 0.3183 (99.9%),                layer 1 0.4259 -> 0.3108 (99.2%)
   // The correction is not a theorem (spec §8.10); on this model it lowers the mean error in every layer, and the
   // row-wise error in at least 99% of rows. The assertions state that, with the figures above as ranges of 1e-3.
+  // The figures are a baseline (SSE2) build's. kvc-eval's library is built for the build machine (KVC_NATIVE); with
+  // other vector widths and FMA the logits round differently, the sampled prompts move, and so do the errors (an
+  // AVX-512 build: 0.4826/0.2291, 0.1948/0.1492, 0.7527/0.3112, 0.4118/0.3061); there the figures are ranges of 3e-2.
+  double const tolerance = kvc::tools::compiled_isa() == "baseline" ? 1e-3 : 3e-2;
   if (!have(tinystories))
     return;
   Model const model = load(tinystories);
@@ -1091,8 +1131,8 @@ TEST_CASE("moment_kv on real tinystories K, V and Q: the corrected attention err
                     << ", corrected lower in " << 100 * x.wins << "% of rows, evicted mass " << x.evicted_mass);
       CHECK(x.corrected < x.plain);
       CHECK(x.wins > 0.99);
-      CHECK(std::abs(x.plain - expected[r][l][0]) < 1e-3);
-      CHECK(std::abs(x.corrected - expected[r][l][1]) < 1e-3);
+      CHECK(std::abs(x.plain - expected[r][l][0]) < tolerance);
+      CHECK(std::abs(x.corrected - expected[r][l][1]) < tolerance);
       CHECK(x.kept == (r == 0 ? 128 : 64));
     }
   }
@@ -1296,8 +1336,8 @@ TEST_CASE("kvc-eval calibrate: bad options and texts exit 2 or 3 with the reason
     CHECK(out.find(needle) != std::string::npos);
     CHECK_FALSE(fs::exists(target));
   };
-  expect(2, " --out " + target, "missing --model");
-  expect(2, " --model x", "missing --out");
+  expect(2, " --out " + target, "--model is required");
+  expect(2, " --model x", "--out is required");
   expect(2, " --model x --out " + target + " --rule vote", "--rule 'vote': expected mean or majority_vote");
   expect(2, " --model x --out " + target + " --param k=32", "'k' is not a parameter of kvc-eval calibrate");
   expect(2, " --model x --out " + target + " --param top_k=3 --param top_k=4", "'top_k' given twice");

@@ -6,6 +6,7 @@
 // harness).
 #include "eval/tokenizer.hpp"
 
+#include "eval/tokenizer_detail.hpp"
 #include "support/catch.hpp"
 
 #include <cstdint>

@@ -1,5 +1,5 @@
 // SPDX-License-Identifier: Apache-2.0
-// tools/eval/correction.cpp: `kvc-eval correction` (correction.hpp), in the kvc_eval_engine library: its MomentKV
+// tools/eval/correction.cpp: `kvc-eval correction` (correction.hpp), in the kvc_eval_lib library: its MomentKV
 // compressors are instantiated here once, not in every translation unit that includes correction.hpp.
 #include "eval/correction.hpp"
 

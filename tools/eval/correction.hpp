@@ -44,7 +44,7 @@ struct CorrectionRecord {
 
 /// Measures MomentKV's correction (see the file comment) for the row with resolved `params` and `alloc`, at each of
 /// `ratios`, on `samples` of prompt_tokens + continuation tokens (continuation >= 1). Throws tools::Failure (exit 3)
-/// when a kvc call refuses. Defined in correction.cpp (the kvc_eval_engine library).
+/// when a kvc call refuses. Defined in correction.cpp (the kvc_eval_lib library).
 std::vector<CorrectionRecord> correction_errors(Model const& model, tools::Params const& params,
                                                 tools::AllocatorChoice const& alloc, std::vector<double> const& ratios,
                                                 std::vector<std::vector<std::int32_t>> const& samples,

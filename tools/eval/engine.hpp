@@ -1,6 +1,6 @@
 // SPDX-License-Identifier: Apache-2.0
 // tools/eval/engine.hpp: the interface of kvc-eval's engine (a Session per sequence, make_session); its implementation
-// is engine_impl.hpp, compiled once per cache element type (engine_instance.cpp, the kvc_eval_engine library).
+// is engine_impl.hpp, compiled once per cache element type (engine_instance.cpp, the kvc_eval_lib library).
 //
 // A small Llama inference engine whose KV cache is a kvc cache, used the way an engine uses kvc: keys rotated at their
 // absolute positions and appended with kvc::append, attention through kvc::attend (causal by the cache's positions,
@@ -70,16 +70,7 @@ struct CacheOptions {
   Index page_size = 16;  ///< tokens per page (paged layout)
 };
 
-inline char const* cache_type_name(CacheType t) noexcept {
-  switch (t) {
-    case CacheType::f32: return "fp32";
-    case CacheType::f16: return "fp16";
-    case CacheType::bf16: return "bf16";
-    case CacheType::f8_e4m3: return "fp8_e4m3";
-    case CacheType::f8_e5m2: return "fp8_e5m2";
-  }
-  return "?";
-}
+char const* cache_type_name(CacheType t) noexcept;
 
 /// One layer's projections of the tokens of a forward call, head-major as a Hugging Face dump: keys and values
 /// [Hkv, n, d] (keys post-RoPE), queries [Hq, n, d] post-RoPE and pre-RoPE, fp32.
@@ -215,16 +206,5 @@ namespace detail {
 template <class T>
 std::unique_ptr<Session> make_typed(Model const& model, CacheOptions const& options, Index capacity);
 }  // namespace detail
-
-inline std::unique_ptr<Session> make_session(Model const& model, CacheOptions const& options, Index capacity) {
-  switch (options.type) {
-    case CacheType::f32: return detail::make_typed<float>(model, options, capacity);
-    case CacheType::f16: return detail::make_typed<half>(model, options, capacity);
-    case CacheType::bf16: return detail::make_typed<bfloat16>(model, options, capacity);
-    case CacheType::f8_e4m3: return detail::make_typed<float8_e4m3>(model, options, capacity);
-    case CacheType::f8_e5m2: return detail::make_typed<float8_e5m2>(model, options, capacity);
-  }
-  return nullptr;
-}
 
 }  // namespace kvc::eval

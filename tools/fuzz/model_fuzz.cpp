@@ -1,7 +1,8 @@
 // SPDX-License-Identifier: Apache-2.0
 // tools/fuzz/model_fuzz.cpp: libFuzzer harness for kvc-eval's model readers (files are untrusted input): a Hugging
 // Face config.json and a llama2.c checkpoint's header checked against the file's size. The first byte chooses the
-// reader; the rest is the file.
+// reader; the rest is the file. The readers (tools/eval/model.cpp) are compiled with the fuzzer's instrumentation
+// (kvc_eval_readers_fuzz, tools/CMakeLists.txt).
 //   cmake -DCMAKE_CXX_COMPILER=clang++ -DKVC_BUILD_FUZZERS=ON ... && ./tools/kvc_model_fuzz -max_total_time=60
 #include "eval/model.hpp"
 

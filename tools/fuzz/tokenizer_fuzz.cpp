@@ -1,9 +1,10 @@
 // SPDX-License-Identifier: Apache-2.0
-// tools/fuzz/tokenizer_fuzz.cpp: libFuzzer harness for kvc-eval's tokenizer parsers (tools/eval/tokenizer.hpp):
-// tokenizer.json and llama2.c's tokenizer.bin are untrusted input, and a file that loads must then encode and
-// decode any text without a crash, a hang or an id out of range.
-//   clang++ -std=c++20 -g -O1 -fsanitize=fuzzer,address,undefined -Iinclude -Itools tools/fuzz/tokenizer_fuzz.cpp \
-//     -o tokenizer_fuzz && ./tokenizer_fuzz -max_total_time=60 -max_len=131072 CORPUS_DIR
+// tools/fuzz/tokenizer_fuzz.cpp: libFuzzer harness for kvc-eval's tokenizer parsers (tools/eval/tokenizer.hpp,
+// defined in tokenizer.cpp, tokenizer_json.cpp and tokenizer_detail.cpp, compiled with the fuzzer's instrumentation
+// as kvc_eval_readers_fuzz): tokenizer.json and llama2.c's tokenizer.bin are untrusted input, and a file that loads
+// must then encode and decode any text without a crash, a hang or an id out of range.
+//   cmake -DCMAKE_CXX_COMPILER=clang++ -DKVC_BUILD_FUZZERS=ON ... && ninja kvc_tokenizer_fuzz &&
+//   ./tools/kvc_tokenizer_fuzz -max_total_time=60 -max_len=131072 CORPUS_DIR
 // Input layout: byte 0: the format (even: tokenizer.json, odd: tokenizer.bin); bytes 1-2: tokenizer.bin's
 // vocab_size (uint16, little-endian); byte 3: n, the length of the text to encode; the next n bytes: the text; the
 // rest: the file. (A seed from a real file: "\x00\x00\x00\x00" + tokenizer.json, "\x01\x00\x02\x00" + tok512.bin.)
