@@ -9,10 +9,10 @@
 // (kvc::score_channels); per plan (exact, lagrangian and dp at two budgets, rho 0.5 and 0.25, a ratio budget, and
 // exact and lagrangian without eviction, the quant-only ablation) the bit plan of kvc::allocate_bits on the oracle's
 // weights rounded to fp32, each head's V and K knapsack through kvc::exact_bits / kvc::lagrangian_bits /
-// kvc::dp_bits directly, and the plan of allocate_bits on kvc's own weights; per pack (KIVI float-min, the authors'
-// integer zero point with K16 clamped to 8, grouped float-min with V groups of d/2 channels and K groups of 16 tokens)
-// kvc::pack of the oracle's plan, kvc::dequantized (positions, K̂ in original channel order, V̂, packed order) and
-// kvc::attend_packed of a few queries.
+// kvc::tools::dp_bits directly, and the plan of allocate_bits on kvc's own weights; per pack (KIVI float-min, the
+// authors' integer zero point with K16 clamped to 8, grouped float-min with V groups of d/2 channels and K groups of 16
+// tokens) kvc::pack of the oracle's plan, kvc::dequantized (positions, K̂ in original channel order, V̂, packed order)
+// and kvc::attend_packed of a few queries.
 //
 // Tolerances: weights (fp32 against fp64) within 1e-5 of the head's largest weight; bit plans exact where the
 // oracle's plan is stable (gaps_<plan>.npy: the plan survives relative perturbations of its weights of 1e-12 — a

@@ -21,6 +21,7 @@
 #include <iterator>
 #include <limits>
 #include <map>
+#include <set>
 #include <sstream>
 #include <string>
 #include <sys/wait.h>
@@ -91,7 +92,19 @@ TEST_CASE("cli: score and compress write the documented shapes, and --time print
   // KeyDiff's scratch at d = 4, one worker: a 32-row tile (512 B), two rows (64 B each), an fp64 row (64 B), each
   // rounded to 64 B, plus 64 B of alignment slack.
   CHECK(r.output.find("\"bytes_read\":320,\"workspace_bytes\":768,\"threads\":1,\"isa\":\"") != std::string::npos);
-  CHECK(r.output.find("\"isa\":\"\"") == std::string::npos);    // the instruction set kvc was compiled for
+  {  // the instruction set kvc was compiled for: '+'-joined names of tools/common/isa.hpp, or "baseline"
+    auto const at = r.output.find("\"isa\":\"");
+    REQUIRE(at != std::string::npos);
+    std::string const isa = r.output.substr(at + 7, r.output.find('"', at + 7) - (at + 7));
+    INFO(isa);
+    std::set<std::string> const known = {"avx512f", "avx512bw", "avx512vbmi", "avx512fp16", "avx2",
+                                         "fma",     "f16c",     "neon",       "baseline"};
+    std::istringstream names(isa);
+    int count = 0;
+    for (std::string name; std::getline(names, name, '+'); ++count)
+      CHECK(known.count(name) == 1);
+    CHECK(count >= 1);
+  }
   CHECK(r.output.find("select_seconds") == std::string::npos);  // score does not select
   kvc::NpyArray a;
   std::string error;

@@ -8,7 +8,8 @@
 
 namespace kvc::tools {
 
-/// The vector extensions enabled for this translation unit, joined with '+' in a fixed order, e.g.
+/// The vector extensions enabled for this translation unit (f16c and neon only when kvc's fp16 conversion uses them,
+/// i.e. without KVC_PORTABLE_F16), joined with '+' in a fixed order, e.g.
 /// "avx512f+avx512bw+avx512vbmi+avx2+fma+f16c", "avx2+fma+f16c", "neon", or "baseline" (none of them: plain x86-64's
 /// SSE2 or a scalar build).
 inline std::string compiled_isa() {
@@ -36,10 +37,10 @@ inline std::string compiled_isa() {
 #if defined(__FMA__)
   add("fma");
 #endif
-#if defined(__F16C__)
+#if defined(__F16C__) && !defined(KVC_PORTABLE_F16)
   add("f16c");
 #endif
-#if defined(__aarch64__) && defined(__ARM_NEON)
+#if defined(__aarch64__) && defined(__ARM_NEON) && !defined(KVC_PORTABLE_F16)
   add("neon");
 #endif
   return isa.empty() ? "baseline" : isa;

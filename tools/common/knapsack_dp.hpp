@@ -8,6 +8,7 @@
 #include <kvc/core/status.hpp>
 #include <kvc/rate_distortion/knapsack.hpp>
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <limits>

@@ -104,7 +104,7 @@ struct HostMoments {
     view = o.view;
     return *this;
   }
-  /// Bytes the moments occupy (spec §4: (d_v d_k + d_k + d_v) elements + an 8-byte count per head).
+  /// Bytes the moments occupy ((d_v d_k + d_k + d_v) elements + an 8-byte count per head).
   std::size_t bytes() const { return moment_state_bytes<T>(view.batch, view.heads, view.key_dim, view.value_dim); }
 };
 

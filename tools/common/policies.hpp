@@ -154,7 +154,7 @@ void assign_param(O& s, kvc::Param<O, T, N> const& p, std::string const& text) {
     bool const unsigned64 = std::is_same_v<T, std::uint64_t>;
     std::string const range = unsigned64 && p.hi >= 18446744073709551615.0 ? "an integer in [0, 2^64)"
                               : p.hi >= kvc::max_param_index
-                                  ? "an integer >= " + number_text(p.lo)
+                                  ? "an integer >= " + number_text(p.lo) + " (at most 2^40)"
                                   : "an integer in [" + number_text(p.lo) + ", " + number_text(p.hi) + "]";
     T v{};
     auto const r = std::from_chars(text.data(), text.data() + text.size(), v);

@@ -7,6 +7,7 @@
 #include <CLI/CLI.hpp>
 #include <algorithm>
 #include <cstddef>
+#include <stdexcept>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -261,7 +262,9 @@ void declare(CLI::App& app, CommandInfo const& command, std::map<std::string, st
   app.allow_extras();
   app.formatter(std::make_shared<HelpFormatter>(command));
   for (OptionDoc const& o : command.options) {
-    if (*o.value == '\0') {
+    if (*o.value == '\0') {  // the one flag, --time (a new flag needs its own field in Options)
+      if (std::string_view(o.name) != "--time")
+        throw std::logic_error(std::string("kvc: flag ") + o.name + " has no field in Options");
       app.add_flag(o.name, time, o.help);
       continue;
     }
