@@ -174,10 +174,11 @@ void assign_param(O& s, kvc::Param<O, T, N> const& p, std::string const& text) {
   }
 }
 
-/// Policy struct S with its declared parameters set from `p` (defaults where absent), then S::check(), called once
-/// here (exit 3 with the policy's message).
+/// Policy struct S with its declared parameters set from `p` (defaults where absent), then S::check() (exit 3 with
+/// the policy's message) unless `check` is false: a part the caller completes first (an allocator's budget), whose
+/// whole is checked where it is used (kvc::LayerCompressor::plan checks the scorer and the selector).
 template <kvc::DeclaresParameters S>
-S from_params(Params const& p, std::string_view policy = S::name) {
+S from_params(Params const& p, std::string_view policy = S::name, bool check = true) {
   S s{};
   std::apply(
       [&](auto const&... param) {
@@ -189,7 +190,7 @@ S from_params(Params const& p, std::string_view policy = S::name) {
       },
       S::parameters());
   if constexpr (requires { s.check(); })
-    if (auto const st = s.check(); !st.ok())
+    if (auto const st = s.check(); check && !st.ok())
       fail(exit_invalid, "policy " + std::string(policy) + ": " + std::string(st.message()));
   return s;
 }
@@ -631,7 +632,7 @@ void with_selection(AllocatorChoice const& alloc, Params const& p, Selection con
   if (!kvpress && alloc.any() && p.count("window_size"))  // the authors' window sits on top of the budget
     n_recent = std::max(n_recent, window);
   if (alloc.ada_kv) {
-    auto ada = from_params<kvc::AdaKVSelector<ToolBudget>>(p, "ada_kv");  // reference, alpha_safeguard
+    auto ada = from_params<kvc::AdaKVSelector<ToolBudget>>(p, "ada_kv", false);  // reference, alpha_safeguard
     ada.budget = b;
     ada.n_sink = sel.n_sink;
     ada.n_recent = n_recent;

@@ -7,6 +7,7 @@
 #include <CLI/CLI.hpp>
 #include <algorithm>
 #include <cstddef>
+#include <initializer_list>
 #include <stdexcept>
 #include <string>
 #include <string_view>
@@ -69,6 +70,14 @@ OptionDoc const threads_option{"--threads", "N",
                                "results do not depend on it)"};
 OptionDoc const out_dir_option{"--out-dir", "DIR", "created if absent"};
 
+/// The input options score and compress share, then the command's own.
+std::vector<OptionDoc> with_inputs(std::initializer_list<OptionDoc> own) {
+  std::vector<OptionDoc> all = {policy_option,  param_option,   keys_option,      values_option, k_scale_option,
+                                v_scale_option, queries_option, positions_option, rope_option};
+  all.insert(all.end(), own.begin(), own.end());
+  return all;
+}
+
 char const* const exit_codes = "Exit codes: 0 success, 2 usage error, 3 invalid input.\n";
 
 }  // namespace
@@ -97,23 +106,14 @@ std::vector<CommandInfo> const& commands() {
        "With --policy uncomp_entropy (no --keys): UNComp's truncated matrix entropy of each query head's rows of\n"
        "--queries [B, Hq, n, d] (pre-RoPE ones rotated to --positions, default 0 .. n - 1), written as [B, Hq]\n"
        "(--param unit=normalized|truncated|erank, dtype=float64|float32; head_dim at most 1024).\n",
-       {policy_option,
-        param_option,
-        keys_option,
-        values_option,
-        k_scale_option,
-        v_scale_option,
-        queries_option,
-        positions_option,
-        rope_option,
-        {"--out", "scores.npy", "the scores"},
-        {"--channel-out", "C.npy", "--policy rdkv: the channel weights [B, Hkv, d] too"},
-        {"--time", "",
-         "print one JSON line to stderr: {\"command\", \"policy\", \"seconds\" (scoring, median of\n"
-         "7 calls, file I/O excluded), \"repeats\", \"bytes_read\" (K and Q bytes read per scoring\n"
-         "call), \"workspace_bytes\" (kvc's scratch for those calls), \"threads\", \"isa\" (the\n"
-         "instruction set kvc's kernels were compiled for, e.g. avx2+fma+f16c)}"},
-        threads_option},
+       with_inputs({{"--out", "scores.npy", "the scores"},
+                    {"--channel-out", "C.npy", "--policy rdkv: the channel weights [B, Hkv, d] too"},
+                    {"--time", "",
+                     "print one JSON line to stderr: {\"command\", \"policy\", \"seconds\" (scoring, median of\n"
+                     "7 calls, file I/O excluded), \"repeats\", \"bytes_read\" (K and Q bytes read per scoring\n"
+                     "call), \"workspace_bytes\" (kvc's scratch for those calls), \"threads\", \"isa\" (the\n"
+                     "instruction set kvc's kernels were compiled for, e.g. avx2+fma+f16c)}"},
+                    threads_option}),
        policies_line.c_str()},
       {"compress",
        "usage: kvc compress --policy NAME (--ratio R | --budget N) [--allocator ada_kv|pyramid_kv|pyramid_kv+ada_kv]\n"
@@ -137,50 +137,41 @@ std::vector<CommandInfo> const& commands() {
        "[B, Hkv, d]: each channel's K bits, 0 = pruned), bits in {0, 2, 4, 8, 16}; the cache is packed\n"
        "to measure its memory (--time). Every policy runs through its kvc::LayerCompressor, as in an engine.\n"
        "All files are written, or none.\n",
-       {policy_option,
-        param_option,
-        keys_option,
-        values_option,
-        k_scale_option,
-        v_scale_option,
-        queries_option,
-        positions_option,
-        rope_option,
-        {"--ratio", "R", "the fraction of tokens removed, in [0, 1]: kept = floor(N * (1 - R))"},
-        {"--budget", "N", "tokens kept per head"},
-        {"--allocator", "A",
-         "ada_kv (head-adaptive budgets inside a layer), pyramid_kv (per-layer budgets)\n"
-         "or pyramid_kv+ada_kv, over any policy's scores; their parameters are --param\n"
-         "too (`kvc policies`; reference=kvpress sets the policy's and the allocator's)"},
-        {"--dump", "DIR",
-         "every layer of a `kvc-eval dump` folder (meta.json, layer<L>/keys.npy,\n"
-         "values.npy, queries_prerope.npy or, with --param queries=post_rope,\n"
-         "queries.npy) instead of --keys/--values/--queries; RoPE from meta.json;\n"
-         "pyramid_kv's layer and num_layers from the dump; outputs in --out-dir's layer<L>/"},
-        out_dir_option,
-        {"--calibration", "FILE",
-         "--policy uncomp: the calibration file `kvc-eval calibrate` writes; each layer's\n"
-         "per-head budgets come from its head groups (average B = --budget, or\n"
-         "floor(N * (1 - R)) with --ratio; neither with --param schedule=paper or list).\n"
-         "Writes the ragged store too; with --param gqa=expand every output is per query head"},
-        {"--layer", "L", "--policy uncomp without --dump: the calibration's layer of these keys"},
-        {"--time", "",
-         "one JSON line on stderr: \"seconds\" (the policy's compressor: reset + prefill,\n"
-         "median of 7, each over the original input), \"workspace_bytes\" and\n"
-         "\"state_bytes\" (the compressor's), then the memory, \"threads\" and \"isa\".\n"
-         "Memory: \"input_bytes\" (K + V of the input), \"padded_bytes\" (a uniform cache padded to\n"
-         "the longest head: what keys.npy and values.npy hold), \"ragged_bytes\" (the\n"
-         "ragged store), \"row_bytes\" (one token's K + V row), \"input_tokens\",\n"
-         "\"kept_tokens\", in the input dtype; with --dump one line per layer and a total;\n"
-         "moment_kv adds \"moment_bytes\" (the moments, all heads, in the storage\n"
-         "dtype), \"moment_head_bytes\" and \"moment_ratio\" (moment_bytes / ragged_bytes);\n"
-         "rdkv and kivi: \"input_bytes\", \"input_tokens\", \"kept_tokens\" (packed + tail),\n"
-         "\"tail_tokens\" (the fp16 residual), \"payload_bits\" (codes + fp16 values, tail\n"
-         "included), \"overhead_bits\" (scales, offsets, pads, channel permutation),\n"
-         "\"payload_bytes\", \"overhead_bytes\", \"packed_bytes\" (their sum), \"state_bytes\"\n"
-         "(the compressor's state: the packed store as reserved) and \"retention\"\n"
-         "(payload / (2 N d 16))"},
-        threads_option},
+       with_inputs({{"--ratio", "R", "the fraction of tokens removed, in [0, 1]: kept = floor(N * (1 - R))"},
+                    {"--budget", "N", "tokens kept per head"},
+                    {"--allocator", "A",
+                     "ada_kv (head-adaptive budgets inside a layer), pyramid_kv (per-layer budgets)\n"
+                     "or pyramid_kv+ada_kv, over any policy's scores; their parameters are --param\n"
+                     "too (`kvc policies`; reference=kvpress sets the policy's and the allocator's)"},
+                    {"--dump", "DIR",
+                     "every layer of a `kvc-eval dump` folder (meta.json, layer<L>/keys.npy,\n"
+                     "values.npy, queries_prerope.npy or, with --param queries=post_rope,\n"
+                     "queries.npy) instead of --keys/--values/--queries; RoPE from meta.json;\n"
+                     "pyramid_kv's layer and num_layers from the dump; outputs in --out-dir's layer<L>/"},
+                    out_dir_option,
+                    {"--calibration", "FILE",
+                     "--policy uncomp: the calibration file `kvc-eval calibrate` writes; each layer's\n"
+                     "per-head budgets come from its head groups (average B = --budget, or\n"
+                     "floor(N * (1 - R)) with --ratio; neither with --param schedule=paper or list).\n"
+                     "Writes the ragged store too; with --param gqa=expand every output is per query head"},
+                    {"--layer", "L", "--policy uncomp without --dump: the calibration's layer of these keys"},
+                    {"--time", "",
+                     "one JSON line on stderr: \"seconds\" (the policy's compressor: reset + prefill,\n"
+                     "median of 7, each over the original input), \"workspace_bytes\" and\n"
+                     "\"state_bytes\" (the compressor's), then the memory, \"threads\" and \"isa\".\n"
+                     "Memory: \"input_bytes\" (K + V of the input), \"padded_bytes\" (a uniform cache padded to\n"
+                     "the longest head: what keys.npy and values.npy hold), \"ragged_bytes\" (the\n"
+                     "ragged store), \"row_bytes\" (one token's K + V row), \"input_tokens\",\n"
+                     "\"kept_tokens\", in the input dtype; with --dump one line per layer and a total;\n"
+                     "moment_kv adds \"moment_bytes\" (the moments, all heads, in the storage\n"
+                     "dtype), \"moment_head_bytes\" and \"moment_ratio\" (moment_bytes / ragged_bytes);\n"
+                     "rdkv and kivi: \"input_bytes\", \"input_tokens\", \"kept_tokens\" (packed + tail),\n"
+                     "\"tail_tokens\" (the fp16 residual), \"payload_bits\" (codes + fp16 values, tail\n"
+                     "included), \"overhead_bits\" (scales, offsets, pads, channel permutation),\n"
+                     "\"payload_bytes\", \"overhead_bytes\", \"packed_bytes\" (their sum), \"state_bytes\"\n"
+                     "(the compressor's state: the packed store as reserved) and \"retention\"\n"
+                     "(payload / (2 N d 16))"},
+                    threads_option}),
        compress_footer.c_str()},
       {"attend",
        "usage: kvc attend --keys K.npy --values V.npy --queries Q.npy [--positions P.npy] [--rope theta=T,style=S]\n"
