@@ -36,39 +36,40 @@ bool Tokenizer::load_llama2c(std::string const& path, std::int32_t vocab_size, T
          parse_llama2c(std::as_bytes(std::span(text.data(), text.size())), vocab_size, out, error, path);
 }
 
-bool Tokenizer::parse_json(std::string_view text, Tokenizer& out, std::string& error, std::string_view name) {
+namespace {
+
+/// Reads a tokenizer with `read(t)` into a fresh one of `format` and moves it into `out` once whole; running out of
+/// memory (a hostile file's sizes) is an error naming the file, not an exception.
+template <class Read>
+bool parse_whole(Tokenizer& out, std::string& error, std::string_view name, Read&& read) {
   try {
     Tokenizer t;
-    t.format_ = Format::hf_bpe;
-    if (!t.read_json(text, error, name))
+    if (!read(t))
       return false;
     out = std::move(t);
     return true;
   } catch (std::bad_alloc const&) {
-    error = std::string(name) + ": out of memory reading the tokenizer";
-    return false;
   } catch (std::length_error const&) {
-    error = std::string(name) + ": out of memory reading the tokenizer";
-    return false;
   }
+  error = std::string(name) + ": out of memory reading the tokenizer";
+  return false;
+}
+
+}  // namespace
+
+bool Tokenizer::parse_json(std::string_view text, Tokenizer& out, std::string& error, std::string_view name) {
+  return parse_whole(out, error, name, [&](Tokenizer& t) {
+    t.format_ = Format::hf_bpe;
+    return t.read_json(text, error, name);
+  });
 }
 
 bool Tokenizer::parse_llama2c(std::span<std::byte const> bytes, std::int32_t vocab_size, Tokenizer& out,
                               std::string& error, std::string_view name) {
-  try {
-    Tokenizer t;
+  return parse_whole(out, error, name, [&](Tokenizer& t) {
     t.format_ = Format::llama2c;
-    if (!t.read_llama2c(bytes, vocab_size, error, name))
-      return false;
-    out = std::move(t);
-    return true;
-  } catch (std::bad_alloc const&) {
-    error = std::string(name) + ": out of memory reading the tokenizer";
-    return false;
-  } catch (std::length_error const&) {
-    error = std::string(name) + ": out of memory reading the tokenizer";
-    return false;
-  }
+    return t.read_llama2c(bytes, vocab_size, error, name);
+  });
 }
 
 std::vector<std::int32_t> Tokenizer::encode(std::string_view text) const {
