@@ -15,6 +15,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -25,6 +26,7 @@
 #include <sstream>
 #include <string>
 #include <sys/wait.h>
+#include <unistd.h>
 #include <utility>
 #include <vector>
 
@@ -55,9 +57,23 @@ Result run(std::string const& args, bool stdout_only = false) {
   return {WIFEXITED(status) ? WEXITSTATUS(status) : -1, out};
 }
 
+/// `name` in this process's own work folder: ctest runs the test cases as parallel processes, and several write
+/// inputs of the same name (a shared folder let one case truncate a file another case's kvc was reading). The folder
+/// is removed when the process exits.
 std::string work(std::string const& name) {
-  std::filesystem::create_directories(KVC_CLI_WORK);
-  return std::string(KVC_CLI_WORK) + "/" + name;
+  static std::string const dir = [] {
+    std::string d = std::string(KVC_CLI_WORK) + "/" + std::to_string(::getpid());
+    std::error_code ec;
+    std::filesystem::remove_all(d, ec);  // a folder left by an earlier process of the same id
+    std::filesystem::create_directories(d);
+    static std::string const made = d;
+    std::atexit([] {
+      std::error_code e;
+      std::filesystem::remove_all(made, e);
+    });
+    return d;
+  }();
+  return dir + "/" + name;
 }
 
 std::string write_file(std::string const& name, std::vector<std::byte> const& bytes) {
