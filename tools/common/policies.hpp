@@ -657,6 +657,15 @@ void with_selection(AllocatorChoice const& alloc, Params const& p, Selection con
   }
 }
 
+/// Whether with_policy builds the policy's scorer: every token policy but the composites, whose builders are
+/// tools/common/{moment_kv,uncomp,rdkv}.hpp (and uncomp_entropy, which writes per-head values).
+inline bool builds_scorer(PolicyInfo const& policy) {
+  for (std::string_view composite : {"moment_kv", "uncomp", "uncomp_entropy", "rdkv", "kivi"})
+    if (composite == policy.name)
+      return false;
+  return true;
+}
+
 /// The one place scorers are built: calls fn(scorer, selection) with the policy's scorer and its protections.
 template <class Fn>
 void with_policy(PolicyInfo const& policy, Params const& p, Fn&& fn) {
