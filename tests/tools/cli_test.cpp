@@ -850,6 +850,15 @@ TEST_CASE("cli: expected_attention and h2o read what they document and write the
                " --queries " + f.queries + " --out-dir " + f.out("d"),
            {"--param recent_share = '" + std::string(share) + "': expected a number in [0"});
   expect(2, "score --policy h2o --param recent_share=0.5" + f.kq() + out, {"'recent_share' of policy h2o"});
+  // Declared parameters are checked before any file is read: a missing keys file is not reached.
+  expect(3,
+         "compress --policy h2o --param recent_share=2 --budget 12 --keys " + f.out("missing.npy") + " --values " +
+             f.values + " --queries " + f.queries + " --out-dir " + f.out("d"),
+         {"--param recent_share = '2': expected a number in [0, 1]"});
+  expect(
+      3,
+      "score --policy snap_kv --param kernel_size=4 --keys " + f.out("missing.npy") + " --queries " + f.queries + out,
+      {"policy snap_kv: SnapKVScorer: `kernel_size` must be odd"});
   // Bad values of the other parameters.
   expect(3, ea + " --param gqa=sum" + f.kq() + " --values " + f.values + out, {"--param gqa = 'sum'"});
   expect(3, ea + " --param use_covariance=yes" + f.kq() + " --values " + f.values + out,

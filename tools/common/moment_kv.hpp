@@ -1,9 +1,11 @@
 // SPDX-License-Identifier: Apache-2.0
 // tools/common/moment_kv.hpp: MomentKV in the tools (kvc CLI and kvc-eval): its parameters (the `moment_kv` entry of
-// policies.hpp) parsed once, and one layer's moments owned on the host in the chosen storage type.
+// policies.hpp, declared by kvc::MomentKVPolicy) parsed once, and one layer's moments owned on the host in the chosen
+// storage type.
 #pragma once
 
 #include <kvc/attention/corrected.hpp>
+#include <kvc/engine/moment_kv_policy.hpp>
 #include <kvc/scorers/moment_kv.hpp>
 #include <kvc/scorers/moments.hpp>
 
@@ -15,52 +17,23 @@
 
 namespace kvc::tools {
 
-/// Storage type of the moments (`--param storage`).
-enum class MomentStorage : std::uint8_t { fp32, fp16, bf16 };
+/// MomentKV as the tools run it: the library's policy object (its parameters declared there).
+using MomentKVConfig = MomentKVPolicy;
 
-/// MomentKV as the tools run it, from the policy's resolved parameters.
-struct MomentKVConfig {
-  MomentKVScorer<> scorer{};       ///< base score, rounds, clamp (its state is set per layer)
-  CorrectedAttention attention{};  ///< the correction's clamp and order (scale: the model's)
-  bool mi = true;                  ///< moment-informed eviction (false: the base score alone)
-  bool correction = true;          ///< attend with the correction
-  bool decode_evict = true;        ///< Algorithm 1 while decoding
-  MomentStorage storage = MomentStorage::fp32;
-  Index residual_refresh = 0;  ///< 0: no u_j cache
-  Index n_sink = 1;
-  Index n_recent = 32;
-};
-
+/// The `moment_kv` row's resolved parameters as the policy object (bad values exit 3 naming the parameter, before
+/// any file is read). pooling=none is the tools' spelling of a kernel of one (kernel_size is then ignored).
 inline MomentKVConfig moment_kv_config(Params const& p) {
-  auto count = [&](char const* name, Index min = 0) {
-    return parse_count(p.at(name), std::string("--param ") + name, min);
-  };
-  MomentKVConfig c;
-  c.scorer.base.window_size = count("window_size", 1);
-  c.scorer.base.kernel_size = count("kernel_size", 1);
-  std::string const& pooling = p.at("pooling");
-  if (pooling == "none") {
+  Params q = p;
+  auto const pooling = q.find("pooling");
+  bool const none =
+      pooling != q.end() && choice<bool>(p, "pooling", {{"chunk_mean", false}, {"max", false}, {"none", true}});
+  if (none)
+    pooling->second = "chunk_mean";  // kernel_size still checked, as any chunk takes it
+  MomentKVConfig c = from_params<MomentKVPolicy>(q);
+  if (none) {
     c.scorer.base.kernel_size = 1;
     c.scorer.base.pooling = Pooling::max;
-  } else {
-    c.scorer.base.pooling = choice<Pooling>(p, "pooling", {{"chunk_mean", Pooling::chunk_mean}, {"max", Pooling::max}});
   }
-  if (c.scorer.base.pooling == Pooling::max && c.scorer.base.kernel_size % 2 == 0)
-    fail(exit_invalid, "--param kernel_size = " + p.at("kernel_size") + ": pooling=max needs an odd kernel_size");
-  c.scorer.prefill_rounds = count("prefill_rounds", 1);
-  c.scorer.clamp_tau = static_cast<float>(parse_real(p, "clamp_tau", 0.0, 1e30));
-  c.attention.clamp_tau = c.scorer.clamp_tau;
-  c.attention.order = choice<MomentOrder>(p, "order", {{"first", MomentOrder::first}, {"zeroth", MomentOrder::zeroth}});
-  c.mi = parse_bool(p, "mi");
-  c.correction = parse_bool(p, "correction");
-  c.decode_evict = parse_bool(p, "decode_evict");
-  c.storage = choice<MomentStorage>(
-      p, "storage", {{"fp32", MomentStorage::fp32}, {"fp16", MomentStorage::fp16}, {"bf16", MomentStorage::bf16}});
-  c.residual_refresh = count("residual_refresh");
-  c.n_sink = count("n_sink");
-  c.n_recent = count("n_recent");
-  if (auto const st = c.scorer.check(); !st.ok())
-    fail(exit_invalid, "policy moment_kv: " + std::string(st.message()));
   return c;
 }
 
@@ -74,7 +47,7 @@ MomentKVScorer<HostSpace, MT> moment_scorer(MomentKVConfig const& c, MomentState
   s.scale = c.scorer.scale;
   s.clamp_tau = c.scorer.clamp_tau;
   s.prefill_rounds = c.scorer.prefill_rounds;
-  s.mi = c.mi;
+  s.mi = c.scorer.mi;
   return s;
 }
 

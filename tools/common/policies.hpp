@@ -15,7 +15,12 @@
 #include <kvc/backend/cpu/scorers/tova.hpp>
 #include <kvc/backend/cpu/selectors/ada_kv.hpp>
 #include <kvc/backend/cpu/selectors/top_k.hpp>
+#include <kvc/calibration/matrix_entropy.hpp>
+#include <kvc/calibration/uncomp_policy.hpp>
 #include <kvc/core/params.hpp>
+#include <kvc/engine/moment_kv_policy.hpp>
+#include <kvc/pipeline/packed_press.hpp>
+#include <kvc/pipeline/rdkv_policy.hpp>
 #include <kvc/selectors/pyramid_kv.hpp>
 
 #include <algorithm>
@@ -30,6 +35,7 @@
 #include <stdexcept>
 #include <string>
 #include <string_view>
+#include <tuple>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -97,18 +103,27 @@ inline char const* intern(std::string text) {
   return strings.insert(std::move(text)).first->c_str();
 }
 
-/// The shortest text that reads back as exactly `v` (std::to_chars: 0.01f is "0.01", not "0.00999999978").
+/// The shortest text that reads back as exactly `v` (std::to_chars: 0.01f is "0.01", not "0.00999999978"), its
+/// exponent without a plus sign or leading zeros (1e-6, 1e30: as a user types it).
 template <class T>
 std::string number_text(T v) {
   char buf[64];
   auto const r = std::to_chars(buf, buf + sizeof buf, v);
-  return std::string(buf, r.ptr);
+  std::string text(buf, r.ptr);
+  if (auto e = text.find('e'); e != std::string::npos) {
+    std::size_t digits = e + 1 + (text[e + 1] == '-' ? 1 : 0);
+    if (text[e + 1] == '+')
+      text.erase(e + 1, 1);
+    while (digits + 1 < text.size() && text[digits] == '0')
+      text.erase(digits, 1);
+  }
+  return text;
 }
 
 /// A parameter's value as --param spells it.
-template <class O, class T, std::size_t N>
-std::string value_text(kvc::Param<O, T, N> const& p, T v) {
-  if constexpr (N > 0) {
+template <class P>
+std::string value_text(P const& p, typename P::value_type v) {
+  if constexpr (std::tuple_size_v < decltype(p.names) >> 0) {
     for (auto const& n : p.names)
       if (n.value == v)
         return std::string(n.name);
@@ -118,33 +133,74 @@ std::string value_text(kvc::Param<O, T, N> const& p, T v) {
   }
 }
 
-/// The table rows of policy struct S's declared parameters, at `stage`: defaults from S{}, kvpress defaults from
-/// S::kvpress() where it differs (not for `reference` itself).
+/// A parameter's stage other than the policy's own (declared_params).
+struct StageOf {
+  std::string_view name;
+  Stage stage;
+};
+
+/// The table rows of policy struct S's declared parameters, at `stage` (those named in `stages` at theirs):
+/// defaults from S{}, kvpress defaults from S::kvpress() and authors defaults from S::authors() where they differ
+/// (not for `reference` itself).
 template <kvc::DeclaresParameters S>
-std::vector<ParamInfo> declared_params(Stage stage = Stage::scorer) {
+std::vector<ParamInfo> declared_params(Stage stage = Stage::scorer, std::initializer_list<StageOf> stages = {}) {
   std::vector<ParamInfo> rows;
   S const defaults{};
   auto row = [&](auto const& p) {
-    ParamInfo info{intern(std::string(p.name)), intern(value_text(p, defaults.*p.member)), intern(std::string(p.doc)),
+    ParamInfo info{intern(std::string(p.name)), intern(value_text(p, p.of(defaults))), intern(std::string(p.doc)),
                    stage};
-    if constexpr (requires { S::kvpress(); })
-      if (p.name != "reference" && S::kvpress().*p.member != defaults.*p.member)
-        info.kvpress_default = intern(value_text(p, S::kvpress().*p.member));
+    for (StageOf const& s : stages)
+      if (s.name == p.name)
+        info.stage = s.stage;
+    if constexpr (requires { S::kvpress(); }) {
+      S const kvpress = S::kvpress();
+      if (p.name != "reference" && p.of(kvpress) != p.of(defaults))
+        info.kvpress_default = intern(value_text(p, p.of(kvpress)));
+    }
+    if constexpr (requires { S::authors(); }) {
+      S const authors = S::authors();
+      if (p.name != "reference" && p.of(authors) != p.of(defaults))
+        info.authors_default = intern(value_text(p, p.of(authors)));
+    }
     rows.push_back(info);
   };
   std::apply([&](auto const&... p) { (row(p), ...); }, S::parameters());
   return rows;
 }
 
-/// Sets one declared parameter from its text (bad values exit 3, naming the parameter and what it takes).
-template <class O, class T, std::size_t N>
-void assign_param(O& s, kvc::Param<O, T, N> const& p, std::string const& text) {
+/// `rows` in the order `names` lists them (a policy's declared rows and the tools' own, interleaved as `kvc
+/// policies` shows them); every row must be named once.
+inline std::vector<ParamInfo> in_order(std::vector<ParamInfo> const& rows,
+                                       std::initializer_list<std::string_view> names) {
+  std::vector<ParamInfo> out;
+  for (std::string_view name : names)
+    for (ParamInfo const& r : rows)
+      if (name == r.name)
+        out.push_back(r);
+  if (out.size() != rows.size() || out.size() != names.size())
+    throw std::logic_error("kvc: in_order names other rows than the policy has");
+  return out;
+}
+
+/// `rows` with `more` appended to the help of row `name` (a tool's extension of a declared parameter).
+inline std::vector<ParamInfo> with_help(std::vector<ParamInfo> rows, std::string_view name, std::string_view more) {
+  for (ParamInfo& r : rows)
+    if (name == r.name)
+      r.help = intern(std::string(r.help) + std::string(more));
+  return rows;
+}
+
+/// Sets one declared parameter of `s` from its text (bad values exit 3, naming the parameter and what it takes).
+template <class O, class P>
+void assign_param(O& s, P const& p, std::string const& text) {
+  using T = typename P::value_type;
+  constexpr std::size_t N = std::tuple_size_v<decltype(p.names)>;
   std::string const what = "--param " + std::string(p.name);
   if constexpr (N > 0) {
     std::string expected;  // "a, b or c"
     for (std::size_t i = 0; i < N; ++i) {
       if (text == p.names[i].name) {
-        s.*p.member = p.names[i].value;
+        p.of(s) = p.names[i].value;
         return;
       }
       expected += (i == 0 ? "" : (i + 1 == N ? " or " : ", ")) + std::string(p.names[i].name);
@@ -152,17 +208,20 @@ void assign_param(O& s, kvc::Param<O, T, N> const& p, std::string const& text) {
     fail(exit_invalid, what + " = '" + text + "': expected " + expected);
   } else if constexpr (std::is_integral_v<T>) {
     bool const unsigned64 = std::is_same_v<T, std::uint64_t>;
-    std::string const range = unsigned64 && p.hi >= 18446744073709551615.0 ? "an integer in [0, 2^64)"
+    std::string const kind = p.odd ? "an odd integer" : "an integer";
+    std::string const range = unsigned64 && p.hi >= 18446744073709551615.0 ? kind + " in [0, 2^64)"
                               : p.hi >= kvc::max_param_index
-                                  ? "an integer >= " + number_text(p.lo) + " (at most 2^40)"
-                                  : "an integer in [" + number_text(p.lo) + ", " + number_text(p.hi) + "]";
+                                  ? kind + " >= " + number_text(p.lo) + " (at most 2^40)"
+                                  : kind + " in [" + number_text(p.lo) + ", " + number_text(p.hi) + "]";
     T v{};
     auto const r = std::from_chars(text.data(), text.data() + text.size(), v);
     if (text.empty() || r.ptr != text.data() + text.size() || r.ec == std::errc::invalid_argument)
-      fail(exit_invalid, what + " = '" + text + "': expected " + (unsigned64 ? range : "an integer"));
+      fail(exit_invalid, what + " = '" + text + "': expected " + (unsigned64 ? range : kind));
     if (r.ec == std::errc::result_out_of_range || static_cast<double>(v) < p.lo || static_cast<double>(v) > p.hi)
       fail(exit_invalid, what + " = " + text + ": expected " + range);
-    s.*p.member = v;
+    if (p.odd && v % 2 == 0)
+      fail(exit_invalid, what + " = " + text + ": expected an odd integer (an even kernel shifts what it pools)");
+    p.of(s) = v;
   } else {
     char* end = nullptr;
     errno = 0;
@@ -170,7 +229,7 @@ void assign_param(O& s, kvc::Param<O, T, N> const& p, std::string const& text) {
     if (text.empty() || *end != '\0' || errno == ERANGE || !(v >= p.lo && v <= p.hi))
       fail(exit_invalid,
            what + " = '" + text + "': expected a number in [" + number_text(p.lo) + ", " + number_text(p.hi) + "]");
-    s.*p.member = static_cast<T>(v);
+    p.of(s) = static_cast<T>(v);
   }
 }
 
@@ -231,121 +290,77 @@ inline std::vector<PolicyInfo> const& policies() {
        true, true, true},
       {"h2o",
        "heavy hitters (attention accumulated while cached) plus a recent window (Zhang et al., arXiv 2306.14048)",
-       {{"reference", "authors",
-         "authors (raw accumulated attention, recent window) or kvpress (ObservedAttentionPress: mean attention "
-         "received, no window)"},
-        {"recent_share", "0.5", "fraction of the kept budget reserved for the most recent tokens (compress only)",
-         Stage::selection, "0"},
-        queries_param,
-        n_sink_param},
-       true,
-       true},
+       declared_params<H2OPolicy>(Stage::scorer, {{"recent_share", Stage::selection}}) +
+           std::vector{queries_param, n_sink_param},
+       true, true},
       {"moment_kv",
        "evict what the moments of the evicted set already explain (score = base attention x ||v - f_E(k)||), and "
        "correct attention with those moments (Li, Li, Lan, arXiv 2606.01563)",
-       {{"window_size", "32", "w: the last w rows of --queries give the base score; the window is protected"},
-        {"kernel_size", "4", "pooling size of the base score (chunk_mean: the paper's chunks of 4)"},
-        {"pooling", "chunk_mean", "chunk_mean (aligned chunks), max (Ada-KV: use kernel_size=7) or none"},
-        {"prefill_rounds", "8", "rounds of the prefill eviction: 1 = one shot, N - L = exact greedy"},
-        {"clamp_tau", "1e-6", "entries of the co-moment below tau in magnitude read as 0 (paper App. C.2)"},
-        {"order", "first", "first (f_E = v_mean + c/n C q) or zeroth (f_E = v_mean; the ablation)"},
-        {"mi", "true", "true: moment-informed eviction; false: the base score alone (the NC-only ablation)"},
-        {"correction", "true", "true: attention corrected by the moments (kvc-eval, kvc attend); false: plain"},
-        {"storage", "fp32", "moments stored as fp32, fp16 or bf16 (the paper's 16-bit setting)"},
-        {"decode_evict", "true", "true: Algorithm 1 while decoding (one eviction per step per head over budget)"},
-        {"residual_refresh", "0",
-         "0: recompute C k_j every score; k > 0: cache u_j = C k_j, recomputed every k evictions"},
-        queries_param,
-        {"n_sink", "1", "first tokens always kept (the sink)", Stage::selection},
-        {"n_recent", "32", "last tokens always kept (the observation window)", Stage::selection}},
-       true,
-       true,
-       true},
+       in_order(declared_params<MomentKVPolicy>(Stage::scorer,
+                                                {{"n_sink", Stage::selection}, {"n_recent", Stage::selection}}) +
+                    std::vector{queries_param},
+                {"window_size", "kernel_size", "pooling", "prefill_rounds", "clamp_tau", "order", "mi", "correction",
+                 "storage", "decode_evict", "residual_refresh", "queries", "n_sink", "n_recent"}),
+       true, true, true},
       {"uncomp_entropy",
        "UNComp's truncated matrix entropy of each query head's rows (Xiong et al., arXiv 2410.03090, Eq. 5-6): `kvc "
        "score` writes [B, Hq] per-head values, not token scores (the quantity UNComp's calibration averages)",
-       {{"top_k", "auto",
-         "k: the leading eigenvalues kept; auto: head_dim / 4 (the paper's 32 at d = 128); clamped to min(k, rows, "
-         "head_dim)"},
-        {"normalize_rows", "true",
-         "true: the authors' centred, row-L2-normalised second moment; false: Eq. 1's covariance"},
-        {"renormalize_topk", "false", "true: the top k eigenvalues divided by their sum (isotropic gives ln k)"},
-        {"ridge", "0", "added to every normalised eigenvalue (the authors' code: 1e-10), in [0, 0.5]"},
-        {"unit", "normalized",
-         "normalized (H_k / ln d, the unit the authors store), truncated (H_k, nats) or erank (exp(H_k))"},
-        {"dtype", "float64", "the output's dtype: float64 or float32"},
-        queries_param},
-       false,
-       true,
-       false,
-       false},
+       std::vector<ParamInfo>{{"top_k", "auto",
+                               "k: the leading eigenvalues kept; auto: head_dim / 4 (the paper's 32 at d = 128); "
+                               "clamped to min(k, rows, head_dim)"}} +
+           declared_params<MatrixEntropyOptions>() +
+           std::vector<ParamInfo>{
+               {"unit", "normalized",
+                "normalized (H_k / ln d, the unit the authors store), truncated (H_k, nats) or erank (exp(H_k))"},
+               {"dtype", "float64", "the output's dtype: float64 or float32"},
+               queries_param},
+       false, true, false, false},
       {"uncomp",
        "entropy-grouped per-head budgets from a calibration file (kvc-eval calibrate) and a SnapKV-style window "
        "score that keeps sliding while decoding (Xiong et al., arXiv 2410.03090); compress --calibration FILE",
-       {{"window_size", "8", "w: the last w queries vote; the window is always kept (UNComp's l = 8)"},
-        {"kernel_size", "7", "pooling kernel along the tokens, odd (the authors' runs: max pooling, 7)"},
-        {"pooling", "max", "max or avg (avg always divides by kernel_size, as PyTorch)"},
-        {"schedule", "preserving",
-         "preserving (N_g = B + (c - g) step: each layer's total is heads x B, B from --budget/--ratio), paper "
-         "(N_1 = largest, N_g+1 = N_g - step) or list (the budgets of `list` or `preset`)"},
-        {"step", "auto", "step between neighbouring groups, tokens; auto: 74/384 of B (the paper's 74 at B = 384)"},
-        {"largest", "640", "group 0's budget under schedule=paper"},
-        {"list", "", "schedule=list: the groups' budgets, highest entropy first, separated by '/' (640/567/...)"},
-        {"preset", "", "an authors' list (authors_384, paper_384, wide_2, narrow_2, ... wide_8): schedule=list"},
-        {"groups", "auto",
-         "M; auto: the calibration's (kvc-eval's own calibration: 8); another M regroups a rule=mean calibration "
-         "from its mean eranks"},
-        {"rule", "auto", "mean or majority_vote for kvc-eval's own calibration (auto: mean); a file's must agree"},
-        {"gqa", "kv_heads",
-         "kv_heads (per-KV-head budgets from the KV heads' groups, scores summed over each group's query heads) or "
-         "expand (the authors' per-query-head caches: K/V repeated to Hq heads, Hq / Hkv times the memory)"},
-        {"stages", "false", "kvc-eval only: true prunes hidden states at stage boundaries during prefill (spec 2.9)"},
-        {"stage_epsilon", "1", "stages: a drop of the layer score (mean erank) above epsilon starts a stage"},
-        {"stage_count", "0", "stages: the number of stages (the largest drops); 0: from stage_epsilon"},
-        {"hs_min_tokens", "auto",
-         "stages: the fewest hidden states a stage keeps; auto: 3/8 of the prompt (the code's 1536 of 4096)"},
-        {"hs_step", "0", "stages: hidden states dropped per stage; 0: the code's (n - hs_min_tokens) / (stages - 1)"},
-        queries_param},
-       true,
-       true},
+       in_order(declared_params<UNCompPolicy>() +
+                    std::vector<ParamInfo>{
+                        {"step", "auto",
+                         "step between neighbouring groups, tokens; auto: 74/384 of B (the paper's 74 at B = 384)"},
+                        {"list", "",
+                         "schedule=list: the groups' budgets, highest entropy first, separated by '/' (640/567/...)"},
+                        {"preset", "",
+                         "an authors' list (authors_384, paper_384, wide_2, narrow_2, ... wide_8): schedule=list"},
+                        {"groups", "auto",
+                         "M; auto: the calibration's (kvc-eval's own calibration: 8); another M regroups a rule=mean "
+                         "calibration from its mean eranks"},
+                        {"rule", "auto",
+                         "mean or majority_vote for kvc-eval's own calibration (auto: mean); a file's must agree"},
+                        {"stages", "false",
+                         "kvc-eval only: true prunes hidden states at stage boundaries during prefill (spec 2.9)"},
+                        {"stage_epsilon", "1",
+                         "stages: a drop of the layer score (mean erank) above epsilon starts a stage"},
+                        {"stage_count", "0", "stages: the number of stages (the largest drops); 0: from stage_epsilon"},
+                        {"hs_min_tokens", "auto",
+                         "stages: the fewest hidden states a stage keeps; auto: 3/8 of the prompt (the code's 1536 of "
+                         "4096)"},
+                        {"hs_step", "0",
+                         "stages: hidden states dropped per stage; 0: the code's (n - hs_min_tokens) / (stages - 1)"},
+                        queries_param},
+                {"window_size", "kernel_size", "pooling", "schedule", "step", "largest", "list", "preset", "groups",
+                 "rule", "gqa", "stages", "stage_epsilon", "stage_count", "hs_min_tokens", "hs_step", "queries"}),
+       true, true},
       {"rdkv",
        "rate-distortion bit allocation: every V token and K channel gets 0 (evicted), 2, 4, 8 or 16 bits under a "
        "budget of fp16-equivalent tokens, packed and attended without unpacking (Zhang et al., arXiv 2605.08317)",
-       {{"reference", "default",
-         "default (exact solver, float-min zero point, K at 16 bits kept lossless) or authors (the RDKV code: "
-         "lagrangian solver, integer zero point, K16 clamped to 8)",
-         Stage::allocation},
-        {"k_budget_ratio", "0.5", "rho in (0, 1): K's share of the bits, V gets 1 - rho", Stage::allocation},
-        {"solver", "exact", "exact (never over the budget) or lagrangian (the authors' bisection, may overshoot 1%)",
-         Stage::allocation, nullptr, "lagrangian"},
-        {"window_size", "32", "w: the last w rows of --queries give the token and channel weights"},
-        {"kernel_size", "5", "avg pooling of the token weights along the tokens (reflect padding), odd"},
-        {"weight", "attn_linear",
-         "token weights: attn_linear (window attention / causal count), derived (E[a^2] d var(v)) or a policy's "
-         "name (its scores, shifted to >= 0; its default parameters)"},
-        {"channel", "think", "channel weights: think (mean q_c^2 x mean k_c^2, ThinK)"},
-        {"eps", "llama31", "epsilon tables: llama31 (calibrated, Llama-3.1-8B) or default (the code's built-ins)",
-         Stage::allocation},
-        {"evict", "true", "true: 0 bits (eviction) is an option; false: quantization only (2 bits at least)",
-         Stage::allocation},
-        {"scope", "head", "head (a budget per KV head, the authors') or layer (one lambda over the layer's heads)",
-         Stage::allocation},
-        {"zero_point", "float_min", "float_min (KIVI's offset) or integer (the authors' clamped zero point)",
-         Stage::allocation, nullptr, "integer"},
-        {"v_group", "0", "channels per V quantization group (0: the whole head dim)", Stage::allocation},
-        {"k_group", "0", "kept tokens per K quantization group (0: all of them)", Stage::allocation},
-        {"residual", "0", "the newest tokens kept at 16 bits outside the allocation (an fp16 tail)", Stage::allocation},
-        queries_param},
-       true,
-       true},
+       in_order(with_help(declared_params<RDKVPolicy>(Stage::allocation, {{"window_size", Stage::scorer},
+                                                                          {"kernel_size", Stage::scorer},
+                                                                          {"weight", Stage::scorer}}),
+                          "weight", ", or a policy's name (its scores, shifted to >= 0; its default parameters)") +
+                    std::vector<ParamInfo>{
+                        {"channel", "think", "channel weights: think (mean q_c^2 x mean k_c^2, ThinK)"}, queries_param},
+                {"reference", "k_budget_ratio", "solver", "window_size", "kernel_size", "weight", "channel", "eps",
+                 "evict", "scope", "zero_point", "v_group", "k_group", "residual", "queries"}),
+       true, true},
       {"kivi",
        "uniform 2- or 4-bit quantization: K per channel in groups of tokens, V per token in groups of channels, the "
        "newest tokens in fp16 (Liu et al., arXiv 2402.02750); its memory is what its bits give (no --ratio/--budget)",
-       {{"bits", "2", "2 or 4", Stage::allocation},
-        {"group", "32", "tokens per K group and channels per V group", Stage::allocation},
-        {"residual", "128", "the newest tokens kept in fp16", Stage::allocation}},
-       true,
-       false},
+       declared_params<KIVIPress>(Stage::allocation), true, false},
       {"random", "uniform random eviction, the baseline every policy must beat (kvpress RandomPress)",
        declared_params<RandomScorer>() + std::vector{n_sink_param, n_recent_param}, false, false},
   };
@@ -642,6 +657,15 @@ void with_selection(AllocatorChoice const& alloc, Params const& p, Selection con
   }
 }
 
+/// Whether with_policy builds the policy's scorer: every token policy but the composites, whose builders are
+/// tools/common/{moment_kv,uncomp,rdkv}.hpp (and uncomp_entropy, which writes per-head values).
+inline bool builds_scorer(PolicyInfo const& policy) {
+  for (std::string_view composite : {"moment_kv", "uncomp", "uncomp_entropy", "rdkv", "kivi"})
+    if (composite == policy.name)
+      return false;
+  return true;
+}
+
 /// The one place scorers are built: calls fn(scorer, selection) with the policy's scorer and its protections.
 template <class Fn>
 void with_policy(PolicyInfo const& policy, Params const& p, Fn&& fn) {
@@ -653,8 +677,6 @@ void with_policy(PolicyInfo const& policy, Params const& p, Fn&& fn) {
     return info && info->stage == Stage::selection ? count(name) : kvc::Index{0};
   };
   Selection sel{selection_count("n_sink"), selection_count("n_recent")};
-  if (find_param(policy, "recent_share"))
-    sel.recent_share = parse_real(p, "recent_share", 0.0, 1.0);
   auto emit = [&](auto const& scorer) {  // the table and the scorer agree on the name and on reading queries
     using S = std::remove_cvref_t<decltype(scorer)>;
     constexpr bool queries = kvc::has_need(S::needs, kvc::Needs::window_queries) ||
@@ -679,7 +701,9 @@ void with_policy(PolicyInfo const& policy, Params const& p, Fn&& fn) {
       fail(exit_invalid, "--param queries = post_rope: policy expected_attention needs pre-RoPE query samples");
     emit(from_params<kvc::ExpectedAttentionScorer>(p));
   } else if (name == "h2o") {
-    if (reference_of(p) == kvc::Reference::kvpress)
+    auto const h2o = from_params<kvc::H2OPolicy>(p);
+    sel.recent_share = h2o.recent_share;
+    if (h2o.reference == kvc::Reference::kvpress)
       emit(kvc::ObservedAttentionScorer{});
     else
       emit(kvc::H2OScorer<>{});

@@ -1,7 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
 // tools/common/uncomp.hpp: UNComp in the tools (kvc CLI and kvc-eval; spec shared/specs/uncomp.md §2.5, §7):
 //  - the truncated matrix entropy's parameters (`uncomp_entropy` in policies.hpp, and `kvc-eval calibrate`'s
-//    --param), parsed once into kvc::MatrixEntropyOptions, the unit and the output dtype;
+//    --param), declared by kvc::MatrixEntropyOptions, parsed once with the unit and the output dtype;
 //  - the calibration file: per-(layer, query head) entropies averaged over calibration samples, the head groups of
 //    each layer (query heads, and KV heads whose entropy is the mean erank of their query heads), and the layer
 //    scores s_l (mean erank of the layer's heads). `kvc-eval calibrate` writes it (write_calibration: deterministic
@@ -12,6 +12,7 @@
 #include <kvc/calibration/head_budgets.hpp>
 #include <kvc/calibration/head_groups.hpp>
 #include <kvc/calibration/matrix_entropy.hpp>
+#include <kvc/calibration/uncomp_policy.hpp>
 
 #include "io/file.hpp"
 #include "io/json.hpp"
@@ -52,16 +53,15 @@ struct EntropyConfig {
 /// The largest top_k accepted (k is clamped to min(k, n, d) anyway).
 constexpr Index max_entropy_top_k = Index{1} << 20;
 
-/// The entropy's options from resolved parameters: top_k, normalize_rows, renormalize_topk and ridge, and `unit`
-/// and `dtype` where the policy has them (uncomp_entropy). Bad values exit 3 naming the parameter.
+/// The entropy's options from resolved parameters: normalize_rows, renormalize_topk and ridge as
+/// MatrixEntropyOptions declares them, top_k (`auto`: 0, head_dim / 4), and `unit` and `dtype` where the policy has
+/// them (uncomp_entropy: the output's format). Bad values exit 3 naming the parameter.
 inline EntropyConfig entropy_config(Params const& p) {
   EntropyConfig c;
+  c.options = from_params<MatrixEntropyOptions>(p, "uncomp_entropy");
   c.options.top_k = p.at("top_k") == "auto" ? 0 : parse_count(p.at("top_k"), "--param top_k", 1);  // 0: d / 4
   if (c.options.top_k > max_entropy_top_k)
     fail(exit_invalid, "--param top_k = " + p.at("top_k") + ": expected auto or an integer in [1, 2^20]");
-  c.options.normalize_rows = parse_bool(p, "normalize_rows");
-  c.options.renormalize_topk = parse_bool(p, "renormalize_topk");
-  c.options.ridge = parse_real(p, "ridge", 0.0, 0.5);
   if (p.count("unit"))
     c.unit = choice<EntropyUnit>(p, "unit",
                                  {{"normalized", EntropyUnit::normalized},
@@ -69,8 +69,6 @@ inline EntropyConfig entropy_config(Params const& p) {
                                   {"erank", EntropyUnit::erank}});
   if (p.count("dtype"))
     c.float64 = choice<bool>(p, "dtype", {{"float64", true}, {"float32", false}});
-  if (auto const st = c.options.check(); !st.ok())
-    fail(exit_invalid, "policy uncomp_entropy: " + std::string(st.message()));
   return c;
 }
 
@@ -421,23 +419,18 @@ inline void check_calibration_fits(Calibration const& c, std::string const& path
 // ---------------------------------------------------------------------------------------------------------------
 // The `uncomp` policy: its parameters and each layer's per-head budgets.
 
-/// How UNComp meets GQA (spec §7.15): per-KV-head budgets and scores (the default), or the authors' caches
-/// expanded to one KV head per query head (K/V repeated: Hq / Hkv times the memory).
-enum class UNCompGqa : std::uint8_t { kv_heads, expand };
+/// How UNComp meets GQA (spec §7.15; kvc::UNCompGqa).
+using UNCompGqa = kvc::UNCompGqa;
 
-/// UNComp as the tools run it, from the policy's resolved parameters.
-struct UNCompConfig {
-  Index window_size = 8;
-  Index kernel_size = 7;
-  Pooling pooling = Pooling::max;
-  BudgetSchedule schedule = BudgetSchedule::preserving;
-  std::optional<double> step;  ///< tokens; empty: auto (74/384 of B̄)
-  Index largest = 640;
+/// UNComp as the tools run it: the library's policy object (its parameters declared there), and what the tools add:
+/// the step's `auto`, a list of budgets or a preset, the calibration's groups and rule, and kvc-eval's hidden-state
+/// stages.
+struct UNCompConfig : UNCompPolicy {
+  std::optional<double> step;     ///< tokens; empty: auto (74/384 of B̄)
   std::vector<Index> list;        ///< schedule list: the groups' budgets (from `list` or `preset`)
   std::string preset;             ///< the preset's name (empty: none)
   Index groups = 0;               ///< 0: the calibration's M
   std::optional<GroupRule> rule;  ///< empty: auto
-  UNCompGqa gqa = UNCompGqa::kv_heads;
   bool stages = false;
   double stage_epsilon = 1.0;
   Index stage_count = 0;               ///< 0: from stage_epsilon
@@ -445,7 +438,7 @@ struct UNCompConfig {
   Index hs_step = 0;
 
   /// The budgets are absolute (paper, list): no --budget or --ratio sets them.
-  bool absolute() const noexcept { return schedule != BudgetSchedule::preserving; }
+  bool absolute() const noexcept { return budgets.schedule != BudgetSchedule::preserving; }
 };
 
 /// Parses the `uncomp` parameters (bad values exit 3 naming the parameter).
@@ -454,20 +447,9 @@ inline UNCompConfig uncomp_config(Params const& p) {
     return parse_count(p.at(name), std::string("--param ") + name, min);
   };
   UNCompConfig c;
-  c.window_size = count("window_size", 1);
-  c.kernel_size = count("kernel_size", 1);
-  if (c.kernel_size % 2 == 0)
-    fail(exit_invalid, "--param kernel_size = " + p.at("kernel_size") +
-                           ": expected an odd integer (an even kernel shifts the pooled scores)");
-  c.pooling = choice<Pooling>(p, "pooling", {{"max", Pooling::max}, {"avg", Pooling::avg}});
-  c.schedule = choice<BudgetSchedule>(
-      p, "schedule",
-      {{"preserving", BudgetSchedule::preserving}, {"paper", BudgetSchedule::paper}, {"list", BudgetSchedule::list}});
+  static_cast<UNCompPolicy&>(c) = from_params<UNCompPolicy>(p);
   if (p.at("step") != "auto")
     c.step = parse_real(p, "step", 0.0, 1e9);
-  c.largest = count("largest");
-  if (c.largest > (Index{1} << 40))
-    fail(exit_invalid, "--param largest = " + p.at("largest") + ": expected at most 2^40");
   c.preset = p.at("preset");
   std::string const& list = p.at("list");
   if (!c.preset.empty() && !list.empty())
@@ -480,7 +462,7 @@ inline UNCompConfig uncomp_config(Params const& p) {
                              "': expected authors_384, paper_384, wide_2, narrow_2, wide_3, narrow_3, wide_4, "
                              "narrow_4, wide_5, narrow_5 or wide_8");
     c.list.assign(preset, preset + m);
-    c.schedule = BudgetSchedule::list;
+    c.budgets.schedule = BudgetSchedule::list;
   } else if (!list.empty()) {
     std::size_t start = 0;
     while (start <= list.size()) {
@@ -492,10 +474,10 @@ inline UNCompConfig uncomp_config(Params const& p) {
       c.list.push_back(v);
       start = slash + 1;
     }
-    if (c.schedule != BudgetSchedule::list)
+    if (c.budgets.schedule != BudgetSchedule::list)
       fail(exit_invalid, "--param list is the budgets of schedule=list; --param schedule is " + p.at("schedule"));
   }
-  if (c.schedule == BudgetSchedule::list && c.list.empty())
+  if (c.budgets.schedule == BudgetSchedule::list && c.list.empty())
     fail(exit_invalid, "--param schedule = list: give the budgets with --param list=N1/N2/... or --param preset=NAME");
   if (p.at("groups") != "auto") {
     c.groups = count("groups", 1);
@@ -504,7 +486,6 @@ inline UNCompConfig uncomp_config(Params const& p) {
   }
   if (p.at("rule") != "auto")
     c.rule = choice<GroupRule>(p, "rule", {{"mean", GroupRule::mean}, {"majority_vote", GroupRule::majority_vote}});
-  c.gqa = choice<UNCompGqa>(p, "gqa", {{"kv_heads", UNCompGqa::kv_heads}, {"expand", UNCompGqa::expand}});
   c.stages = parse_bool(p, "stages");
   c.stage_epsilon = parse_real(p, "stage_epsilon", 0.0, 1e300);
   c.stage_count = count("stage_count");
@@ -546,13 +527,11 @@ inline std::vector<Index> uncomp_budgets(UNCompConfig const& cfg, Calibration co
                                          Index layer, double average) {
   std::vector<Index> labels;
   Index const groups = uncomp_labels(cfg, cal, path, layer, labels);
-  HeadBudgetSpec spec;
+  HeadBudgetSpec spec = cfg.budgets;  // schedule and largest
   spec.groups = groups;
-  spec.schedule = cfg.schedule;
   spec.average = average;
   spec.step = cfg.step ? *cfg.step : average * 74.0 / 384.0;
-  spec.largest = cfg.largest;
-  if (cfg.schedule == BudgetSchedule::list) {
+  if (spec.schedule == BudgetSchedule::list) {
     if (static_cast<Index>(cfg.list.size()) != groups)
       fail(exit_invalid, "--param " + std::string(cfg.preset.empty() ? "list" : "preset") + ": " +
                              std::to_string(cfg.list.size()) + " budgets, but the calibration (" + path + ") has " +
@@ -562,7 +541,7 @@ inline std::vector<Index> uncomp_budgets(UNCompConfig const& cfg, Calibration co
   }
   std::vector<Index> budget(labels.size());
   Status const st =
-      head_budgets(spec, labels.data(), static_cast<Index>(labels.size()), cfg.window_size, budget.data());
+      head_budgets(spec, labels.data(), static_cast<Index>(labels.size()), cfg.scorer.window_size, budget.data());
   if (!st.ok())
     fail(exit_invalid, "policy uncomp, layer " + std::to_string(layer) + " (average " + detail::json_real(average) +
                            " tokens per head, step " + detail::json_real(spec.step) + "): " + st.message());

@@ -94,8 +94,8 @@ void check_policy(PolicyRun const& p, RunOptions const& run) {
       fail(exit_usage, "--param " + label + ".schedule=" + p.params.at("schedule") +
                            ": kvc-eval compares rows at equal average budgets (the ratio's); uncomp rows use "
                            "schedule=preserving");
-    if (cfg.window_size > run.prompt_tokens)
-      fail(exit_usage, "--param " + label + ".window_size=" + std::to_string(cfg.window_size) +
+    if (cfg.scorer.window_size > run.prompt_tokens)
+      fail(exit_usage, "--param " + label + ".window_size=" + std::to_string(cfg.scorer.window_size) +
                            " is longer than --prompt-tokens " + std::to_string(run.prompt_tokens));
     return;
   }

@@ -100,7 +100,7 @@ std::vector<CorrectionRecord> correction_errors(Model const& model, tools::Param
               alloc, params, tools::Selection{cfg.n_sink, cfg.n_recent}, ratios[r], 0, n, [&](auto const& selector) {
                 LayerCompressor compressor{Cpu{}, Press{scorer, selector}};
                 compressor.options.rope = rope;
-                compressor.options.attention = cfg.attention;
+                compressor.options.attention = cfg.attention();
                 check(compressor.plan(cache, QueryShape{hq, n, 1, m}), "MomentKV plan");
                 std::vector<std::byte> state(compressor.state_bytes());
                 check(compressor.bind(state.data(), state.size()), "MomentKV state");

@@ -215,7 +215,7 @@ Status Engine<T, Paged>::compress_uncomp(tools::Params const& params, std::optio
   tools::UNCompConfig const cfg = tools::uncomp_config(params);
   ModelConfig const& c = model_->config;
   bool const expand = cfg.gqa == tools::UNCompGqa::expand;
-  Index const heads = expand ? c.heads : ext_.heads, g = c.heads / ext_.heads, w = cfg.window_size;
+  Index const heads = expand ? c.heads : ext_.heads, g = c.heads / ext_.heads, w = cfg.scorer.window_size;
   using P = Press<UNCompScorer<>, UNCompSelector<>>;
   Status status;
   for (std::size_t li = 0; li < layers_.size() && status.ok(); ++li) {
@@ -227,10 +227,7 @@ Status Engine<T, Paged>::compress_uncomp(tools::Params const& params, std::optio
                                           : static_cast<double>(budget);
     auto l = std::make_unique<DecodingCompressor<P>>(P{});
     l->table = tools::uncomp_budgets(cfg, *calibration_, "(kvc-eval)", static_cast<Index>(li), average);
-    UNCompScorer<> scorer;
-    scorer.window_size = w;
-    scorer.kernel_size = cfg.kernel_size;
-    scorer.pooling = cfg.pooling;
+    UNCompScorer<> const scorer = cfg.scorer;  // (its state is the compressor's)
     auto& compressor = l->compressor;
     compressor.policy = P{scorer, UNCompSelector{HeadBudgets{l->table.data(), heads}, 0, w}};
     compressor.options.rope = rope_;
@@ -301,7 +298,7 @@ Status Engine<T, Paged>::compress_moment_kv(tools::Params const& params, std::op
             auto l = std::make_unique<DecodingCompressor<P>>(P{scorer, selector});
             auto& c = l->compressor;
             c.options.rope = rope_;
-            c.options.attention = cfg.attention;
+            c.options.attention = cfg.attention();
             c.options.corrected = cfg.correction;
             if (decode) {
               c.options.decode = true;
@@ -314,7 +311,7 @@ Status Engine<T, Paged>::compress_moment_kv(tools::Params const& params, std::op
               status = c.prefill(view(layer), last_queries(layer), {workspace_.data(), workspace_.size()});
             if (!status.ok())
               return;
-            layer.moments.emplace(AnyMoments(copy_moments(c.moments())), cfg.attention, cfg.correction);
+            layer.moments.emplace(AnyMoments(copy_moments(c.moments())), cfg.attention(), cfg.correction);
             if (decode)
               decode->layers.push_back(std::move(l));
           });

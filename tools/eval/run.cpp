@@ -122,7 +122,7 @@ HiddenStatePlan uncomp_stage_plan(tools::UNCompConfig const& cfg, tools::Calibra
                                          std::to_string(cal.layers) + " layer scores): " + st.message());
   plan.min_tokens = cfg.hs_min_tokens;
   plan.step = cfg.hs_step;
-  plan.window = cfg.window_size;
+  plan.window = cfg.scorer.window_size;
   return plan;
 }
 

@@ -120,11 +120,8 @@ void with_press(Job const& job, CompressSettings const& s, std::vector<kvc::Inde
                            : s.ratio      ? static_cast<double>(kvc::RatioBudget{*s.ratio}.keep(0, 0, e.tokens))
                                           : static_cast<double>(s.budget);
     budgets = kvc::tools::uncomp_budgets(cfg, *s.calibration, s.calibration_path, s.layer, average);
-    kvc::UNCompScorer<> scorer;
-    scorer.window_size = cfg.window_size;
-    scorer.kernel_size = cfg.kernel_size;
-    scorer.pooling = cfg.pooling;
-    fn(kvc::Press{scorer, kvc::UNCompSelector{kvc::HeadBudgets{budgets.data(), e.heads}, 0, cfg.window_size}});
+    fn(kvc::Press{cfg.scorer,
+                  kvc::UNCompSelector{kvc::HeadBudgets{budgets.data(), e.heads}, 0, cfg.scorer.window_size}});
   } else {
     with_policy(job.policy, job.params, [&](auto const& scorer, Selection sel) {
       with_selection(s.alloc, job.params, sel, s.ratio, s.budget, e.tokens, [&](auto const& selector) {

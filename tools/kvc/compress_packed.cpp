@@ -25,7 +25,7 @@ PackedCompressed compress_packed(Job& job, CompressSettings const& s, kvc::tools
   std::optional<SavedInput> const saved = s.time ? std::optional<SavedInput>(std::in_place, job) : std::nullopt;
   kvc::ThreadPool pool(s.threads);
   kvc::Cpu const cpu = s.threads > 1 ? pool.cpu() : kvc::Cpu{};
-  kvc::Index const tail = kvc::tail_tokens(e.tokens, cfg.residual);
+  kvc::Index const tail = kvc::tail_tokens(e.tokens, cfg.residual());
   Memory m;
   m.packed = true;
   with_cache(keys, &values, KeyRange::logits, [&](auto const& plain) {
@@ -39,7 +39,7 @@ PackedCompressed compress_packed(Job& job, CompressSettings const& s, kvc::tools
       std::vector<float> rope_storage;
       kvc::RopeTable<> rope = q.rope;
       if constexpr (!std::is_same_v<P, kvc::KIVIPress>) {
-        check_rows_used(cfg.token.window_size, "rdkv", e.tokens, q, keys.path);
+        check_rows_used(cfg.press.scorer.window_size, "rdkv", e.tokens, q, keys.path);
         using S = typename P::scorer_type;
         if constexpr (!std::is_same_v<S, kvc::RDKVTokenScorer>)  // weight=NAME: the rows that policy reads too
           check_rows_used(rows_used(press.scorer, rows), S::name, e.tokens, q, keys.path);

@@ -76,6 +76,8 @@ void check_job(Options const& o, bool compress, Job& job) {
   if (o.has("--rope"))
     job.rope = parse_rope(o.get("--rope"));
   job.rotate = job.policy.reads_queries && pre_rope(job.params);
+  if (builds_scorer(job.policy))  // its parameters, checked before any file is read (the composites': their configs)
+    with_policy(job.policy, job.params, [](auto const&, Selection) {});
 }
 
 void load_job(JobFiles const& files, Job& job) {

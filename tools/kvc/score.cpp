@@ -87,7 +87,7 @@ int cmd_score_entropy(Options const& o) {
 bool rdkv_reads_values(kvc::tools::RDKVConfig const& cfg) {
   if (!cfg.weight_policy.empty())
     return find_policy(cfg.weight_policy).reads_values;
-  return cfg.token.weight == kvc::RDKVTokenWeight::derived;
+  return cfg.press.scorer.weight == kvc::RDKVTokenWeight::derived;
 }
 
 /// RDKV's token weights of a loaded job into `tokens` [B, Hkv, N] and, when `channels` is not null, ThinK's channel
@@ -100,19 +100,19 @@ std::size_t rdkv_weights(Job const& job, kvc::tools::RDKVConfig const& cfg, kvc:
   kvc::KVExtents const e = cache.keys.extents();
   std::size_t used = 0;
   kvc::SnapKVScorer window;  // only its window_size: the checks of the rows the weights read
-  window.window_size = cfg.token.window_size;
+  window.window_size = cfg.press.scorer.window_size;
   with_moment_observations(
       window, cache, job.queries, job.keys.path,
       [&](auto const& obs) {
         if (cfg.weight_policy.empty()) {
-          Scratch const ws = workspace(kvc::score_workspace_bytes(cpu, cfg.token, e, obs), job);
+          Scratch const ws = workspace(kvc::score_workspace_bytes(cpu, cfg.press.scorer, e, obs), job);
           kvc::ScoreSpan<> span{tokens, e.batch, e.heads, e.tokens, cache.lengths};
-          check_status(kvc::score(cpu, cfg.token, cache, obs, span, ws.span()), job.context());
+          check_status(kvc::score(cpu, cfg.press.scorer, cache, obs, span, ws.span()), job.context());
           used = std::max(used, ws.size);
         }
         if (channels) {
-          Scratch const ws = workspace(kvc::channel_score_workspace_bytes(cpu, cfg.channel, cache, obs), job);
-          check_status(kvc::score_channels(cpu, cfg.channel, cache, obs, channels, ws.span()), job.context());
+          Scratch const ws = workspace(kvc::channel_score_workspace_bytes(cpu, cfg.press.channels, cache, obs), job);
+          check_status(kvc::score_channels(cpu, cfg.press.channels, cache, obs, channels, ws.span()), job.context());
           used = std::max(used, ws.size);
         }
       },
@@ -227,7 +227,7 @@ int cmd_score(Options const& o) {
     MomentKVConfig const& cfg = *moment_config;
     with_cache(job.keys, job.values ? &*job.values : nullptr, KeyRange::logits, [&](auto const& cache) {
       with_moment_observations(cfg.scorer.base, cache, job.queries, job.keys.path, [&](auto const& obs) {
-        if (!cfg.mi) {
+        if (!cfg.scorer.mi) {
           score_with(cfg.scorer.base, cache, obs);
           return;
         }
@@ -251,15 +251,13 @@ int cmd_score(Options const& o) {
       scores = buffer<float>(static_cast<std::size_t>(extents_of(job.keys).rows()), "the scores of " + job.context());
     }
     kvc::KVExtents const x = extents_of(job.keys);
-    std::vector<float> rows = buffer<float>(kvc::bytes_product(x.rows(), uncomp->window_size), "UNComp's state");
+    kvc::Index const w = uncomp->scorer.window_size;
+    std::vector<float> rows = buffer<float>(kvc::bytes_product(x.rows(), w), "UNComp's state");
     std::vector<kvc::Index> tracked = buffer<kvc::Index>(static_cast<std::size_t>(x.batch * x.heads), "UNComp's state");
-    kvc::UNCompScorer<> scorer;
-    scorer.state = {{rows.data(), kvc::uncomp_window_layout(x, uncomp->window_size)}, tracked.data()};
-    scorer.window_size = uncomp->window_size;
-    scorer.kernel_size = uncomp->kernel_size;
-    scorer.pooling = uncomp->pooling;
+    kvc::UNCompScorer<> scorer = uncomp->scorer;
+    scorer.state = {{rows.data(), kvc::uncomp_window_layout(x, w)}, tracked.data()};
     kvc::SnapKVScorer window;
-    window.window_size = uncomp->window_size;
+    window.window_size = w;
     with_cache(job.keys, nullptr, KeyRange::logits, [&](auto const& cache) {
       with_moment_observations(
           window, cache, job.queries, job.keys.path,

@@ -23,6 +23,7 @@
 #include <kvc/backend/cpu/detail/widen.hpp>
 #include <kvc/core/element.hpp>
 #include <kvc/core/extents.hpp>
+#include <kvc/core/params.hpp>
 #include <kvc/core/rope.hpp>
 #include <kvc/core/status.hpp>
 
@@ -32,6 +33,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <tuple>
 
 namespace kvc {
 
@@ -48,6 +50,19 @@ struct MatrixEntropyOptions {
   double ridge = 0.0;             ///< added to every normalised eigenvalue (the authors' code: 1e-10)
   Gram gram = Gram::automatic;
   Index tile_rows = 256;  ///< rows per fp64 rank update (bounds the solver's buffer)
+
+  /// The parameters the tools expose (core/params.hpp; top_k's `auto` is the tools' spelling of 0). The tools take
+  /// ridge up to 0.5 (an eigenvalue floor near 1 is no longer a ridge).
+  static constexpr auto parameters() noexcept {
+    using O = MatrixEntropyOptions;
+    return std::tuple{
+        flag_param("normalize_rows", &O::normalize_rows,
+                   "true: the authors' centred, row-L2-normalised second moment; false: Eq. 1's covariance"),
+        flag_param("renormalize_topk", &O::renormalize_topk,
+                   "true: the top k eigenvalues divided by their sum (isotropic gives ln k)"),
+        number_param("ridge", &O::ridge, 0.0, 0.5,
+                     "added to every normalised eigenvalue (the authors' code: 1e-10), in [0, 0.5]")};
+  }
 
   constexpr Status check() const noexcept {
     if (top_k < 0)

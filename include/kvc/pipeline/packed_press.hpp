@@ -11,6 +11,7 @@
 #include <kvc/core/keep_plan.hpp>
 #include <kvc/core/kernel.hpp>
 #include <kvc/core/kv_view.hpp>
+#include <kvc/core/params.hpp>
 #include <kvc/core/scorer.hpp>
 #include <kvc/core/scores.hpp>
 #include <kvc/core/status.hpp>
@@ -21,6 +22,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <tuple>
 #include <type_traits>
 
 namespace kvc {
@@ -66,6 +68,14 @@ struct KIVIPress {
   int bits = 2;          ///< 2 or 4
   Index group = 32;      ///< tokens per K group and channels per V group (>= 1)
   Index residual = 128;  ///< newest tokens of each head kept in fp16 (>= 0)
+
+  /// The parameters the tools expose (core/params.hpp).
+  static constexpr auto parameters() noexcept {
+    return std::tuple{
+        named_param("bits", &KIVIPress::bits, {{"2", 2}, {"4", 4}}, "2 or 4"),
+        number_param("group", &KIVIPress::group, 1, 1 << 20, "tokens per K group and channels per V group"),
+        number_param("residual", &KIVIPress::residual, 0, 1 << 30, "the newest tokens kept in fp16")};
+  }
 
   constexpr Status check() const noexcept {
     if (bits != 2 && bits != 4)

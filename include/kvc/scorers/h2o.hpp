@@ -25,8 +25,10 @@
 #include <kvc/core/kv_view.hpp>
 #include <kvc/core/scorer.hpp>
 #include <kvc/core/status.hpp>
+#include <kvc/scorers/reference.hpp>
 
 #include <string_view>
+#include <tuple>
 
 namespace kvc {
 
@@ -69,6 +71,35 @@ struct ObservedAttentionScorer {
   constexpr Status check() const noexcept {
     if (query_tile < 1)
       return {Errc::invalid_argument, "ObservedAttentionScorer: `query_tile` must be >= 1"};
+    return {};
+  }
+};
+
+/// H2O as the tools and presses configure it: which scorer (H2OScorer or ObservedAttentionScorer) and the share of
+/// the kept budget the top-k selection reserves for the newest tokens (the authors' recent window; kvpress's
+/// ObservedAttentionPress has none). The selection keeps max(n_recent, floor(recent_share x kept)) recent slots.
+struct H2OPolicy {
+  static constexpr std::string_view name = "h2o";
+
+  Reference reference = Reference::authors;  ///< authors: H2OScorer; kvpress: ObservedAttentionScorer
+  double recent_share = 0.5;                 ///< in [0, 1]: the authors' heavy / recent split is half and half
+
+  /// kvpress's ObservedAttentionPress: no recent window.
+  static constexpr H2OPolicy kvpress() noexcept { return {Reference::kvpress, 0.0}; }
+
+  /// The parameters the tools expose (core/params.hpp).
+  static constexpr auto parameters() noexcept {
+    return std::tuple{
+        named_param("reference", &H2OPolicy::reference, reference_names,
+                    "authors (raw accumulated attention, recent window) or kvpress (ObservedAttentionPress: mean "
+                    "attention received, no window)"),
+        number_param("recent_share", &H2OPolicy::recent_share, 0.0, 1.0,
+                     "fraction of the kept budget reserved for the most recent tokens (compress only)")};
+  }
+
+  constexpr Status check() const noexcept {
+    if (!(recent_share >= 0.0 && recent_share <= 1.0))
+      return {Errc::invalid_argument, "H2OPolicy: `recent_share` must be in [0, 1]"};
     return {};
   }
 };
