@@ -7,6 +7,7 @@
 
 #include "common/synthetic.hpp"
 #include "common/uncomp.hpp"
+#include "eval/calibration_file.hpp"
 #include "io/npy.hpp"
 #include "io/safetensors.hpp"
 #include "support/catch.hpp"
@@ -2214,7 +2215,7 @@ std::string write_test_calibration(std::string const& name, Index layers, Index 
     c.layer_score.push_back(2.5);
   }
   std::string const path = work(name);
-  kvc::tools::write_calibration(c, path);
+  kvc::eval::write_calibration(c, path);
   return path;
 }
 

@@ -11,6 +11,7 @@
 #include "common/rdkv.hpp"
 #include "common/uncomp.hpp"
 #include "eval/calibrate.hpp"
+#include "eval/calibration_file.hpp"
 #include "eval/correction.hpp"
 #include "eval/engine.hpp"
 #include "eval/metrics.hpp"
@@ -1231,7 +1232,7 @@ TEST_CASE("kvc-eval calibrate: a deterministic calibration file that reads back 
   std::string const a = read_text(dir + "/a.json");
   CHECK(a == read_text(dir + "/b.json"));  // byte-identical
   kvc::tools::Calibration const c = kvc::tools::read_calibration(dir + "/a.json");
-  CHECK(kvc::tools::calibration_json(c) == a);  // reads back exactly
+  CHECK(kvc::eval::calibration_json(c) == a);  // reads back exactly
   CHECK(c.model == tinystories);
   CHECK(c.layers == 2);
   CHECK(c.heads == 8);
@@ -1384,10 +1385,10 @@ TEST_CASE("the calibration file: damaged or hand-edited files are refused naming
   c.kv_erank = {2.5, 4.5, 3.5, 1.75};
   c.kv_group = {1, 0, 0, 1};
   c.layer_score = {3.5, 2.625};
-  kvc::tools::write_calibration(c, dir + "/good.json");
+  kvc::eval::write_calibration(c, dir + "/good.json");
   CHECK(kvc::tools::read_calibration(dir + "/good.json") == c);
   std::string const good = read_text(dir + "/good.json");
-  CHECK(good == kvc::tools::calibration_json(c));
+  CHECK(good == kvc::eval::calibration_json(c));
   auto edited = [&](std::string const& from, std::string const& to) {
     std::string text = good;
     auto const at = text.find(from);
@@ -1421,17 +1422,17 @@ TEST_CASE("the calibration file: damaged or hand-edited files are refused naming
   refused(edited("\"rule\": \"mean\"", "\"rule\": \"median\""), "field 'rule' is not \"mean\" or \"majority_vote\"");
   refused(edited("\"normalize_rows\": true", "\"normalize_rows\": 1"), "field 'normalize_rows' is not true or false");
   refused(edited("\"ridge\": 0", "\"ridge\": -1"), "field 'ridge' is not a finite number in [0, 0.5]");
-  refused(edited("\"erank\": [2, ", "\"erank\": [0.5, "), "field 'per_layer[0].erank[0]' is not a finite number");
-  refused(edited("\"erank\": [2, ", "\"erank\": [\"2\", "), "field 'per_layer[0].erank[0]'");
+  refused(edited("\"erank\": [2.0,", "\"erank\": [0.5,"), "field 'per_layer[0].erank[0]' is not a finite number");
+  refused(edited("\"erank\": [2.0,", "\"erank\": [\"2\","), "field 'per_layer[0].erank[0]'");
   refused(edited("\"normalized\": [0.5,", "\"normalized\": [1e999,"), "field 'per_layer[0].normalized[0]'");
-  refused(edited("\"groups\": [1, 1, 0, 0]", "\"groups\": [1, 1, 0, 2]"),
+  refused(edited("\"groups\": [1,1,0,0]", "\"groups\": [1,1,0,2]"),
           "field 'per_layer[0].groups[3]' is not a group label in [0, 2)");
-  refused(edited("\"groups\": [1, 1, 0, 0]", "\"groups\": [1, 1, 1, 0]"),
+  refused(edited("\"groups\": [1,1,0,0]", "\"groups\": [1,1,1,0]"),
           "field 'per_layer[0].groups' puts 1 heads in group 0, expected the balanced split of 4 heads into 2 groups");
-  refused(edited("\"kv_groups\": [1, 0]", "\"kv_groups\": [1, 0, 0]"),
+  refused(edited("\"kv_groups\": [1,0]", "\"kv_groups\": [1,0,0]"),
           "field 'per_layer[0].kv_groups' has 3 elements, expected 2");
   refused(edited("{\"layer\": 1,", "{\"layer\": 0,"), "field 'per_layer[1].layer' is not an integer in [1, 1]");
-  refused(edited("\"kv_erank\": [2.5, 4.5]", "\"kv_erank\": [2.5, 4.5], \"note\": 1"),
+  refused(edited("\"kv_erank\": [2.5,4.5]", "\"kv_erank\": [2.5,4.5], \"note\": 1"),
           "unknown field 'per_layer[0].note'");
   CHECK(read_refusal(dir + "/absent.json").second.find("absent.json") != std::string::npos);
   CHECK(read_refusal(dir).first == 3);  // a directory

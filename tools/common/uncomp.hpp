@@ -4,9 +4,10 @@
 //    --param), declared by kvc::MatrixEntropyOptions, parsed once with the unit and the output dtype;
 //  - the calibration file: per-(layer, query head) entropies averaged over calibration samples, the head groups of
 //    each layer (query heads, and KV heads whose entropy is the mean erank of their query heads), and the layer
-//    scores s_l (mean erank of the layer's heads). `kvc-eval calibrate` writes it (write_calibration: deterministic
-//    JSON, whole or nothing), `kvc compress --policy uncomp` and kvc-eval's uncomp rows read it (read_calibration:
-//    an untrusted file, every field checked, exit 3 naming the field).
+//    scores s_l (mean erank of the layer's heads). `kvc-eval calibrate` writes it (kvc::eval::write_calibration in
+//    tools/eval/calibration_file.hpp: deterministic JSON, whole or nothing); `kvc compress --policy uncomp` and
+//    kvc-eval's uncomp rows read it (read_calibration: an untrusted file, every field checked, exit 3 naming the
+//    field).
 #pragma once
 
 #include <kvc/calibration/head_budgets.hpp>
@@ -19,7 +20,6 @@
 #include "policies.hpp"
 
 #include <algorithm>
-#include <charconv>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
@@ -28,7 +28,6 @@
 #include <stdexcept>
 #include <string>
 #include <string_view>
-#include <sys/stat.h>
 #include <vector>
 
 namespace kvc::tools {
@@ -124,106 +123,6 @@ struct Calibration {
 
 namespace detail {
 
-/// The shortest text that reads back as exactly `x` (finite).
-inline std::string json_real(double x) {
-  char buf[64];
-  auto const r = std::to_chars(buf, buf + sizeof buf, x);
-  return std::string(buf, r.ptr);
-}
-
-inline std::string json_text(std::string const& s) {
-  std::string out;
-  if (!json::append_string(out, s)) {
-    out.clear();
-    json::append_string(out, json::printable(s, s.size()));  // not UTF-8: escaped bytes
-  }
-  return out;
-}
-
-template <class T, class Fmt>
-std::string json_array(std::span<T const> v, Fmt&& fmt) {
-  std::string out = "[";
-  for (std::size_t i = 0; i < v.size(); ++i)
-    out += (i ? ", " : "") + fmt(v[i]);
-  return out + "]";
-}
-
-}  // namespace detail
-
-/// The calibration as JSON text: one field per line, one object per layer, numbers in their shortest exact form.
-/// The same calibration always gives the same bytes.
-inline std::string calibration_json(Calibration const& c) {
-  using detail::json_real;
-  auto const H = static_cast<std::size_t>(c.heads), G = static_cast<std::size_t>(c.kv_heads);
-  auto reals = [](std::span<double const> v) { return detail::json_array(v, json_real); };
-  auto labels = [](std::span<Index const> v) {
-    return detail::json_array(v, [](Index x) { return std::to_string(x); });
-  };
-  std::string s = "{\n";
-  s += "  \"format\": \"" + std::string(calibration_format) + "\",\n";
-  s += "  \"version\": " + std::to_string(calibration_version) + ",\n";
-  s += "  \"model\": " + detail::json_text(c.model) + ",\n";
-  s += "  \"layers\": " + std::to_string(c.layers) + ",\n";
-  s += "  \"query_heads\": " + std::to_string(c.heads) + ",\n";
-  s += "  \"kv_heads\": " + std::to_string(c.kv_heads) + ",\n";
-  s += "  \"head_dim\": " + std::to_string(c.head_dim) + ",\n";
-  s += "  \"top_k\": " + std::to_string(c.top_k) + ",\n";
-  s += std::string("  \"normalize_rows\": ") + (c.normalize_rows ? "true" : "false") + ",\n";
-  s += std::string("  \"renormalize_topk\": ") + (c.renormalize_topk ? "true" : "false") + ",\n";
-  s += "  \"ridge\": " + json_real(c.ridge) + ",\n";
-  s += "  \"samples\": " + std::to_string(c.samples) + ",\n";
-  s += "  \"tokens\": " + std::to_string(c.tokens) + ",\n";
-  s += "  \"text\": " + detail::json_text(c.text) + ",\n";
-  s += "  \"groups\": " + std::to_string(c.groups) + ",\n";
-  s += std::string("  \"rule\": \"") + group_rule_name(c.rule) + "\",\n";
-  s += "  \"layer_score\": " + reals(c.layer_score) + ",\n";
-  s += "  \"per_layer\": [";
-  for (std::size_t l = 0; l < static_cast<std::size_t>(c.layers); ++l) {
-    auto q = [&](std::vector<double> const& v) { return std::span<double const>(v).subspan(l * H, H); };
-    s += l ? ",\n" : "\n";
-    s += "    {\"layer\": " + std::to_string(l) + ",\n";
-    s += "     \"normalized\": " + reals(q(c.normalized)) + ",\n";
-    s += "     \"erank\": " + reals(q(c.erank)) + ",\n";
-    s += "     \"truncated\": " + reals(q(c.truncated)) + ",\n";
-    s += "     \"groups\": " + labels(std::span<Index const>(c.query_group).subspan(l * H, H)) + ",\n";
-    s += "     \"kv_erank\": " + reals(std::span<double const>(c.kv_erank).subspan(l * G, G)) + ",\n";
-    s += "     \"kv_groups\": " + labels(std::span<Index const>(c.kv_group).subspan(l * G, G)) + "}";
-  }
-  s += "\n  ]\n}\n";
-  return s;
-}
-
-/// Checks that the calibration's sizes and vectors agree (a bug in the writer, not an input error: logic_error).
-inline void check_calibration_sizes(Calibration const& c) {
-  auto const lh = static_cast<std::size_t>(c.layers * c.heads), lg = static_cast<std::size_t>(c.layers * c.kv_heads);
-  if (c.layers < 1 || c.heads < 1 || c.kv_heads < 1 || c.heads % c.kv_heads != 0 || c.normalized.size() != lh ||
-      c.erank.size() != lh || c.truncated.size() != lh || c.query_group.size() != lh || c.kv_erank.size() != lg ||
-      c.kv_group.size() != lg || c.layer_score.size() != static_cast<std::size_t>(c.layers))
-    throw std::logic_error("kvc: a calibration's vectors do not match its sizes");
-}
-
-/// Writes `c` to `path` as calibration_json: staged beside it and renamed into place once whole (the destination
-/// keeps what it held on failure). Errors exit 3 naming the file.
-inline void write_calibration(Calibration const& c, std::string const& path) {
-  check_calibration_sizes(c);
-  struct stat st {};
-  if (::stat(path.c_str(), &st) == 0 && !S_ISREG(st.st_mode))
-    fail(exit_invalid,
-         "--out " + path + " exists and is not a regular file; expected a new path or a calibration file to replace");
-  std::string const text = calibration_json(c);
-  std::string error;
-  std::vector<StagedFile> files(1);
-  if (!files[0].open(path, error) ||
-      !files[0].write(std::span(reinterpret_cast<std::byte const*>(text.data()), text.size()), error) ||
-      !files[0].finish(error))
-    fail(exit_invalid, "calibration file " + path + ": " + error);
-  std::size_t failed = 0;
-  if (!commit_together(files, error, failed))
-    fail(exit_invalid, "calibration file " + path + ": " + error);
-}
-
-namespace detail {
-
 /// Reads one calibration file's JSON tree; every error names the file and the field.
 class CalibrationReader {
  public:
@@ -264,7 +163,7 @@ class CalibrationReader {
 
   double real(json::Value const& v, std::string const& field, double lo, double hi) const {
     if (!v.is_number() || !std::isfinite(v.as_double()) || !(v.as_double() >= lo && v.as_double() <= hi))
-      bad(field, "is not a finite number in [" + json_real(lo) + ", " + json_real(hi) + "]");
+      bad(field, "is not a finite number in [" + number_text(lo) + ", " + number_text(hi) + "]");
     return v.as_double();
   }
 
@@ -322,8 +221,8 @@ class CalibrationReader {
 
 }  // namespace detail
 
-/// Reads a calibration file written by write_calibration (or by hand): an untrusted file. It must be a regular
-/// file of at most 64 MiB holding one JSON object with exactly the fields calibration_json writes; sizes are
+/// Reads a calibration file written by kvc::eval::write_calibration (or by hand): an untrusted file. It must be a
+/// regular file of at most 64 MiB holding one JSON object with exactly the fields calibration_json writes; sizes are
 /// checked against their bounds and against each other before any array is read; entropies must be finite and in
 /// their ranges (Ĥ_k and H_k >= 0, erank_k >= 1, s_l >= 1), labels balanced groups. Errors exit 3 naming the file
 /// and the field.
@@ -543,8 +442,8 @@ inline std::vector<Index> uncomp_budgets(UNCompConfig const& cfg, Calibration co
   Status const st =
       head_budgets(spec, labels.data(), static_cast<Index>(labels.size()), cfg.scorer.window_size, budget.data());
   if (!st.ok())
-    fail(exit_invalid, "policy uncomp, layer " + std::to_string(layer) + " (average " + detail::json_real(average) +
-                           " tokens per head, step " + detail::json_real(spec.step) + "): " + st.message());
+    fail(exit_invalid, "policy uncomp, layer " + std::to_string(layer) + " (average " + number_text(average) +
+                           " tokens per head, step " + number_text(spec.step) + "): " + st.message());
   return budget;
 }
 

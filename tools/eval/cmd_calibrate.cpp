@@ -3,6 +3,7 @@
 // tools/common/uncomp.hpp): head groups from the query entropies of windows of a text.
 #include "common/uncomp.hpp"
 #include "eval/calibrate.hpp"
+#include "eval/calibration_file.hpp"
 #include "eval/calibration_text.hpp"
 #include "eval/cli.hpp"
 
@@ -94,7 +95,7 @@ int command_calibrate(Options const& o) {
   auto const windows = calibration_windows(text, opts, bos, source);
   kvc::tools::Calibration const cal =
       calibrate(model, windows, opts, model_path, text_path.empty() ? std::string(builtin_text_name) : text_path);
-  kvc::tools::write_calibration(cal, out);
+  kvc::eval::write_calibration(cal, out);
   std::printf(
       "kvc-eval calibrate: %s (%lld layers, %lld/%lld heads, d %lld), %lld windows x %lld tokens of %s, "
       "top_k %lld, %lld groups (%s)\n",
