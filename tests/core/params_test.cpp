@@ -34,12 +34,15 @@ namespace {
 /// Whether value v of parameter p is one it accepts.
 template <class P, class T>
 bool accepts(P const& p, T v) {
-  if constexpr (std::tuple_size_v < decltype(p.names) >> 0) {
+  if constexpr (0 < std::tuple_size_v<decltype(p.names)>) {
     for (auto const& n : p.names)
       if (n.value == v)
         return true;
     return false;
   } else {
+    if constexpr (std::is_integral_v<T>)
+      if (p.odd && v % 2 == 0)
+        return false;
     return static_cast<double>(v) >= p.lo && static_cast<double>(v) <= p.hi;
   }
 }

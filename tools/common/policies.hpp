@@ -123,7 +123,7 @@ std::string number_text(T v) {
 /// A parameter's value as --param spells it.
 template <class P>
 std::string value_text(P const& p, typename P::value_type v) {
-  if constexpr (std::tuple_size_v < decltype(p.names) >> 0) {
+  if constexpr (0 < std::tuple_size_v<decltype(p.names)>) {
     for (auto const& n : p.names)
       if (n.value == v)
         return std::string(n.name);
@@ -165,6 +165,9 @@ std::vector<ParamInfo> declared_params(Stage stage = Stage::scorer, std::initial
     rows.push_back(info);
   };
   std::apply([&](auto const&... p) { (row(p), ...); }, S::parameters());
+  for (StageOf const& s : stages)  // a misspelt name would leave its parameter at the wrong stage
+    if (std::none_of(rows.begin(), rows.end(), [&](ParamInfo const& r) { return s.name == r.name; }))
+      throw std::logic_error("kvc: declared_params names a stage for " + std::string(s.name) + ", not a parameter");
   return rows;
 }
 
@@ -185,9 +188,11 @@ inline std::vector<ParamInfo> in_order(std::vector<ParamInfo> const& rows,
 /// `rows` with `more` appended to the help of row `name` (a tool's extension of a declared parameter).
 inline std::vector<ParamInfo> with_help(std::vector<ParamInfo> rows, std::string_view name, std::string_view more) {
   for (ParamInfo& r : rows)
-    if (name == r.name)
+    if (name == r.name) {
       r.help = intern(std::string(r.help) + std::string(more));
-  return rows;
+      return rows;
+    }
+  throw std::logic_error("kvc: with_help names " + std::string(name) + ", not a parameter");
 }
 
 /// Sets one declared parameter of `s` from its text (bad values exit 3, naming the parameter and what it takes).
@@ -233,12 +238,21 @@ void assign_param(O& s, P const& p, std::string const& text) {
   }
 }
 
-/// Policy struct S with its declared parameters set from `p` (defaults where absent), then S::check() (exit 3 with
-/// the policy's message) unless `check` is false: a part the caller completes first (an allocator's budget), whose
-/// whole is checked where it is used (kvc::LayerCompressor::plan checks the scorer and the selector).
+/// Policy struct S with its declared parameters set from `p` (the rest at the defaults of the preset that `p`'s
+/// `reference` names, S::kvpress() or S::authors(), where S has it; else S{}'s), then S::check() (exit 3 with the
+/// policy's message) unless `check` is false: a part the caller completes first (an allocator's budget), whose whole
+/// is checked where it is used (kvc::LayerCompressor::plan checks the scorer and the selector).
 template <kvc::DeclaresParameters S>
 S from_params(Params const& p, std::string_view policy = S::name, bool check = true) {
   S s{};
+  if (auto const ref = p.find("reference"); ref != p.end()) {
+    if constexpr (requires { S::kvpress(); })
+      if (ref->second == "kvpress")
+        s = S::kvpress();
+    if constexpr (requires { S::authors(); })
+      if (ref->second == "authors")
+        s = S::authors();
+  }
   std::apply(
       [&](auto const&... param) {
         auto set = [&](auto const& one) {
@@ -576,8 +590,12 @@ inline PolicyInfo with_allocators(PolicyInfo policy, AllocatorChoice const& choi
                              [&](ParamInfo const& q) { return std::string_view(q.name) == p.name; });
       if (it == policy.params.end())
         policy.params.push_back(p);
-      else if (std::string_view(p.name) != "reference")
-        *it = ParamInfo{p.name, p.default_value, it->help, it->stage, p.kvpress_default};
+      else if (std::string_view(p.name) !=
+               "reference") {  // the allocator's defaults (all three columns) under the policy's help and stage
+        it->default_value = p.default_value;
+        it->kvpress_default = p.kvpress_default;
+        it->authors_default = p.authors_default;
+      }
     }
   }
   return policy;
@@ -686,7 +704,11 @@ void with_policy(PolicyInfo const& policy, Params const& p, Fn&& fn) {
     fn(scorer, sel);
   };
   std::string_view const name = policy.name;
-  if (name == "streaming_llm") {
+  if (!builds_scorer(policy)) {  // the one list of them: builds_scorer
+    throw std::logic_error("kvc: " + std::string(name) +
+                           " is built by its own tools/common header (moment_kv.hpp, uncomp.hpp, rdkv.hpp), not "
+                           "with_policy");
+  } else if (name == "streaming_llm") {
     emit(from_params<kvc::StreamingLLMScorer>(p));
   } else if (name == "key_diff") {
     emit(from_params<kvc::KeyDiffScorer>(p));
@@ -707,15 +729,6 @@ void with_policy(PolicyInfo const& policy, Params const& p, Fn&& fn) {
       emit(kvc::ObservedAttentionScorer{});
     else
       emit(kvc::H2OScorer<>{});
-  } else if (name == "moment_kv") {
-    throw std::logic_error("kvc: moment_kv has state and a prefill driver: build it with tools/common/moment_kv.hpp");
-  } else if (name == "uncomp") {
-    throw std::logic_error("kvc: uncomp has state and per-head budgets: build it with tools/common/uncomp.hpp");
-  } else if (name == "rdkv" || name == "kivi") {
-    throw std::logic_error("kvc: " + std::string(name) +
-                           " allocates bits and packs the cache: build it with tools/common/rdkv.hpp");
-  } else if (name == "uncomp_entropy") {
-    throw std::logic_error("kvc: uncomp_entropy writes per-head entropies, not token scores (tools/common/uncomp.hpp)");
   } else if (name == "random") {
     emit(from_params<kvc::RandomScorer>(p));
   } else {

@@ -57,10 +57,12 @@ constexpr Index max_entropy_top_k = Index{1} << 20;
 /// them (uncomp_entropy: the output's format). Bad values exit 3 naming the parameter.
 inline EntropyConfig entropy_config(Params const& p) {
   EntropyConfig c;
-  c.options = from_params<MatrixEntropyOptions>(p, "uncomp_entropy");
+  c.options = from_params<MatrixEntropyOptions>(p, "uncomp_entropy", false);  // checked whole, with top_k, below
   c.options.top_k = p.at("top_k") == "auto" ? 0 : parse_count(p.at("top_k"), "--param top_k", 1);  // 0: d / 4
   if (c.options.top_k > max_entropy_top_k)
     fail(exit_invalid, "--param top_k = " + p.at("top_k") + ": expected auto or an integer in [1, 2^20]");
+  if (auto const st = c.options.check(); !st.ok())
+    fail(exit_invalid, "policy uncomp_entropy: " + std::string(st.message()));
   if (p.count("unit"))
     c.unit = choice<EntropyUnit>(p, "unit",
                                  {{"normalized", EntropyUnit::normalized},

@@ -81,9 +81,9 @@ struct Param {
   bool odd = false;          ///< integers: odd values only (a centred pooling kernel)
   std::tuple<Via...> via{};  ///< the path from Owner to the holder of `member`
 
-  /// The parameter's member in `o` (an Owner, const or not).
+  /// The parameter's member in `o` (an Owner or a struct derived from it, const or not).
   template <class O>
-  requires std::is_same_v<std::remove_const_t<O>, Owner>
+  requires std::is_base_of_v<Owner, std::remove_const_t<O>>
   constexpr auto& of(O& o) const noexcept {
     return std::apply(
         [&](auto... step) -> auto& { return (o.*....*step).*member; }, via);

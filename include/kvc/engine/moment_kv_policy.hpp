@@ -3,7 +3,7 @@
 // policy object: its MI scorer (the SnapKV-style base, prefill rounds, clamp, MI), the correction's order, how the
 // engine runs it (correction, eviction while decoding, the moments' storage, the u_j cache) and the tokens the
 // selection protects, each parameter declared once (core/params.hpp). The tools build their scorer, corrected
-// attention and selection from it; a Python press takes the same names.
+// attention and selection from it; a Python press will take the same names.
 #pragma once
 
 #include <kvc/attention/corrected.hpp>

@@ -1,7 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
 // kvc/pipeline/rdkv_policy.hpp: RDKV (Zhang et al., arXiv 2605.08317; docs/policies/rdkv.md) as the tools and presses
 // configure it: kvc::RDKVPress over its own token weights, plus the choices that are not one member of the press
-// (the reference preset, the epsilon tables), each parameter declared once (core/params.hpp). press() is the
+// (the reference preset, the epsilon tables), each parameter declared once (core/params.hpp). resolved() is the
 // RDKVPress the engine runs (kvc::LayerCompressor, engine/packed_compressor.hpp).
 #pragma once
 
@@ -38,7 +38,8 @@ struct RDKVPolicy {
   static constexpr std::string_view name = "rdkv";
 
   RDKVReference reference = RDKVReference::standard;
-  RDKVPress<> press{};  ///< eps tables, channels.window_size and pack.clamp_k16_to_8 are set by press()
+  RDKVPress<> press{};  ///< its allocator's eps tables, channels.window_size and pack.clamp_k16_to_8 are derived:
+                        ///< resolved() sets them from `eps`, the token window and `reference` (set here, ignored)
   RDKVEpsilon eps = RDKVEpsilon::llama31;
 
   /// The authors' preset (reference=authors): their solver and zero point.
